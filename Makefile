@@ -1,0 +1,38 @@
+# lorafusion: `make demo` and `make test` each work from a fresh clone.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test lint bench-kernels bench-scheduler clean
+
+venv: $(STAMP)
+
+# torch first (here the CPU build on local disk), then triton 3.6.0 for the interpreter
+# tests with numpy<2.3, then the package with its hf and dev extras.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q triton==3.6.0 "numpy<2.3"
+	$(PIP) install -q -e ".[hf,dev]" "numpy<2.3"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/lorafusion train configs/quickstart.yaml
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check lorafusion megatron_patches tests scripts
+
+bench-kernels: $(STAMP)
+	$(PY) scripts/bench_kernels.py
+
+bench-scheduler: $(STAMP)
+	$(PY) scripts/bench_scheduler.py
+
+clean:
+	rm -rf $(VENV)

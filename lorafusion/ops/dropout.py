@@ -1,0 +1,66 @@
+"""Counter-based dropout masks: a pure function of (seed, row id, global column).
+
+The uniform numbers are Philox-4x32-10 exactly as ``triton.language.rand(seed, offset)`` computes them
+with 32-bit offsets, so the torch reference and the Triton kernels draw the same mask and nothing of
+size M×K is ever stored: backward regenerates it. ``offset = (row_id * k_total + k_offset + col) mod 2**32``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
+_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
+
+
+def _umulhi(a: int, b: torch.Tensor) -> torch.Tensor:
+    # int64 products wrap mod 2**64, which keeps every bit we need.
+    return ((b * a) >> 32) & _MASK32
+
+
+def philox_uint32(seed: int, offsets: torch.Tensor, n_rounds: int = 10) -> torch.Tensor:
+    """First Philox-4x32 output word for counters (offsets, 0, 0, 0) and key = seed; as int64 in [0, 2**32)."""
+    c0 = offsets.to(torch.int64) & _MASK32
+    c1 = torch.zeros_like(c0)
+    c2 = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0)
+    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    for _ in range(n_rounds):
+        _c0, _c2 = c0, c2
+        c0 = _umulhi(_ROUND_B, _c2) ^ c1 ^ k0
+        c2 = _umulhi(_ROUND_A, _c0) ^ c3 ^ k1
+        c1 = (_c2 * _ROUND_B) & _MASK32
+        c3 = (_c0 * _ROUND_A) & _MASK32
+        k0 = (k0 + _KEY_A) & _MASK32
+        k1 = (k1 + _KEY_B) & _MASK32
+    return c0
+
+
+def philox_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
+    """``tl.rand(seed, offsets)``: uniform float32 in [0, 1)."""
+    x = philox_uint32(seed, offsets)
+    x = torch.where(x >= 2**31, x - 2**32, x)  # bitcast to int32
+    x = torch.where(x < 0, -x - 1, x)
+    return x.to(torch.float32) * 4.6566127342e-10
+
+
+def keep_mask(seed: int, row_ids: torch.Tensor, k: int, p: float, k_offset: int = 0,
+              k_total: int | None = None) -> torch.Tensor:
+    """Boolean keep mask [len(row_ids), k]: element kept iff uniform >= p (keep rate 1 - p)."""
+    k_total = k if k_total is None else k_total
+    cols = torch.arange(k_offset, k_offset + k, device=row_ids.device, dtype=torch.int64)
+    offsets = (row_ids.to(torch.int64)[:, None] * k_total + cols[None, :]) & _MASK32
+    return philox_uniform(seed, offsets) >= p
+
+
+def mix_seed(*parts: int) -> int:
+    """Combine integers into one 63-bit seed (splitmix64 steps); stable across processes and runs."""
+    h = 0x9E3779B97F4A7C15
+    for part in parts:
+        h = (h ^ (int(part) & 0xFFFFFFFFFFFFFFFF)) & 0xFFFFFFFFFFFFFFFF
+        h = (h + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h & 0x7FFFFFFFFFFFFFFF
