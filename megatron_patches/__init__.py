@@ -1,1 +1,10 @@
-"""Explicit, versioned shims that let megatron-core run on CPU (gloo). Apply with apply_cpu_patches()."""
+"""Explicit, versioned shims that let megatron-core 0.16.x run on CPU with gloo.
+
+Megatron-core assumes CUDA in a handful of places (``torch.cuda.current_device()``, its CUDA RNG
+tracker, ``device="cuda"`` buffers in the schedules and p2p). :func:`apply_cpu_patches` replaces exactly
+those, once, and only when CUDA is absent; on a GPU it does nothing. Nothing is patched on import.
+"""
+
+from megatron_patches.cpu import apply_cpu_patches, cpu_patches_applied
+
+__all__ = ["apply_cpu_patches", "cpu_patches_applied"]

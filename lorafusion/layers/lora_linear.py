@@ -1,0 +1,194 @@
+"""Megatron Column/RowParallelLinear carrying any number of LoRA adapters.
+
+Each wrapped linear keeps Megatron's base weight and sharding untouched and adds, for the rows of
+adapter ``a`` in the current packed microbatch, ``s_a·dropout_a(X)·A_aᵀ·B_aᵀ`` (DESIGN.md §3):
+
+- column-parallel (linear_qkv, linear_fc1): A [r, in] replicated, B [out/tp, r] sharded like W;
+  dS is all-reduced over TP in backward.
+- row-parallel (linear_proj, linear_fc2): A [r, in/tp] sharded like W, B [out, r] replicated;
+  S is all-reduced over TP in forward, before B.
+
+Which rows belong to which adapter comes from the model's :class:`LoRAContext` (set per microbatch by
+:func:`lorafusion.layers.inject.lora_batch`). Adapter weights are fp32 (they are the master weights);
+compute casts them to the activation dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    set_tensor_model_parallel_attributes,
+)
+
+from lorafusion import ops
+from lorafusion.layers.adapter import LoRASpec
+from lorafusion.ops.dropout import mix_seed
+from lorafusion.ops.routing import Routing
+
+
+@dataclass
+class LoRAContext:
+    """Model-wide adapter registry plus the routing of the microbatch being run.
+
+    ``batch_adapters[slot]`` names the adapter of routing slot ``slot``; ``seeds[slot]`` is that
+    adapter's dropout seed for this microbatch (each layer mixes in its own id).
+    """
+
+    specs: dict[str, LoRASpec] = field(default_factory=dict)
+    routing: Routing | None = None
+    batch_adapters: tuple[str, ...] = ()
+    seeds: tuple[int, ...] = ()
+    impl: str | None = None
+    _local: dict = field(default_factory=dict, repr=False)
+
+    def set_batch(self, routing: Routing | None, batch_adapters, seeds=None) -> None:
+        batch_adapters = tuple(batch_adapters)
+        for name in batch_adapters:
+            if name not in self.specs:
+                raise KeyError(f"routing names adapter {name!r}, which is not on the model "
+                               f"(adapters: {sorted(self.specs)})")
+        if routing is not None and routing.segments:
+            top = max(slot for slot, _, _ in routing.segments)
+            if top >= len(batch_adapters):
+                raise ValueError(f"routing uses slot {top} but only {len(batch_adapters)} adapters were named")
+        self.routing = routing
+        self.batch_adapters = batch_adapters
+        self.seeds = tuple(seeds) if seeds is not None else tuple(0 for _ in batch_adapters)
+        self._local.clear()
+
+    def local_plan(self, present: frozenset[str]):
+        """(local routing, local adapter names, local seeds) restricted to adapters in ``present``."""
+        key = present
+        if key not in self._local:
+            names, remap = [], {}
+            for slot, name in enumerate(self.batch_adapters):
+                if name in present and name not in remap:
+                    remap[slot] = len(names)
+                    names.append(name)
+            segs = tuple((remap[s], st, n) for s, st, n in self.routing.segments if s in remap)
+            if not segs:
+                self._local[key] = None
+            else:
+                routing = Routing(segments=segs, num_rows=self.routing.num_rows, row_ids=self.routing.row_ids)
+                inv = {v: k for k, v in remap.items()}
+                seeds = [self.seeds[inv[i]] for i in range(len(names))]
+                self._local[key] = (routing, names, seeds)
+        return self._local[key]
+
+
+def kaiming_uniform_full(shape: tuple[int, int], seed: int) -> torch.Tensor:
+    """PEFT's lora_A init (``nn.Linear`` default: kaiming_uniform(a=√5) → U(±1/√fan_in)), drawn for the
+    full unsharded shape from a dedicated generator, so every TP layout gets the same values."""
+    gen = torch.Generator().manual_seed(seed)
+    bound = 1.0 / math.sqrt(shape[1])
+    return (torch.rand(shape, generator=gen, dtype=torch.float64) * 2 - 1).mul_(bound).float()
+
+
+class _LoRAMixin:
+    """Shared adapter bookkeeping for the two parallel linears."""
+
+    lora_kind: str = ""  # Megatron name: linear_qkv / linear_proj / linear_fc1 / linear_fc2
+    s_comm_mode: str = ""  # "column" | "row"
+
+    def _init_lora(self) -> None:
+        self.lora_A = torch.nn.ParameterDict()
+        self.lora_B = torch.nn.ParameterDict()
+        self.lora_ctx: LoRAContext | None = None
+        self.lora_key: str = ""  # "<global layer number>.<kind>", set at injection
+
+    # -- geometry ---------------------------------------------------------------------------------------
+    def _tp(self) -> tuple[int, int]:
+        return (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_tensor_model_parallel_rank())
+
+    def full_in_out(self) -> tuple[int, int]:
+        return self.input_size, self.output_size
+
+    # -- adapters ---------------------------------------------------------------------------------------
+    def add_lora(self, name: str, spec: LoRASpec, seed: int) -> None:
+        if name in self.lora_A:
+            raise ValueError(f"adapter name clash: {name!r} is already on {self.lora_key}")
+        tp, rank = self._tp()
+        fin, fout = self.full_in_out()
+        a_full = kaiming_uniform_full((spec.r, fin), mix_seed(seed, zlib.crc32(name.encode()),
+                                                              zlib.crc32(self.lora_key.encode())))
+        if self.s_comm_mode == "row":
+            local = fin // tp
+            a = a_full[:, rank * local:(rank + 1) * local].clone()
+            b = torch.zeros(fout, spec.r)
+        else:
+            a = a_full
+            b = torch.zeros(fout // tp, spec.r)
+        dev = self.weight.device
+        pa, pb = torch.nn.Parameter(a.to(dev)), torch.nn.Parameter(b.to(dev))
+        if self.s_comm_mode == "row":
+            set_tensor_model_parallel_attributes(pa, True, 1, 1)
+        else:
+            set_tensor_model_parallel_attributes(pb, True, 0, 1)
+        self.lora_A[name] = pa
+        self.lora_B[name] = pb
+
+    def remove_lora(self, name: str) -> None:
+        del self.lora_A[name]
+        del self.lora_B[name]
+
+    # -- forward ----------------------------------------------------------------------------------------
+    def _lora_delta(self, x: torch.Tensor) -> torch.Tensor | None:
+        ctx = self.lora_ctx
+        if ctx is None or ctx.routing is None or len(self.lora_A) == 0:
+            return None
+        plan = ctx.local_plan(frozenset(self.lora_A.keys()))
+        if plan is None:
+            return None
+        routing, names, seeds = plan
+        specs = [ctx.specs[n] for n in names]
+        layer_salt = zlib.crc32(self.lora_key.encode())
+        tp, rank = self._tp()
+        kw = {}
+        if tp > 1:
+            kw["s_comm"] = self.s_comm_mode
+            kw["tp_group"] = parallel_state.get_tensor_model_parallel_group()
+            if self.s_comm_mode == "row":
+                kw["k_offset"] = rank * x.shape[-1]
+                kw["k_total"] = x.shape[-1] * tp
+        return ops.multi_lora_delta(
+            x, [self.lora_A[n] for n in names], [self.lora_B[n] for n in names],
+            [s.scaling for s in specs], [s.lora_dropout if self.training else 0.0 for s in specs],
+            [mix_seed(sd, layer_salt) for sd in seeds], routing, impl=ctx.impl, **kw)
+
+
+class LoRAColumnParallelLinear(_LoRAMixin, ColumnParallelLinear):
+    s_comm_mode = "column"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_lora()
+
+    def forward(self, input_, *args, **kwargs):
+        out, bias = super().forward(input_, *args, **kwargs)
+        if self.config.sequence_parallel and len(self.lora_A):
+            raise NotImplementedError("LoRA with sequence_parallel is not supported yet")
+        delta = self._lora_delta(input_)
+        return (out if delta is None else out + delta), bias
+
+
+class LoRARowParallelLinear(_LoRAMixin, RowParallelLinear):
+    s_comm_mode = "row"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_lora()
+
+    def forward(self, input_, *args, **kwargs):
+        out, bias = super().forward(input_, *args, **kwargs)
+        if self.config.sequence_parallel and len(self.lora_A):
+            raise NotImplementedError("LoRA with sequence_parallel is not supported yet")
+        delta = self._lora_delta(input_)
+        return (out if delta is None else out + delta), bias

@@ -1,0 +1,141 @@
+"""HF LLaMA / Qwen2 checkpoint directory → lorafusion model (this rank's TP shard and PP stage).
+
+Reads ``config.json`` and ``model.safetensors`` or a sharded ``model.safetensors.index.json``. Every
+error names the file (and tensor) and what was expected.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from megatron.core import parallel_state
+from safetensors import safe_open
+
+from lorafusion.models.layout import column_shard, qkv_merge, shard
+from lorafusion.models.spec import ModelArch, arch_from_hf_config
+
+
+class HFCheckpoint:
+    """Lazy tensor access to a HF safetensors checkpoint directory."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"model.path: {self.path} is not a directory (expected a HF model directory)")
+        cfg_file = self.path / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"{cfg_file}: missing (expected the HF config.json)")
+        try:
+            self.config = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_file}: not valid JSON ({e})") from e
+        self.arch: ModelArch = arch_from_hf_config(self.config, str(cfg_file))
+        index = self.path / "model.safetensors.index.json"
+        single = self.path / "model.safetensors"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ValueError(f"{index}: expected JSON with a 'weight_map' object ({e})") from e
+            self.files = {k: self.path / v for k, v in weight_map.items()}
+        elif single.is_file():
+            try:
+                with safe_open(str(single), framework="pt") as f:
+                    keys = list(f.keys())
+            except Exception as e:  # safetensors raises its own error types for corrupt headers
+                raise ValueError(f"{single}: not a readable safetensors file ({e})") from e
+            self.files = {k: single for k in keys}
+        else:
+            raise FileNotFoundError(f"{self.path}: no model.safetensors or model.safetensors.index.json")
+        self._handles: dict[Path, object] = {}
+
+    def get(self, key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        if key not in self.files:
+            raise KeyError(f"{self.path}: tensor {key!r} not found in the checkpoint")
+        file = self.files[key]
+        if file not in self._handles:
+            if not file.is_file():
+                raise FileNotFoundError(f"{file}: missing (listed in model.safetensors.index.json)")
+            try:
+                self._handles[file] = safe_open(str(file), framework="pt")
+            except Exception as e:
+                raise ValueError(f"{file}: not a readable safetensors file ({e})") from e
+        try:
+            t = self._handles[file].get_tensor(key)
+        except Exception as e:
+            raise ValueError(f"{file}: cannot read tensor {key!r} ({e})") from e
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{file}: tensor {key!r} has shape {tuple(t.shape)}, but config.json implies {tuple(shape)}")
+        return t
+
+
+def hf_state_for_rank(ckpt: HFCheckpoint, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The Megatron state-dict entries of ``model`` (this TP rank / PP stage) from the HF checkpoint."""
+    a = ckpt.arch
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    h, hn, nq, ng, f = a.hidden_size, a.kv_channels, a.num_attention_heads, a.num_query_groups, a.ffn_hidden_size
+    out: dict[str, torch.Tensor] = {}
+    if getattr(model, "pre_process", True):
+        emb = ckpt.get("model.embed_tokens.weight", (a.vocab_size, h))
+        out["embedding.word_embeddings.weight"] = shard(emb, 0, tp, rank)
+    for local, layer in enumerate(model.decoder.layers):
+        i = layer.layer_number - 1
+        p, m = f"model.layers.{i}.", f"decoder.layers.{local}."
+        out[m + "input_layernorm.weight"] = ckpt.get(p + "input_layernorm.weight", (h,))
+        out[m + "pre_mlp_layernorm.weight"] = ckpt.get(p + "post_attention_layernorm.weight", (h,))
+        q = ckpt.get(p + "self_attn.q_proj.weight", (nq * hn, h))
+        k = ckpt.get(p + "self_attn.k_proj.weight", (ng * hn, h))
+        v = ckpt.get(p + "self_attn.v_proj.weight", (ng * hn, h))
+        out[m + "self_attention.linear_qkv.weight"] = column_shard("linear_qkv", qkv_merge(q, k, v, a), tp, rank)
+        if a.qkv_bias:
+            qb = ckpt.get(p + "self_attn.q_proj.bias", (nq * hn,))
+            kb = ckpt.get(p + "self_attn.k_proj.bias", (ng * hn,))
+            vb = ckpt.get(p + "self_attn.v_proj.bias", (ng * hn,))
+            out[m + "self_attention.linear_qkv.bias"] = column_shard("linear_qkv", qkv_merge(qb, kb, vb, a), tp, rank)
+        o = ckpt.get(p + "self_attn.o_proj.weight", (h, nq * hn))
+        out[m + "self_attention.linear_proj.weight"] = shard(o, 1, tp, rank)
+        gate = ckpt.get(p + "mlp.gate_proj.weight", (f, h))
+        up = ckpt.get(p + "mlp.up_proj.weight", (f, h))
+        out[m + "mlp.linear_fc1.weight"] = column_shard("linear_fc1", torch.cat([gate, up], 0), tp, rank)
+        down = ckpt.get(p + "mlp.down_proj.weight", (h, f))
+        out[m + "mlp.linear_fc2.weight"] = shard(down, 1, tp, rank)
+    if getattr(model, "post_process", True):
+        out["decoder.final_layernorm.weight"] = ckpt.get("model.norm.weight", (h,))
+        if a.tie_word_embeddings:
+            if not getattr(model, "pre_process", True):  # last stage keeps its own copy of the tied weight
+                out["output_layer.weight"] = shard(ckpt.get("model.embed_tokens.weight", (a.vocab_size, h)), 0, tp, rank)
+        else:
+            out["output_layer.weight"] = shard(ckpt.get("lm_head.weight", (a.vocab_size, h)), 0, tp, rank)
+    return out
+
+
+def load_hf_weights(model: torch.nn.Module, path: str | Path) -> ModelArch:
+    """Copy HF weights into ``model`` (built for the same architecture); returns the checkpoint's arch."""
+    ckpt = HFCheckpoint(path)
+    arch = getattr(model, "lorafusion_arch", None)
+    if arch is not None and arch != ckpt.arch:
+        raise ValueError(f"{ckpt.path / 'config.json'}: architecture {ckpt.arch} does not match the model's {arch}")
+    state = hf_state_for_rank(ckpt, model)
+    own = model.state_dict()
+    with torch.no_grad():
+        for key, value in state.items():
+            if key not in own:
+                raise KeyError(f"internal: model has no parameter {key!r}")
+            if own[key].shape != value.shape:
+                raise ValueError(f"{ckpt.path}: {key} would get shape {tuple(value.shape)}, model expects "
+                                 f"{tuple(own[key].shape)}")
+            own[key].copy_(value.to(own[key].dtype))
+    return ckpt.arch
+
+
+def build_model_from_hf(path: str | Path, *, params_dtype: torch.dtype = torch.float32, **kw):
+    """Build this rank's stage of the HF model at ``path`` and load its weights."""
+    from lorafusion.models.provider import build_model
+
+    arch = HFCheckpoint(path).arch
+    model = build_model(arch, params_dtype=params_dtype, **kw)
+    load_hf_weights(model, path)
+    return model

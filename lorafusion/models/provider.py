@@ -1,0 +1,90 @@
+"""Model provider: ``ModelArch`` → Megatron-core ``GPTModel`` whose parallel linears carry LoRA adapters.
+
+Built with Megatron's local layer spec, the four linears swapped for the LoRA-capable variants and the
+core attention for :class:`PackedDotProductAttention` (packed sequences, cu_seqlens). Transformer Engine
+layers fuse the input norm into linear_qkv and hide the normalised input LoRA needs, so they are not
+used yet (``transformer_impl="te"`` is an explicit error).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+
+from lorafusion.layers.inject import attach_lora_context
+from lorafusion.layers.lora_linear import LoRAColumnParallelLinear, LoRARowParallelLinear
+from lorafusion.models.attention import PackedDotProductAttention
+from lorafusion.models.spec import ModelArch, transformer_config
+
+
+def lora_layer_spec(transformer_impl: str = "local"):
+    """Megatron ``ModuleSpec`` of one LLaMA/Qwen2 decoder layer with LoRA-capable linears."""
+    if transformer_impl != "local":
+        raise ValueError(f"model.transformer_impl: only 'local' is supported today, got {transformer_impl!r}")
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    attn = spec.submodules.self_attention.submodules
+    attn.linear_qkv = LoRAColumnParallelLinear
+    attn.linear_proj = LoRARowParallelLinear
+    attn.core_attention = PackedDotProductAttention
+    mlp = spec.submodules.mlp.submodules
+    mlp.linear_fc1 = LoRAColumnParallelLinear
+    mlp.linear_fc2 = LoRARowParallelLinear
+    return spec
+
+
+def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, pre_process: bool | None = None,
+                post_process: bool | None = None, recompute: bool = False, device: str | torch.device | None = None,
+                transformer_impl: str = "local", seed: int = 1234, **config_overrides) -> GPTModel:
+    """Build this pipeline stage's ``GPTModel`` (requires ``parallel_state`` to be initialised).
+
+    Base weights are frozen (``requires_grad=False``); initialise them with :mod:`lorafusion.models.hf_import`
+    or :func:`init_random_weights`.
+    """
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    cfg = transformer_config(arch, params_dtype, tp=tp, pp=pp, recompute=recompute, **config_overrides)
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    model = GPTModel(
+        config=cfg, transformer_layer_spec=lora_layer_spec(transformer_impl), vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_position_embeddings, pre_process=pre_process, post_process=post_process,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings, position_embedding_type="rope",
+        rotary_base=arch.rope_theta, parallel_output=True,
+    )
+    # RoPE frequencies exactly as HF computes them (covers llama3 scaling with any parameters).
+    model.rotary_pos_emb.inv_freq = arch.inv_freq()
+    model.lorafusion_arch = arch
+    for p in model.parameters():
+        p.requires_grad_(False)
+    init_random_weights(model, seed)
+    if device is not None:
+        model.to(device)
+    attach_lora_context(model)
+    return model
+
+
+def init_random_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
+    """Deterministic random base weights (norm weights 1, biases 0), per parameter name, so that a
+    pipeline stage gets the same values it would have in a single-stage model. TP shards are drawn
+    from the full tensor and sliced is not attempted here: use HF import for TP-exact weights."""
+    import zlib
+
+    from lorafusion.ops.dropout import mix_seed
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                continue
+            if name.endswith("layer_norm_weight") or name.endswith("layernorm.weight") or "final_layernorm" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                gen = torch.Generator().manual_seed(mix_seed(seed, zlib.crc32(name.encode())))
+                p.copy_(torch.randn(p.shape, generator=gen) * std)

@@ -1,0 +1,1 @@
+"""Training runtime: distributed set-up, trainer, per-adapter optimizers, checkpoints, PEFT export."""

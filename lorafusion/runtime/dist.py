@@ -1,0 +1,54 @@
+"""Process-group and Megatron ``parallel_state`` set-up for torchrun, Slurm or a single process."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str | None = None) -> dict:
+    """Initialise torch.distributed (env:// from torchrun/Slurm, or a 1-process group) and Megatron's
+    parallel state with ``tp``×``pp`` (dp = world / (tp·pp)). On a machine without CUDA the megatron
+    CPU shims are applied and gloo is used."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        from megatron_patches import apply_cpu_patches
+
+        apply_cpu_patches()
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend or ("nccl" if cuda else "gloo"))
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"parallelism: tp*pp = {tp}*{pp} does not divide the world size {world}")
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    model_parallel_cuda_manual_seed(seed)
+    return {"rank": dist.get_rank(), "world": world, "tp": tp, "pp": pp, "dp": world // (tp * pp)}
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
