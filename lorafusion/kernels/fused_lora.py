@@ -1,0 +1,235 @@
+"""Triton kernels of FusedLoRA / FusedMultiLoRA (DESIGN §3).
+
+Every kernel is segment-aware: rows of the packed batch form contiguous segments, each owned by one
+adapter slot with its own rank ``r``, scale ``s``, dropout ``p`` and Philox seed. The single-adapter
+FusedLoRA is the case of one segment covering every row. Per-tile metadata comes from small int32
+offset tables (built once per microbatch, see :mod:`lorafusion.kernels.fused_multi_lora`), never from
+pointer tables, so the kernels also run under ``TRITON_INTERPRET=1``.
+
+Adapter weights of all slots are concatenated along the rank: ``A_cat`` [R_tot, k], ``B_cat`` [n, R_tot];
+slot ``a`` owns rank rows/columns ``roff[a] .. roff[a]+r[a]``. Loads are masked to ``r[a]`` inside a
+power-of-two block ``RB`` >= 16, which pads any rank 1..256 for ``tl.dot`` without copying.
+
+Kernels
+- ``_lora_gemm_kernel``: ``C = X·W' (+bias) + Σ_seg coef_a · keep_a ⊙ (S_seg · L_a)``. Forward:
+  ``Y = X·Wᵀ + s·S·Bᵀ`` (L = Bᵀ, no mask); backward: ``dX = dY·W + keep ⊙ (dS·A)/(1-p)`` (L = A, mask
+  regenerated). ``HAS_MAIN=False`` gives the low-rank term alone (the tensor-parallel path).
+- ``_shrink_kernel``: ``S = (keep ⊙ X)·Aᵀ/(1-p)`` per chunk (a chunk is ≤ BM rows of one segment).
+- ``_ds_db_kernel``: one pass over dY: ``dS = s·dY·B`` (partial per n-block) and ``dB = s·dYᵀ·S``
+  (partial per chunk); partials are summed in a fixed order (deterministic, no atomics).
+- ``_da_kernel``: ``dA = dSᵀ·(keep ⊙ X)/(1-p)`` (partial per chunk), the mask regenerated.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from lorafusion.kernels.dropout import keep_tile, row_offsets
+
+
+@triton.jit
+def _slot_meta(slot, r_ptr, roff_ptr):
+    """(valid, slot clamped, rank, rank offset); slot < 0 marks rows with no adapter (rank 0)."""
+    valid = slot >= 0
+    sc = tl.maximum(slot, 0)
+    r = tl.where(valid, tl.load(r_ptr + sc), 0)
+    roff = tl.load(roff_ptr + sc)
+    return valid, sc, r, roff
+
+
+@triton.jit
+def _lora_gemm_kernel(
+    x_ptr, w_ptr, bias_ptr, s_ptr, l_ptr, out_ptr, rowid_ptr,
+    seg_ptr, mb_ptr,
+    seed_ptr, p_ptr, coef_ptr, r_ptr, roff_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_wk, stride_wn,
+    stride_sm, stride_sr, stride_lr, stride_ln, stride_om, stride_on,
+    k_total, k_offset,
+    HAS_MAIN: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RK: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if HAS_MAIN:
+        offs_k = tl.arange(0, BK)
+        rm = offs_m % M
+        rn = offs_n % N
+        x_ptrs = x_ptr + rm[:, None] * stride_xm + offs_k[None, :] * stride_xk
+        w_ptrs = w_ptr + offs_k[:, None] * stride_wk + rn[None, :] * stride_wn
+        for kk in range(0, tl.cdiv(K, BK)):
+            kmask = offs_k < K - kk * BK
+            a = tl.load(x_ptrs, mask=kmask[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=kmask[:, None], other=0.0)
+            acc = tl.dot(a, b, acc)
+            x_ptrs += BK * stride_xk
+            w_ptrs += BK * stride_wk
+
+    # Low-rank epilogue: every segment that overlaps this row block (usually one).
+    seg_lo = tl.load(mb_ptr + 2 * pid_m)
+    seg_hi = tl.load(mb_ptr + 2 * pid_m + 1)
+    offs_r = tl.arange(0, RK)
+    nmask = offs_n < N
+    if DROPOUT:
+        rid = tl.load(rowid_ptr + offs_m, mask=offs_m < M, other=0)
+        row_base = row_offsets(rid, k_total, k_offset)
+    for si in range(seg_lo, seg_hi):
+        slot = tl.load(seg_ptr + 3 * si)
+        start = tl.load(seg_ptr + 3 * si + 1)
+        end = tl.load(seg_ptr + 3 * si + 2)
+        valid, sc, r, roff = _slot_meta(slot, r_ptr, roff_ptr)
+        coef = tl.load(coef_ptr + sc)
+        rowm = (offs_m >= start) & (offs_m < end)
+        t = tl.zeros((BM, BN), dtype=tl.float32)
+        for r0 in range(0, r, RK):
+            rr = r0 + offs_r
+            rmask = rr < r
+            s_t = tl.load(s_ptr + offs_m[:, None] * stride_sm + rr[None, :] * stride_sr,
+                          mask=rowm[:, None] & rmask[None, :], other=0.0)
+            l_t = tl.load(l_ptr + (roff + rr)[:, None] * stride_lr + offs_n[None, :] * stride_ln,
+                          mask=rmask[:, None] & nmask[None, :], other=0.0)
+            t = tl.dot(s_t, l_t, t)
+        if DROPOUT:
+            seed = tl.load(seed_ptr + sc)
+            p = tl.load(p_ptr + sc)
+            t = tl.where(keep_tile(seed, row_base, offs_n, p), t, 0.0)
+        acc += t * coef
+
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=nmask, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & nmask[None, :])
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, a_ptr, s_ptr, rowid_ptr, chunk_ptr,
+    seed_ptr, p_ptr, inv_ptr, r_ptr, roff_ptr,
+    K, R_OUT,
+    stride_xm, stride_xk, stride_ar, stride_ak, stride_sm, stride_sr,
+    k_total, k_offset,
+    DROPOUT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr,
+):
+    c = tl.program_id(0)
+    slot = tl.load(chunk_ptr + 3 * c)
+    start = tl.load(chunk_ptr + 3 * c + 1)
+    length = tl.load(chunk_ptr + 3 * c + 2)
+    valid, sc, r, roff = _slot_meta(slot, r_ptr, roff_ptr)
+    lm = tl.arange(0, BM)
+    offs_m = start + lm
+    rowm = lm < length
+    offs_r = tl.arange(0, RB)
+    rmask = offs_r < r
+    offs_k = tl.arange(0, BK)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    a_ptrs = a_ptr + (roff + offs_r)[None, :] * stride_ar + offs_k[:, None] * stride_ak
+    acc = tl.zeros((BM, RB), dtype=tl.float32)
+    if DROPOUT:
+        seed = tl.load(seed_ptr + sc)
+        p = tl.load(p_ptr + sc)
+        rid = tl.load(rowid_ptr + offs_m, mask=rowm, other=0)
+        row_base = row_offsets(rid, k_total, k_offset)
+    n_k = tl.where(r > 0, tl.cdiv(K, BK), 0)
+    for kk in range(0, n_k):
+        kmask = offs_k < K - kk * BK
+        x = tl.load(x_ptrs, mask=rowm[:, None] & kmask[None, :], other=0.0)
+        if DROPOUT:
+            x = tl.where(keep_tile(seed, row_base, kk * BK + offs_k, p), x, 0.0)
+        a = tl.load(a_ptrs, mask=kmask[:, None] & rmask[None, :], other=0.0)
+        acc = tl.dot(x, a, acc)
+        x_ptrs += BK * stride_xk
+        a_ptrs += BK * stride_ak
+    acc = acc * tl.load(inv_ptr + sc)
+    tl.store(s_ptr + offs_m[:, None] * stride_sm + offs_r[None, :] * stride_sr, acc.to(s_ptr.dtype.element_ty),
+             mask=rowm[:, None] & (offs_r < R_OUT)[None, :])
+
+
+@triton.jit
+def _ds_db_kernel(
+    dy_ptr, b_ptr, s_ptr, dsp_ptr, dbp_ptr, chunk_ptr,
+    coef_ptr, r_ptr, roff_ptr,
+    M, N,
+    stride_dym, stride_dyn, stride_bn, stride_br, stride_sm, stride_sr,
+    BM: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr,
+):
+    """Grid (n-blocks, chunks). dsp: fp32 [n_blocks, M, RB]; dbp: fp32 [chunks, N, RB]."""
+    nb = tl.program_id(0)
+    c = tl.program_id(1)
+    slot = tl.load(chunk_ptr + 3 * c)
+    start = tl.load(chunk_ptr + 3 * c + 1)
+    length = tl.load(chunk_ptr + 3 * c + 2)
+    valid, sc, r, roff = _slot_meta(slot, r_ptr, roff_ptr)
+    coef = tl.load(coef_ptr + sc)
+    offs_n = nb * BN + tl.arange(0, BN)
+    nmask = offs_n < N
+    offs_r = tl.arange(0, RB)
+    rmask = offs_r < r
+    b = tl.load(b_ptr + offs_n[:, None] * stride_bn + (roff + offs_r)[None, :] * stride_br,
+                mask=nmask[:, None] & rmask[None, :], other=0.0)
+    db = tl.zeros((BN, RB), dtype=tl.float32)
+    lm = tl.arange(0, BM)
+    for i in range(0, tl.cdiv(length, BM)):
+        rows = start + i * BM + lm
+        rowm = i * BM + lm < length
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dym + offs_n[None, :] * stride_dyn,
+                     mask=rowm[:, None] & nmask[None, :], other=0.0)
+        s = tl.load(s_ptr + rows[:, None] * stride_sm + offs_r[None, :] * stride_sr,
+                    mask=rowm[:, None] & rmask[None, :], other=0.0)
+        ds = tl.dot(dy, b) * coef
+        tl.store(dsp_ptr + nb * M * RB + rows[:, None] * RB + offs_r[None, :], ds, mask=rowm[:, None])
+        db = tl.dot(tl.trans(dy), s, db)
+    tl.store(dbp_ptr + c * N * RB + offs_n[:, None] * RB + offs_r[None, :], db * coef, mask=nmask[:, None])
+
+
+@triton.jit
+def _da_kernel(
+    x_ptr, ds_ptr, dap_ptr, rowid_ptr, chunk_ptr,
+    seed_ptr, p_ptr, inv_ptr, r_ptr, roff_ptr,
+    K,
+    stride_xm, stride_xk, stride_dsm, stride_dsr,
+    k_total, k_offset,
+    DROPOUT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr,
+):
+    """Grid (k-blocks, chunks). dap: fp32 [chunks, RB, K]."""
+    kb = tl.program_id(0)
+    c = tl.program_id(1)
+    slot = tl.load(chunk_ptr + 3 * c)
+    start = tl.load(chunk_ptr + 3 * c + 1)
+    length = tl.load(chunk_ptr + 3 * c + 2)
+    valid, sc, r, roff = _slot_meta(slot, r_ptr, roff_ptr)
+    offs_k = kb * BK + tl.arange(0, BK)
+    kmask = offs_k < K
+    offs_r = tl.arange(0, RB)
+    rmask = offs_r < r
+    acc = tl.zeros((RB, BK), dtype=tl.float32)
+    if DROPOUT:
+        seed = tl.load(seed_ptr + sc)
+        p = tl.load(p_ptr + sc)
+    lm = tl.arange(0, BM)
+    n_i = tl.where(r > 0, tl.cdiv(length, BM), 0)
+    for i in range(0, n_i):
+        rows = start + i * BM + lm
+        rowm = i * BM + lm < length
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                    mask=rowm[:, None] & kmask[None, :], other=0.0)
+        if DROPOUT:
+            rid = tl.load(rowid_ptr + rows, mask=rowm, other=0)
+            x = tl.where(keep_tile(seed, row_offsets(rid, k_total, k_offset), offs_k, p), x, 0.0)
+        ds = tl.load(ds_ptr + rows[:, None] * stride_dsm + offs_r[None, :] * stride_dsr,
+                     mask=rowm[:, None] & rmask[None, :], other=0.0)
+        acc = tl.dot(tl.trans(ds), x, acc)
+    acc = acc * tl.load(inv_ptr + sc)
+    tl.store(dap_ptr + c * RB * K + offs_r[:, None] * K + offs_k[None, :], acc, mask=kmask[None, :])

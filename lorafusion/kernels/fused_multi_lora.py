@@ -1,0 +1,231 @@
+"""FusedMultiLoRA launchers: per-microbatch offset tables and per-call adapter tables, then the kernels.
+
+Tables (int32, device, built once per microbatch and memoised on the :class:`Routing`):
+- ``segs`` [n_segs, 3] (slot, start, end) and ``mb`` [m_blocks, 2] (first, last+1 segment index touching
+  each BM row block of the GEMM): a row block that spans several segments loops over them.
+- ``chunks`` [n_chunks, 3] (slot, start, length): every segment cut into pieces of at most ``size`` rows,
+  plus rows outside every segment as slot -1 (they produce zeros). For the reduction kernels the chunks
+  are sorted by slot so that each slot's partials are one contiguous range, summed in a fixed order.
+
+Per call (seeds change every call): one small packed host tensor → one (pinned, non-blocking) copy holding
+seeds (int64), p, s, 1/(1-p) (fp32), r and the rank offset of each slot (int32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from lorafusion.kernels.fused_lora import _da_kernel, _ds_db_kernel, _lora_gemm_kernel, _shrink_kernel
+from lorafusion.kernels.tuning import get_config, rank_block
+
+# ----------------------------------------------------------------------------------------------- tables
+
+
+def _segments(routing):
+    return [(slot, start, start + length) for slot, start, length in routing.segments]
+
+
+def gemm_tables(routing, bm: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(segs, mb) for row blocks of ``bm`` rows."""
+
+    def build():
+        segs = _segments(routing)
+        n_blocks = triton.cdiv(routing.num_rows, bm)
+        mb = []
+        lo = 0
+        for b in range(n_blocks):
+            r0, r1 = b * bm, (b + 1) * bm
+            while lo < len(segs) and segs[lo][2] <= r0:
+                lo += 1
+            hi = lo
+            while hi < len(segs) and segs[hi][1] < r1:
+                hi += 1
+            mb += [lo, hi]
+        flat = [v for s in segs for v in s] or [0, 0, 0]
+        t = torch.tensor(flat + mb, dtype=torch.int32).to(device)
+        return t[: len(flat)], t[len(flat):]
+
+    return routing.cached(("lf_gemm", bm, str(device)), build)
+
+
+def chunk_table(routing, size: int, device, by_slot: bool = False):
+    """(chunks tensor, n_chunks, slot_ranges) — slot_ranges: {slot: (first, last+1)} when ``by_slot``."""
+
+    def build():
+        pieces = []
+        pos = 0
+        for slot, start, length in routing.segments:
+            for s in range(pos, start, size):
+                pieces.append((-1, s, min(size, start - s)))
+            for s in range(start, start + length, size):
+                pieces.append((slot, s, min(size, start + length - s)))
+            pos = start + length
+        for s in range(pos, routing.num_rows, size):
+            pieces.append((-1, s, min(size, routing.num_rows - s)))
+        ranges = {}
+        if by_slot:
+            pieces.sort(key=lambda c: (c[0] < 0, c[0], c[1]))
+            for i, (slot, _, _) in enumerate(pieces):
+                if slot >= 0:
+                    lo, _ = ranges.get(slot, (i, i))
+                    ranges[slot] = (lo, i + 1)
+        flat = [v for c in pieces for v in c] or [-1, 0, 0]
+        return torch.tensor(flat, dtype=torch.int32).to(device), max(1, len(pieces)), ranges
+
+    return routing.cached(("lf_chunks", size, by_slot, str(device)), build)
+
+
+@dataclass
+class SlotTables:
+    seed: torch.Tensor  # int64 [S]
+    p: torch.Tensor  # fp32 [S]
+    scale: torch.Tensor  # fp32 [S]
+    inv_keep: torch.Tensor  # fp32 [S] 1/(1-p)
+    r: torch.Tensor  # int32 [S]
+    roff: torch.Tensor  # int32 [S]
+    ranks: tuple[int, ...]
+    r_max: int
+    rb: int
+    dropout: bool
+
+
+def slot_tables(ranks: Sequence[int], scaling: Sequence[float], dropout_p: Sequence[float],
+                seeds: Sequence[int], device) -> SlotTables:
+    """Per-call adapter tables in one host→device copy."""
+    n = len(ranks)
+    for p in dropout_p:
+        if not 0.0 <= float(p) < 1.0:
+            raise ValueError(f"dropout p must be in [0, 1), got {p}")
+    roffs, acc = [], 0
+    for r in ranks:
+        roffs.append(acc)
+        acc += int(r)
+    seeds64 = [int(s) & 0xFFFFFFFFFFFFFFFF for s in seeds]
+    ints64 = torch.tensor([v - 2**64 if v >= 2**63 else v for v in seeds64], dtype=torch.int64)
+    f = torch.tensor([float(p) for p in dropout_p] + [float(s) for s in scaling]
+                     + [1.0 / (1.0 - float(p)) for p in dropout_p] + [0.0] * (n % 2), dtype=torch.float32)
+    i32 = torch.tensor([int(r) for r in ranks] + roffs + [0] * ((2 * n) % 2), dtype=torch.int32)
+    host = torch.cat([ints64, f.view(torch.int64), i32.view(torch.int64)])
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        buf = host.pin_memory().to(dev, non_blocking=True)
+    else:
+        buf = host.to(dev)
+    fl = buf[n: n + (3 * n + n % 2 + 1) // 2].view(torch.float32)
+    it = buf[n + (3 * n + n % 2 + 1) // 2:].view(torch.int32)
+    r_max = max(int(r) for r in ranks)
+    return SlotTables(seed=buf[:n], p=fl[:n], scale=fl[n:2 * n], inv_keep=fl[2 * n:3 * n], r=it[:n],
+                      roff=it[n:2 * n], ranks=tuple(int(r) for r in ranks), r_max=r_max, rb=rank_block(r_max),
+                      dropout=any(float(p) > 0.0 for p in dropout_p))
+
+
+# ---------------------------------------------------------------------------------------------- launchers
+
+
+def lora_gemm(x: torch.Tensor | None, w_kn: torch.Tensor | None, bias: torch.Tensor | None, S: torch.Tensor,
+              L_rn: torch.Tensor, coef: torch.Tensor, st: SlotTables, routing, *, n: int, dropout: bool = False,
+              row_ids: torch.Tensor | None = None, k_total: int = 0, k_offset: int = 0,
+              out: torch.Tensor | None = None, out_dtype=None) -> torch.Tensor:
+    """``out[m, n] = x·w_kn (+bias) + Σ_seg coef[a]·keep⊙(S[:, :r_a]·L_rn[roff_a:roff_a+r_a, :])``.
+
+    ``w_kn`` and ``L_rn`` are any strided views with shapes [K, n] and [R_tot, n]; ``x`` None → low-rank only.
+    """
+    m = S.shape[0]
+    has_main = x is not None
+    kdim = x.shape[1] if has_main else 0
+    cfg = get_config("gemm" if has_main else "lowrank", m, n, kdim)
+    bm, bn = cfg["BM"], cfg["BN"]
+    segs, mb = gemm_tables(routing, bm, S.device)
+    if out is None:
+        out = torch.empty(m, n, device=S.device, dtype=out_dtype or S.dtype)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    dummy = S
+    _lora_gemm_kernel[grid](
+        x if has_main else dummy, w_kn if has_main else dummy, bias if bias is not None else dummy, S, L_rn, out,
+        row_ids if dropout else dummy, segs, mb,
+        st.seed, st.p, coef, st.r, st.roff,
+        m, n, kdim,
+        x.stride(0) if has_main else 0, x.stride(1) if has_main else 0,
+        w_kn.stride(0) if has_main else 0, w_kn.stride(1) if has_main else 0,
+        S.stride(0), S.stride(1), L_rn.stride(0), L_rn.stride(1), out.stride(0), out.stride(1),
+        k_total, k_offset,
+        HAS_MAIN=has_main, HAS_BIAS=bias is not None, DROPOUT=bool(dropout),
+        BM=bm, BN=bn, BK=cfg.get("BK", 16), RK=min(st.rb, 64), GROUP_M=cfg["GROUP_M"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+def lora_shrink(x: torch.Tensor, A_cat: torch.Tensor, st: SlotTables, routing, row_ids: torch.Tensor, *,
+                k_total: int, k_offset: int = 0) -> torch.Tensor:
+    """S [m, r_max] = keep⊙X·A_aᵀ/(1-p_a) per segment (zero beyond r_a and outside every segment)."""
+    m, kdim = x.shape
+    cfg = get_config("shrink", m, st.r_max, kdim)
+    cfg["BM"] = max(16, min(cfg["BM"], 8192 // st.rb))
+    chunks, n_chunks, _ = chunk_table(routing, cfg["BM"], x.device)
+    S = torch.empty(m, st.r_max, device=x.device, dtype=x.dtype)
+    _shrink_kernel[(n_chunks,)](
+        x, A_cat, S, row_ids, chunks, st.seed, st.p, st.inv_keep, st.r, st.roff,
+        kdim, st.r_max, x.stride(0), x.stride(1), A_cat.stride(0), A_cat.stride(1), S.stride(0), S.stride(1),
+        k_total, k_offset,
+        DROPOUT=st.dropout, BM=cfg["BM"], BK=max(16, min(cfg["BK"], 16384 // st.rb)), RB=st.rb,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return S
+
+
+def _reduce_by_slot(partial: torch.Tensor, ranges: dict, n_slots: int) -> list[torch.Tensor | None]:
+    """Sum each slot's contiguous range of partials (fixed order: deterministic)."""
+    out = []
+    for a in range(n_slots):
+        if a in ranges:
+            lo, hi = ranges[a]
+            out.append(partial[lo:hi].sum(0))
+        else:
+            out.append(None)
+    return out
+
+
+def lora_ds_db(dy: torch.Tensor, B_cat: torch.Tensor, S: torch.Tensor, st: SlotTables, routing,
+               need_db: bool = True) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """One pass over dY [m, n]: dS [m, r_max] (dtype of S) and dB per slot (fp32 [n, r_a], None if no rows)."""
+    m, n = dy.shape
+    cfg = get_config("ds_db", m, n, st.r_max)
+    bn = max(16, min(cfg["BN"], 16384 // st.rb))  # keep the [BN, RB] fp32 accumulator in registers
+    chunks, n_chunks, ranges = chunk_table(routing, cfg["CH"], dy.device, by_slot=True)
+    nblk = triton.cdiv(n, bn)
+    dsp = torch.empty(nblk, m, st.rb, device=dy.device, dtype=torch.float32)
+    dbp = torch.empty(n_chunks, n, st.rb, device=dy.device, dtype=torch.float32)
+    _ds_db_kernel[(nblk, n_chunks)](
+        dy, B_cat, S, dsp, dbp, chunks, st.scale, st.r, st.roff, m, n,
+        dy.stride(0), dy.stride(1), B_cat.stride(0), B_cat.stride(1), S.stride(0), S.stride(1),
+        BM=cfg["BM"], BN=bn, RB=st.rb, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    dS = (dsp[0] if nblk == 1 else dsp.sum(0))[:, : st.r_max].to(S.dtype)
+    dB = []
+    if need_db:
+        for a, part in enumerate(_reduce_by_slot(dbp, ranges, len(st.ranks))):
+            dB.append(None if part is None else part[:, : st.ranks[a]])
+    return dS, dB
+
+
+def lora_da(x: torch.Tensor, dS: torch.Tensor, st: SlotTables, routing, row_ids: torch.Tensor, *,
+            k_total: int, k_offset: int = 0) -> list[torch.Tensor | None]:
+    """dA per slot (fp32 [r_a, k], None if the slot has no rows) = dSᵀ·keep⊙X/(1-p)."""
+    m, kdim = x.shape
+    cfg = get_config("da", m, st.r_max, kdim)
+    bk = max(16, min(cfg["BK"], 16384 // st.rb))  # keep the [RB, BK] fp32 accumulator in registers
+    chunks, n_chunks, ranges = chunk_table(routing, cfg["CH"], x.device, by_slot=True)
+    dap = torch.empty(n_chunks, st.rb, kdim, device=x.device, dtype=torch.float32)
+    _da_kernel[(triton.cdiv(kdim, bk), n_chunks)](
+        x, dS, dap, row_ids, chunks, st.seed, st.p, st.inv_keep, st.r, st.roff,
+        kdim, x.stride(0), x.stride(1), dS.stride(0), dS.stride(1), k_total, k_offset,
+        DROPOUT=st.dropout, BM=cfg["BM"], BK=bk, RB=st.rb,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return [None if part is None else part[: st.ranks[a]]
+            for a, part in enumerate(_reduce_by_slot(dap, ranges, len(st.ranks)))]

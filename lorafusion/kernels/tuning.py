@@ -1,0 +1,67 @@
+"""Block configurations per kernel and shape bucket, chosen by ``scripts/tune_kernels.py`` and stored here.
+
+Nothing is autotuned at run time: :func:`get_config` looks the shape's bucket up in ``TUNED`` (filled in
+from measurements on Hopper, see docs/BENCHMARKS.md) and falls back to ``DEFAULTS``. Under the Triton
+interpreter (no GPU) small tiles keep the CPU tests quick.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Kernel names: "gemm" (X·W' + low-rank epilogue, compute-bound), "lowrank" (the low-rank term alone),
+# "shrink" (S = drop(X)·Aᵀ), "ds_db" (one pass over dY), "da" (dA = dSᵀ·drop(X)).
+DEFAULTS: dict[str, dict] = {
+    "gemm": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
+    "lowrank": dict(BM=64, BN=128, GROUP_M=8, num_warps=4, num_stages=1),
+    "shrink": dict(BM=32, BK=128, num_warps=4, num_stages=3),
+    "ds_db": dict(BM=64, BN=128, CH=1024, num_warps=4, num_stages=3),
+    "da": dict(BM=64, BK=128, CH=1024, num_warps=4, num_stages=3),
+}
+
+INTERPRET: dict[str, dict] = {
+    "gemm": dict(BM=32, BN=32, BK=32, GROUP_M=2, num_warps=4, num_stages=1),
+    "lowrank": dict(BM=32, BN=32, GROUP_M=2, num_warps=4, num_stages=1),
+    "shrink": dict(BM=16, BK=32, num_warps=4, num_stages=1),
+    "ds_db": dict(BM=16, BN=32, CH=32, num_warps=4, num_stages=1),
+    "da": dict(BM=16, BK=32, CH=32, num_warps=4, num_stages=1),
+}
+
+# (kernel, bucket) -> config; bucket = (m rounded up to a power of two, n, k) as the kernel sees them.
+# Written from scripts/tune_kernels.py output (see docs/BENCHMARKS.md, "Kernels").
+TUNED: dict[tuple[str, tuple[int, int, int]], dict] = {}
+
+# Main GEMM of multi_lora_linear: "triton" (one Triton GEMM with the low-rank term in its accumulator) or
+# "cublas" (low-rank term by a Triton kernel, then torch.addmm adds X·Wᵀ through cuBLAS). Env override:
+# LORAFUSION_MAIN_GEMM.
+MAIN_GEMM = "triton"
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def main_gemm() -> str:
+    return os.environ.get("LORAFUSION_MAIN_GEMM", MAIN_GEMM)
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def bucket(m: int, n: int, k: int) -> tuple[int, int, int]:
+    return (_pow2_at_least(m), n, k)
+
+
+def get_config(kernel: str, m: int, n: int = 0, k: int = 0) -> dict:
+    if interpreting():
+        return dict(INTERPRET[kernel])
+    cfg = TUNED.get((kernel, bucket(m, n, k)))
+    if cfg is None:
+        cfg = DEFAULTS[kernel]
+    return dict(cfg)
+
+
+def rank_block(r_max: int) -> int:
+    """Padded rank block for tl.dot: a power of two, at least 16."""
+    return max(16, _pow2_at_least(r_max))

@@ -1,0 +1,217 @@
+"""Autograd Functions over the Triton FusedLoRA / FusedMultiLoRA kernels (``impl="fused"``).
+
+Same contracts as :mod:`lorafusion.ops.reference` (see :func:`lorafusion.ops.multi_lora_delta`):
+
+- :func:`multi_lora_linear_fused`: ``Y = X·Wᵀ (+bias) + Σ_seg s·S·Bᵀ`` — the shrink kernel, then one GEMM with
+  the low-rank term in its accumulator. Backward: one pass over dY for dS and dB, one GEMM
+  ``dX = dY·W + keep⊙(dS·A)/(1-p)``, one pass over X for dA. Saved: X, S [m, r_max], the per-call tables.
+- :func:`multi_lora_delta_fused`: the LoRA term alone, as shrink → tensor-parallel collective on S → expand,
+  so "row" (all-reduce S in forward) and "column" (all-reduce dS in backward) compose as in the reference.
+- :func:`fused_lora_linear` / :func:`fused_lora_delta`: single-adapter FusedLoRA (one segment, all rows).
+
+Gradients are deterministic: reductions over rows go through per-chunk partials summed in a fixed order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lorafusion.kernels import fused_multi_lora as K
+from lorafusion.kernels.tuning import main_gemm
+from lorafusion.ops.comm import apply_s_comm
+from lorafusion.ops.routing import Routing
+
+__all__ = ["multi_lora_linear_fused", "multi_lora_delta_fused", "fused_lora_linear", "fused_lora_delta"]
+
+
+class _Plan:
+    """Everything about one call that is not a differentiable tensor."""
+
+    def __init__(self, x2d, lora_A, lora_B, scaling, dropout_p, seeds, routing, k_offset=0, k_total=None):
+        if not (len(lora_A) == len(lora_B) == len(scaling) == len(dropout_p) == len(seeds)):
+            raise ValueError("lora_A, lora_B, scaling, dropout_p and seeds need one entry per adapter slot")
+        if x2d.shape[0] != routing.num_rows:
+            raise ValueError(f"routing covers {routing.num_rows} rows but the input has {x2d.shape[0]}")
+        for slot, _, _ in routing.segments:
+            if slot >= len(lora_A):
+                raise ValueError(f"routing names slot {slot} but only {len(lora_A)} adapters were given")
+        self.routing = routing
+        self.n_slots = len(lora_A)
+        self.ranks = [a.shape[0] for a in lora_A]
+        for a, b in zip(lora_A, lora_B, strict=True):
+            if b.shape[1] != a.shape[0]:
+                raise ValueError(f"lora_B {tuple(b.shape)} does not match lora_A {tuple(a.shape)} in rank")
+        self.k = x2d.shape[1]
+        self.n = lora_B[0].shape[0]
+        self.k_offset = int(k_offset)
+        self.k_total = self.k if k_total is None else int(k_total)
+        self.st = K.slot_tables(self.ranks, scaling, dropout_p, seeds, x2d.device)
+        self.row_ids = routing.ids(x2d.device)
+
+
+def _cat_A(lora_A, dtype):
+    if len(lora_A) == 1:
+        return lora_A[0].to(dtype)
+    return torch.cat([a.to(dtype) for a in lora_A], dim=0)
+
+
+def _cat_B(lora_B, dtype):
+    if len(lora_B) == 1:
+        return lora_B[0].to(dtype)
+    return torch.cat([b.to(dtype) for b in lora_B], dim=1)
+
+
+def _grads(parts, params):
+    return tuple(None if g is None else g.to(p.dtype) for g, p in zip(parts, params, strict=True))
+
+
+class _FusedMultiLoRALinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, weight, bias, plan: _Plan, *params):
+        ns = plan.n_slots
+        lora_A, lora_B = params[:ns], params[ns:]
+        st = plan.st
+        A_cat, B_cat = _cat_A(lora_A, x2d.dtype), _cat_B(lora_B, x2d.dtype)
+        S = K.lora_shrink(x2d, A_cat, st, plan.routing, plan.row_ids, k_total=plan.k_total)
+        w = weight.to(x2d.dtype)
+        if main_gemm() == "cublas":
+            y = K.lora_gemm(None, None, bias, S, B_cat.t(), st.scale, st, plan.routing, n=plan.n)
+            y = torch.addmm(y, x2d, w.t())
+        else:
+            y = K.lora_gemm(x2d, w.t(), bias, S, B_cat.t(), st.scale, st, plan.routing, n=plan.n)
+        ctx.plan = plan
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x2d, weight, S, A_cat, B_cat, *params)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        plan: _Plan = ctx.plan
+        st = plan.st
+        x2d, weight, S, A_cat, B_cat, *params = ctx.saved_tensors
+        ns = plan.n_slots
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_db = any(ctx.needs_input_grad[4 + ns:])
+        need_da = any(ctx.needs_input_grad[4:4 + ns])
+        dy = dy.to(x2d.dtype)
+        dS, dB = K.lora_ds_db(dy, B_cat, S, st, plan.routing, need_db=need_db)
+        dx = None
+        if need_x:
+            w = weight.to(x2d.dtype)
+            if main_gemm() == "cublas":
+                dx = K.lora_gemm(None, None, None, dS, A_cat, st.inv_keep, st, plan.routing, n=plan.k,
+                                 dropout=st.dropout, row_ids=plan.row_ids, k_total=plan.k_total)
+                dx = torch.addmm(dx, dy, w)
+            else:
+                dx = K.lora_gemm(dy, w, None, dS, A_cat, st.inv_keep, st, plan.routing, n=plan.k,
+                                 dropout=st.dropout, row_ids=plan.row_ids, k_total=plan.k_total)
+        dA = K.lora_da(x2d, dS, st, plan.routing, plan.row_ids, k_total=plan.k_total) if need_da else [None] * ns
+        dw = (dy.t() @ x2d).to(weight.dtype) if need_w else None
+        dbias = dy.sum(0) if (need_b and ctx.has_bias) else None
+        if not need_db:
+            dB = [None] * ns
+        return (dx, dw, dbias, None, *_grads(dA, params[:ns]), *_grads(dB, params[ns:]))
+
+
+class _Shrink(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, plan: _Plan, *lora_A):
+        A_cat = _cat_A(lora_A, x2d.dtype)
+        S = K.lora_shrink(x2d, A_cat, plan.st, plan.routing, plan.row_ids, k_total=plan.k_total,
+                          k_offset=plan.k_offset)
+        ctx.plan = plan
+        ctx.save_for_backward(x2d, A_cat, *lora_A)
+        return S
+
+    @staticmethod
+    def backward(ctx, dS):
+        plan: _Plan = ctx.plan
+        st = plan.st
+        x2d, A_cat, *lora_A = ctx.saved_tensors
+        dS = dS.to(x2d.dtype)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = K.lora_gemm(None, None, None, dS, A_cat, st.inv_keep, st, plan.routing, n=plan.k,
+                             dropout=st.dropout, row_ids=plan.row_ids, k_total=plan.k_total,
+                             k_offset=plan.k_offset)
+        if any(ctx.needs_input_grad[2:]):
+            dA = K.lora_da(x2d, dS, st, plan.routing, plan.row_ids, k_total=plan.k_total, k_offset=plan.k_offset)
+        else:
+            dA = [None] * plan.n_slots
+        return (dx, None, *_grads(dA, lora_A))
+
+
+class _Expand(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, S, plan: _Plan, *lora_B):
+        B_cat = _cat_B(lora_B, S.dtype)
+        out = K.lora_gemm(None, None, None, S, B_cat.t(), plan.st.scale, plan.st, plan.routing, n=plan.n)
+        ctx.plan = plan
+        ctx.save_for_backward(S, B_cat, *lora_B)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        plan: _Plan = ctx.plan
+        S, B_cat, *lora_B = ctx.saved_tensors
+        need_db = any(ctx.needs_input_grad[2:])
+        dS, dB = K.lora_ds_db(dout.to(S.dtype), B_cat, S, plan.st, plan.routing, need_db=need_db)
+        if not need_db:
+            dB = [None] * plan.n_slots
+        return (dS, None, *_grads(dB, lora_B))
+
+
+def multi_lora_delta_fused(x: torch.Tensor, lora_A: Sequence[torch.Tensor], lora_B: Sequence[torch.Tensor],
+                           scaling: Sequence[float], dropout_p: Sequence[float], seeds: Sequence[int],
+                           routing: Routing, *, k_offset: int = 0, k_total: int | None = None,
+                           s_comm: str | None = None, tp_group=None) -> torch.Tensor:
+    """The LoRA term only (see :func:`lorafusion.ops.multi_lora_delta`)."""
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1])
+    plan = _Plan(x2d, lora_A, lora_B, scaling, dropout_p, seeds, routing, k_offset, k_total)
+    S = _Shrink.apply(x2d, plan, *lora_A)
+    S = apply_s_comm(S, s_comm, tp_group)
+    out = _Expand.apply(S, plan, *lora_B)
+    return out.reshape(*lead, out.shape[-1])
+
+
+def multi_lora_linear_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                            lora_A: Sequence[torch.Tensor], lora_B: Sequence[torch.Tensor],
+                            scaling: Sequence[float], dropout_p: Sequence[float], seeds: Sequence[int],
+                            routing: Routing) -> torch.Tensor:
+    """Frozen base plus LoRA, one GEMM (see :func:`lorafusion.ops.multi_lora_linear`)."""
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1])
+    if weight.shape[1] != x2d.shape[1] or lora_B[0].shape[0] != weight.shape[0]:
+        raise ValueError(f"weight {tuple(weight.shape)} / lora_B {tuple(lora_B[0].shape)} do not fit x {tuple(x.shape)}")
+    plan = _Plan(x2d, lora_A, lora_B, scaling, dropout_p, seeds, routing)
+    y = _FusedMultiLoRALinear.apply(x2d, weight, bias, plan, *lora_A, *lora_B)
+    return y.reshape(*lead, y.shape[-1])
+
+
+_SINGLE: dict[int, Routing] = {}
+
+
+def _single_routing(m: int) -> Routing:
+    if m not in _SINGLE:
+        if len(_SINGLE) > 64:
+            _SINGLE.clear()
+        _SINGLE[m] = Routing.single(m)
+    return _SINGLE[m]
+
+
+def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A: torch.Tensor,
+                      lora_B: torch.Tensor, scaling: float, dropout_p: float, seed: int) -> torch.Tensor:
+    """Single-adapter FusedLoRA: ``X·Wᵀ (+bias) + s·dropout(X)·Aᵀ·Bᵀ`` (all rows, row ids = row index)."""
+    m = x.numel() // x.shape[-1]
+    return multi_lora_linear_fused(x, weight, bias, [lora_A], [lora_B], [scaling], [dropout_p], [seed],
+                                   _single_routing(m))
+
+
+def fused_lora_delta(x: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float,
+                     dropout_p: float, seed: int) -> torch.Tensor:
+    """Single-adapter LoRA term alone."""
+    m = x.numel() // x.shape[-1]
+    return multi_lora_delta_fused(x, [lora_A], [lora_B], [scaling], [dropout_p], [seed], _single_routing(m))
