@@ -1,0 +1,21 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def megatron_single():
+    """Megatron parallel state for one process (TP=1, PP=1), set up once per test session."""
+    from megatron.core import parallel_state
+
+    from lorafusion.runtime.dist import init_distributed
+
+    if not parallel_state.model_parallel_is_initialized() or \
+            parallel_state.get_tensor_model_parallel_world_size() != 1:
+        init_distributed(1, 1)
+    yield
