@@ -9,7 +9,7 @@ from hf_utils import write_hf_checkpoint
 from lorafusion.layers import LoRASpec, add_adapter, lora_batch, lora_modules, Routing
 from lorafusion.models.hf_import import build_model_from_hf
 from lorafusion.models.spec import ModelArch, preset
-from lorafusion.runtime.export import export_peft_adapter, import_peft_adapter
+from lorafusion.runtime.export import adapter_peft_state, export_peft_adapter, import_peft_adapter
 
 peft = pytest.importorskip("peft")
 
@@ -98,19 +98,8 @@ def test_loss_and_grads_match_peft(setup):
         loss.backward()
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
 
-        from lorafusion.runtime.export import adapter_peft_state
-
-        # Map our grads to PEFT keys through the export mapping (A of fused linears = sum over q/k/v).
-        ours_g = {}
-        for key, mod in lora_modules(model):
-            if name in mod.lora_A:
-                mod.lora_A[name], saved_a = torch.nn.Parameter(mod.lora_A[name].grad), mod.lora_A[name]
-                mod.lora_B[name], saved_b = torch.nn.Parameter(mod.lora_B[name].grad), mod.lora_B[name]
-                ours_g[key] = (saved_a, saved_b)
-        gstate = adapter_peft_state(model, name, arch)
-        for key, mod in lora_modules(model):
-            if key in ours_g:
-                mod.lora_A[name], mod.lora_B[name] = ours_g[key]
+        # Our grads in PEFT keys through the export mapping (dA of a fused linear = sum over q/k/v).
+        gstate = adapter_peft_state(model, name, arch, grad=True)
         checked = 0
         for k, g_ref in grads.items():
             kk = k.replace(f".{name}.weight", ".weight").replace(".default.weight", ".weight")

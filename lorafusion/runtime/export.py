@@ -50,8 +50,10 @@ def _gather_tp(t: torch.Tensor, dim_kind: str, kind: str) -> torch.Tensor:
     return column_unshard(kind, parts) if dim_kind == "col" else torch.cat(parts, dim=1)
 
 
-def adapter_peft_state(model, name: str, arch: ModelArch) -> dict[str, torch.Tensor] | None:
-    """PEFT-keyed fp32 tensors of adapter ``name``; the full dict on global rank 0, None elsewhere."""
+def adapter_peft_state(model, name: str, arch: ModelArch, grad: bool = False) -> dict[str, torch.Tensor] | None:
+    """PEFT-keyed fp32 tensors of adapter ``name`` (its weights, or with ``grad`` their gradients mapped
+    the same way; a fused linear's dA then stands for each projection's share summed); the full dict on
+    global rank 0, None elsewhere."""
     ctx = get_lora_context(model)
     if name not in ctx.specs:
         raise KeyError(f"adapter {name!r} is not on the model (adapters: {sorted(ctx.specs)})")
@@ -60,8 +62,11 @@ def adapter_peft_state(model, name: str, arch: ModelArch) -> dict[str, torch.Ten
         if name not in mod.lora_A:
             continue
         layer, kind = int(key.split(".")[0]) - 1, mod.lora_kind
-        a = mod.lora_A[name].detach().float()
-        b = mod.lora_B[name].detach().float()
+        pa, pb = mod.lora_A[name], mod.lora_B[name]
+        if grad:
+            pa = pa.grad if pa.grad is not None else torch.zeros_like(pa)
+            pb = pb.grad if pb.grad is not None else torch.zeros_like(pb)
+        a, b = pa.detach().float(), pb.detach().float()
         if kind in ("linear_qkv", "linear_fc1"):
             b = _gather_tp(b, "col", kind)
         else:

@@ -1,0 +1,100 @@
+"""A planned microbatch → one packed token tensor (no padding between samples).
+
+Positions restart per sample, ``cu_seqlens`` bound the samples for attention, labels are the next token
+within the same sample (the last token of a sample, and prompt tokens when masked, carry no loss), and
+adapter routing gives one contiguous segment per run of same-adapter samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lorafusion.ops.routing import Routing
+
+
+@dataclass
+class PackedBatch:
+    tokens: torch.Tensor  # [1, T] int64
+    position_ids: torch.Tensor  # [1, T]
+    labels: torch.Tensor  # [1, T] next token (0 where masked)
+    loss_mask: torch.Tensor  # [1, T] float, 1 where the label counts
+    cu_seqlens: torch.Tensor  # [n_samples + 1] int32
+    max_seqlen: int
+    routing: Routing
+    adapters: tuple[str, ...]  # routing slot → adapter name
+    sample_adapter: tuple[str, ...]  # adapter of each sample, in order
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def packed_seq_params(self):
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
+                               max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
+
+    def to(self, device) -> "PackedBatch":
+        return PackedBatch(self.tokens.to(device), self.position_ids.to(device), self.labels.to(device),
+                           self.loss_mask.to(device), self.cu_seqlens.to(device), self.max_seqlen, self.routing,
+                           self.adapters, self.sample_adapter)
+
+    def adapter_token_mask(self, name: str) -> torch.Tensor:
+        """[1, T] bool: tokens belonging to adapter ``name``."""
+        mask = torch.zeros(self.num_tokens, dtype=torch.bool)
+        for slot, start, length in self.routing.segments:
+            if self.adapters[slot] == name:
+                mask[start:start + length] = True
+        return mask[None].to(self.tokens.device)
+
+
+def pack_microbatch(samples: Sequence[tuple[str, Sequence[int]]], prompt_lengths: Sequence[int] | None = None,
+                    row_ids: Sequence[int] | None = None) -> PackedBatch:
+    """Pack ``samples`` = [(adapter name, token ids), ...] in the given order (same-adapter samples
+    should be adjacent; each adjacent run becomes one routing segment).
+
+    ``prompt_lengths[i]`` tokens at the start of sample i carry no loss. ``row_ids[i]``, if given, is a
+    packing-independent id of sample i; token t of it gets dropout row id ``row_ids[i] * 2**20 + t``.
+    """
+    if not samples:
+        raise ValueError("pack_microbatch: no samples")
+    toks, pos, labels, lmask, cu, ids = [], [], [], [], [0], []
+    adapters: list[str] = []
+    slots, lengths = [], []
+    for i, (name, seq) in enumerate(samples):
+        seq = list(seq)
+        n = len(seq)
+        if n < 1:
+            raise ValueError(f"pack_microbatch: sample {i} of adapter {name!r} is empty")
+        p = 0 if prompt_lengths is None else int(prompt_lengths[i])
+        toks.extend(seq)
+        pos.extend(range(n))
+        labels.extend(seq[1:] + [0])
+        # label of position t is token t+1: it counts when t+1 is a response token
+        lmask.extend([1.0 if (t + 1 >= max(p, 1) and t + 1 < n) else 0.0 for t in range(n)])
+        cu.append(cu[-1] + n)
+        base = i if row_ids is None else int(row_ids[i])
+        ids.extend(base * (1 << 20) + t for t in range(n))
+        if name not in adapters:
+            adapters.append(name)
+        slot = adapters.index(name)
+        if slots and slots[-1] == slot:
+            lengths[-1] += n
+        else:
+            slots.append(slot)
+            lengths.append(n)
+    row_tensor = torch.tensor(ids, dtype=torch.int64)
+    return PackedBatch(
+        tokens=torch.tensor(toks, dtype=torch.int64)[None],
+        position_ids=torch.tensor(pos, dtype=torch.int64)[None],
+        labels=torch.tensor(labels, dtype=torch.int64)[None],
+        loss_mask=torch.tensor(lmask, dtype=torch.float32)[None],
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        max_seqlen=max(cu[i + 1] - cu[i] for i in range(len(cu) - 1)),
+        routing=Routing.from_lengths(slots, lengths, row_ids=row_tensor),
+        adapters=tuple(adapters),
+        sample_adapter=tuple(name for name, _ in samples),
+    )
