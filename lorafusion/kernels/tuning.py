@@ -53,10 +53,29 @@ def bucket(m: int, n: int, k: int) -> tuple[int, int, int]:
     return (_pow2_at_least(m), n, k)
 
 
+def _extra() -> dict:
+    """Configs from the JSON file named by LORAFUSION_TUNING_FILE (tuning runs), else none."""
+    path = os.environ.get("LORAFUSION_TUNING_FILE")
+    if not path:
+        return {}
+    if _EXTRA.get("path") != path:
+        import json
+
+        with open(path) as f:
+            rows = json.load(f)
+        _EXTRA["path"] = path
+        _EXTRA["table"] = {(r["kernel"], tuple(r["bucket"])): r["config"] for r in rows}
+    return _EXTRA["table"]
+
+
+_EXTRA: dict = {}
+
+
 def get_config(kernel: str, m: int, n: int = 0, k: int = 0) -> dict:
     if interpreting():
         return dict(INTERPRET[kernel])
-    cfg = TUNED.get((kernel, bucket(m, n, k)))
+    key = (kernel, bucket(m, n, k))
+    cfg = _extra().get(key) or TUNED.get(key)
     if cfg is None:
         cfg = DEFAULTS[kernel]
     return dict(cfg)

@@ -1,0 +1,279 @@
+#!/usr/bin/env python
+"""Benchmark FusedLoRA / FusedMultiLoRA against the frozen base linear and torch LoRA (forward + backward).
+
+For each shape (m, k, n) with r=16, p=0.1, bf16: median times (triton.testing.do_bench, CUDA events, L2
+flushed between runs) of
+  base      y = x·Wᵀ, backward dX only (W frozen)
+  eager     PEFT-style torch LoRA: base + s·dropout(x)·Aᵀ·Bᵀ, grads for x, A, B
+  compile   the same function under torch.compile
+  fused     FusedLoRA (lorafusion.ops.fused.fused_lora_linear), main GEMM in Triton (one GEMM, LoRA in its
+            accumulator) and, as "fused_cublas", low-rank term by Triton + X·Wᵀ by cuBLAS addmm
+as ratios to base measured in the same run, plus bytes saved for backward (activations, parameters excluded).
+Multi-adapter: 4 adapters, ranks {8,16,32,64}, segments 37/29/21/13% of m tokens: FusedMultiLoRA vs a
+per-adapter torch loop vs single-adapter FusedLoRA at equal tokens (r=16 and r=64).
+--breakdown times each kernel alone. The last line printed is one JSON object with every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+SHAPES = [(8192, 4096, 4096), (8192, 4096, 14336), (8192, 14336, 4096), (16384, 4096, 4096), (4096, 8192, 8192)]
+
+
+def bench(fn, grad_to_none=None, warmup=25, rep=100) -> float:
+    if torch.cuda.is_available():
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")
+    ts = []
+    for _ in range(3):
+        t = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t) * 1e3)
+    return sorted(ts)[1]
+
+
+def saved_bytes(fn, exclude) -> int:
+    """Bytes of distinct storages autograd saves during one forward, parameters in ``exclude`` left out."""
+    seen = {}
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fn()
+    del y
+    return sum(seen.values())
+
+
+def peft_lora(x, W, A, B, s, p):
+    return F.linear(x, W) + F.linear(F.linear(F.dropout(x, p, training=True), A), B) * s
+
+
+def peft_multi_loop(x, W, As, Bs, ss, ps, lengths):
+    y = F.linear(x, W)
+    outs, pos = [], 0
+    for A, B, s, p, n in zip(As, Bs, ss, ps, lengths, strict=True):
+        xs = x[pos:pos + n]
+        outs.append(F.linear(F.linear(F.dropout(xs, p, training=True), A), B) * s)
+        pos += n
+    return y + torch.cat(outs)
+
+
+def set_main_gemm(v):
+    os.environ["LORAFUSION_MAIN_GEMM"] = v
+
+
+def single_shape(m, k, n, r, p, dtype, dev, do_compile, warmup, rep):
+    from lorafusion.ops.fused import fused_lora_linear
+
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device=dev, dtype=dtype, requires_grad=True)
+    W = (torch.randn(n, k, device=dev) / k**0.5).to(dtype)
+    A = (torch.randn(r, k, device=dev) / k**0.5).to(dtype).requires_grad_(True)
+    B = (torch.randn(n, r, device=dev) * 0.1).to(dtype).requires_grad_(True)
+    g = torch.randn(m, n, device=dev, dtype=dtype)
+    s = 2.0
+    res = {}
+
+    def base():
+        F.linear(x, W).backward(g)
+
+    def eager():
+        peft_lora(x, W, A, B, s, p).backward(g)
+
+    def fused(pp=p):
+        fused_lora_linear(x, W, None, A, B, s, pp, 1234).backward(g)
+
+    gtn = [x, A, B]
+    res["base"] = bench(base, [x], warmup, rep)
+    res["eager"] = bench(eager, gtn, warmup, rep)
+    if do_compile:
+        comp = torch.compile(peft_lora)
+
+        def compiled():
+            comp(x, W, A, B, s, p).backward(g)
+
+        res["compile"] = bench(compiled, gtn, warmup, rep)
+    set_main_gemm("triton")
+    res["fused"] = bench(fused, gtn, warmup, rep)
+    res["fused_p0"] = bench(lambda: fused(0.0), gtn, warmup, rep)
+    set_main_gemm("cublas")
+    res["fused_cublas"] = bench(fused, gtn, warmup, rep)
+    res["fused_cublas_p0"] = bench(lambda: fused(0.0), gtn, warmup, rep)
+    set_main_gemm("triton")
+    res["base_again"] = bench(base, [x], warmup, rep)
+    params = [W, A, B]
+    mem = {
+        "eager": saved_bytes(lambda: peft_lora(x, W, A, B, s, p), params),
+        "fused": saved_bytes(lambda: fused_lora_linear(x, W, None, A, B, s, p, 1234), params),
+    }
+    return res, mem
+
+
+def multi(m, k, n, dtype, dev, warmup, rep):
+    from lorafusion.ops import Routing
+    from lorafusion.ops.fused import fused_lora_linear, multi_lora_linear_fused
+
+    torch.manual_seed(1)
+    ranks = [8, 16, 32, 64]
+    frac = [0.37, 0.29, 0.21]
+    lengths = [int(m * f) for f in frac]
+    lengths.append(m - sum(lengths))
+    routing = Routing.from_lengths([0, 1, 2, 3], lengths)
+    x = torch.randn(m, k, device=dev, dtype=dtype, requires_grad=True)
+    W = (torch.randn(n, k, device=dev) / k**0.5).to(dtype)
+    As = [(torch.randn(r, k, device=dev) / k**0.5).to(dtype).requires_grad_(True) for r in ranks]
+    Bs = [(torch.randn(n, r, device=dev) * 0.1).to(dtype).requires_grad_(True) for r in ranks]
+    ss, ps, seeds = [2.0, 1.0, 0.5, 0.25], [0.1] * 4, [11, 12, 13, 14]
+    g = torch.randn(m, n, device=dev, dtype=dtype)
+    gtn = [x, *As, *Bs]
+    res = {"lengths": lengths}
+
+    def fmulti():
+        multi_lora_linear_fused(x, W, None, As, Bs, ss, ps, seeds, routing).backward(g)
+
+    def loop():
+        peft_multi_loop(x, W, As, Bs, ss, ps, lengths).backward(g)
+
+    def single(i):
+        return lambda: fused_lora_linear(x, W, None, As[i], Bs[i], ss[i], 0.1, 7).backward(g)
+
+    res["base"] = bench(lambda: F.linear(x, W).backward(g), [x], warmup, rep)
+    for mg in ("triton", "cublas"):
+        set_main_gemm(mg)
+        sfx = "" if mg == "triton" else "_cublas"
+        res["fused_multi" + sfx] = bench(fmulti, gtn, warmup, rep)
+        res["fused_single_r16" + sfx] = bench(single(1), gtn, warmup, rep)
+        res["fused_single_r64" + sfx] = bench(single(3), gtn, warmup, rep)
+    set_main_gemm("triton")
+    res["torch_loop"] = bench(loop, gtn, warmup, rep)
+    return res
+
+
+def breakdown(m, k, n, r, dtype, dev, warmup, rep):
+    """Each kernel alone (and the cuBLAS GEMMs it competes with)."""
+    from lorafusion.kernels import fused_multi_lora as K
+    from lorafusion.ops import Routing
+
+    torch.manual_seed(2)
+    routing = Routing.single(m)
+    empty = Routing(segments=(), num_rows=m)
+    x = torch.randn(m, k, device=dev, dtype=dtype)
+    W = (torch.randn(n, k, device=dev) / k**0.5).to(dtype)
+    A = (torch.randn(r, k, device=dev) / k**0.5).to(dtype)
+    B = (torch.randn(n, r, device=dev) * 0.1).to(dtype)
+    dy = torch.randn(m, n, device=dev, dtype=dtype)
+    ids = routing.ids(dev)
+    out = {}
+    for p in (0.1, 0.0):
+        st = K.slot_tables([r], [2.0], [p], [99], dev)
+        tag = f"p{p:g}"
+        S = K.lora_shrink(x, A, st, routing, ids, k_total=k)
+        dS, _ = K.lora_ds_db(dy, B, S, st, routing)
+        out[f"shrink_{tag}"] = bench(lambda: K.lora_shrink(x, A, st, routing, ids, k_total=k), None, warmup, rep)
+        out[f"da_{tag}"] = bench(lambda: K.lora_da(x, dS, st, routing, ids, k_total=k), None, warmup, rep)
+        out[f"dx_gemm_lora_{tag}"] = bench(lambda: K.lora_gemm(dy, W, None, dS, A, st.inv_keep, st, routing, n=k,
+                                                                dropout=st.dropout, row_ids=ids, k_total=k),
+                                           None, warmup, rep)
+        out[f"dx_lowrank_{tag}"] = bench(lambda: K.lora_gemm(None, None, None, dS, A, st.inv_keep, st, routing, n=k,
+                                                              dropout=st.dropout, row_ids=ids, k_total=k),
+                                         None, warmup, rep)
+    out["ds_db"] = bench(lambda: K.lora_ds_db(dy, B, S, st, routing), None, warmup, rep)
+    out["fwd_gemm_lora"] = bench(lambda: K.lora_gemm(x, W.t(), None, S, B.t(), st.scale, st, routing, n=n),
+                                 None, warmup, rep)
+    out["fwd_gemm_triton_nolora"] = bench(lambda: K.lora_gemm(x, W.t(), None, S, B.t(), st.scale, st, empty, n=n),
+                                          None, warmup, rep)
+    out["fwd_lowrank"] = bench(lambda: K.lora_gemm(None, None, None, S, B.t(), st.scale, st, routing, n=n),
+                               None, warmup, rep)
+    lr = K.lora_gemm(None, None, None, S, B.t(), st.scale, st, routing, n=n)
+    out["fwd_cublas_addmm_beta1"] = bench(lambda: torch.addmm(lr, x, W.t()), None, warmup, rep)
+    out["fwd_cublas"] = bench(lambda: F.linear(x, W), None, warmup, rep)
+    out["dx_cublas"] = bench(lambda: dy @ W, None, warmup, rep)
+    out["copy_x"] = bench(lambda: x.clone(), None, warmup, rep)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="all", help="'all' or comma list of indices into the five shapes")
+    ap.add_argument("--r", type=int, default=16)
+    ap.add_argument("--p", type=float, default=0.1)
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (slow to build)")
+    ap.add_argument("--no-multi", action="store_true")
+    ap.add_argument("--breakdown", action="store_true", help="also time each kernel alone")
+    ap.add_argument("--warmup", type=int, default=25, help="ms (do_bench)")
+    ap.add_argument("--rep", type=int, default=100, help="ms (do_bench)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU/interpreter check of the script)")
+    args = ap.parse_args()
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    if args.smoke:
+        shapes = [(64, 48, 40)]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    report = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__,
+              "commit": commit, "r": args.r, "p": args.p, "dtype": str(dtype), "single": [], "multi": None,
+              "breakdown": []}
+    import triton
+
+    report["triton"] = triton.__version__
+    hdr = f"{'m,k,n':>20} {'base ms':>8} {'eager':>7} {'compile':>7} {'fused':>7} {'f_cublas':>8} {'f_p0':>6} " \
+          f"{'fc_p0':>6} {'base2':>6} {'saved MiB eager/fused':>22}"
+    print(hdr)
+    for (m, k, n) in shapes:
+        res, mem = single_shape(m, k, n, args.r, args.p, dtype, dev, not args.no_compile and not args.smoke,
+                                args.warmup, args.rep)
+        b = res["base"]
+        ratios = {key: v / b for key, v in res.items()}
+        report["single"].append({"m": m, "k": k, "n": n, "ms": res, "ratio_to_base": ratios, "saved_bytes": mem})
+        c = f"{ratios['compile']:.3f}" if "compile" in ratios else "-"
+        print(f"{str((m, k, n)):>20} {b:8.3f} {ratios['eager']:7.3f} {c:>7} {ratios['fused']:7.3f} "
+              f"{ratios['fused_cublas']:8.3f} {ratios['fused_p0']:6.3f} {ratios['fused_cublas_p0']:6.3f} "
+              f"{ratios['base_again']:6.3f} {mem['eager'] / 2**20:10.1f}/{mem['fused'] / 2**20:.1f}", flush=True)
+        if args.breakdown:
+            bd = breakdown(m, k, n, args.r, dtype, dev, args.warmup, args.rep)
+            report["breakdown"].append({"m": m, "k": k, "n": n, "ms": bd})
+            print("   breakdown ms: " + ", ".join(f"{key}={v:.4f}" for key, v in bd.items()), flush=True)
+    if not args.no_multi:
+        m, k, n = (8192, 4096, 4096) if not args.smoke else (64, 48, 40)
+        res = multi(m, k, n, dtype, dev, args.warmup, args.rep)
+        ms = {key: v for key, v in res.items() if key != "lengths"}
+        rat = {
+            "multi_over_single_r16": ms["fused_multi"] / ms["fused_single_r16"],
+            "multi_over_single_r64": ms["fused_multi"] / ms["fused_single_r64"],
+            "multi_over_single_r16_cublas": ms["fused_multi_cublas"] / ms["fused_single_r16_cublas"],
+            "multi_over_single_r64_cublas": ms["fused_multi_cublas"] / ms["fused_single_r64_cublas"],
+            "torch_loop_over_multi": ms["torch_loop"] / ms["fused_multi"],
+            "multi_over_base": ms["fused_multi"] / ms["base"],
+            "torch_loop_over_base": ms["torch_loop"] / ms["base"],
+        }
+        report["multi"] = {"m": m, "k": k, "n": n, "ranks": [8, 16, 32, 64], "lengths": res["lengths"], "ms": ms,
+                           "ratios": rat}
+        print("multi (4 adapters, r 8/16/32/64, segments " + "/".join(map(str, res["lengths"])) + "): " +
+              ", ".join(f"{key}={v:.3f}ms" for key, v in ms.items()))
+        print("multi ratios: " + ", ".join(f"{key}={v:.3f}" for key, v in rat.items()))
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+#!/usr/bin/env python
+"""Choose block configs per kernel and shape bucket on this GPU; write them as JSON.
+
+Times each candidate with triton.testing.do_bench (median, CUDA events) on the five benchmark shapes
+(r=16, p=0.1, bf16) and the multi-adapter case (r_max=64), and keeps the fastest per (kernel, bucket).
+Paste the result into ``lorafusion/kernels/tuning.py`` (TUNED), or point LORAFUSION_TUNING_FILE at the JSON.
+
+    python scripts/tune_kernels.py --out tuned.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from lorafusion.kernels import fused_multi_lora as K  # noqa: E402
+from lorafusion.kernels import tuning  # noqa: E402
+from lorafusion.ops import Routing  # noqa: E402
+
+SHAPES = [(8192, 4096, 4096), (8192, 4096, 14336), (8192, 14336, 4096), (16384, 4096, 4096), (4096, 8192, 8192)]
+
+CANDIDATES = {
+    "gemm": [dict(BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=w, num_stages=s)
+             for bm, bn, bk, w, s in [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 4, 4),
+                                      (256, 128, 64, 8, 3), (128, 128, 128, 8, 3)]],
+    "lowrank": [dict(BM=bm, BN=bn, GROUP_M=8, num_warps=w, num_stages=1)
+                for bm, bn, w in [(64, 128, 4), (128, 128, 8), (64, 256, 4), (128, 256, 8)]],
+    "shrink": [dict(BM=bm, BK=bk, num_warps=w, num_stages=s)
+               for bm, bk, w, s in [(32, 128, 4, 3), (16, 256, 4, 3), (32, 256, 4, 3), (64, 128, 4, 3),
+                                    (32, 128, 8, 4), (16, 128, 4, 4)]],
+    "ds_db": [dict(BM=bm, BN=bn, CH=ch, num_warps=w, num_stages=s)
+              for bm, bn, ch, w, s in [(64, 128, 1024, 4, 3), (64, 256, 1024, 8, 3), (32, 512, 1024, 8, 3),
+                                       (16, 512, 1024, 8, 3), (32, 512, 2048, 8, 3), (64, 128, 512, 4, 3)]],
+    "da": [dict(BM=bm, BK=bk, CH=ch, num_warps=w, num_stages=s)
+           for bm, bk, ch, w, s in [(64, 128, 1024, 4, 3), (64, 256, 1024, 8, 3), (128, 128, 1024, 8, 3),
+                                    (64, 128, 512, 4, 3), (64, 128, 2048, 4, 3), (32, 256, 512, 4, 3)]],
+}
+
+
+def timeit(fn):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def tune_one(kernel, bucket, run):
+    best, rows = None, []
+    for cfg in CANDIDATES[kernel]:
+        tuning.TUNED[(kernel, bucket)] = cfg
+        try:
+            run()
+            ms = timeit(run)
+        except Exception as e:  # noqa: BLE001 - a config that does not compile (shared memory) is skipped
+            rows.append((cfg, None, type(e).__name__))
+            continue
+        rows.append((cfg, ms, ""))
+        if best is None or ms < best[1]:
+            best = (cfg, ms)
+    tuning.TUNED.pop((kernel, bucket), None)
+    default_ms = next((ms for cfg, ms, _ in rows if cfg == tuning.DEFAULTS[kernel]), None)
+    return best, default_ms, rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="tuned.json")
+    ap.add_argument("--kernels", default="gemm,lowrank,shrink,ds_db,da")
+    args = ap.parse_args()
+    kernels = args.kernels.split(",")
+    dev, dt = "cuda", torch.bfloat16
+    os.environ.pop("LORAFUSION_TUNING_FILE", None)
+    results = []
+    cases = [(m, k, n, [16]) for m, k, n in SHAPES] + [(8192, 4096, 4096, [8, 16, 32, 64])]
+    done = set()
+    for m, k, n, ranks in cases:
+        torch.manual_seed(0)
+        if len(ranks) == 1:
+            routing = Routing.single(m)
+        else:
+            ls = [int(m * f) for f in (0.37, 0.29, 0.21)]
+            routing = Routing.from_lengths([0, 1, 2, 3], ls + [m - sum(ls)])
+        st = K.slot_tables(ranks, [2.0] * len(ranks), [0.1] * len(ranks), list(range(len(ranks))), dev)
+        ids = routing.ids(dev)
+        rt = sum(ranks)
+        x = torch.randn(m, k, device=dev, dtype=dt)
+        W = (torch.randn(n, k, device=dev) / k**0.5).to(dt)
+        A = (torch.randn(rt, k, device=dev) / k**0.5).to(dt)
+        B = (torch.randn(n, rt, device=dev) * 0.1).to(dt)
+        dy = torch.randn(m, n, device=dev, dtype=dt)
+        S = K.lora_shrink(x, A, st, routing, ids, k_total=k)
+        dS, _ = K.lora_ds_db(dy, B, S, st, routing)
+        jobs = {
+            "gemm": [((m, n, k), lambda: K.lora_gemm(x, W.t(), None, S, B.t(), st.scale, st, routing, n=n)),
+                     ((m, k, n), lambda: K.lora_gemm(dy, W, None, dS, A, st.inv_keep, st, routing, n=k,
+                                                     dropout=True, row_ids=ids, k_total=k))],
+            "lowrank": [((m, n, 0), lambda: K.lora_gemm(None, None, None, S, B.t(), st.scale, st, routing, n=n)),
+                        ((m, k, 0), lambda: K.lora_gemm(None, None, None, dS, A, st.inv_keep, st, routing, n=k,
+                                                        dropout=True, row_ids=ids, k_total=k))],
+            "shrink": [((m, st.r_max, k), lambda: K.lora_shrink(x, A, st, routing, ids, k_total=k))],
+            "ds_db": [((m, n, st.r_max), lambda: K.lora_ds_db(dy, B, S, st, routing))],
+            "da": [((m, st.r_max, k), lambda: K.lora_da(x, dS, st, routing, ids, k_total=k))],
+        }
+        for kernel in kernels:
+            for shape, run in jobs[kernel]:
+                bucket = tuning.bucket(*shape)
+                if (kernel, bucket) in done:
+                    continue
+                done.add((kernel, bucket))
+                best, default_ms, rows = tune_one(kernel, bucket, run)
+                if best is None:
+                    continue
+                results.append({"kernel": kernel, "bucket": list(bucket), "config": best[0], "ms": best[1],
+                                "default_ms": default_ms})
+                print(f"{kernel:8s} {str(bucket):22s} best {best[1]:.4f} ms (default {default_ms}) {best[0]}",
+                      flush=True)
+                for cfg, ms, err in rows:
+                    print(f"      {ms if ms is None else round(ms, 4)!s:>8} {err} {cfg}")
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"wrote {len(results)} configs to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
