@@ -128,6 +128,7 @@ def transformer_config(arch: ModelArch, params_dtype: torch.dtype = torch.float3
         autocast_dtype=params_dtype,
         deallocate_pipeline_outputs=False,
         variable_seq_lengths=True,
+        calculate_per_token_loss=True,
         moe_token_dispatcher_type="alltoall",
     )
     if recompute:

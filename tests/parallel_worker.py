@@ -1,0 +1,96 @@
+"""Worker for multi-process (gloo) tests: ``python parallel_worker.py MODE WORKDIR`` under RANK/WORLD_SIZE env.
+
+MODE "tp": TP=2 forward+backward of packed microbatches. MODE "pp": PP=2, 1F1B via Megatron's
+``get_forward_backward_func``. MODE "dp"-free. Writes results of rank 0 (and the last stage) to WORKDIR.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def microbatches(workdir: Path):
+    from lorafusion.data import pack_microbatch
+
+    spec = json.loads((workdir / "batches.json").read_text())
+    return [pack_microbatch([tuple(s) for s in mb["samples"]], row_ids=mb["row_ids"]) for mb in spec["mbs"]], spec
+
+
+def loss_terms(loss, batch, denom):
+    """Σ_a (adapter a's token-loss sum in this microbatch) / (adapter a's tokens over all microbatches)."""
+    total = 0.0
+    for name in batch.adapters:
+        m = batch.adapter_token_mask(name).float() * batch.loss_mask
+        total = total + (loss * m).sum() / denom[name]
+    return total
+
+
+def main():
+    mode, workdir = sys.argv[1], Path(sys.argv[2])
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from lorafusion.layers import lora_batch
+    from lorafusion.models.hf_import import build_model_from_hf
+    from lorafusion.runtime.dist import destroy_distributed, init_distributed
+    from lorafusion.runtime.export import adapter_peft_state, import_peft_adapter
+    from model_utils import adapter_seed
+
+    tp, pp = (2, 1) if mode == "tp" else (1, 2)
+    init_distributed(tp, pp)
+    model = build_model_from_hf(workdir / "base")
+    for name in sorted(os.listdir(workdir / "adapters")):
+        import_peft_adapter(model, name, workdir / "adapters" / name)
+    model.train()
+    mbs, spec = microbatches(workdir)
+    denom = spec["denom"]
+    rank = torch.distributed.get_rank()
+    out = {}
+
+    if mode == "tp":
+        losses = []
+        for b in mbs:
+            seeds = [adapter_seed(7, n) for n in b.adapters]
+            with lora_batch(model, b.routing, b.adapters, seeds):
+                loss = model(b.tokens, b.position_ids, attention_mask=None, labels=b.labels,
+                             packed_seq_params=b.packed_seq_params())
+            total = loss_terms(loss, b, denom)
+            total.backward()
+            losses.append(total.item())
+        out["losses"] = losses
+    else:
+        it = iter(mbs)
+
+        def forward_step(data_iterator, model_):
+            b = next(data_iterator)
+            seeds = [adapter_seed(7, n) for n in b.adapters]
+            with lora_batch(model_, b.routing, b.adapters, seeds):
+                output = model_(b.tokens, b.position_ids, attention_mask=None, labels=b.labels,
+                                packed_seq_params=b.packed_seq_params())
+
+            def loss_func(loss):
+                total = loss_terms(loss, b, denom)
+                return total, torch.tensor(1, dtype=torch.int), {"loss": total.detach().clone()}
+
+            return output, loss_func
+
+        fb = get_forward_backward_func()
+        res = fb(forward_step_func=forward_step, data_iterator=it, model=[model], num_microbatches=len(mbs),
+                 seq_length=max(b.num_tokens for b in mbs), micro_batch_size=1, forward_only=False)
+        if parallel_state.is_pipeline_last_stage():
+            (workdir / "pp_losses.json").write_text(json.dumps([r["loss"].item() for r in res]))
+    grads = {n: adapter_peft_state(model, n, model.lorafusion_arch, grad=True) for n in sorted(os.listdir(workdir / "adapters"))}
+    if rank == 0:
+        out["grads"] = grads
+        torch.save(out, workdir / f"{mode}_result.pt")
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""TP=2 and PP=2 (two gloo processes, 1F1B) equal the single-process model: losses and every LoRA grad."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_utils import write_hf_checkpoint
+from lorafusion.layers import LoRASpec, add_adapter
+from lorafusion.models.hf_import import build_model_from_hf
+from lorafusion.models.spec import ModelArch
+from lorafusion.runtime.export import adapter_peft_state, export_peft_adapter
+from model_utils import randomize_b
+
+pytestmark = pytest.mark.slow
+ARCH = ModelArch(family="qwen2", vocab_size=128, hidden_size=48, num_layers=4, num_attention_heads=4,
+                 num_query_groups=2, ffn_hidden_size=96, qkv_bias=True, max_position_embeddings=256)
+SPECS = {
+    "a": LoRASpec(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=("all-linear",)),
+    "b": LoRASpec(r=8, lora_alpha=16, target_modules=("q_proj", "k_proj", "v_proj", "down_proj")),
+    "c": LoRASpec(r=2, lora_alpha=4, lora_dropout=0.3, target_modules=("o_proj", "gate_proj", "up_proj")),
+}
+
+
+def _tok(seed, n):
+    return torch.randint(0, ARCH.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+MBS = [
+    {"samples": [["a", _tok(1, 9)], ["b", _tok(2, 7)], ["c", _tok(3, 5)]], "row_ids": [0, 1, 2]},
+    {"samples": [["a", _tok(4, 4)], ["c", _tok(5, 11)]], "row_ids": [3, 4]},
+    {"samples": [["b", _tok(6, 13)]], "row_ids": [5]},
+    {"samples": [["c", _tok(7, 6)], ["b", _tok(8, 3)], ["a", _tok(9, 8)]], "row_ids": [6, 7, 8]},
+]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, megatron_single):
+    d = tmp_path_factory.mktemp("parallel")
+    write_hf_checkpoint(ARCH, d / "base")
+    model = build_model_from_hf(d / "base")
+    for i, (n, s) in enumerate(SPECS.items()):
+        add_adapter(model, n, s, seed=i)
+    randomize_b(model, seed=1)
+    for n in SPECS:
+        export_peft_adapter(model, n, d / "adapters" / n)
+    denom = {n: 0 for n in SPECS}
+    from parallel_worker import loss_terms, microbatches
+
+    (d / "batches.json").write_text(json.dumps({"mbs": MBS, "denom": {}}))
+    mbs, _ = microbatches(d)
+    for b in mbs:
+        for n in b.adapters:
+            denom[n] += float((b.adapter_token_mask(n).float() * b.loss_mask).sum())
+    (d / "batches.json").write_text(json.dumps({"mbs": MBS, "denom": denom}))
+    # single-process reference from the same exported adapters
+    from lorafusion.runtime.export import import_peft_adapter
+    from model_utils import per_token_loss
+
+    ref = build_model_from_hf(d / "base")
+    for n in SPECS:
+        import_peft_adapter(ref, n, d / "adapters" / n)
+    ref.train()
+    losses = []
+    for b in mbs:
+        total = loss_terms(per_token_loss(ref, b), b, denom)
+        total.backward()
+        losses.append(total.item())
+    grads = {n: adapter_peft_state(ref, n, ARCH, grad=True) for n in SPECS}
+    return d, losses, grads
+
+
+def _launch(mode, d):
+    port = str(_free_port())
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port, OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).parent / "parallel_worker.py"), mode, str(d)],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, o in zip(procs, outs):
+        assert p.returncode == 0, o[-4000:]
+
+
+def _assert_grads_equal(got, want):
+    for n in want:
+        assert got[n].keys() == want[n].keys()
+        for k in want[n]:
+            scale = want[n][k].abs().max().clamp_min(1e-8)
+            assert (got[n][k] - want[n][k]).abs().max() / scale <= 1e-5, (n, k)
+
+
+def test_tensor_parallel_2_equals_single_process(workdir):
+    d, losses, grads = workdir
+    _launch("tp", d)
+    res = torch.load(d / "tp_result.pt")
+    assert res["losses"] == pytest.approx(losses, rel=1e-5)
+    _assert_grads_equal(res["grads"], grads)
+
+
+def test_pipeline_parallel_2_1f1b_equals_single_process(workdir):
+    d, losses, grads = workdir
+    _launch("pp", d)
+    assert json.loads((d / "pp_losses.json").read_text()) == pytest.approx(losses, rel=1e-5)
+    res = torch.load(d / "pp_result.pt")
+    _assert_grads_equal(res["grads"], grads)
