@@ -1,0 +1,412 @@
+"""DataBatcher: pack samples into microbatches of at most ``capacity`` tokens.
+
+Objective, lexicographic (:func:`pack_objective`, smaller is better):
+  1. the number of microbatches (bins);
+  2. the imbalance of the non-tail bins: the least-loaded bin is the *tail* (MergePass may fill it from
+     a neighbouring group), every other bin should be as full as possible, i.e. maximise the minimum
+     load ``L`` over the non-tail bins. All non-tail loads lie in ``[L, capacity]``.
+
+Algorithm: greedy first-fit-decreasing (FFD) gives a plan, a warm start and the fallback. If FFD's bin
+count exceeds the Martello–Toth L2 lower bound a MILP minimises the count; a second MILP with the count
+fixed maximises ``L``. Both go through PuLP (HiGHS when ``highspy`` is importable, else the bundled
+CBC), share one time limit, and a solution is only taken when it is strictly better than greedy, so the
+result is never worse than greedy and the time-limit path returns exactly the greedy plan. Instances
+with more than ``max_vars`` assignment variables are improved on a neighbourhood: the MILP re-packs the
+items of the k least-loaded greedy bins (k as large as fits ``max_vars``), the fuller bins are kept.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pulp
+
+from .spec import PlanError
+
+_MIN_SOLVE_S = 0.05  # below this remaining budget the MILP is not even built
+_CBC_SLACK_S = 0.03  # solver start/stop overhead kept out of the time limit handed to the solver
+_HARD_GRACE_S = 0.05  # CBC is killed this long after its own time limit
+
+
+@dataclass(frozen=True)
+class PackResult:
+    """``bins[b]`` are indices into the input lengths; bins sorted by load, fullest first (tail last)."""
+
+    bins: tuple[tuple[int, ...], ...]
+    loads: tuple[int, ...]
+    source: str  # "greedy" or "milp" (the MILP strictly improved on greedy)
+    count_optimal: bool  # the number of bins is proven minimal
+    lower_bound: int
+    solve_s: float = 0.0
+    timed_out: bool = False
+
+    @property
+    def num_bins(self) -> int:
+        return len(self.bins)
+
+    @property
+    def objective(self) -> tuple[int, int]:
+        return pack_objective(self.loads)
+
+
+def pack_objective(loads: Sequence[int]) -> tuple[int, int]:
+    """``(number of bins, -min load over all bins but the least-loaded one)``; smaller is better."""
+    if len(loads) <= 1:
+        return (len(loads), 0)
+    return (len(loads), -sorted(loads)[1])
+
+
+def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Greedy FFD: items by decreasing length (ties by index) into the first bin with room."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        n = lengths[i]
+        for b, room in enumerate(free):
+            if n <= room:
+                bins[b].append(i)
+                free[b] -= n
+                break
+        else:
+            bins.append([i])
+            free.append(capacity - n)
+    return bins
+
+
+def fill_upper_bound(lengths: Sequence[int], capacity: int, num_bins: int) -> int:
+    """Upper bound on the min non-tail load with ``num_bins`` non-empty bins: the non-tail bins hold
+    at most ``total - smallest item`` tokens, and each at most ``capacity``."""
+    if num_bins < 2:
+        return capacity
+    return min(capacity, (sum(lengths) - min(lengths)) // (num_bins - 1))
+
+
+def _fill_from_tail(lengths: Sequence[int], capacity: int, bins: list[list[int]], rounds: int) -> None:
+    """Local search (in place) raising the least-loaded non-tail bin: move the largest tail item that
+    fits into it, else swap one of its items for a larger tail item that fits. Stops when stuck."""
+    for _ in range(rounds):
+        if len(bins) < 3:
+            return
+        bins.sort(key=lambda b: -sum(lengths[i] for i in b))
+        low, tail = bins[-2], bins[-1]
+        room = capacity - sum(lengths[i] for i in low)
+        fits = [t for t in tail if lengths[t] <= room]
+        if fits and len(tail) > 1:
+            t = max(fits, key=lambda i: (lengths[i], -i))
+            tail.remove(t)
+            low.append(t)
+            continue
+        best = None
+        for a in low:
+            for t in tail:
+                gain = lengths[t] - lengths[a]
+                if 0 < gain <= room and (best is None or gain > best[0]):
+                    best = (gain, a, t)
+        if best is None:
+            return
+        _, a, t = best
+        low.remove(a)
+        tail.remove(t)
+        low.append(t)
+        tail.append(a)
+
+
+def greedy_pack(lengths: Sequence[int], capacity: int, rounds: int = 64) -> list[list[int]]:
+    """The greedy plan: FFD, then :func:`_fill_from_tail`. Never more bins than FFD."""
+    bins = first_fit_decreasing(lengths, capacity)
+    _fill_from_tail(lengths, capacity, bins, rounds)
+    return [b for b in bins if b]
+
+
+def lower_bound(lengths: Sequence[int], capacity: int) -> int:
+    """Martello–Toth L2 lower bound on the number of bins (>= ceil(total / capacity))."""
+    if len(lengths) == 0:
+        return 0
+    w = np.asarray(lengths, dtype=np.int64)
+    best = int(math.ceil(w.sum() / capacity))
+    half = capacity / 2
+    ks = np.unique(np.concatenate([[0], w[w <= half]]))
+    for k in ks:
+        j1 = w > capacity - k
+        j2 = (w > half) & (w <= capacity - k)
+        j3 = (w >= k) & (w <= half)
+        spare = int(j2.sum()) * capacity - int(w[j2].sum())
+        extra = max(0, math.ceil((int(w[j3].sum()) - spare) / capacity))
+        best = max(best, int(j1.sum()) + int(j2.sum()) + extra)
+    return best
+
+
+def highs_available() -> bool:
+    return importlib.util.find_spec("highspy") is not None
+
+
+def _use_highs(kind: str) -> bool:
+    if kind == "highs" and not highs_available():
+        raise PlanError("solver='highs' needs the highspy package")
+    return kind == "highs" or (kind == "auto" and highs_available())
+
+
+def _cbc() -> pulp.PULP_CBC_CMD:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pulp.PULP_CBC_CMD(msg=False, warmStart=True, threads=1)
+
+
+def _run_cbc(prob: pulp.LpProblem, deadline: float) -> None:
+    """PuLP's bundled CBC with ``-sec`` *and* a hard wall-clock kill: CBC only checks its time limit
+    between search phases, so a root-node cut loop can overrun it. Uses PuLP's own MPS/solution I/O."""
+    solver = _cbc()
+    mps, sol, mst = solver.create_tmp_files(prob.name, "mps", "sol", "mst")
+    try:
+        vs, vnames, cnames, _ = prob.writeMPS(mps, rename=1)
+        solver.writesol(mst, prob, vs, vnames, cnames)
+        time_limit = deadline - time.perf_counter() - _CBC_SLACK_S
+        if time_limit < _MIN_SOLVE_S / 2:
+            return
+        args = [solver.path, mps]
+        if prob.sense == pulp.LpMaximize:
+            args.append("-max")
+        args += ["-mips", mst, "-sec", f"{time_limit:.3f}", "-threads", "1", "-solve",
+                 "-solution", sol]
+        try:
+            subprocess.run(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           stdin=subprocess.DEVNULL, timeout=time_limit + _HARD_GRACE_S, check=False)
+        except subprocess.TimeoutExpired:
+            return
+        if not os.path.exists(sol):
+            return
+        status, values, _, _, _, sol_status = solver.readsol_MPS(sol, prob, vs, vnames, cnames)
+        prob.assignVarsVals(values)
+        prob.assignStatus(status, sol_status)
+    finally:
+        solver.delete_tmp_files(mps, sol, mst)
+
+
+def _binary(prob: pulp.LpProblem, name: str) -> pulp.LpVariable:
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, 0, 1, cat="Binary")
+    return pulp.LpVariable(name, 0, 1, cat="Binary")  # pragma: no cover - PuLP < 3.3
+
+
+def _continuous(prob: pulp.LpProblem, name: str, lo: float, hi: float) -> pulp.LpVariable:
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, lo, hi)
+    return pulp.LpVariable(name, lo, hi)  # pragma: no cover - PuLP < 3.3
+
+
+def _solve(prob: pulp.LpProblem, kind: str, deadline: float) -> int:
+    """Solve within what is left until ``deadline`` (model building already counted); return PuLP's
+    sol_status (1 optimal, 2 feasible at the time limit, else no solution)."""
+    time_limit = deadline - time.perf_counter() - _CBC_SLACK_S
+    if time_limit < _MIN_SOLVE_S:
+        return 0
+    prob.sol_status = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            if _use_highs(kind):
+                prob.solve(pulp.HiGHS(msg=False, timeLimit=time_limit))
+            else:
+                _run_cbc(prob, deadline)
+        except pulp.PulpSolverError:  # e.g. the solver stopped before writing a solution
+            return 0
+    return int(prob.sol_status)
+
+
+def _read_bins(x: dict[tuple[int, int], pulp.LpVariable], m: int, n: int) -> list[list[int]] | None:
+    bins: list[list[int]] = [[] for _ in range(n)]
+    for i in range(m):
+        hit = [b for b in range(n) if (i, b) in x and (x[i, b].varValue or 0.0) > 0.5]
+        if len(hit) != 1:
+            return None
+        bins[hit[0]].append(i)
+    return [b for b in bins if b]
+
+
+def _assignment(prob: pulp.LpProblem, w: Sequence[int], n: int, sym_bins: int) -> dict:
+    """x[i, b] with each item once; items are sorted by decreasing length, so for the first
+    ``sym_bins`` (interchangeable) bins ``x[i, b] = 0`` for ``b > i`` breaks symmetry."""
+    x = {}
+    for i in range(len(w)):
+        for b in range(n):
+            if b < sym_bins and b > i:
+                continue
+            x[i, b] = _binary(prob, f"x_{i}_{b}")
+    for i in range(len(w)):
+        prob += pulp.lpSum(x[i, b] for b in range(n) if (i, b) in x) == 1
+    return x
+
+
+def _canonical(bins: list[list[int]], sym_bins: int) -> list[list[int]]:
+    """Order bins so a warm start satisfies the symmetry-breaking rule (tail kept last if present)."""
+    head = sorted(bins[:sym_bins], key=min)
+    return head + bins[sym_bins:]
+
+
+def _milp_min_bins(w: Sequence[int], cap: int, warm: list[list[int]], kind: str, deadline: float):
+    n = len(warm)
+    prob = pulp.LpProblem("lorafusion_min_bins", pulp.LpMinimize)
+    x = _assignment(prob, w, n, sym_bins=n)
+    y = [_binary(prob, f"y_{b}") for b in range(n)]
+    prob += pulp.lpSum(y)
+    for b in range(n):
+        prob += pulp.lpSum(w[i] * x[i, b] for i in range(len(w)) if (i, b) in x) <= cap * y[b]
+        if b + 1 < n:
+            prob += y[b] >= y[b + 1]
+    for b, items in enumerate(_canonical(warm, n)):
+        y[b].setInitialValue(1)
+        for i in items:
+            x[i, b].setInitialValue(1)
+    status = _solve(prob, kind, deadline)
+    if status not in (1, 2):
+        return None, False
+    return _read_bins(x, len(w), n), status == 1
+
+
+def _milp_fill(w: Sequence[int], cap: int, warm: list[list[int]], kind: str, deadline: float):
+    n = len(warm)
+    tail = min(range(n), key=lambda b: sum(w[i] for i in warm[b]))
+    warm = _canonical([warm[b] for b in range(n) if b != tail] + [warm[tail]], n - 1)
+    prob = pulp.LpProblem("lorafusion_fill", pulp.LpMaximize)
+    x = _assignment(prob, w, n, sym_bins=n - 1)
+    lmin = _continuous(prob, "lmin", 0, cap)
+    prob += lmin
+    for b in range(n):
+        load = pulp.lpSum(w[i] * x[i, b] for i in range(len(w)) if (i, b) in x)
+        prob += load <= cap
+        if b < n - 1:
+            prob += load >= lmin
+    for b, items in enumerate(warm):
+        for i in items:
+            if (i, b) in x:
+                x[i, b].setInitialValue(1)
+    lmin.setInitialValue(min(sum(w[i] for i in items) for items in warm[:-1]))
+    status = _solve(prob, kind, deadline)
+    if status not in (1, 2):
+        return None, False
+    return _read_bins(x, len(w), n), status == 1
+
+
+def _valid(bins: list[list[int]] | None, w: Sequence[int], cap: int) -> bool:
+    if not bins:
+        return False
+    seen = sorted(i for b in bins for i in b)
+    return seen == list(range(len(w))) and all(sum(w[i] for i in b) <= cap for b in bins)
+
+
+def _loads(bins: list[list[int]], w: Sequence[int]) -> list[int]:
+    return [sum(w[i] for i in b) for b in bins]
+
+
+class DataBatcher:
+    """Packs one group's samples; see the module docstring for objective and guarantees."""
+
+    def __init__(
+        self,
+        capacity: int,
+        time_limit_s: float = 0.5,
+        solver: str = "auto",
+        max_vars: int = 3000,
+    ) -> None:
+        if capacity < 1:
+            raise PlanError("capacity must be positive")
+        self.capacity = int(capacity)
+        self.time_limit_s = float(time_limit_s)
+        self.solver = solver
+        self.max_vars = int(max_vars)
+
+    def pack(self, lengths: Sequence[int], time_limit_s: float | None = None) -> PackResult:
+        """Pack ``lengths`` (each in ``1..capacity``) into bins; never worse than greedy FFD."""
+        t0 = time.perf_counter()
+        cap = self.capacity
+        for i, n in enumerate(lengths):
+            if not 0 < n <= cap:
+                raise PlanError(f"item {i} has {n} tokens, capacity is {cap}")
+        budget = self.time_limit_s if time_limit_s is None else time_limit_s
+        greedy = greedy_pack(lengths, cap)
+        lb = lower_bound(lengths, cap)
+        best, source, timed_out = greedy, "greedy", False
+        if self.solver != "greedy" and len(greedy) > 1 and budget >= _MIN_SOLVE_S:
+            cand, timed_out = self._improve(lengths, greedy, lb, t0 + budget)
+            if _valid(cand, lengths, cap) and pack_objective(_loads(cand, lengths)) < pack_objective(
+                _loads(greedy, lengths)
+            ):
+                best, source = cand, "milp"
+        else:
+            timed_out = self.solver != "greedy" and len(greedy) > 1
+        return self._result(best, lengths, source, lb, t0, timed_out)
+
+    def _result(self, bins, w, source, lb, t0, timed_out) -> PackResult:
+        bins = sorted((sorted(b) for b in bins), key=lambda b: (-sum(w[i] for i in b), b[0]))
+        loads = tuple(sum(w[i] for i in b) for b in bins)
+        return PackResult(
+            bins=tuple(tuple(b) for b in bins),
+            loads=loads,
+            source=source,
+            count_optimal=len(bins) == lb,
+            lower_bound=lb,
+            solve_s=time.perf_counter() - t0,
+            timed_out=timed_out,
+        )
+
+    def _improve(self, w: Sequence[int], greedy: list[list[int]], lb: int, deadline: float):
+        """Exact MILP when the instance has at most ``max_vars`` assignment variables, else a large
+        neighbourhood search: re-solve the tail plus the least-loaded bins until nothing improves."""
+        if len(w) * len(greedy) <= self.max_vars:
+            return self._region(w, greedy, lb, deadline)
+        bins, timed_out = [list(b) for b in greedy], False
+        while deadline - time.perf_counter() >= _MIN_SOLVE_S:
+            by_load = sorted(bins, key=lambda b: sum(w[i] for i in b))
+            k, items = 2, len(by_load[0]) + len(by_load[1])
+            while k < len(by_load) and (items + len(by_load[k])) * (k + 1) <= self.max_vars // 4:
+                items += len(by_load[k])
+                k += 1
+            left = deadline - time.perf_counter()
+            region, to = self._region(w, by_load[:k], None, time.perf_counter() + max(left / 2, _MIN_SOLVE_S))
+            timed_out = timed_out or to
+            new = region + by_load[k:]
+            if not pack_objective(_loads(new, w)) < pack_objective(_loads(bins, w)):
+                break
+            bins = new
+        return bins, timed_out
+
+    def _region(self, w: Sequence[int], bins: list[list[int]], lb: int | None, deadline: float):
+        """Re-pack the items of ``bins`` (a subset of the plan) optimally, within ``deadline``."""
+        items = sorted((i for b in bins for i in b), key=lambda i: (-w[i], i))
+        sw = [w[i] for i in items]
+        pos = {i: p for p, i in enumerate(items)}
+        warm = [[pos[i] for i in b] for b in bins]
+        lb = lower_bound(sw, self.capacity) if lb is None else lb
+        solved, timed_out = self._solve_sub(sw, warm, lb, deadline)
+        return [[items[p] for p in b] for b in solved], timed_out
+
+    def _solve_sub(self, sw: list[int], warm: list[list[int]], lb: int, deadline: float):
+        cap, timed_out = self.capacity, False
+        if len(warm) > lb:
+            left = deadline - time.perf_counter()
+            if left < _MIN_SOLVE_S:
+                return warm, True
+            fewer, optimal = _milp_min_bins(sw, cap, warm, self.solver, time.perf_counter() + left / 2)
+            timed_out = not optimal
+            if _valid(fewer, sw, cap) and len(fewer) < len(warm):
+                warm = fewer
+        if len(warm) < 2 or -pack_objective(_loads(warm, sw))[1] >= fill_upper_bound(sw, cap, len(warm)):
+            return warm, timed_out
+        if deadline - time.perf_counter() < _MIN_SOLVE_S:
+            return warm, True
+        filled, optimal = _milp_fill(sw, cap, warm, self.solver, deadline)
+        timed_out = timed_out or not optimal
+        if _valid(filled, sw, cap) and pack_objective(
+            _loads(filled, sw)
+        ) < pack_objective(_loads(warm, sw)):
+            warm = filled
+        return warm, timed_out

@@ -1,0 +1,145 @@
+"""Online multi-job scheduling (tLoRA-style): jobs join and leave between global batches.
+
+:class:`OnlineScheduler` plans the next ``rounds`` global batches of every active job per call. Plans
+already returned are never changed (finished and in-flight work is not disturbed); the next plan
+continues the slot stream, carrying each job's dependency constraint as ``Plan.initial_ready``. A job
+that joins starts with its next call; a job that leaves gets no further batches (what was planned
+stays). Jobs may differ in global batch size, LoRA rank (cost per token grows with rank in the
+simulated cost) and priority (higher priority first inside groups and microbatches). :meth:`report`
+simulates the whole stream and each job alone and reports the job's slowdown against running alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .costmodel import CostModel
+from .spec import JobSpec, Microbatch, Plan, PlanError, PlanStats, SchedulerConfig
+from .planner import plan as make_plan
+from .simulate import job_spans, simulate_plan
+
+
+def concat_plans(plans: list[Plan]) -> Plan:
+    """One plan equal to running ``plans`` back to back (slots and indices shifted)."""
+    if not plans:
+        raise PlanError("concat_plans needs at least one plan")
+    first = plans[0]
+    mbs: list[Microbatch] = []
+    last: dict[tuple[str, int], int] = {}
+    slot0 = 0
+    for p in plans:
+        if (p.pipeline_depth, p.dp_size, p.token_capacity) != (
+            first.pipeline_depth, first.dp_size, first.token_capacity
+        ):
+            raise PlanError("concat_plans: plans differ in pipeline depth, dp size or capacity")
+        base = len(mbs)
+        for mb in p.microbatches:
+            mbs.append(replace(mb, index=base + mb.index, slot=slot0 + mb.slot))
+        for key, idx in p.last_microbatch.items():
+            last[key] = base + idx
+        slot0 += p.num_slots
+    return Plan(mbs, first.pipeline_depth, first.dp_size, first.token_capacity, last,
+                dict(first.initial_ready), PlanStats(num_noops=sum(m.is_noop for m in mbs)))
+
+
+@dataclass(frozen=True)
+class JobReport:
+    name: str
+    batches_planned: int
+    step_slots: tuple[int, ...]  # global slot after which each planned batch's optimizer steps
+    shared_s: float  # simulated time from its first forward to its last backward, sharing the GPUs
+    alone_s: float  # simulated time of its planned batches alone (one job, no grouping)
+    slowdown: float  # shared_s / alone_s
+
+
+class OnlineScheduler:
+    """Stateful planner over a growing stream of plans; see the module docstring."""
+
+    def __init__(self, config: SchedulerConfig, cost_model: CostModel | None = None) -> None:
+        if config.token_capacity == "auto":
+            raise PlanError("OnlineScheduler needs a fixed token_capacity (resolve 'auto' first)")
+        self.config = config
+        self.cost_model = cost_model or CostModel()
+        self.specs: dict[str, JobSpec] = {}
+        self.active: list[str] = []
+        self.cursor: dict[str, int] = {}
+        self.ready: dict[str, int] = {}  # absolute slot where the job's next batch may start
+        self.plans: list[Plan] = []
+        self.slots = 0
+        self.groups: list[list[str]] | None = None  # kept while the set of planned jobs is unchanged
+
+    def add_job(self, job: JobSpec) -> None:
+        """Join: the job's batches are planned from the next call on."""
+        if job.name in self.active:
+            raise PlanError(f"job {job.name!r} is already running")
+        if job.name in self.specs:
+            raise PlanError(f"job {job.name!r} already ran; rejoin under a new name")
+        self.specs[job.name] = job
+        self.active.append(job.name)
+        self.cursor[job.name] = 0
+
+    def remove_job(self, name: str) -> None:
+        """Leave: no further batches of the job are planned; planned ones stay."""
+        if name not in self.active:
+            raise PlanError(f"job {name!r} is not running")
+        self.active.remove(name)
+
+    def _window(self, name: str, rounds: int) -> JobSpec | None:
+        job, k = self.specs[name], self.cursor[name]
+        batches = list(job.global_batches[k : k + rounds])
+        if not batches:
+            return None
+        return replace(job, global_batches=batches, first_batch_index=job.first_batch_index + k)
+
+    def plan_next(self, rounds: int = 1) -> Plan | None:
+        """Plan the next ``rounds`` global batches of every active job (None when nothing is left)."""
+        windows = [w for n in self.active if (w := self._window(n, rounds)) is not None]
+        if not windows:
+            return None
+        ready = {w.name: max(0, self.ready.get(w.name, 0) - self.slots) for w in windows}
+        if self.groups is None or {n for g in self.groups for n in g} != {w.name for w in windows}:
+            self.groups = None
+        p = make_plan(windows, self.config, self.cost_model, ready, self.groups)
+        self.groups = self.groups or p.stats.groups
+        for (job, _), idx in sorted(p.last_microbatch.items(), key=lambda kv: kv[1]):
+            self.ready[job] = self.slots + p.microbatches[idx].slot + self.config.pipeline_depth
+        for w in windows:
+            self.cursor[w.name] += len(w.global_batches)
+            if self.cursor[w.name] >= len(self.specs[w.name].global_batches):
+                self.active.remove(w.name)
+        self.plans.append(p)
+        self.slots += p.num_slots
+        return p
+
+    def combined(self) -> Plan:
+        """All plans so far as one plan (what the runtime has been given, in order)."""
+        return concat_plans(self.plans)
+
+    def planned_jobs(self) -> list[JobSpec]:
+        """Each job restricted to the global batches planned so far (input for ``verify_plan``)."""
+        out = []
+        for name, job in self.specs.items():
+            k = self.cursor[name]
+            if k:
+                out.append(replace(job, global_batches=list(job.global_batches[:k])))
+        return out
+
+    def report(self) -> dict[str, JobReport]:
+        """Simulated shared vs alone time per job (DP rank 0), and optimizer-step slots."""
+        combined = self.combined()
+        ranks = {n: j.rank for n, j in self.specs.items()}
+        spans = job_spans(combined, simulate_plan(combined, self.cost_model, ranks)[0])
+        steps: dict[str, list[int]] = {}
+        for (job, _), idx in sorted(combined.last_microbatch.items(), key=lambda kv: kv[0]):
+            steps.setdefault(job, []).append(combined.microbatches[idx].slot)
+        out = {}
+        for job in self.planned_jobs():
+            alone_cfg = replace(self.config, grouping=False)
+            alone = make_plan([job], alone_cfg, self.cost_model)
+            alone_s = simulate_plan(alone, self.cost_model, ranks)[0].makespan
+            lo, hi = spans.get(job.name, (0.0, 0.0))
+            out[job.name] = JobReport(
+                job.name, len(job.global_batches), tuple(steps.get(job.name, ())), hi - lo, alone_s,
+                (hi - lo) / alone_s if alone_s > 0 else float("nan"),
+            )
+        return out

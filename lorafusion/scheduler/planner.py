@@ -1,0 +1,132 @@
+"""The planning pipeline: AdapterGrouper → DataBatcher (per group and round) → MergePass → sequencer.
+
+Stream layout: for round r = 0, 1, ... and each group in grouper order, the group's jobs' r-th global
+batch in this call (jobs in priority order) are packed together into one chunk of microbatches.
+Chunks are merged at their tails and sequenced into slots with no-ops where the dependency rule
+demands them (see :mod:`.verify`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+from .batcher import DataBatcher
+from .costmodel import CostModel, auto_token_capacity
+from .grouper import AdapterGrouper, JobLoad
+from .merge import merge_tails, noop_counter, orient
+from .spec import Entry, JobSpec, Plan, PlanError, PlanStats, SampleTooLongError, SchedulerConfig
+from .verify import PackedMicrobatch, sequence
+
+
+def resolve_capacity(
+    config: SchedulerConfig, jobs: Sequence[JobSpec], cost_model: CostModel | None = None
+) -> int:
+    """``config.token_capacity``, or for ``"auto"`` :func:`auto_token_capacity` of the cost model
+    (the default :class:`CostModel` when none is given) and the longest sample."""
+    if config.token_capacity != "auto":
+        return int(config.token_capacity)
+    longest = config.max_sample_len_for_auto or max(
+        (n for j in jobs for b in j.global_batches for _, n in b), default=1
+    )
+    return auto_token_capacity(cost_model or CostModel(), longest)
+
+
+def job_entries(job: JobSpec, capacity: int) -> list[list[Entry]]:
+    """Entries per global batch; raises SampleTooLongError unless the job truncates."""
+    out = []
+    for k, batch in enumerate(job.global_batches):
+        g = job.first_batch_index + k
+        entries = []
+        for sid, n in batch:
+            if n <= 0:
+                raise PlanError(f"job {job.name!r} batch {g}: sample {sid!r} has {n} tokens")
+            if n > capacity and not job.truncate:
+                raise SampleTooLongError(
+                    f"job {job.name!r} batch {g}: sample {sid!r} has {n} tokens, more than the "
+                    f"token capacity {capacity} (set truncate on the job to cut it)"
+                )
+            entries.append(Entry(job.name, g, sid, min(n, capacity)))
+        out.append(entries)
+    return out
+
+
+def _job_rank(jobs: Sequence[JobSpec]) -> dict[str, int]:
+    order = sorted(range(len(jobs)), key=lambda k: (-jobs[k].priority, k))
+    return {jobs[k].name: r for r, k in enumerate(order)}
+
+
+def _loads(jobs: Sequence[JobSpec], capacity: int) -> list[JobLoad]:
+    out = []
+    for j in jobs:
+        tokens = sum(min(n, capacity) for b in j.global_batches for _, n in b)
+        out.append(JobLoad(j.name, tokens / capacity / max(1, len(j.global_batches)), j.priority))
+    return out
+
+
+def _pack_chunk(entries: list[Entry], batcher: DataBatcher, group: int, budget: float, stats: PlanStats):
+    res = batcher.pack([e.num_tokens for e in entries], budget)
+    stats.pack_sources[res.source] = stats.pack_sources.get(res.source, 0) + 1
+    return [PackedMicrobatch(tuple(entries[i] for i in b), group) for b in res.bins]
+
+
+def _choose_groups(jobs, config: SchedulerConfig, capacity: int, groups) -> list[list[str]]:
+    if groups is None:
+        grouper = AdapterGrouper(config.pipeline_depth, config.dp_size, config.grouping)
+        return grouper.group(_loads(jobs, capacity))
+    names = [j.name for j in jobs]
+    out = [[n for n in g if n in names] for g in groups]
+    placed = {n for g in out for n in g}
+    out += [[n] for n in names if n not in placed]
+    return [g for g in out if g]
+
+
+def _order_groups(groups: list[list[str]], ready: Mapping[str, int]) -> list[list[str]]:
+    return sorted(groups, key=lambda g: max(ready.get(n, 0) for n in g))
+
+
+def plan(
+    jobs: Sequence[JobSpec],
+    config: SchedulerConfig,
+    cost_model: CostModel | None = None,
+    initial_ready: Mapping[str, int] | None = None,
+    groups: Sequence[Sequence[str]] | None = None,
+) -> Plan:
+    """Plan all global batches of ``jobs``; ``initial_ready`` carries constraints from an earlier plan.
+
+    ``groups`` fixes the grouping (jobs absent from ``jobs`` are ignored; jobs missing from it form
+    their own groups), else the AdapterGrouper chooses. Groups whose jobs become ready earliest go
+    first. ``config.milp_time_limit_s`` is the MILP budget of the whole call, shared by its packings.
+    """
+    t0 = time.perf_counter()
+    names = [j.name for j in jobs]
+    if len(set(names)) != len(names):
+        raise PlanError(f"job names must be unique, got {names}")
+    capacity = resolve_capacity(config, jobs, cost_model)
+    entries = {j.name: job_entries(j, capacity) for j in jobs}
+    rank = _job_rank(jobs)
+    stats = PlanStats()
+    ready = dict(initial_ready or {})
+    stats.groups = _order_groups(_choose_groups(jobs, config, capacity, groups), ready)
+    batcher = DataBatcher(capacity, config.milp_time_limit_s, config.solver, config.max_milp_vars)
+    rounds = max((len(b) for b in entries.values()), default=0)
+    todo = [
+        (r, gi, [e for name in sorted(g, key=rank.__getitem__) if r < len(entries[name])
+                 for e in entries[name][r]])
+        for r in range(rounds) for gi, g in enumerate(stats.groups)
+    ]
+    todo = [t for t in todo if t[2]]
+    chunks = []
+    deadline = t0 + config.milp_time_limit_s
+    for k, (_, gi, ents) in enumerate(todo):
+        budget = max(0.0, deadline - time.perf_counter()) / (len(todo) - k)
+        chunks.append(_pack_chunk(ents, batcher, gi, budget, stats))
+    if config.merge:
+        count = noop_counter(config.pipeline_depth, config.dp_size, ready, config.lookahead)
+        stream, stats.merges = merge_tails(chunks, capacity, count, rank)
+    else:
+        stream = [mb for c in orient(chunks) for mb in c]
+    mbs, last = sequence(stream, config.pipeline_depth, config.dp_size, ready, config.lookahead)
+    stats.num_noops = sum(mb.is_noop for mb in mbs)
+    stats.plan_s = time.perf_counter() - t0
+    return Plan(mbs, config.pipeline_depth, config.dp_size, capacity, last, ready, stats)
