@@ -13,7 +13,10 @@ power-of-two block ``RB`` >= 16, which pads any rank 1..256 for ``tl.dot`` witho
 Kernels
 - ``_lora_gemm_kernel``: ``C = X·W' (+bias) + Σ_seg coef_a · keep_a ⊙ (S_seg · L_a)``. Forward:
   ``Y = X·Wᵀ + s·S·Bᵀ`` (L = Bᵀ, no mask); backward: ``dX = dY·W + keep ⊙ (dS·A)/(1-p)`` (L = A, mask
-  regenerated). ``HAS_MAIN=False`` gives the low-rank term alone (the tensor-parallel path).
+  regenerated). The low-rank term is computed first and becomes the initial accumulator of the main K
+  loop (one [BM, BN] accumulator, no second one kept live). Rows of a tile belong to at most one segment,
+  so per-row seed/threshold/coef vectors let one mask and one scaling pass serve every segment.
+  ``HAS_MAIN=False`` gives the low-rank term alone (the tensor-parallel path, the cuBLAS variant).
 - ``_shrink_kernel``: ``S = (keep ⊙ X)·Aᵀ/(1-p)`` per chunk (a chunk is ≤ BM rows of one segment).
 - ``_ds_db_kernel``: one pass over dY: ``dS = s·dY·B`` (partial per n-block) and ``dB = s·dYᵀ·S``
   (partial per chunk); partials are summed in a fixed order (deterministic, no atomics).
@@ -25,29 +28,28 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lorafusion.kernels.dropout import keep_tile, row_offsets
+from lorafusion.kernels.dropout import keep_tile, row_counter_base
 
 
 @triton.jit
 def _slot_meta(slot, r_ptr, roff_ptr):
-    """(valid, slot clamped, rank, rank offset); slot < 0 marks rows with no adapter (rank 0)."""
-    valid = slot >= 0
+    """(slot clamped, rank, rank offset); slot < 0 marks rows with no adapter (rank 0)."""
     sc = tl.maximum(slot, 0)
-    r = tl.where(valid, tl.load(r_ptr + sc), 0)
+    r = tl.where(slot >= 0, tl.load(r_ptr + sc), 0)
     roff = tl.load(roff_ptr + sc)
-    return valid, sc, r, roff
+    return sc, r, roff
 
 
 @triton.jit
 def _lora_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, s_ptr, l_ptr, out_ptr, rowid_ptr,
     seg_ptr, mb_ptr,
-    seed_ptr, p_ptr, coef_ptr, r_ptr, roff_ptr,
+    seed_ptr, thr_ptr, coef_ptr, r_ptr, roff_ptr,
     M, N, K,
     stride_xm, stride_xk, stride_wk, stride_wn,
     stride_sm, stride_sr, stride_lr, stride_ln, stride_om, stride_on,
     k_total, k_offset,
-    HAS_MAIN: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+    HAS_MAIN: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, ALIGNED: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -62,7 +64,41 @@ def _lora_gemm_kernel(
 
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
+    nmask = offs_n < N
+
+    # Low-rank term first: every segment that overlaps this row block (usually one).
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    seg_lo = tl.load(mb_ptr + 2 * pid_m)
+    seg_hi = tl.load(mb_ptr + 2 * pid_m + 1)
+    offs_r = tl.arange(0, RK)
+    coef_row = tl.zeros((BM,), dtype=tl.float32)
+    seed_row = tl.zeros((BM,), dtype=tl.int64)
+    thr_row = tl.zeros((BM,), dtype=tl.int32)
+    for si in range(seg_lo, seg_hi):
+        slot = tl.load(seg_ptr + 3 * si)
+        start = tl.load(seg_ptr + 3 * si + 1)
+        end = tl.load(seg_ptr + 3 * si + 2)
+        sc, r, roff = _slot_meta(slot, r_ptr, roff_ptr)
+        rowm = (offs_m >= start) & (offs_m < end)
+        for r0 in range(0, r, RK):
+            rr = r0 + offs_r
+            rmask = rr < r
+            s_t = tl.load(s_ptr + offs_m[:, None] * stride_sm + rr[None, :] * stride_sr,
+                          mask=rowm[:, None] & rmask[None, :], other=0.0)
+            l_t = tl.load(l_ptr + (roff + rr)[:, None] * stride_lr + offs_n[None, :] * stride_ln,
+                          mask=rmask[:, None] & nmask[None, :], other=0.0)
+            acc = tl.dot(s_t, l_t, acc)
+        coef_row = tl.where(rowm, tl.load(coef_ptr + sc), coef_row)
+        if DROPOUT:
+            seed_row = tl.where(rowm, tl.load(seed_ptr + sc), seed_row)
+            thr_row = tl.where(rowm, tl.load(thr_ptr + sc), thr_row)
+    if DROPOUT:
+        rid = tl.load(rowid_ptr + offs_m, mask=offs_m < M, other=0)
+        keep = keep_tile(seed_row[:, None], thr_row[:, None], row_counter_base(rid, k_total),
+                         k_offset + pid_n * BN, BN, ALIGNED)
+        acc = tl.where(keep, acc, 0.0)
+    acc = acc * coef_row[:, None]
+
     if HAS_MAIN:
         offs_k = tl.arange(0, BK)
         rm = offs_m % M
@@ -77,36 +113,6 @@ def _lora_gemm_kernel(
             x_ptrs += BK * stride_xk
             w_ptrs += BK * stride_wk
 
-    # Low-rank epilogue: every segment that overlaps this row block (usually one).
-    seg_lo = tl.load(mb_ptr + 2 * pid_m)
-    seg_hi = tl.load(mb_ptr + 2 * pid_m + 1)
-    offs_r = tl.arange(0, RK)
-    nmask = offs_n < N
-    if DROPOUT:
-        rid = tl.load(rowid_ptr + offs_m, mask=offs_m < M, other=0)
-        row_base = row_offsets(rid, k_total, k_offset)
-    for si in range(seg_lo, seg_hi):
-        slot = tl.load(seg_ptr + 3 * si)
-        start = tl.load(seg_ptr + 3 * si + 1)
-        end = tl.load(seg_ptr + 3 * si + 2)
-        valid, sc, r, roff = _slot_meta(slot, r_ptr, roff_ptr)
-        coef = tl.load(coef_ptr + sc)
-        rowm = (offs_m >= start) & (offs_m < end)
-        t = tl.zeros((BM, BN), dtype=tl.float32)
-        for r0 in range(0, r, RK):
-            rr = r0 + offs_r
-            rmask = rr < r
-            s_t = tl.load(s_ptr + offs_m[:, None] * stride_sm + rr[None, :] * stride_sr,
-                          mask=rowm[:, None] & rmask[None, :], other=0.0)
-            l_t = tl.load(l_ptr + (roff + rr)[:, None] * stride_lr + offs_n[None, :] * stride_ln,
-                          mask=rmask[:, None] & nmask[None, :], other=0.0)
-            t = tl.dot(s_t, l_t, t)
-        if DROPOUT:
-            seed = tl.load(seed_ptr + sc)
-            p = tl.load(p_ptr + sc)
-            t = tl.where(keep_tile(seed, row_base, offs_n, p), t, 0.0)
-        acc += t * coef
-
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=nmask, other=0.0)
         acc += bias.to(tl.float32)[None, :]
@@ -117,17 +123,17 @@ def _lora_gemm_kernel(
 @triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, s_ptr, rowid_ptr, chunk_ptr,
-    seed_ptr, p_ptr, inv_ptr, r_ptr, roff_ptr,
+    seed_ptr, thr_ptr, inv_ptr, r_ptr, roff_ptr,
     K, R_OUT,
     stride_xm, stride_xk, stride_ar, stride_ak, stride_sm, stride_sr,
     k_total, k_offset,
-    DROPOUT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr,
+    DROPOUT: tl.constexpr, ALIGNED: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr,
 ):
     c = tl.program_id(0)
     slot = tl.load(chunk_ptr + 3 * c)
     start = tl.load(chunk_ptr + 3 * c + 1)
     length = tl.load(chunk_ptr + 3 * c + 2)
-    valid, sc, r, roff = _slot_meta(slot, r_ptr, roff_ptr)
+    sc, r, roff = _slot_meta(slot, r_ptr, roff_ptr)
     lm = tl.arange(0, BM)
     offs_m = start + lm
     rowm = lm < length
@@ -139,15 +145,15 @@ def _shrink_kernel(
     acc = tl.zeros((BM, RB), dtype=tl.float32)
     if DROPOUT:
         seed = tl.load(seed_ptr + sc)
-        p = tl.load(p_ptr + sc)
+        thr = tl.load(thr_ptr + sc)
         rid = tl.load(rowid_ptr + offs_m, mask=rowm, other=0)
-        row_base = row_offsets(rid, k_total, k_offset)
+        row_base = row_counter_base(rid, k_total)
     n_k = tl.where(r > 0, tl.cdiv(K, BK), 0)
     for kk in range(0, n_k):
         kmask = offs_k < K - kk * BK
         x = tl.load(x_ptrs, mask=rowm[:, None] & kmask[None, :], other=0.0)
         if DROPOUT:
-            x = tl.where(keep_tile(seed, row_base, kk * BK + offs_k, p), x, 0.0)
+            x = tl.where(keep_tile(seed, thr, row_base, k_offset + kk * BK, BK, ALIGNED), x, 0.0)
         a = tl.load(a_ptrs, mask=kmask[:, None] & rmask[None, :], other=0.0)
         acc = tl.dot(x, a, acc)
         x_ptrs += BK * stride_xk
@@ -171,7 +177,7 @@ def _ds_db_kernel(
     slot = tl.load(chunk_ptr + 3 * c)
     start = tl.load(chunk_ptr + 3 * c + 1)
     length = tl.load(chunk_ptr + 3 * c + 2)
-    valid, sc, r, roff = _slot_meta(slot, r_ptr, roff_ptr)
+    sc, r, roff = _slot_meta(slot, r_ptr, roff_ptr)
     coef = tl.load(coef_ptr + sc)
     offs_n = nb * BN + tl.arange(0, BN)
     nmask = offs_n < N
@@ -197,11 +203,11 @@ def _ds_db_kernel(
 @triton.jit
 def _da_kernel(
     x_ptr, ds_ptr, dap_ptr, rowid_ptr, chunk_ptr,
-    seed_ptr, p_ptr, inv_ptr, r_ptr, roff_ptr,
+    seed_ptr, thr_ptr, inv_ptr, r_ptr, roff_ptr,
     K,
     stride_xm, stride_xk, stride_dsm, stride_dsr,
     k_total, k_offset,
-    DROPOUT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr,
+    DROPOUT: tl.constexpr, ALIGNED: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr,
 ):
     """Grid (k-blocks, chunks). dap: fp32 [chunks, RB, K]."""
     kb = tl.program_id(0)
@@ -209,7 +215,7 @@ def _da_kernel(
     slot = tl.load(chunk_ptr + 3 * c)
     start = tl.load(chunk_ptr + 3 * c + 1)
     length = tl.load(chunk_ptr + 3 * c + 2)
-    valid, sc, r, roff = _slot_meta(slot, r_ptr, roff_ptr)
+    sc, r, roff = _slot_meta(slot, r_ptr, roff_ptr)
     offs_k = kb * BK + tl.arange(0, BK)
     kmask = offs_k < K
     offs_r = tl.arange(0, RB)
@@ -217,7 +223,7 @@ def _da_kernel(
     acc = tl.zeros((RB, BK), dtype=tl.float32)
     if DROPOUT:
         seed = tl.load(seed_ptr + sc)
-        p = tl.load(p_ptr + sc)
+        thr = tl.load(thr_ptr + sc)
     lm = tl.arange(0, BM)
     n_i = tl.where(r > 0, tl.cdiv(length, BM), 0)
     for i in range(0, n_i):
@@ -227,7 +233,8 @@ def _da_kernel(
                     mask=rowm[:, None] & kmask[None, :], other=0.0)
         if DROPOUT:
             rid = tl.load(rowid_ptr + rows, mask=rowm, other=0)
-            x = tl.where(keep_tile(seed, row_offsets(rid, k_total, k_offset), offs_k, p), x, 0.0)
+            keep = keep_tile(seed, thr, row_counter_base(rid, k_total), k_offset + kb * BK, BK, ALIGNED)
+            x = tl.where(keep, x, 0.0)
         ds = tl.load(ds_ptr + rows[:, None] * stride_dsm + offs_r[None, :] * stride_dsr,
                      mask=rowm[:, None] & rmask[None, :], other=0.0)
         acc = tl.dot(tl.trans(ds), x, acc)

@@ -8,7 +8,7 @@ Tables (int32, device, built once per microbatch and memoised on the :class:`Rou
   are sorted by slot so that each slot's partials are one contiguous range, summed in a fixed order.
 
 Per call (seeds change every call): one small packed host tensor → one (pinned, non-blocking) copy holding
-seeds (int64), p, s, 1/(1-p) (fp32), r and the rank offset of each slot (int32).
+seeds (int64), s, 1/(1-p) (fp32), r, the rank offset and the dropout threshold of each slot (int32).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import triton
 
 from lorafusion.kernels.fused_lora import _da_kernel, _ds_db_kernel, _lora_gemm_kernel, _shrink_kernel
 from lorafusion.kernels.tuning import get_config, rank_block
+from lorafusion.ops.dropout import keep_threshold
 
 # ----------------------------------------------------------------------------------------------- tables
 
@@ -82,7 +83,7 @@ def chunk_table(routing, size: int, device, by_slot: bool = False):
 @dataclass
 class SlotTables:
     seed: torch.Tensor  # int64 [S]
-    p: torch.Tensor  # fp32 [S]
+    thr: torch.Tensor  # int32 [S] keep iff u16 >= thr (lorafusion.ops.dropout.keep_threshold)
     scale: torch.Tensor  # fp32 [S]
     inv_keep: torch.Tensor  # fp32 [S] 1/(1-p)
     r: torch.Tensor  # int32 [S]
@@ -97,28 +98,27 @@ def slot_tables(ranks: Sequence[int], scaling: Sequence[float], dropout_p: Seque
                 seeds: Sequence[int], device) -> SlotTables:
     """Per-call adapter tables in one host→device copy."""
     n = len(ranks)
-    for p in dropout_p:
-        if not 0.0 <= float(p) < 1.0:
-            raise ValueError(f"dropout p must be in [0, 1), got {p}")
     roffs, acc = [], 0
     for r in ranks:
         roffs.append(acc)
         acc += int(r)
     seeds64 = [int(s) & 0xFFFFFFFFFFFFFFFF for s in seeds]
     ints64 = torch.tensor([v - 2**64 if v >= 2**63 else v for v in seeds64], dtype=torch.int64)
-    f = torch.tensor([float(p) for p in dropout_p] + [float(s) for s in scaling]
-                     + [1.0 / (1.0 - float(p)) for p in dropout_p] + [0.0] * (n % 2), dtype=torch.float32)
-    i32 = torch.tensor([int(r) for r in ranks] + roffs + [0] * ((2 * n) % 2), dtype=torch.int32)
+    f = torch.tensor([float(s) for s in scaling] + [1.0 / (1.0 - float(p)) for p in dropout_p],
+                     dtype=torch.float32)
+    i32 = torch.tensor([int(r) for r in ranks] + roffs + [keep_threshold(p) for p in dropout_p] + [0] * (n % 2),
+                       dtype=torch.int32)
     host = torch.cat([ints64, f.view(torch.int64), i32.view(torch.int64)])
     dev = torch.device(device)
     if dev.type == "cuda":
         buf = host.pin_memory().to(dev, non_blocking=True)
     else:
         buf = host.to(dev)
-    fl = buf[n: n + (3 * n + n % 2 + 1) // 2].view(torch.float32)
-    it = buf[n + (3 * n + n % 2 + 1) // 2:].view(torch.int32)
+    nf = n  # 2n float32 = n int64
+    fl = buf[n: n + nf].view(torch.float32)
+    it = buf[n + nf:].view(torch.int32)
     r_max = max(int(r) for r in ranks)
-    return SlotTables(seed=buf[:n], p=fl[:n], scale=fl[n:2 * n], inv_keep=fl[2 * n:3 * n], r=it[:n],
+    return SlotTables(seed=buf[:n], thr=it[2 * n:3 * n], scale=fl[:n], inv_keep=fl[n:2 * n], r=it[:n],
                       roff=it[n:2 * n], ranks=tuple(int(r) for r in ranks), r_max=r_max, rb=rank_block(r_max),
                       dropout=any(float(p) > 0.0 for p in dropout_p))
 
@@ -147,13 +147,13 @@ def lora_gemm(x: torch.Tensor | None, w_kn: torch.Tensor | None, bias: torch.Ten
     _lora_gemm_kernel[grid](
         x if has_main else dummy, w_kn if has_main else dummy, bias if bias is not None else dummy, S, L_rn, out,
         row_ids if dropout else dummy, segs, mb,
-        st.seed, st.p, coef, st.r, st.roff,
+        st.seed, st.thr, coef, st.r, st.roff,
         m, n, kdim,
         x.stride(0) if has_main else 0, x.stride(1) if has_main else 0,
         w_kn.stride(0) if has_main else 0, w_kn.stride(1) if has_main else 0,
         S.stride(0), S.stride(1), L_rn.stride(0), L_rn.stride(1), out.stride(0), out.stride(1),
         k_total, k_offset,
-        HAS_MAIN=has_main, HAS_BIAS=bias is not None, DROPOUT=bool(dropout),
+        HAS_MAIN=has_main, HAS_BIAS=bias is not None, DROPOUT=bool(dropout), ALIGNED=k_offset % 8 == 0,
         BM=bm, BN=bn, BK=cfg.get("BK", 16), RK=min(st.rb, 64), GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -169,10 +169,11 @@ def lora_shrink(x: torch.Tensor, A_cat: torch.Tensor, st: SlotTables, routing, r
     chunks, n_chunks, _ = chunk_table(routing, cfg["BM"], x.device)
     S = torch.empty(m, st.r_max, device=x.device, dtype=x.dtype)
     _shrink_kernel[(n_chunks,)](
-        x, A_cat, S, row_ids, chunks, st.seed, st.p, st.inv_keep, st.r, st.roff,
+        x, A_cat, S, row_ids, chunks, st.seed, st.thr, st.inv_keep, st.r, st.roff,
         kdim, st.r_max, x.stride(0), x.stride(1), A_cat.stride(0), A_cat.stride(1), S.stride(0), S.stride(1),
         k_total, k_offset,
-        DROPOUT=st.dropout, BM=cfg["BM"], BK=max(16, min(cfg["BK"], 16384 // st.rb)), RB=st.rb,
+        DROPOUT=st.dropout, ALIGNED=k_offset % 8 == 0, BM=cfg["BM"], BK=max(16, min(cfg["BK"], 16384 // st.rb)),
+        RB=st.rb,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return S
@@ -222,9 +223,9 @@ def lora_da(x: torch.Tensor, dS: torch.Tensor, st: SlotTables, routing, row_ids:
     chunks, n_chunks, ranges = chunk_table(routing, cfg["CH"], x.device, by_slot=True)
     dap = torch.empty(n_chunks, st.rb, kdim, device=x.device, dtype=torch.float32)
     _da_kernel[(triton.cdiv(kdim, bk), n_chunks)](
-        x, dS, dap, row_ids, chunks, st.seed, st.p, st.inv_keep, st.r, st.roff,
+        x, dS, dap, row_ids, chunks, st.seed, st.thr, st.inv_keep, st.r, st.roff,
         kdim, x.stride(0), x.stride(1), dS.stride(0), dS.stride(1), k_total, k_offset,
-        DROPOUT=st.dropout, BM=cfg["BM"], BK=bk, RB=st.rb,
+        DROPOUT=st.dropout, ALIGNED=k_offset % 8 == 0, BM=cfg["BM"], BK=bk, RB=st.rb,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return [None if part is None else part[: st.ranks[a]]

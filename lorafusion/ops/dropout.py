@@ -1,11 +1,20 @@
 """Counter-based dropout masks: a pure function of (seed, row id, global column).
 
-The uniform numbers are Philox-4x32-10 exactly as ``triton.language.rand(seed, offset)`` computes them
-with 32-bit offsets, so the torch reference and the Triton kernels draw the same mask and nothing of
-size M×K is ever stored: backward regenerates it. ``offset = (row_id * k_total + k_offset + col) mod 2**32``.
+Philox-4x32-10 exactly as Triton's ``tl.randint4x(seed, counter)`` computes it (32-bit counters). One call
+gives four 32-bit words = eight 16-bit uniforms, so eight consecutive columns share one counter::
+
+    counter = (row_id * ceil(k_total / 8) + (k_offset + col) // 8) mod 2**32
+    t = (k_offset + col) % 8 ;  u16 = (word[t // 2] >> (16 * (t % 2))) & 0xFFFF
+    keep = u16 >= ceil(p * 65536)            (keep rate 1 - p, to within 2**-16)
+
+The torch reference and the Triton kernels (``lorafusion.kernels.dropout``) draw the same mask, and nothing
+of size M×K is ever stored: backward regenerates it. (Eight uniforms per Philox call instead of one per
+element: the kernels' X passes were bound by Philox arithmetic, not memory.)
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -19,8 +28,9 @@ def _umulhi(a: int, b: torch.Tensor) -> torch.Tensor:
     return ((b * a) >> 32) & _MASK32
 
 
-def philox_uint32(seed: int, offsets: torch.Tensor, n_rounds: int = 10) -> torch.Tensor:
-    """First Philox-4x32 output word for counters (offsets, 0, 0, 0) and key = seed; as int64 in [0, 2**32)."""
+def philox4_uint32(seed: int, offsets: torch.Tensor, n_rounds: int = 10) -> tuple[torch.Tensor, ...]:
+    """The four Philox-4x32 output words for counters (offsets, 0, 0, 0) and key = seed (``tl.randint4x``);
+    each as int64 in [0, 2**32)."""
     c0 = offsets.to(torch.int64) & _MASK32
     c1 = torch.zeros_like(c0)
     c2 = torch.zeros_like(c0)
@@ -34,7 +44,12 @@ def philox_uint32(seed: int, offsets: torch.Tensor, n_rounds: int = 10) -> torch
         c3 = (_c0 * _ROUND_A) & _MASK32
         k0 = (k0 + _KEY_A) & _MASK32
         k1 = (k1 + _KEY_B) & _MASK32
-    return c0
+    return c0, c1, c2, c3
+
+
+def philox_uint32(seed: int, offsets: torch.Tensor, n_rounds: int = 10) -> torch.Tensor:
+    """First Philox-4x32 output word (``tl.randint``)."""
+    return philox4_uint32(seed, offsets, n_rounds)[0]
 
 
 def philox_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
@@ -45,13 +60,26 @@ def philox_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32) * 4.6566127342e-10
 
 
+def keep_threshold(p: float) -> int:
+    """Integer threshold on the 16-bit uniforms: keep iff ``u16 >= keep_threshold(p)``."""
+    p = float(p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout p must be in [0, 1), got {p}")
+    return min(65535, math.ceil(p * 65536))
+
+
 def keep_mask(seed: int, row_ids: torch.Tensor, k: int, p: float, k_offset: int = 0,
               k_total: int | None = None) -> torch.Tensor:
-    """Boolean keep mask [len(row_ids), k]: element kept iff uniform >= p (keep rate 1 - p)."""
+    """Boolean keep mask [len(row_ids), k]: element kept with probability 1 - p (see module doc)."""
     k_total = k if k_total is None else k_total
+    thr = keep_threshold(p)
     cols = torch.arange(k_offset, k_offset + k, device=row_ids.device, dtype=torch.int64)
-    offsets = (row_ids.to(torch.int64)[:, None] * k_total + cols[None, :]) & _MASK32
-    return philox_uniform(seed, offsets) >= p
+    counters = (row_ids.to(torch.int64)[:, None] * ((k_total + 7) // 8) + (cols // 8)[None, :]) & _MASK32
+    words = torch.stack(philox4_uint32(seed, counters))  # [4, rows, k]
+    t = (cols % 8)[None, :].expand_as(counters)
+    w = torch.gather(words, 0, (t // 2).unsqueeze(0)).squeeze(0)
+    u16 = (w >> (16 * (t % 2))) & 0xFFFF
+    return u16 >= thr
 
 
 def mix_seed(*parts: int) -> int:
