@@ -47,7 +47,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lorafusion.scheduler import (  # noqa: E402
+from lorafusion.scheduler import (
     CostModel,
     JobSpec,
     OnlineScheduler,
@@ -112,7 +112,7 @@ def padding_and_imbalance(plans, capacity: int) -> tuple[float, float]:
     unused = total = 0
     tokens = []
     for p in plans:
-        real = sorted((mb.num_tokens for mb in p.microbatches if not mb.is_noop))
+        real = sorted(mb.num_tokens for mb in p.microbatches if not mb.is_noop)
         tokens += real
         for t in real[len(p.stats.groups):]:
             unused += capacity - t
@@ -120,12 +120,12 @@ def padding_and_imbalance(plans, capacity: int) -> tuple[float, float]:
     return (unused / total if total else 0.0), max(tokens) / statistics.mean(tokens)
 
 
-def single_adapter_bubble(jobs, S: int, capacity: int, time_limit: float, cm: CostModel) -> float:
+def single_adapter_bubble(jobs, S: int, capacity: int, time_limit: float, cm: CostModel, balance: str) -> float:
     busy = span = 0.0
     for job in jobs:
         for k, gb in enumerate(job.global_batches):
             one = JobSpec(job.name, [gb], job.global_batch_size, first_batch_index=k)
-            cfg = SchedulerConfig(S, 1, capacity, time_limit, grouping=False, merge=False)
+            cfg = SchedulerConfig(S, 1, capacity, time_limit, grouping=False, merge=False, balance=balance)
             (tl,) = simulate_plan(plan([one], cfg), cm)
             busy += sum(tl.busy)
             span += S * tl.makespan
@@ -133,7 +133,7 @@ def single_adapter_bubble(jobs, S: int, capacity: int, time_limit: float, cm: Co
 
 
 def run_config(jobs, S: int, capacity: int, args, cm: CostModel) -> dict:
-    cfg = SchedulerConfig(S, 1, capacity, args.milp_time_limit)
+    cfg = SchedulerConfig(S, 1, capacity, args.milp_time_limit, balance=args.balance)
     online = OnlineScheduler(cfg, cm)
     for j in jobs:
         online.add_job(j)
@@ -157,7 +157,7 @@ def run_config(jobs, S: int, capacity: int, args, cm: CostModel) -> dict:
         "milp_wins": sum(p.stats.pack_sources.get("milp", 0) for p in online.plans),
         "packings": sum(sum(p.stats.pack_sources.values()) for p in online.plans),
         "bubble_lorafusion": bubble_ratio(simulate_plan(combined, cm)),
-        "bubble_single_adapter": single_adapter_bubble(jobs, S, capacity, args.milp_time_limit, cm),
+        "bubble_single_adapter": single_adapter_bubble(jobs, S, capacity, args.milp_time_limit, cm, args.balance),
     }
 
 
@@ -172,6 +172,7 @@ def main() -> None:
     ap.add_argument("--lengths", action="append", default=[], help="length file (repeatable)")
     ap.add_argument("--headline", default="mixed:16384")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--balance", choices=["fill", "even"], default="fill")
     ap.add_argument("--plots", default="", help="directory for Gantt/packing PNGs of the headline")
     args = ap.parse_args()
 

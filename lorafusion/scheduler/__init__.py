@@ -45,16 +45,6 @@ from .costmodel import CostModel, auto_token_capacity, fit_cost_model
 from .grouper import AdapterGrouper, JobLoad
 from .merge import merge_tails
 from .online import JobReport, OnlineScheduler, concat_plans
-from .spec import (
-    Entry,
-    JobSpec,
-    Microbatch,
-    Plan,
-    PlanError,
-    PlanStats,
-    SampleTooLongError,
-    SchedulerConfig,
-)
 from .planner import plan, resolve_capacity
 from .simulate import (
     Timeline,
@@ -64,6 +54,16 @@ from .simulate import (
     render_packing,
     simulate_1f1b,
     simulate_plan,
+)
+from .spec import (
+    Entry,
+    JobSpec,
+    Microbatch,
+    Plan,
+    PlanError,
+    PlanStats,
+    SampleTooLongError,
+    SchedulerConfig,
 )
 from .verify import PackedMicrobatch, VerifyReport, dependency_distance, sequence, verify_plan
 

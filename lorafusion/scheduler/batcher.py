@@ -2,17 +2,21 @@
 
 Objective, lexicographic (:func:`pack_objective`, smaller is better):
   1. the number of microbatches (bins);
-  2. the imbalance of the non-tail bins: the least-loaded bin is the *tail* (MergePass may fill it from
-     a neighbouring group), every other bin should be as full as possible, i.e. maximise the minimum
-     load ``L`` over the non-tail bins. All non-tail loads lie in ``[L, capacity]``.
+  2. the imbalance between them, in one of two senses (``balance``):
+     * ``"fill"``: the least-loaded bin is the *tail* (MergePass may fill it from a neighbouring
+       group); every other bin as full as possible: maximise the minimum load ``L`` over the non-tail
+       bins, so all non-tail loads lie in ``[L, capacity]`` (little unused capacity);
+     * ``"even"``: all bins as equal as possible: minimise the maximum load (what a 1F1B pipeline
+       wants — its bubble grows like 1 − mean/max of the microbatch times — at the price of unused
+       capacity when a group packs into few bins).
 
-Algorithm: greedy first-fit-decreasing (FFD) gives a plan, a warm start and the fallback. If FFD's bin
-count exceeds the Martello–Toth L2 lower bound a MILP minimises the count; a second MILP with the count
-fixed maximises ``L``. Both go through PuLP (HiGHS when ``highspy`` is importable, else the bundled
+Algorithm: greedy (first-fit-decreasing (FFD) plus a short local search towards the objective) gives
+a plan, a warm start and the fallback. If FFD's bin count exceeds the Martello–Toth L2 lower bound a
+MILP minimises the count; a second MILP with the count fixed optimises the balance. Both go through PuLP (HiGHS when ``highspy`` is importable, else the bundled
 CBC), share one time limit, and a solution is only taken when it is strictly better than greedy, so the
 result is never worse than greedy and the time-limit path returns exactly the greedy plan. Instances
 with more than ``max_vars`` assignment variables are improved on a neighbourhood: the MILP re-packs the
-items of the k least-loaded greedy bins (k as large as fits ``max_vars``), the fuller bins are kept.
+items of a few bins (the least loaded for "fill", the most and least loaded for "even"), repeatedly.
 """
 
 from __future__ import annotations
@@ -52,13 +56,18 @@ class PackResult:
     def num_bins(self) -> int:
         return len(self.bins)
 
+    balance: str = "fill"
+
     @property
     def objective(self) -> tuple[int, int]:
-        return pack_objective(self.loads)
+        return pack_objective(self.loads, self.balance)
 
 
-def pack_objective(loads: Sequence[int]) -> tuple[int, int]:
-    """``(number of bins, -min load over all bins but the least-loaded one)``; smaller is better."""
+def pack_objective(loads: Sequence[int], balance: str = "fill") -> tuple[int, int]:
+    """Smaller is better. fill: ``(bins, -min load over all bins but the least-loaded one)``;
+    even: ``(bins, max load)``."""
+    if balance == "even":
+        return (len(loads), max(loads, default=0))
     if len(loads) <= 1:
         return (len(loads), 0)
     return (len(loads), -sorted(loads)[1])
@@ -120,10 +129,58 @@ def _fill_from_tail(lengths: Sequence[int], capacity: int, bins: list[list[int]]
         tail.append(a)
 
 
-def greedy_pack(lengths: Sequence[int], capacity: int, rounds: int = 64) -> list[list[int]]:
-    """The greedy plan: FFD, then :func:`_fill_from_tail`. Never more bins than FFD."""
+def _lpt(lengths: Sequence[int], capacity: int, n: int) -> list[list[int]] | None:
+    """Longest-processing-time into exactly ``n`` bins (each item to the least-loaded bin); None if an
+    item fits nowhere."""
+    bins: list[list[int]] = [[] for _ in range(n)]
+    load = [0] * n
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        b = min(range(n), key=lambda k: (load[k], k))
+        if load[b] + lengths[i] > capacity:
+            return None
+        bins[b].append(i)
+        load[b] += lengths[i]
+    return bins
+
+
+def _even_out(lengths: Sequence[int], capacity: int, bins: list[list[int]], rounds: int) -> None:
+    """Local search (in place) lowering the most-loaded bin: move one of its items to the least-loaded
+    bin, or swap a pair between the two, whenever that lowers their maximum. Stops when stuck."""
+    for _ in range(rounds):
+        loads = [sum(lengths[i] for i in b) for b in bins]
+        hi = max(range(len(bins)), key=loads.__getitem__)
+        lo = min(range(len(bins)), key=loads.__getitem__)
+        diff = loads[hi] - loads[lo]
+        best = None  # (new max of the pair, item from hi, item from lo or None)
+        for a in bins[hi]:
+            cands = [(None, lengths[a])] + [(t, lengths[a] - lengths[t]) for t in bins[lo]]
+            for t, delta in cands:
+                if 0 < delta < diff:
+                    new_max = max(loads[hi] - delta, loads[lo] + delta)
+                    if best is None or new_max < best[0]:
+                        best = (new_max, a, t)
+        if best is None:
+            return
+        _, a, t = best
+        bins[hi].remove(a)
+        bins[lo].append(a)
+        if t is not None:
+            bins[lo].remove(t)
+            bins[hi].append(t)
+
+
+def greedy_pack(
+    lengths: Sequence[int], capacity: int, rounds: int = 64, balance: str = "fill"
+) -> list[list[int]]:
+    """The greedy plan: FFD, then a local search for the balance objective (fill:
+    :func:`_fill_from_tail`; even: LPT into FFD's bin count when it fits, then :func:`_even_out`).
+    Never more bins than FFD."""
     bins = first_fit_decreasing(lengths, capacity)
-    _fill_from_tail(lengths, capacity, bins, rounds)
+    if balance == "even":
+        bins = _lpt(lengths, capacity, len(bins)) or bins
+        _even_out(lengths, capacity, bins, rounds)
+    else:
+        _fill_from_tail(lengths, capacity, bins, rounds)
     return [b for b in bins if b]
 
 
@@ -132,7 +189,7 @@ def lower_bound(lengths: Sequence[int], capacity: int) -> int:
     if len(lengths) == 0:
         return 0
     w = np.asarray(lengths, dtype=np.int64)
-    best = int(math.ceil(w.sum() / capacity))
+    best = math.ceil(w.sum() / capacity)
     half = capacity / 2
     ks = np.unique(np.concatenate([[0], w[w <= half]]))
     for k in ks:
@@ -272,6 +329,25 @@ def _milp_min_bins(w: Sequence[int], cap: int, warm: list[list[int]], kind: str,
     return _read_bins(x, len(w), n), status == 1
 
 
+def _milp_even(w: Sequence[int], cap: int, warm: list[list[int]], kind: str, deadline: float):
+    n = len(warm)
+    warm = _canonical(warm, n)
+    prob = pulp.LpProblem("lorafusion_even", pulp.LpMinimize)
+    x = _assignment(prob, w, n, sym_bins=n)
+    lmax = _continuous(prob, "lmax", 0, cap)
+    prob += lmax
+    for b in range(n):
+        prob += pulp.lpSum(w[i] * x[i, b] for i in range(len(w)) if (i, b) in x) <= lmax
+    for b, items in enumerate(warm):
+        for i in items:
+            x[i, b].setInitialValue(1)
+    lmax.setInitialValue(max(sum(w[i] for i in items) for items in warm))
+    status = _solve(prob, kind, deadline)
+    if status not in (1, 2):
+        return None, False
+    return _read_bins(x, len(w), n), status == 1
+
+
 def _milp_fill(w: Sequence[int], cap: int, warm: list[list[int]], kind: str, deadline: float):
     n = len(warm)
     tail = min(range(n), key=lambda b: sum(w[i] for i in warm[b]))
@@ -316,9 +392,13 @@ class DataBatcher:
         time_limit_s: float = 0.5,
         solver: str = "auto",
         max_vars: int = 3000,
+        balance: str = "fill",
     ) -> None:
         if capacity < 1:
             raise PlanError("capacity must be positive")
+        if balance not in ("fill", "even"):
+            raise PlanError(f"balance must be 'fill' or 'even', got {balance!r}")
+        self.balance = balance
         self.capacity = int(capacity)
         self.time_limit_s = float(time_limit_s)
         self.solver = solver
@@ -332,18 +412,19 @@ class DataBatcher:
             if not 0 < n <= cap:
                 raise PlanError(f"item {i} has {n} tokens, capacity is {cap}")
         budget = self.time_limit_s if time_limit_s is None else time_limit_s
-        greedy = greedy_pack(lengths, cap)
+        greedy = greedy_pack(lengths, cap, balance=self.balance)
         lb = lower_bound(lengths, cap)
         best, source, timed_out = greedy, "greedy", False
         if self.solver != "greedy" and len(greedy) > 1 and budget >= _MIN_SOLVE_S:
             cand, timed_out = self._improve(lengths, greedy, lb, t0 + budget)
-            if _valid(cand, lengths, cap) and pack_objective(_loads(cand, lengths)) < pack_objective(
-                _loads(greedy, lengths)
-            ):
+            if _valid(cand, lengths, cap) and self._obj(cand, lengths) < self._obj(greedy, lengths):
                 best, source = cand, "milp"
         else:
             timed_out = self.solver != "greedy" and len(greedy) > 1
         return self._result(best, lengths, source, lb, t0, timed_out)
+
+    def _obj(self, bins: list[list[int]], w: Sequence[int]) -> tuple[int, int]:
+        return pack_objective(_loads(bins, w), self.balance)
 
     def _result(self, bins, w, source, lb, t0, timed_out) -> PackResult:
         bins = sorted((sorted(b) for b in bins), key=lambda b: (-sum(w[i] for i in b), b[0]))
@@ -356,28 +437,39 @@ class DataBatcher:
             lower_bound=lb,
             solve_s=time.perf_counter() - t0,
             timed_out=timed_out,
+            balance=self.balance,
         )
 
     def _improve(self, w: Sequence[int], greedy: list[list[int]], lb: int, deadline: float):
         """Exact MILP when the instance has at most ``max_vars`` assignment variables, else a large
-        neighbourhood search: re-solve the tail plus the least-loaded bins until nothing improves."""
+        neighbourhood search: re-solve a few bins (see :meth:`_neighbourhood`) until nothing improves."""
         if len(w) * len(greedy) <= self.max_vars:
             return self._region(w, greedy, lb, deadline)
         bins, timed_out = [list(b) for b in greedy], False
         while deadline - time.perf_counter() >= _MIN_SOLVE_S:
-            by_load = sorted(bins, key=lambda b: sum(w[i] for i in b))
-            k, items = 2, len(by_load[0]) + len(by_load[1])
-            while k < len(by_load) and (items + len(by_load[k])) * (k + 1) <= self.max_vars // 4:
-                items += len(by_load[k])
-                k += 1
+            chosen, kept = self._neighbourhood(w, bins)
             left = deadline - time.perf_counter()
-            region, to = self._region(w, by_load[:k], None, time.perf_counter() + max(left / 2, _MIN_SOLVE_S))
+            region, to = self._region(w, chosen, None, time.perf_counter() + max(left / 2, _MIN_SOLVE_S))
             timed_out = timed_out or to
-            new = region + by_load[k:]
-            if not pack_objective(_loads(new, w)) < pack_objective(_loads(bins, w)):
+            new = region + kept
+            if not self._obj(new, w) < self._obj(bins, w):
                 break
             bins = new
         return bins, timed_out
+
+    def _neighbourhood(self, w: Sequence[int], bins: list[list[int]]):
+        """fill: the least-loaded bins; even: alternately the most and the least loaded; as many as
+        keep the region's MILP under ``max_vars // 4`` variables (at least two)."""
+        by_load = sorted(bins, key=lambda b: sum(w[i] for i in b))
+        if self.balance == "even":
+            order = [by_load[k // 2] if k % 2 else by_load[-1 - k // 2] for k in range(len(by_load))]
+        else:
+            order = by_load
+        k, items = 2, len(order[0]) + len(order[1])
+        while k < len(order) and (items + len(order[k])) * (k + 1) <= self.max_vars // 4:
+            items += len(order[k])
+            k += 1
+        return order[:k], order[k:]
 
     def _region(self, w: Sequence[int], bins: list[list[int]], lb: int | None, deadline: float):
         """Re-pack the items of ``bins`` (a subset of the plan) optimally, within ``deadline``."""
@@ -399,14 +491,20 @@ class DataBatcher:
             timed_out = not optimal
             if _valid(fewer, sw, cap) and len(fewer) < len(warm):
                 warm = fewer
-        if len(warm) < 2 or -pack_objective(_loads(warm, sw))[1] >= fill_upper_bound(sw, cap, len(warm)):
+        if len(warm) < 2 or self._balanced_enough(sw, warm):
             return warm, timed_out
         if deadline - time.perf_counter() < _MIN_SOLVE_S:
             return warm, True
-        filled, optimal = _milp_fill(sw, cap, warm, self.solver, deadline)
+        milp = _milp_even if self.balance == "even" else _milp_fill
+        better, optimal = milp(sw, cap, warm, self.solver, deadline)
         timed_out = timed_out or not optimal
-        if _valid(filled, sw, cap) and pack_objective(
-            _loads(filled, sw)
-        ) < pack_objective(_loads(warm, sw)):
-            warm = filled
+        if _valid(better, sw, cap) and self._obj(better, sw) < self._obj(warm, sw):
+            warm = better
         return warm, timed_out
+
+    def _balanced_enough(self, sw: list[int], bins: list[list[int]]) -> bool:
+        """The balance objective provably cannot improve (it meets its bound)."""
+        loads = _loads(bins, sw)
+        if self.balance == "even":
+            return max(loads) <= max(math.ceil(sum(sw) / len(bins)), max(sw))
+        return sorted(loads)[1] >= fill_upper_bound(sw, self.capacity, len(bins))

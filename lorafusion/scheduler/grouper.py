@@ -7,7 +7,7 @@ the dependency rule (see :mod:`.verify`) needs, per group k:
     Σ_{other groups} microbatches per round  >=  (S - 1) · dp_size
 
 (the paper's rule "the other jobs supply at least S−1 microbatches", in DP slots). Loads are
-estimated as tokens / capacity. We take the fewest groups (>= 2, so jobs in one group share packing)
+estimated as tokens / capacity per job and ceil(Σ) per group. We take the fewest groups (>= 2, so jobs in one group share packing)
 for which a longest-processing-time (LPT) balanced partition meets the rule for every group; if no
 partition does, every job gets its own group (the largest stagger possible) and the sequencer inserts
 the no-ops that remain unavoidable. With S == 1, or grouping off, all jobs form one group.
@@ -15,6 +15,7 @@ the no-ops that remain unavoidable. With S == 1, or grouping off, all jobs form 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -39,11 +40,16 @@ def lpt_partition(loads: list[JobLoad], k: int) -> list[list[JobLoad]]:
     return [g for g in groups if g]
 
 
+def group_microbatches(group: list[JobLoad]) -> int:
+    """Microbatches a group-round packs into at least: ceil of the summed fractional loads."""
+    return math.ceil(sum(j.microbatches for j in group) - 1e-9)
+
+
 def stagger_ok(groups: list[list[JobLoad]], pipeline_depth: int, dp_size: int) -> bool:
     """Whether the other groups supply >= (S-1)·dp microbatches between two batches of each group."""
     need = (pipeline_depth - 1) * dp_size
-    total = sum(j.microbatches for g in groups for j in g)
-    return all(total - sum(j.microbatches for j in g) >= need for g in groups)
+    counts = [group_microbatches(g) for g in groups]
+    return all(sum(counts) - c >= need for c in counts)
 
 
 class AdapterGrouper:

@@ -5,13 +5,15 @@ are laid out alternately — even chunks tail last, odd chunks tail first — so
 and 2p+1 are adjacent in the stream. For each such pair the pass merges the two tails into one
 microbatch when they fit together, and otherwise moves the largest samples of the emptier tail that
 fit into the fuller one. A move is skipped when it would put two global batches of one job into one
-microbatch, and a pair's change is undone when it would make the sequencer insert more no-ops (the
-dependency rule allows it only then); positions of everything else are unchanged.
+microbatch, and a pair's change is undone when it would make the sequencer insert more no-ops — counted on the
+stream followed by a repetition of itself, so a merge that only moves a no-op into the next planning
+call is refused as well. Positions of everything else are unchanged.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 from .verify import PackedMicrobatch, sequence
 
@@ -63,8 +65,12 @@ def merge_tails(
     capacity: int,
     noop_count: Callable[[list[PackedMicrobatch]], int],
     job_rank: Mapping[str, int],
+    partial: bool = True,
 ) -> tuple[list[PackedMicrobatch], int]:
-    """Return the merged stream (chunks oriented and concatenated) and the number of pairs changed."""
+    """Return the merged stream (chunks oriented and concatenated) and the number of pairs changed.
+
+    ``partial=False`` (balance "even") only merges two tails that fit together entirely and whose
+    sum does not exceed the largest microbatch of the two chunks, so balance is kept."""
     laid = orient(chunks)
     base = noop_count([mb for c in laid for mb in c])
     changed = 0
@@ -75,6 +81,11 @@ def merge_tails(
         new_a, new_b = fill_pair(left[-1], right[0], capacity, job_rank)
         if new_a == left[-1] and new_b == right[0]:
             continue
+        if not partial:
+            biggest = max(mb.num_tokens for mb in left + right)
+            merged = [mb for mb in (new_a, new_b) if mb is not None]
+            if len(merged) != 1 or merged[0].num_tokens > biggest:
+                continue
         trial_left = left[:-1] + ([new_a] if new_a is not None else [])
         trial_right = ([new_b] if new_b is not None else []) + right[1:]
         trial = laid[:p] + [trial_left, trial_right] + laid[p + 2 :]
@@ -84,13 +95,31 @@ def merge_tails(
     return [mb for c in laid for mb in c], changed
 
 
+def _repeat(stream: list[PackedMicrobatch]) -> list[PackedMicrobatch]:
+    """The stream followed by a copy of itself with every job's batches shifted past its last one:
+    a stand-in for the next planning call, which continues the same pattern."""
+    span: dict[str, int] = {}
+    lo: dict[str, int] = {}
+    for mb in stream:
+        for e in mb.entries:
+            lo[e.job] = min(lo.get(e.job, e.batch), e.batch)
+            span[e.job] = max(span.get(e.job, e.batch), e.batch)
+    shift = {j: span[j] - lo[j] + 1 for j in span}
+    copy = [
+        PackedMicrobatch(tuple(replace(e, batch=e.batch + shift[e.job]) for e in mb.entries), mb.group)
+        for mb in stream
+    ]
+    return stream + copy
+
+
 def noop_counter(
     pipeline_depth: int, dp_size: int, initial_ready: Mapping[str, int], lookahead: int | None
 ) -> Callable[[list[PackedMicrobatch]], int]:
-    """The no-op count the sequencer would produce for a stream (used to accept or undo merges)."""
+    """No-ops the sequencer would insert for a stream followed by its own repetition, so that a merge
+    that would only push the cost onto the next planning call is refused too."""
 
     def count(stream: list[PackedMicrobatch]) -> int:
-        mbs, _ = sequence(stream, pipeline_depth, dp_size, initial_ready, lookahead)
+        mbs, _ = sequence(_repeat(stream), pipeline_depth, dp_size, initial_ready, lookahead)
         return sum(mb.is_noop for mb in mbs)
 
     return count

@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .costmodel import CostModel
-from .spec import JobSpec, Microbatch, Plan, PlanError, PlanStats, SchedulerConfig
 from .planner import plan as make_plan
 from .simulate import job_spans, simulate_plan
+from .spec import JobSpec, Microbatch, Plan, PlanError, PlanStats, SchedulerConfig
 
 
 def concat_plans(plans: list[Plan]) -> Plan:

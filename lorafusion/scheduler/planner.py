@@ -108,7 +108,9 @@ def plan(
     stats = PlanStats()
     ready = dict(initial_ready or {})
     stats.groups = _order_groups(_choose_groups(jobs, config, capacity, groups), ready)
-    batcher = DataBatcher(capacity, config.milp_time_limit_s, config.solver, config.max_milp_vars)
+    batcher = DataBatcher(
+        capacity, config.milp_time_limit_s, config.solver, config.max_milp_vars, config.balance
+    )
     rounds = max((len(b) for b in entries.values()), default=0)
     todo = [
         (r, gi, [e for name in sorted(g, key=rank.__getitem__) if r < len(entries[name])
@@ -123,7 +125,7 @@ def plan(
         chunks.append(_pack_chunk(ents, batcher, gi, budget, stats))
     if config.merge:
         count = noop_counter(config.pipeline_depth, config.dp_size, ready, config.lookahead)
-        stream, stats.merges = merge_tails(chunks, capacity, count, rank)
+        stream, stats.merges = merge_tails(chunks, capacity, count, rank, config.balance == "fill")
     else:
         stream = [mb for c in orient(chunks) for mb in c]
     mbs, last = sequence(stream, config.pipeline_depth, config.dp_size, ready, config.lookahead)

@@ -63,6 +63,7 @@ class SchedulerConfig:
     milp_time_limit_s: float = 0.5
     grouping: bool = True
     merge: bool = True
+    balance: Literal["fill", "even"] = "fill"  # see batcher: full bins + tail, or equal bins
     solver: Literal["auto", "cbc", "highs", "greedy"] = "auto"
     lookahead: int | None = None  # window of the no-op sequencer; None -> 2 * S * dp + 4
     max_milp_vars: int = 3000  # bigger instances are improved on a neighbourhood of the greedy plan
@@ -73,6 +74,8 @@ class SchedulerConfig:
             raise PlanError("pipeline_depth and dp_size must be >= 1")
         if self.token_capacity != "auto" and int(self.token_capacity) < 1:
             raise PlanError("token_capacity must be a positive int or 'auto'")
+        if self.balance not in ("fill", "even"):
+            raise PlanError(f"balance must be 'fill' or 'even', got {self.balance!r}")
         if self.milp_time_limit_s < 0:
             raise PlanError("milp_time_limit_s must be >= 0")
 

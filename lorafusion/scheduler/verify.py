@@ -29,6 +29,7 @@ microbatch, and returns a :class:`VerifyReport`.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -232,7 +233,7 @@ def _check_dependencies(plan: Plan, pipeline_depth: int) -> dict[str, int]:
                   f"{plan.last_microbatch.get(key)}, but its last microbatch is {idx}")
     extra = set(plan.last_microbatch) - set(last)
     if extra:
-        job, g = sorted(extra)[0]
+        job, g = min(extra)
         _fail(f"job {job!r} batch {g}: in last_microbatch but has no samples in the plan")
     by_job: dict[str, list[int]] = defaultdict(list)
     for job, g in first:
@@ -246,7 +247,7 @@ def _check_dependencies(plan: Plan, pipeline_depth: int) -> dict[str, int]:
         if start < plan.initial_ready.get(job, 0):
             _fail(f"job {job!r} batch {gs[0]} starts at microbatch {first[job, gs[0]]} (slot {start}) "
                   f"before its carried ready slot {plan.initial_ready[job]}")
-        for a, b in zip(gs, gs[1:]):
+        for a, b in itertools.pairwise(gs):
             d = slot[first[job, b]] - slot[last[job, a]]
             min_gap[job] = min(min_gap.get(job, d), d)
             if d < gap:
