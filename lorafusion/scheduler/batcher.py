@@ -12,8 +12,9 @@ Objective, lexicographic (:func:`pack_objective`, smaller is better):
 
 Algorithm: greedy (first-fit-decreasing (FFD) plus a short local search towards the objective) gives
 a plan, a warm start and the fallback. If FFD's bin count exceeds the Martello–Toth L2 lower bound a
-MILP minimises the count; a second MILP with the count fixed optimises the balance. Both go through PuLP (HiGHS when ``highspy`` is importable, else the bundled
-CBC), share one time limit, and a solution is only taken when it is strictly better than greedy, so the
+MILP minimises the count; a second MILP with the count fixed optimises the balance. Both go through
+PuLP (HiGHS when ``highspy`` is importable, else the bundled CBC, run with a hard wall-clock kill),
+share one time limit, and a solution is only taken when it is strictly better than greedy, so the
 result is never worse than greedy and the time-limit path returns exactly the greedy plan. Instances
 with more than ``max_vars`` assignment variables are improved on a neighbourhood: the MILP re-packs the
 items of a few bins (the least loaded for "fill", the most and least loaded for "even"), repeatedly.
@@ -47,7 +48,7 @@ class PackResult:
     bins: tuple[tuple[int, ...], ...]
     loads: tuple[int, ...]
     source: str  # "greedy" or "milp" (the MILP strictly improved on greedy)
-    count_optimal: bool  # the number of bins is proven minimal
+    count_optimal: bool  # the bin count equals the L2 lower bound, hence is minimal
     lower_bound: int
     solve_s: float = 0.0
     timed_out: bool = False
