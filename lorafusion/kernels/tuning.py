@@ -28,8 +28,34 @@ INTERPRET: dict[str, dict] = {
 }
 
 # (kernel, bucket) -> config; bucket = (m rounded up to a power of two, n, k) as the kernel sees them.
-# Written from scripts/tune_kernels.py output (see docs/BENCHMARKS.md, "Kernels").
-TUNED: dict[tuple[str, tuple[int, int, int]], dict] = {}
+# Written from scripts/tune_kernels.py output on one H200 (2026-11-22, see docs/BENCHMARKS.md, "Kernels");
+# the comment is the tuned kernel's median time there.
+TUNED: dict[tuple[str, tuple[int, int, int]], dict] = {
+    ("gemm", (8192, 4096, 4096)): dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3),  # 426.1 us
+    ("lowrank", (8192, 4096, 0)): dict(BM=64, BN=128, GROUP_M=8, num_warps=4, num_stages=1),  # 32.2 us
+    ("shrink", (8192, 16, 4096)): dict(BM=32, BK=128, num_warps=4, num_stages=3),  # 42.6 us
+    ("ds_db", (8192, 4096, 16)): dict(BM=64, BN=256, CH=1024, num_warps=8, num_stages=3),  # 52.1 us
+    ("da", (8192, 16, 4096)): dict(BM=32, BK=256, CH=512, num_warps=4, num_stages=3),  # 53.1 us
+    ("gemm", (8192, 14336, 4096)): dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3),  # 1545.6 us
+    ("gemm", (8192, 4096, 14336)): dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4),  # 1295.0 us
+    ("lowrank", (8192, 14336, 0)): dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=1),  # 101.4 us
+    ("ds_db", (8192, 14336, 16)): dict(BM=64, BN=256, CH=1024, num_warps=8, num_stages=3),  # 113.1 us
+    ("shrink", (8192, 16, 14336)): dict(BM=32, BK=128, num_warps=4, num_stages=3),  # 126.2 us
+    ("da", (8192, 16, 14336)): dict(BM=32, BK=256, CH=512, num_warps=4, num_stages=3),  # 138.1 us
+    ("gemm", (16384, 4096, 4096)): dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3),  # 892.7 us
+    ("lowrank", (16384, 4096, 0)): dict(BM=64, BN=256, GROUP_M=8, num_warps=4, num_stages=1),  # 59.3 us
+    ("shrink", (16384, 16, 4096)): dict(BM=32, BK=128, num_warps=4, num_stages=3),  # 72.0 us
+    ("ds_db", (16384, 4096, 16)): dict(BM=64, BN=256, CH=1024, num_warps=8, num_stages=3),  # 98.4 us
+    ("da", (16384, 16, 4096)): dict(BM=32, BK=256, CH=512, num_warps=4, num_stages=3),  # 87.5 us
+    ("gemm", (4096, 8192, 8192)): dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3),  # 877.5 us
+    ("lowrank", (4096, 8192, 0)): dict(BM=64, BN=256, GROUP_M=8, num_warps=4, num_stages=1),  # 32.9 us
+    ("shrink", (4096, 16, 8192)): dict(BM=16, BK=128, num_warps=4, num_stages=4),  # 52.3 us
+    ("ds_db", (4096, 8192, 16)): dict(BM=64, BN=128, CH=1024, num_warps=4, num_stages=3),  # 52.7 us
+    ("da", (4096, 16, 8192)): dict(BM=64, BK=128, CH=512, num_warps=4, num_stages=3),  # 52.7 us
+    ("shrink", (8192, 64, 4096)): dict(BM=32, BK=128, num_warps=8, num_stages=4),  # 59.9 us
+    ("ds_db", (8192, 4096, 64)): dict(BM=64, BN=256, CH=1024, num_warps=8, num_stages=3),  # 101.6 us
+    ("da", (8192, 64, 4096)): dict(BM=32, BK=256, CH=512, num_warps=4, num_stages=3),  # 87.3 us
+}
 
 # Main GEMM of multi_lora_linear: "triton" (one Triton GEMM with the low-rank term in its accumulator) or
 # "cublas" (low-rank term by a Triton kernel, then torch.addmm adds X·Wᵀ through cuBLAS). Env override:
