@@ -74,7 +74,7 @@ def pack_microbatch(samples: Sequence[tuple[str, Sequence[int]]], prompt_lengths
         pos.extend(range(n))
         labels.extend(seq[1:] + [0])
         # label of position t is token t+1: it counts when t+1 is a response token
-        lmask.extend([1.0 if (t + 1 >= max(p, 1) and t + 1 < n) else 0.0 for t in range(n)])
+        lmask.extend([1.0 if (t + 1 >= max(p, 1) and t + 1 < n) else 0.0 for t in range(n)])  # loss_token_count
         cu.append(cu[-1] + n)
         base = i if row_ids is None else int(row_ids[i])
         ids.extend(base * (1 << 20) + t for t in range(n))
@@ -98,3 +98,16 @@ def pack_microbatch(samples: Sequence[tuple[str, Sequence[int]]], prompt_lengths
         adapters=tuple(adapters),
         sample_adapter=tuple(name for name, _ in samples),
     )
+
+
+def loss_token_count(num_tokens: int, prompt_len: int) -> int:
+    """Number of positions of one packed sample whose label counts (see :func:`pack_microbatch`)."""
+    return max(0, num_tokens - max(int(prompt_len), 1))
+
+
+def noop_microbatch(token: int = 0) -> PackedBatch:
+    """A one-token microbatch with no adapter and no loss: a deliberate bubble that keeps every pipeline
+    stage and data-parallel rank on the same microbatch count."""
+    b = pack_microbatch([("", [int(token)])])
+    return PackedBatch(b.tokens, b.position_ids, b.labels, torch.zeros_like(b.loss_mask), b.cu_seqlens, 1,
+                       Routing(segments=(), num_rows=1), (), ())

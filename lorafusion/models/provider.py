@@ -69,22 +69,57 @@ def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, p
     return model
 
 
+def _global_param_names(model: torch.nn.Module):
+    """(layout-independent name, parameter, megatron kind) for every base parameter: decoder layers by
+    global layer number, the tied output layer under the embedding's name."""
+    tied = getattr(model, "share_embeddings_and_output_weights", False)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            continue
+        key, kind = name, ""
+        if name.startswith("decoder.layers."):
+            local, rest = name[len("decoder.layers."):].split(".", 1)
+            key = f"layers.{model.decoder.layers[int(local)].layer_number}.{rest}"
+            kind = rest.split(".")[1] if rest.count(".") >= 2 else ""
+        elif name == "output_layer.weight" and tied:
+            key = "embedding.word_embeddings.weight"
+        yield key, p, kind
+
+
 def init_random_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
-    """Deterministic random base weights (norm weights 1, biases 0), per parameter name, so that a
-    pipeline stage gets the same values it would have in a single-stage model. TP shards are drawn
-    from the full tensor and sliced is not attempted here: use HF import for TP-exact weights."""
+    """Deterministic random base weights (norm weights 1, biases 0). Each tensor is drawn whole from a
+    generator seeded by (seed, its layout-independent name) and then sliced to this rank's TP shard, so
+    every TP/PP layout holds the same model."""
     import zlib
 
+    from megatron.core import parallel_state
+
+    from lorafusion.models.layout import column_shard, shard
     from lorafusion.ops.dropout import mix_seed
 
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                continue
-            if name.endswith("layer_norm_weight") or name.endswith("layernorm.weight") or "final_layernorm" in name:
+        for key, p, kind in _global_param_names(model):
+            if key.endswith("layernorm.weight") or key.endswith("layer_norm_weight"):
                 p.fill_(1.0)
-            elif name.endswith("bias"):
+                continue
+            if key.endswith("bias"):
                 p.zero_()
+                continue
+            # TP sharding by role (Megatron sets partition attributes only when it initialises itself)
+            if kind in ("linear_proj", "linear_fc2"):
+                dim = 1
+            elif kind in ("linear_qkv", "linear_fc1") or key.startswith(("embedding.", "output_layer.")):
+                dim = 0
             else:
-                gen = torch.Generator().manual_seed(mix_seed(seed, zlib.crc32(name.encode())))
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+                dim = None
+            sharded = dim is not None and tp > 1
+            full_shape = list(p.shape)
+            if sharded:
+                full_shape[dim] *= tp
+            gen = torch.Generator().manual_seed(mix_seed(seed, zlib.crc32(key.encode())))
+            full = torch.randn(full_shape, generator=gen) * std
+            if sharded:
+                full = column_shard(kind, full, tp, rank) if dim == 0 else shard(full, dim, tp, rank)
+            p.copy_(full)

@@ -1,0 +1,89 @@
+"""Per-job checkpoints, complete or absent: written to a temporary directory, renamed when complete.
+
+Layout: ``OUTPUT_DIR/checkpoints/<job>/step_<NNNNNN>/`` with
+``adapter/`` (PEFT export of the adapter at that step), ``rank_tp<T>_pp<P>.pt`` (this model-parallel
+rank's adapter tensors, optimizer and lr-scheduler state) and ``state.json`` (step, data position,
+seed, parallel layout). ``OUTPUT_DIR/checkpoints/<job>/latest`` names the newest complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+
+def _barrier():
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _rank_file() -> str:
+    return (f"rank_tp{parallel_state.get_tensor_model_parallel_rank()}"
+            f"_pp{parallel_state.get_pipeline_model_parallel_rank()}.pt")
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_job_checkpoint(job_dir: Path, step: int, *, adapter_params: dict[str, torch.Tensor], optimizer_state: dict,
+                        state: dict, write_adapter) -> Path | None:
+    """Collective over all ranks. ``write_adapter(dir)`` exports the PEFT adapter (collective, rank 0 writes)."""
+    job_dir = Path(job_dir)
+    final = job_dir / f"step_{step:06d}"
+    tmp = job_dir / f".step_{step:06d}.tmp"
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0:
+        job_dir.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    _barrier()
+    try:
+        write_adapter(tmp / "adapter")
+        if parallel_state.get_data_parallel_rank() == 0:
+            torch.save({"adapter": {k: v.detach().cpu() for k, v in adapter_params.items()},
+                        "optimizer": optimizer_state}, tmp / _rank_file())
+        if rank0:
+            (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+        _barrier()
+    except BaseException:
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if rank0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_text_atomic(job_dir / "latest", final.name + "\n")
+    _barrier()
+    return final if rank0 else None
+
+
+def latest_checkpoint(job_dir: Path) -> Path | None:
+    pointer = Path(job_dir) / "latest"
+    if not pointer.is_file():
+        return None
+    path = Path(job_dir) / pointer.read_text().strip()
+    if not (path / "state.json").is_file():
+        raise FileNotFoundError(f"{pointer}: names {path.name}, which is not a complete checkpoint")
+    return path
+
+
+def load_job_checkpoint(path: Path) -> tuple[dict, dict]:
+    """(state.json contents, this rank's tensors: {"adapter": ..., "optimizer": ...})."""
+    path = Path(path)
+    state = json.loads((path / "state.json").read_text())
+    rank_file = path / _rank_file()
+    if not rank_file.is_file():
+        raise FileNotFoundError(f"{rank_file}: missing — the checkpoint was written with a different "
+                                f"parallel layout ({state.get('layout')})")
+    return state, torch.load(rank_file, map_location="cpu", weights_only=False)

@@ -1,0 +1,66 @@
+"""Per-adapter metrics: ``metrics.jsonl`` (one object per optimizer step), tensorboard scalars, live progress."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+
+class MetricsWriter:
+    def __init__(self, output_dir: Path, tensorboard: bool = True):
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self._f = self.path.open("a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"))
+
+    def log_step(self, record: dict) -> None:
+        """record: {"job", "step", "loss", "tokens", "lr", "grad_norm", "elapsed_s"}."""
+        self._f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            job, step = record["job"], record["step"]
+            for key in ("loss", "lr", "grad_norm", "tokens"):
+                self._tb.add_scalar(f"{job}/{key}", record[key], step)
+
+    def log_scalar(self, name: str, value: float, step: int) -> None:
+        if self._tb is not None:
+            self._tb.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        self._f.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+class Progress:
+    """A rich live table: per job step/total and last loss; total tokens/s."""
+
+    def __init__(self, jobs: dict[str, int], enabled: bool = True):
+        self.enabled = enabled
+        self.t0 = time.perf_counter()
+        self.tokens = 0
+        self._bar = None
+        if not enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
+
+        self._bar = RichProgress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(), transient=False)
+        self._tasks = {j: self._bar.add_task(j, total=total, info="") for j, total in jobs.items()}
+        self._total = self._bar.add_task("tokens/s", total=None, info="")
+        self._bar.start()
+
+    def update(self, job: str, step: int, loss: float, tokens: int) -> None:
+        self.tokens += tokens
+        if not self.enabled:
+            return
+        self._bar.update(self._tasks[job], completed=step, info=f"loss {loss:.4f}")
+        rate = self.tokens / max(1e-9, time.perf_counter() - self.t0)
+        self._bar.update(self._total, info=f"{rate:,.0f} tok/s  ({self.tokens:,} tokens)")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()

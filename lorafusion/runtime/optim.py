@@ -1,0 +1,113 @@
+"""One optimizer per adapter job: AdamW over its (fp32) LoRA parameters on this rank, its own learning-rate
+schedule (warmup + cosine / linear / constant), weight decay and gradient-norm clipping.
+
+Gradients are reduced over data-parallel ranks (sum: each microbatch's loss is already divided by the
+job's token count over the whole global batch) and the clipping norm is taken over the full adapter
+(TP shards and PP stages together), so a step equals the step of the job trained alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0):
+    """Multiplier of the peak lr after ``step`` optimizer steps (LambdaLR convention)."""
+
+    def f(step: int) -> float:
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        span = max(1, total_steps - warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / span)
+        if schedule == "linear":
+            decay = 1.0 - progress
+        elif schedule == "cosine":
+            decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+        else:
+            raise ValueError(f"optimizer.schedule: expected cosine, linear or constant, got {schedule!r}")
+        return min_lr_ratio + (1.0 - min_lr_ratio) * decay
+
+    return f
+
+
+def _is_tp_sharded(p: torch.Tensor) -> bool:
+    return bool(getattr(p, "tensor_model_parallel", False))
+
+
+def grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """L2 norm of the gradients of the full adapter across TP shards and PP stages (fp32)."""
+    dev = params[0].device if params else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float32, device=dev)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    for p in params:
+        if p.grad is None:
+            continue
+        # replicated over TP: count once (TP rank 0); sharded: every rank holds a distinct part
+        if _is_tp_sharded(p) or tp_rank == 0:
+            sq = sq + p.grad.detach().float().pow(2).sum()
+    if dist.is_initialized() and parallel_state.get_model_parallel_group() is not None \
+            and dist.get_world_size(parallel_state.get_model_parallel_group()) > 1:
+        dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
+    return sq.sqrt()
+
+
+class AdapterOptimizer:
+    def __init__(self, params: list[torch.nn.Parameter], *, lr: float, weight_decay: float, betas, eps: float,
+                 schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float,
+                 max_grad_norm: float | None):
+        self.params = params
+        self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lr_lambda(schedule, warmup_steps, total_steps, min_lr_ratio))
+        self.max_grad_norm = max_grad_norm
+
+    @classmethod
+    def from_config(cls, params, cfg, total_steps: int) -> "AdapterOptimizer":
+        return cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas, eps=cfg.eps,
+                   schedule=cfg.schedule, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
+                   min_lr_ratio=cfg.min_lr_ratio, max_grad_norm=cfg.max_grad_norm)
+
+    @property
+    def lr(self) -> float:
+        return self.opt.param_groups[0]["lr"]
+
+    def reduce_dp(self) -> None:
+        """Sum gradients over the data-parallel group (one flat buffer)."""
+        if not dist.is_initialized() or parallel_state.get_data_parallel_world_size() == 1:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=parallel_state.get_data_parallel_group())
+        off = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = flat[off:off + n].view_as(p).clone()
+            off += n
+
+    def step(self) -> tuple[float, float]:
+        """DP-reduce, clip, step, advance the schedule, zero grads. Returns (grad_norm before clipping, lr used)."""
+        self.reduce_dp()
+        norm = grad_norm(self.params)
+        if self.max_grad_norm is not None and self.max_grad_norm > 0:
+            coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        lr = self.lr
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(norm), lr
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
