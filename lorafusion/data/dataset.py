@@ -1,0 +1,239 @@
+"""One adapter job's dataset → tokenized samples (``input_ids``, ``prompt_len``) indexed by sample id.
+
+Files are read with ``datasets.load_dataset(<json|parquet|csv>, data_files=..., split="train")`` from local
+paths only, kept in memory, with a throw-away cache directory. Row ``i`` of the file is sample id ``i``.
+
+A sample is ``[bos] + prompt + response + [eos]`` (``bos`` only when the tokenizer has one; not doubled
+when the rendered prompt already starts with it; ``eos`` not doubled when the response already ends
+with it). ``prompt_len`` is the number of leading tokens that carry no loss: ``len([bos] + prompt)`` with
+``mask_prompt: true``, else 0; always 0 for ``text``. Formats:
+
+- ``prompt_response``: ``prompt = row[prompt_field]``, ``response = row[response_field]`` (strings,
+  concatenated as they are: put any separator in the data);
+- ``chat``: ``row[messages_field]`` is a list of ``{"role", "content"}``; the last message (the
+  assistant's) is the response, the rest is rendered by ``tokenizer.apply_chat`` (a JSON string is
+  accepted too, e.g. from CSV);
+- ``text``: ``row[text_field]``, all tokens trained.
+
+Every problem raises one :class:`DataError` naming the job, the file and the row / sample id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lorafusion.config import ConfigError, JobConfig
+
+__all__ = ["DataError", "JobData", "build_sample", "load_job_samples", "read_rows"]
+
+
+class DataError(ConfigError):
+    """A dataset problem (subclass of ConfigError, so both print as one clear error)."""
+
+
+@dataclass
+class JobData:
+    """Tokenized samples of one job: ``samples[sample_id] = (input_ids, prompt_len)``."""
+
+    job_name: str
+    path: str
+    samples: list[tuple[list[int], int]]
+    lengths: list[int] = field(default_factory=list)
+    num_truncated: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.lengths:
+            self.lengths = [len(ids) for ids, _ in self.samples]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.samples)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    def lengths_of(self, sample_ids) -> list[int]:
+        return [self.lengths[i] for i in sample_ids]
+
+
+@contextlib.contextmanager
+def _quiet_datasets():
+    import datasets
+    from datasets.utils import logging as dlog
+
+    bars = dlog.is_progress_bar_enabled()
+    level = dlog.get_verbosity()
+    datasets.disable_progress_bars()
+    dlog.set_verbosity_error()
+    try:
+        yield datasets
+    finally:
+        dlog.set_verbosity(level)
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def _first_line(e: BaseException) -> str:
+    # datasets wraps the real reader error; the innermost cause says what is wrong with the file
+    while e.__cause__ is not None or e.__context__ is not None:
+        nxt = e.__cause__ or e.__context__
+        if nxt is e:
+            break
+        e = nxt
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def read_rows(job: JobConfig) -> Any:
+    """The job's file as a ``datasets.Dataset`` (errors name the job and the file)."""
+    ds_cfg = job.dataset
+    path = Path(ds_cfg.path)
+    where = f"job {job.name!r}: dataset {path}"
+    if not path.exists():
+        raise DataError(f"{where}: file not found")
+    if not path.is_file():
+        raise DataError(f"{where}: not a file")
+    if path.stat().st_size == 0:
+        raise DataError(f"{where}: empty dataset (the file is empty)")
+    builder = ds_cfg.builder
+    kwargs: dict[str, Any] = {}
+    if builder == "csv":
+        # every column as a string (pandas would turn "42" into an int): read the header first
+        import csv
+
+        try:
+            with open(path, newline="", encoding="utf-8") as f:
+                header = next(csv.reader(f), None)
+        except (OSError, UnicodeDecodeError, csv.Error) as e:
+            raise DataError(f"{where}: cannot read as csv ({e})") from None
+        if not header:
+            raise DataError(f"{where}: empty dataset (no csv header)")
+        from datasets import Features, Value
+
+        kwargs.update(features=Features({c: Value("string") for c in header}), keep_default_na=False)
+    with _quiet_datasets() as datasets, tempfile.TemporaryDirectory(prefix="lorafusion-ds-") as cache:
+        try:
+            ds = datasets.load_dataset(builder, data_files=str(path), split="train", keep_in_memory=True,
+                                       cache_dir=cache, **kwargs)
+        except Exception as e:  # noqa: BLE001 - datasets raises many types; all mean "unreadable"
+            msg = _diagnose_json(path) if builder == "json" else None
+            raise DataError(f"{where}: cannot read as {ds_cfg.file_type or builder}: "
+                            f"{msg or _first_line(e)}") from None
+    if ds.num_rows == 0:
+        raise DataError(f"{where}: empty dataset (0 rows)")
+    return ds
+
+
+def _diagnose_json(path: Path) -> str | None:
+    """Find the first invalid line of a JSON-lines file (or the error of a JSON document)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        return str(e)
+    try:
+        json.loads(text)
+        return None
+    except ValueError:
+        pass
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            return f"line {n}: invalid JSON ({e})"
+        if not isinstance(obj, dict):
+            return f"line {n}: expected a JSON object per line, got {type(obj).__name__}"
+    return None
+
+
+def _field(row_value: Any, name: str, where: str) -> str:
+    if row_value is None:
+        raise DataError(f"{where}: missing field {name!r}")
+    if not isinstance(row_value, str):
+        raise DataError(f"{where}: field {name!r}: expected a string, got {type(row_value).__name__} "
+                        f"{row_value!r:.60}")
+    return row_value
+
+
+def build_sample(prompt_ids: list[int], response_ids: list[int], tokenizer, mask_prompt: bool) \
+        -> tuple[list[int], int]:
+    """``[bos] + prompt + response + [eos]`` and its prompt length (see the module docstring)."""
+    bos, eos = tokenizer.bos_id, tokenizer.eos_id
+    head = [bos] if bos is not None and (not prompt_ids or prompt_ids[0] != bos) else []
+    tail = [] if response_ids and response_ids[-1] == eos else [eos]
+    ids = head + list(prompt_ids) + list(response_ids) + tail
+    return ids, (len(head) + len(prompt_ids) if mask_prompt else 0)
+
+
+def load_job_samples(job: JobConfig, tokenizer) -> JobData:
+    """Read and tokenize ``job.dataset``; one :class:`DataError` (job, file, row) on any problem."""
+    cfg = job.dataset
+    ds = read_rows(job)
+    where = f"job {job.name!r}: dataset {cfg.path}"
+    columns = list(ds.column_names)
+    needed = {"prompt_response": [cfg.prompt_field, cfg.response_field], "chat": [cfg.messages_field],
+              "text": [cfg.text_field]}[cfg.format]
+    for f in needed:
+        if f not in columns:
+            key = {cfg.prompt_field: "prompt_field", cfg.response_field: "response_field",
+                   cfg.messages_field: "messages_field", cfg.text_field: "text_field"}[f]
+            raise DataError(f"{where}: no field {f!r} in the rows (format {cfg.format}, dataset.{key}); "
+                            f"the rows have {columns}")
+    cols = {f: ds[f] for f in needed}
+    samples: list[tuple[list[int], int]] = []
+    truncated = 0
+    for i in range(ds.num_rows):
+        row = f"{where}: row {i}"
+        if cfg.format == "prompt_response":
+            prompt = _field(cols[cfg.prompt_field][i], cfg.prompt_field, row)
+            response = _field(cols[cfg.response_field][i], cfg.response_field, row)
+            p_ids, r_ids = tokenizer.encode(prompt), tokenizer.encode(response)
+        elif cfg.format == "chat":
+            msgs = cols[cfg.messages_field][i]
+            if msgs is None:
+                raise DataError(f"{row}: missing field {cfg.messages_field!r}")
+            if isinstance(msgs, str):
+                try:
+                    msgs = json.loads(msgs)
+                except ValueError:
+                    raise DataError(f"{row}: field {cfg.messages_field!r}: expected a list of messages "
+                                    f"(or its JSON), got {msgs!r:.60}") from None
+            try:
+                p_ids, r_ids = tokenizer.apply_chat(msgs)
+            except ValueError as e:
+                raise DataError(f"{row}: field {cfg.messages_field!r}: {e}") from None
+        else:
+            text = _field(cols[cfg.text_field][i], cfg.text_field, row)
+            p_ids, r_ids = [], tokenizer.encode(text)
+        if not r_ids:
+            raise DataError(f"{row}: no response tokens (the {_resp_name(cfg)} is empty); every sample "
+                            f"needs at least one trained token")
+        ids, plen = build_sample(p_ids, r_ids, tokenizer, cfg.mask_prompt and cfg.format != "text")
+        if len(ids) > cfg.max_seq_len:
+            if not cfg.truncate:
+                raise DataError(f"{where}: sample {i} (row {i}) is {len(ids)} tokens, longer than "
+                                f"dataset.max_seq_len = {cfg.max_seq_len}; raise max_seq_len or set "
+                                f"dataset.truncate: true")
+            ids = ids[:cfg.max_seq_len]
+            truncated += 1
+            if plen >= len(ids):
+                raise DataError(f"{where}: sample {i} (row {i}): its prompt ({plen} tokens) fills "
+                                f"dataset.max_seq_len = {cfg.max_seq_len}; no response tokens are left "
+                                f"after truncation")
+        samples.append((ids, plen))
+    return JobData(job_name=job.name, path=cfg.path, samples=samples, num_truncated=truncated)
+
+
+def _resp_name(cfg) -> str:
+    return {"prompt_response": f"field {cfg.response_field!r}", "chat": "last assistant message",
+            "text": f"field {cfg.text_field!r}"}[cfg.format]
