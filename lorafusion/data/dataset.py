@@ -73,7 +73,7 @@ def _quiet_datasets():
     bars = dlog.is_progress_bar_enabled()
     level = dlog.get_verbosity()
     datasets.disable_progress_bars()
-    dlog.set_verbosity_error()
+    dlog.set_verbosity(dlog.CRITICAL)  # reader failures are re-raised as one DataError, not logged
     try:
         yield datasets
     finally:
@@ -150,7 +150,7 @@ def _diagnose_json(path: Path) -> str | None:
         try:
             obj = json.loads(line)
         except ValueError as e:
-            return f"line {n}: invalid JSON ({e})"
+            return f"line {n}, column {getattr(e, 'colno', '?')}: invalid JSON ({getattr(e, 'msg', e)})"
         if not isinstance(obj, dict):
             return f"line {n}: expected a JSON object per line, got {type(obj).__name__}"
     return None
