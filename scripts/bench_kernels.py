@@ -79,6 +79,40 @@ def set_main_gemm(v):
     os.environ["LORAFUSION_MAIN_GEMM"] = v
 
 
+def cpu_ms(fn, n=10) -> float:
+    """Host time to enqueue one call (device idle before each): above the device time means launch-bound."""
+    ts = []
+    for _ in range(n):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t) * 1e3)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return sorted(ts)[len(ts) // 2]
+
+
+def interleaved(ref, variants, gtn, warmup, rep):
+    """Time ``ref`` between every two variants; each variant's ratio is to the mean of its two neighbouring
+    ``ref`` times (clock and thermal drift cancel). Returns (ms per variant, ratio per variant, ref times)."""
+    ms, ratio = {}, {}
+    refs = [bench(ref, gtn, warmup, rep)]
+    for name, fn in variants:
+        t = bench(fn, gtn, warmup, rep)
+        refs.append(bench(ref, gtn, warmup, rep))
+        ms[name] = t
+        ratio[name] = t / ((refs[-2] + refs[-1]) / 2)
+    return ms, ratio, refs
+
+
+def with_gemm(mg, fn):
+    def run():
+        set_main_gemm(mg)
+        fn()
+    return run
+
+
 def single_shape(m, k, n, r, p, dtype, dev, do_compile, warmup, rep):
     from lorafusion.ops.fused import fused_lora_linear
 
@@ -89,7 +123,6 @@ def single_shape(m, k, n, r, p, dtype, dev, do_compile, warmup, rep):
     B = (torch.randn(n, r, device=dev) * 0.1).to(dtype).requires_grad_(True)
     g = torch.randn(m, n, device=dev, dtype=dtype)
     s = 2.0
-    res = {}
 
     def base():
         F.linear(x, W).backward(g)
@@ -100,30 +133,29 @@ def single_shape(m, k, n, r, p, dtype, dev, do_compile, warmup, rep):
     def fused(pp=p):
         fused_lora_linear(x, W, None, A, B, s, pp, 1234).backward(g)
 
-    gtn = [x, A, B]
-    res["base"] = bench(base, [x], warmup, rep)
-    res["eager"] = bench(eager, gtn, warmup, rep)
+    variants = [("eager", eager)]
     if do_compile:
         comp = torch.compile(peft_lora)
 
         def compiled():
             comp(x, W, A, B, s, p).backward(g)
 
-        res["compile"] = bench(compiled, gtn, warmup, rep)
+        compiled()  # build outside the timed region
+        variants.append(("compile", compiled))
+    variants += [("fused", with_gemm("triton", fused)), ("fused_p0", with_gemm("triton", lambda: fused(0.0))),
+                 ("fused_cublas", with_gemm("cublas", fused)),
+                 ("fused_cublas_p0", with_gemm("cublas", lambda: fused(0.0)))]
+    ms, ratio, refs = interleaved(base, variants, [x, A, B], warmup, rep)
+    ms["base"] = sorted(refs)[len(refs) // 2]
+    extra = {"base_spread": (max(refs) - min(refs)) / ms["base"],
+             "cpu_ms_fused": cpu_ms(with_gemm("triton", fused)), "cpu_ms_fused_cublas": cpu_ms(with_gemm("cublas", fused))}
     set_main_gemm("triton")
-    res["fused"] = bench(fused, gtn, warmup, rep)
-    res["fused_p0"] = bench(lambda: fused(0.0), gtn, warmup, rep)
-    set_main_gemm("cublas")
-    res["fused_cublas"] = bench(fused, gtn, warmup, rep)
-    res["fused_cublas_p0"] = bench(lambda: fused(0.0), gtn, warmup, rep)
-    set_main_gemm("triton")
-    res["base_again"] = bench(base, [x], warmup, rep)
     params = [W, A, B]
     mem = {
         "eager": saved_bytes(lambda: peft_lora(x, W, A, B, s, p), params),
         "fused": saved_bytes(lambda: fused_lora_linear(x, W, None, A, B, s, p, 1234), params),
     }
-    return res, mem
+    return ms, ratio, extra, mem
 
 
 def multi(m, k, n, dtype, dev, warmup, rep):
@@ -143,7 +175,6 @@ def multi(m, k, n, dtype, dev, warmup, rep):
     ss, ps, seeds = [2.0, 1.0, 0.5, 0.25], [0.1] * 4, [11, 12, 13, 14]
     g = torch.randn(m, n, device=dev, dtype=dtype)
     gtn = [x, *As, *Bs]
-    res = {"lengths": lengths}
 
     def fmulti():
         multi_lora_linear_fused(x, W, None, As, Bs, ss, ps, seeds, routing).backward(g)
@@ -154,16 +185,24 @@ def multi(m, k, n, dtype, dev, warmup, rep):
     def single(i):
         return lambda: fused_lora_linear(x, W, None, As[i], Bs[i], ss[i], 0.1, 7).backward(g)
 
-    res["base"] = bench(lambda: F.linear(x, W).backward(g), [x], warmup, rep)
+    out = {"lengths": lengths, "ms": {}, "ratios": {}}
     for mg in ("triton", "cublas"):
-        set_main_gemm(mg)
         sfx = "" if mg == "triton" else "_cublas"
-        res["fused_multi" + sfx] = bench(fmulti, gtn, warmup, rep)
-        res["fused_single_r16" + sfx] = bench(single(1), gtn, warmup, rep)
-        res["fused_single_r64" + sfx] = bench(single(3), gtn, warmup, rep)
+        for ref_name, ref_i in (("single_r16", 1), ("single_r64", 3)):
+            ms, ratio, refs = interleaved(with_gemm(mg, single(ref_i)), [("multi", with_gemm(mg, fmulti))], gtn,
+                                          warmup, rep)
+            out["ms"][f"fused_{ref_name}{sfx}"] = sorted(refs)[1]
+            out["ms"][f"fused_multi{sfx}_vs_{ref_name}"] = ms["multi"]
+            out["ratios"][f"multi_over_{ref_name}{sfx}"] = ratio["multi"]
     set_main_gemm("triton")
-    res["torch_loop"] = bench(loop, gtn, warmup, rep)
-    return res
+    ms, ratio, refs = interleaved(lambda: F.linear(x, W).backward(g),
+                                  [("torch_loop", loop), ("fused_multi", with_gemm("triton", fmulti)),
+                                   ("fused_multi_cublas", with_gemm("cublas", fmulti))], gtn, warmup, rep)
+    set_main_gemm("triton")
+    out["ms"].update(ms)
+    out["ms"]["base"] = sorted(refs)[len(refs) // 2]
+    out["ratios"].update({f"{key}_over_base": v for key, v in ratio.items()})
+    return out
 
 
 def breakdown(m, k, n, r, dtype, dev, warmup, rep):
@@ -191,6 +230,9 @@ def breakdown(m, k, n, r, dtype, dev, warmup, rep):
         out[f"dx_gemm_lora_{tag}"] = bench(lambda: K.lora_gemm(dy, W, None, dS, A, st.inv_keep, st, routing, n=k,
                                                                 dropout=st.dropout, row_ids=ids, k_total=k),
                                            None, warmup, rep)
+        dxb = dy @ W
+        out[f"da_dx_acc_{tag}"] = bench(lambda: K.lora_da_dx(x, dS, A, dxb, st, routing, ids, k_total=k), None,
+                                        warmup, rep)
         out[f"dx_lowrank_{tag}"] = bench(lambda: K.lora_gemm(None, None, None, dS, A, st.inv_keep, st, routing, n=k,
                                                               dropout=st.dropout, row_ids=ids, k_total=k),
                                          None, warmup, rep)
@@ -238,18 +280,18 @@ def main():
 
     report["triton"] = triton.__version__
     hdr = f"{'m,k,n':>20} {'base ms':>8} {'eager':>7} {'compile':>7} {'fused':>7} {'f_cublas':>8} {'f_p0':>6} " \
-          f"{'fc_p0':>6} {'base2':>6} {'saved MiB eager/fused':>22}"
+          f"{'fc_p0':>6} {'spread':>6} {'cpu ms f/fc':>12} {'saved MiB eager/fused':>22}"
     print(hdr)
     for (m, k, n) in shapes:
-        res, mem = single_shape(m, k, n, args.r, args.p, dtype, dev, not args.no_compile and not args.smoke,
-                                args.warmup, args.rep)
-        b = res["base"]
-        ratios = {key: v / b for key, v in res.items()}
-        report["single"].append({"m": m, "k": k, "n": n, "ms": res, "ratio_to_base": ratios, "saved_bytes": mem})
+        ms, ratios, extra, mem = single_shape(m, k, n, args.r, args.p, dtype, dev,
+                                              not args.no_compile and not args.smoke, args.warmup, args.rep)
+        report["single"].append({"m": m, "k": k, "n": n, "ms": ms, "ratio_to_base": ratios, "extra": extra,
+                                 "saved_bytes": mem})
         c = f"{ratios['compile']:.3f}" if "compile" in ratios else "-"
-        print(f"{str((m, k, n)):>20} {b:8.3f} {ratios['eager']:7.3f} {c:>7} {ratios['fused']:7.3f} "
+        print(f"{str((m, k, n)):>20} {ms['base']:8.3f} {ratios['eager']:7.3f} {c:>7} {ratios['fused']:7.3f} "
               f"{ratios['fused_cublas']:8.3f} {ratios['fused_p0']:6.3f} {ratios['fused_cublas_p0']:6.3f} "
-              f"{ratios['base_again']:6.3f} {mem['eager'] / 2**20:10.1f}/{mem['fused'] / 2**20:.1f}", flush=True)
+              f"{extra['base_spread']:6.3f} {extra['cpu_ms_fused']:5.3f}/{extra['cpu_ms_fused_cublas']:5.3f} "
+              f"{mem['eager'] / 2**20:10.1f}/{mem['fused'] / 2**20:.1f}", flush=True)
         if args.breakdown:
             bd = breakdown(m, k, n, args.r, dtype, dev, args.warmup, args.rep)
             report["breakdown"].append({"m": m, "k": k, "n": n, "ms": bd})
@@ -257,21 +299,10 @@ def main():
     if not args.no_multi:
         m, k, n = (8192, 4096, 4096) if not args.smoke else (64, 48, 40)
         res = multi(m, k, n, dtype, dev, args.warmup, args.rep)
-        ms = {key: v for key, v in res.items() if key != "lengths"}
-        rat = {
-            "multi_over_single_r16": ms["fused_multi"] / ms["fused_single_r16"],
-            "multi_over_single_r64": ms["fused_multi"] / ms["fused_single_r64"],
-            "multi_over_single_r16_cublas": ms["fused_multi_cublas"] / ms["fused_single_r16_cublas"],
-            "multi_over_single_r64_cublas": ms["fused_multi_cublas"] / ms["fused_single_r64_cublas"],
-            "torch_loop_over_multi": ms["torch_loop"] / ms["fused_multi"],
-            "multi_over_base": ms["fused_multi"] / ms["base"],
-            "torch_loop_over_base": ms["torch_loop"] / ms["base"],
-        }
-        report["multi"] = {"m": m, "k": k, "n": n, "ranks": [8, 16, 32, 64], "lengths": res["lengths"], "ms": ms,
-                           "ratios": rat}
+        report["multi"] = {"m": m, "k": k, "n": n, "ranks": [8, 16, 32, 64], **res}
         print("multi (4 adapters, r 8/16/32/64, segments " + "/".join(map(str, res["lengths"])) + "): " +
-              ", ".join(f"{key}={v:.3f}ms" for key, v in ms.items()))
-        print("multi ratios: " + ", ".join(f"{key}={v:.3f}" for key, v in rat.items()))
+              ", ".join(f"{key}={v:.3f}ms" for key, v in res["ms"].items()))
+        print("multi ratios: " + ", ".join(f"{key}={v:.3f}" for key, v in res["ratios"].items()))
     print(json.dumps(report))
 
 

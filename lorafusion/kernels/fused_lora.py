@@ -240,3 +240,59 @@ def _da_kernel(
         acc = tl.dot(tl.trans(ds), x, acc)
     acc = acc * tl.load(inv_ptr + sc)
     tl.store(dap_ptr + c * RB * K + offs_r[:, None] * K + offs_k[None, :], acc, mask=kmask[None, :])
+
+
+@triton.jit
+def _da_dx_kernel(
+    x_ptr, ds_ptr, a_ptr, dx_ptr, dap_ptr, rowid_ptr, chunk_ptr,
+    seed_ptr, thr_ptr, inv_ptr, r_ptr, roff_ptr,
+    K,
+    stride_xm, stride_xk, stride_dsm, stride_dsr, stride_ar, stride_ak, stride_dxm, stride_dxk,
+    k_total, k_offset,
+    ACC: tl.constexpr, DROPOUT: tl.constexpr, ALIGNED: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr,
+):
+    """One pass over (X, dX) tiles with one mask per tile: dA partial = dSᵀ·keep⊙X/(1-p) (fp32 [chunks, RB, K])
+    and dX (+)= keep⊙(dS·A)/(1-p). ``ACC``: add into dX (it holds dY·W from cuBLAS); else write dX."""
+    kb = tl.program_id(0)
+    c = tl.program_id(1)
+    slot = tl.load(chunk_ptr + 3 * c)
+    start = tl.load(chunk_ptr + 3 * c + 1)
+    length = tl.load(chunk_ptr + 3 * c + 2)
+    sc, r, roff = _slot_meta(slot, r_ptr, roff_ptr)
+    inv = tl.load(inv_ptr + sc)
+    offs_k = kb * BK + tl.arange(0, BK)
+    kmask = offs_k < K
+    offs_r = tl.arange(0, RB)
+    rmask = offs_r < r
+    a = tl.load(a_ptr + (roff + offs_r)[:, None] * stride_ar + offs_k[None, :] * stride_ak,
+                mask=rmask[:, None] & kmask[None, :], other=0.0)
+    acc = tl.zeros((RB, BK), dtype=tl.float32)
+    if DROPOUT:
+        seed = tl.load(seed_ptr + sc)
+        thr = tl.load(thr_ptr + sc)
+    lm = tl.arange(0, BM)
+    if ACC:
+        n_i = tl.where(r > 0, tl.cdiv(length, BM), 0)
+    else:
+        n_i = tl.cdiv(length, BM)
+    for i in range(0, n_i):
+        rows = start + i * BM + lm
+        rowm = i * BM + lm < length
+        m2 = rowm[:, None] & kmask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=m2, other=0.0)
+        ds = tl.load(ds_ptr + rows[:, None] * stride_dsm + offs_r[None, :] * stride_dsr,
+                     mask=rowm[:, None] & rmask[None, :], other=0.0)
+        t = tl.dot(ds, a) * inv
+        if DROPOUT:
+            rid = tl.load(rowid_ptr + rows, mask=rowm, other=0)
+            keep = keep_tile(seed, thr, row_counter_base(rid, k_total), k_offset + kb * BK, BK, ALIGNED)
+            x = tl.where(keep, x, 0.0)
+            t = tl.where(keep, t, 0.0)
+        acc = tl.dot(tl.trans(ds), x, acc)
+        dx_ptrs = dx_ptr + rows[:, None] * stride_dxm + offs_k[None, :] * stride_dxk
+        if ACC:
+            t += tl.load(dx_ptrs, mask=m2, other=0.0).to(tl.float32)
+        tl.store(dx_ptrs, t.to(dx_ptr.dtype.element_ty), mask=m2)
+    acc = acc * inv
+    tl.store(dap_ptr + c * RB * K + offs_r[:, None] * K + offs_k[None, :], acc, mask=kmask[None, :])

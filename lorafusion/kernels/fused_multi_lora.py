@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from lorafusion.kernels.fused_lora import _da_kernel, _ds_db_kernel, _lora_gemm_kernel, _shrink_kernel
+from lorafusion.kernels.fused_lora import _da_dx_kernel, _da_kernel, _ds_db_kernel, _lora_gemm_kernel, _shrink_kernel
 from lorafusion.kernels.tuning import get_config, rank_block
 from lorafusion.ops.dropout import keep_threshold
 
@@ -230,3 +230,32 @@ def lora_da(x: torch.Tensor, dS: torch.Tensor, st: SlotTables, routing, row_ids:
     )
     return [None if part is None else part[: st.ranks[a]]
             for a, part in enumerate(_reduce_by_slot(dap, ranges, len(st.ranks)))]
+
+
+def lora_da_dx(x: torch.Tensor, dS: torch.Tensor, A_cat: torch.Tensor, dx: torch.Tensor | None, st: SlotTables,
+               routing, row_ids: torch.Tensor, *, k_total: int, k_offset: int = 0,
+               need_da: bool = True) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """dA per slot and ``dx (+)= keep⊙(dS·A)/(1-p)`` in one pass with one mask per tile.
+
+    ``dx`` given: accumulated into in place (it holds dY·W); None: a new tensor with the low-rank term alone.
+    """
+    m, kdim = x.shape
+    cfg = get_config("da", m, st.r_max, kdim)
+    bk = max(16, min(cfg["BK"], 8192 // st.rb))
+    chunks, n_chunks, ranges = chunk_table(routing, cfg["CH"], x.device, by_slot=True)
+    acc = dx is not None
+    if dx is None:
+        dx = torch.empty(m, kdim, device=x.device, dtype=x.dtype)
+    dap = torch.empty(n_chunks, st.rb, kdim, device=x.device, dtype=torch.float32)
+    _da_dx_kernel[(triton.cdiv(kdim, bk), n_chunks)](
+        x, dS, A_cat, dx, dap, row_ids, chunks, st.seed, st.thr, st.inv_keep, st.r, st.roff,
+        kdim, x.stride(0), x.stride(1), dS.stride(0), dS.stride(1), A_cat.stride(0), A_cat.stride(1),
+        dx.stride(0), dx.stride(1), k_total, k_offset,
+        ACC=acc, DROPOUT=st.dropout, ALIGNED=k_offset % 8 == 0, BM=cfg["BM"], BK=bk, RB=st.rb,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    dA = [None] * len(st.ranks)
+    if need_da:
+        dA = [None if part is None else part[: st.ranks[a]]
+              for a, part in enumerate(_reduce_by_slot(dap, ranges, len(st.ranks)))]
+    return dx, dA

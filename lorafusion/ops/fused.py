@@ -76,11 +76,12 @@ class _FusedMultiLoRALinear(torch.autograd.Function):
         A_cat, B_cat = _cat_A(lora_A, x2d.dtype), _cat_B(lora_B, x2d.dtype)
         S = K.lora_shrink(x2d, A_cat, st, plan.routing, plan.row_ids, k_total=plan.k_total)
         w = weight.to(x2d.dtype)
+        Bt = B_cat.t().contiguous()  # [R_tot, n]: coalesced loads of the low-rank operand
         if main_gemm() == "cublas":
-            y = K.lora_gemm(None, None, bias, S, B_cat.t(), st.scale, st, plan.routing, n=plan.n)
+            y = K.lora_gemm(None, None, bias, S, Bt, st.scale, st, plan.routing, n=plan.n)
             y = torch.addmm(y, x2d, w.t())
         else:
-            y = K.lora_gemm(x2d, w.t(), bias, S, B_cat.t(), st.scale, st, plan.routing, n=plan.n)
+            y = K.lora_gemm(x2d, w.t(), bias, S, Bt, st.scale, st, plan.routing, n=plan.n)
         ctx.plan = plan
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x2d, weight, S, A_cat, B_cat, *params)
@@ -98,16 +99,19 @@ class _FusedMultiLoRALinear(torch.autograd.Function):
         dy = dy.to(x2d.dtype)
         dS, dB = K.lora_ds_db(dy, B_cat, S, st, plan.routing, need_db=need_db)
         dx = None
-        if need_x:
-            w = weight.to(x2d.dtype)
-            if main_gemm() == "cublas":
-                dx = K.lora_gemm(None, None, None, dS, A_cat, st.inv_keep, st, plan.routing, n=plan.k,
-                                 dropout=st.dropout, row_ids=plan.row_ids, k_total=plan.k_total)
-                dx = torch.addmm(dx, dy, w)
-            else:
+        dA = [None] * ns
+        w = weight.to(x2d.dtype)
+        if need_x and main_gemm() == "cublas":
+            # dX = dY·W by cuBLAS, then one pass adds keep⊙(dS·A)/(1-p) and produces dA with the same mask
+            dx = dy @ w
+            dx, dA = K.lora_da_dx(x2d, dS, A_cat, dx, st, plan.routing, plan.row_ids, k_total=plan.k_total,
+                                  need_da=need_da)
+        else:
+            if need_x:
                 dx = K.lora_gemm(dy, w, None, dS, A_cat, st.inv_keep, st, plan.routing, n=plan.k,
                                  dropout=st.dropout, row_ids=plan.row_ids, k_total=plan.k_total)
-        dA = K.lora_da(x2d, dS, st, plan.routing, plan.row_ids, k_total=plan.k_total) if need_da else [None] * ns
+            if need_da:
+                dA = K.lora_da(x2d, dS, st, plan.routing, plan.row_ids, k_total=plan.k_total)
         dw = (dy.t() @ x2d).to(weight.dtype) if need_w else None
         dbias = dy.sum(0) if (need_b and ctx.has_bias) else None
         if not need_db:
@@ -131,15 +135,13 @@ class _Shrink(torch.autograd.Function):
         st = plan.st
         x2d, A_cat, *lora_A = ctx.saved_tensors
         dS = dS.to(x2d.dtype)
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dx = K.lora_gemm(None, None, None, dS, A_cat, st.inv_keep, st, plan.routing, n=plan.k,
-                             dropout=st.dropout, row_ids=plan.row_ids, k_total=plan.k_total,
-                             k_offset=plan.k_offset)
-        if any(ctx.needs_input_grad[2:]):
+        need_da = any(ctx.needs_input_grad[2:])
+        dx, dA = None, [None] * plan.n_slots
+        if ctx.needs_input_grad[0]:  # dX and dA in one pass, one mask per tile
+            dx, dA = K.lora_da_dx(x2d, dS, A_cat, None, st, plan.routing, plan.row_ids, k_total=plan.k_total,
+                                  k_offset=plan.k_offset, need_da=need_da)
+        elif need_da:
             dA = K.lora_da(x2d, dS, st, plan.routing, plan.row_ids, k_total=plan.k_total, k_offset=plan.k_offset)
-        else:
-            dA = [None] * plan.n_slots
         return (dx, None, *_grads(dA, lora_A))
 
 
@@ -147,7 +149,8 @@ class _Expand(torch.autograd.Function):
     @staticmethod
     def forward(ctx, S, plan: _Plan, *lora_B):
         B_cat = _cat_B(lora_B, S.dtype)
-        out = K.lora_gemm(None, None, None, S, B_cat.t(), plan.st.scale, plan.st, plan.routing, n=plan.n)
+        out = K.lora_gemm(None, None, None, S, B_cat.t().contiguous(), plan.st.scale, plan.st, plan.routing,
+                          n=plan.n)
         ctx.plan = plan
         ctx.save_for_backward(S, B_cat, *lora_B)
         return out
