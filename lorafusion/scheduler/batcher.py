@@ -225,6 +225,8 @@ def _run_cbc(prob: pulp.LpProblem, deadline: float) -> None:
     solver = _cbc()
     mps, sol, mst = solver.create_tmp_files(prob.name, "mps", "sol", "mst")
     try:
+        if deadline - time.perf_counter() < _MIN_SOLVE_S:
+            return
         vs, vnames, cnames, _ = prob.writeMPS(mps, rename=1)
         solver.writesol(mst, prob, vs, vnames, cnames)
         time_limit = deadline - time.perf_counter() - _CBC_SLACK_S
@@ -290,11 +292,34 @@ def _read_bins(x: dict[tuple[int, int], pulp.LpVariable], m: int, n: int) -> lis
     return [b for b in bins if b]
 
 
-def _assignment(prob: pulp.LpProblem, w: Sequence[int], n: int, sym_bins: int) -> dict:
+class _OutOfTime(Exception):
+    """Building a model ran into the deadline (model building is Python and not free)."""
+
+
+def _check(deadline: float) -> None:
+    if time.perf_counter() > deadline - _MIN_SOLVE_S:
+        raise _OutOfTime
+
+
+def _milp_or_none(fn):
+    """Decorator: a model builder that runs out of time returns ``(None, False)`` (no solution)."""
+
+    def wrapped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except _OutOfTime:
+            return None, False
+
+    wrapped.__doc__ = fn.__doc__
+    return wrapped
+
+
+def _assignment(prob: pulp.LpProblem, w: Sequence[int], n: int, sym_bins: int, deadline: float) -> dict:
     """x[i, b] with each item once; items are sorted by decreasing length, so for the first
     ``sym_bins`` (interchangeable) bins ``x[i, b] = 0`` for ``b > i`` breaks symmetry."""
     x = {}
     for i in range(len(w)):
+        _check(deadline)
         for b in range(n):
             if b < sym_bins and b > i:
                 continue
@@ -310,13 +335,15 @@ def _canonical(bins: list[list[int]], sym_bins: int) -> list[list[int]]:
     return head + bins[sym_bins:]
 
 
+@_milp_or_none
 def _milp_min_bins(w: Sequence[int], cap: int, warm: list[list[int]], kind: str, deadline: float):
     n = len(warm)
     prob = pulp.LpProblem("lorafusion_min_bins", pulp.LpMinimize)
-    x = _assignment(prob, w, n, sym_bins=n)
+    x = _assignment(prob, w, n, n, deadline)
     y = [_binary(prob, f"y_{b}") for b in range(n)]
     prob += pulp.lpSum(y)
     for b in range(n):
+        _check(deadline)
         prob += pulp.lpSum(w[i] * x[i, b] for i in range(len(w)) if (i, b) in x) <= cap * y[b]
         if b + 1 < n:
             prob += y[b] >= y[b + 1]
@@ -330,14 +357,16 @@ def _milp_min_bins(w: Sequence[int], cap: int, warm: list[list[int]], kind: str,
     return _read_bins(x, len(w), n), status == 1
 
 
+@_milp_or_none
 def _milp_even(w: Sequence[int], cap: int, warm: list[list[int]], kind: str, deadline: float):
     n = len(warm)
     warm = _canonical(warm, n)
     prob = pulp.LpProblem("lorafusion_even", pulp.LpMinimize)
-    x = _assignment(prob, w, n, sym_bins=n)
+    x = _assignment(prob, w, n, n, deadline)
     lmax = _continuous(prob, "lmax", 0, cap)
     prob += lmax
     for b in range(n):
+        _check(deadline)
         prob += pulp.lpSum(w[i] * x[i, b] for i in range(len(w)) if (i, b) in x) <= lmax
     for b, items in enumerate(warm):
         for i in items:
@@ -349,15 +378,17 @@ def _milp_even(w: Sequence[int], cap: int, warm: list[list[int]], kind: str, dea
     return _read_bins(x, len(w), n), status == 1
 
 
+@_milp_or_none
 def _milp_fill(w: Sequence[int], cap: int, warm: list[list[int]], kind: str, deadline: float):
     n = len(warm)
     tail = min(range(n), key=lambda b: sum(w[i] for i in warm[b]))
     warm = _canonical([warm[b] for b in range(n) if b != tail] + [warm[tail]], n - 1)
     prob = pulp.LpProblem("lorafusion_fill", pulp.LpMaximize)
-    x = _assignment(prob, w, n, sym_bins=n - 1)
+    x = _assignment(prob, w, n, n - 1, deadline)
     lmin = _continuous(prob, "lmin", 0, cap)
     prob += lmin
     for b in range(n):
+        _check(deadline)
         load = pulp.lpSum(w[i] * x[i, b] for i in range(len(w)) if (i, b) in x)
         prob += load <= cap
         if b < n - 1:
