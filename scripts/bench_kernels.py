@@ -17,6 +17,7 @@ per-adapter torch loop vs single-adapter FusedLoRA at equal tokens (r=16 and r=6
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -42,6 +43,45 @@ def bench(fn, grad_to_none=None, warmup=25, rep=100) -> float:
         fn()
         ts.append((time.perf_counter() - t) * 1e3)
     return sorted(ts)[1]
+
+
+def graph_ms(fn, gtn, warmup, rep) -> float | None:
+    """Median time of a CUDA-graph replay of ``fn`` (forward + backward): device time without host launch
+    overhead. None if ``fn`` cannot be captured."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                for t in gtn:
+                    t.grad = None
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        for t in gtn:
+            t.grad = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        torch.cuda.synchronize()
+        return bench(graph.replay, None, warmup, rep)
+    except Exception as e:  # noqa: BLE001 - report and go on
+        print(f"   (graph capture failed: {type(e).__name__}: {str(e)[:120]})")
+        torch.cuda.synchronize()
+        return None
+
+
+def interleaved_graph(ref, variants, gtn, warmup, rep):
+    """Like :func:`interleaved`, on CUDA-graph replays."""
+    ms, ratio = {}, {}
+    refs = [graph_ms(ref, gtn, warmup, rep)]
+    for name, fn in variants:
+        t = graph_ms(fn, gtn, warmup, rep)
+        refs.append(graph_ms(ref, gtn, warmup, rep))
+        ms[name] = t
+        ratio[name] = None if t is None else t / ((refs[-2] + refs[-1]) / 2)
+    return ms, ratio, refs
 
 
 def saved_bytes(fn, exclude) -> int:
@@ -130,7 +170,12 @@ def single_shape(m, k, n, r, p, dtype, dev, do_compile, warmup, rep):
     def eager():
         peft_lora(x, W, A, B, s, p).backward(g)
 
-    def fused(pp=p):
+    seed_counter = itertools.count(1000)
+
+    def fused(pp=p):  # a new Philox seed every call, as in training
+        fused_lora_linear(x, W, None, A, B, s, pp, next(seed_counter)).backward(g)
+
+    def fused_fixed(pp=p):  # graph capture: the seed is part of the captured call
         fused_lora_linear(x, W, None, A, B, s, pp, 1234).backward(g)
 
     variants = [("eager", eager)]
@@ -147,6 +192,15 @@ def single_shape(m, k, n, r, p, dtype, dev, do_compile, warmup, rep):
                  ("fused_cublas_p0", with_gemm("cublas", lambda: fused(0.0)))]
     ms, ratio, refs = interleaved(base, variants, [x, A, B], warmup, rep)
     ms["base"] = sorted(refs)[len(refs) // 2]
+    gvariants = [("eager", eager)] + [v for v in variants if v[0] == "compile"] + [
+        ("fused", with_gemm("triton", fused_fixed)), ("fused_p0", with_gemm("triton", lambda: fused_fixed(0.0))),
+        ("fused_cublas", with_gemm("cublas", fused_fixed)),
+        ("fused_cublas_p0", with_gemm("cublas", lambda: fused_fixed(0.0)))]
+    gms, gratio, grefs = interleaved_graph(base, gvariants, [x, A, B], warmup, rep)
+    if torch.cuda.is_available():
+        gms["base"] = sorted(grefs)[len(grefs) // 2]
+        ms.update({f"graph_{key}": v for key, v in gms.items()})
+        ratio.update({f"graph_{key}": v for key, v in gratio.items()})
     extra = {"base_spread": (max(refs) - min(refs)) / ms["base"],
              "cpu_ms_fused": cpu_ms(with_gemm("triton", fused)), "cpu_ms_fused_cublas": cpu_ms(with_gemm("cublas", fused))}
     set_main_gemm("triton")
@@ -189,11 +243,14 @@ def multi(m, k, n, dtype, dev, warmup, rep):
     for mg in ("triton", "cublas"):
         sfx = "" if mg == "triton" else "_cublas"
         for ref_name, ref_i in (("single_r16", 1), ("single_r64", 3)):
-            ms, ratio, refs = interleaved(with_gemm(mg, single(ref_i)), [("multi", with_gemm(mg, fmulti))], gtn,
-                                          warmup, rep)
-            out["ms"][f"fused_{ref_name}{sfx}"] = sorted(refs)[1]
-            out["ms"][f"fused_multi{sfx}_vs_{ref_name}"] = ms["multi"]
-            out["ratios"][f"multi_over_{ref_name}{sfx}"] = ratio["multi"]
+            for mode, timer in (("", interleaved), ("graph_", interleaved_graph)):
+                if mode and not torch.cuda.is_available():
+                    continue
+                ms, ratio, refs = timer(with_gemm(mg, single(ref_i)), [("multi", with_gemm(mg, fmulti))], gtn,
+                                        warmup, rep)
+                out["ms"][f"{mode}fused_{ref_name}{sfx}"] = sorted(refs)[1]
+                out["ms"][f"{mode}fused_multi{sfx}_vs_{ref_name}"] = ms["multi"]
+                out["ratios"][f"{mode}multi_over_{ref_name}{sfx}"] = ratio["multi"]
     set_main_gemm("triton")
     ms, ratio, refs = interleaved(lambda: F.linear(x, W).backward(g),
                                   [("torch_loop", loop), ("fused_multi", with_gemm("triton", fmulti)),
@@ -251,6 +308,37 @@ def breakdown(m, k, n, r, dtype, dev, warmup, rep):
     return out
 
 
+def profile_host(smoke: bool):
+    import cProfile
+    import pstats
+
+    from lorafusion.ops.fused import fused_lora_linear
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    m, k, n = (8192, 4096, 4096) if not smoke else (64, 48, 40)
+    x = torch.randn(m, k, device=dev, dtype=dt, requires_grad=True)
+    W = torch.randn(n, k, device=dev, dtype=dt)
+    A = torch.randn(16, k, device=dev, dtype=dt, requires_grad=True)
+    B = torch.randn(n, 16, device=dev, dtype=dt, requires_grad=True)
+    g = torch.randn(m, n, device=dev, dtype=dt)
+    for mg in ("cublas", "triton"):
+        set_main_gemm(mg)
+        for _ in range(3):
+            fused_lora_linear(x, W, None, A, B, 2.0, 0.1, 5).backward(g)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(1 if smoke else 20):
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            fused_lora_linear(x, W, None, A, B, 2.0, 0.1, 5).backward(g)
+        prof.disable()
+        print(f"== host profile, main GEMM {mg}, 20 calls of fwd+bwd")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="all", help="'all' or comma list of indices into the five shapes")
@@ -262,7 +350,11 @@ def main():
     ap.add_argument("--warmup", type=int, default=25, help="ms (do_bench)")
     ap.add_argument("--rep", type=int, default=100, help="ms (do_bench)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU/interpreter check of the script)")
+    ap.add_argument("--profile-host", action="store_true", help="cProfile the host side of fused fwd+bwd, then exit")
     args = ap.parse_args()
+    if args.profile_host:
+        profile_host(args.smoke)
+        return
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -292,6 +384,11 @@ def main():
               f"{ratios['fused_cublas']:8.3f} {ratios['fused_p0']:6.3f} {ratios['fused_cublas_p0']:6.3f} "
               f"{extra['base_spread']:6.3f} {extra['cpu_ms_fused']:5.3f}/{extra['cpu_ms_fused_cublas']:5.3f} "
               f"{mem['eager'] / 2**20:10.1f}/{mem['fused'] / 2**20:.1f}", flush=True)
+        if "graph_fused" in ratios:
+            gr = {key: ("-" if v is None else f"{v:.3f}") for key, v in ratios.items()}
+            print(f"{'  graph replay:':>20} {ms['graph_base']:8.3f} {gr['graph_eager']:>7} {gr.get('graph_compile', '-'):>7} "
+                  f"{gr['graph_fused']:>7} {gr['graph_fused_cublas']:>8} {gr['graph_fused_p0']:>6} "
+                  f"{gr['graph_fused_cublas_p0']:>6}", flush=True)
         if args.breakdown:
             bd = breakdown(m, k, n, args.r, dtype, dev, args.warmup, args.rep)
             report["breakdown"].append({"m": m, "k": k, "n": n, "ms": bd})

@@ -94,9 +94,26 @@ class SlotTables:
     dropout: bool
 
 
+_SLOT_CACHE: dict = {}
+_SLOT_CACHE_MAX = 512
+
+
 def slot_tables(ranks: Sequence[int], scaling: Sequence[float], dropout_p: Sequence[float],
                 seeds: Sequence[int], device) -> SlotTables:
-    """Per-call adapter tables in one host→device copy."""
+    """Per-call adapter tables in one host→device copy, memoised on their values (a call that repeats its
+    seeds — activation recomputation, CUDA-graph capture and replay — copies nothing)."""
+    key = (str(device), tuple(int(r) for r in ranks), tuple(float(s) for s in scaling),
+           tuple(float(p) for p in dropout_p), tuple(int(s) for s in seeds))
+    hit = _SLOT_CACHE.get(key)
+    if hit is not None:
+        return hit
+    if len(_SLOT_CACHE) >= _SLOT_CACHE_MAX:
+        _SLOT_CACHE.pop(next(iter(_SLOT_CACHE)))
+    _SLOT_CACHE[key] = st = _build_slot_tables(ranks, scaling, dropout_p, seeds, device)
+    return st
+
+
+def _build_slot_tables(ranks, scaling, dropout_p, seeds, device) -> SlotTables:
     n = len(ranks)
     roffs, acc = [], 0
     for r in ranks:
