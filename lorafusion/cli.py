@@ -1,8 +1,10 @@
-"""``lorafusion`` command line: train | plan | export | smoke."""
+"""``lorafusion`` command line: train | plan | export."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -10,95 +12,107 @@ from pathlib import Path
 # megatron-core warns at import that Apex / Transformer Engine are absent; the local paths are intended.
 warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*")
 
-NOT_YET = (
-    "lorafusion {cmd}: not built yet — the multi-adapter training runtime (YAML jobs, data, scheduler-driven "
-    "1F1B, per-adapter optimizers) is the runtime issue, still open.\n"
-    "What works today: Megatron-core LLaMA/Qwen2 models with any number of LoRA adapters (TP/PP), HF import, "
-    "PEFT export/import. `lorafusion smoke` runs them end to end on a tiny model."
-)
+USER_ERRORS = (ValueError, FileNotFoundError, KeyError)
 
 
-def cmd_smoke(args) -> int:
-    """Tiny model, three adapters of ranks 8/16/32, one packed microbatch forward+backward, PEFT export."""
-    import time
+def _load(args):
+    from lorafusion.config import load_run_config
 
-    import torch
+    return load_run_config(args.config, args.overrides)
 
-    from lorafusion.data import pack_microbatch
-    from lorafusion.layers import LoRASpec, add_adapter, lora_batch, lora_modules
-    from lorafusion.models.provider import build_model
-    from lorafusion.models.spec import preset
-    from lorafusion.runtime.dist import init_distributed
-    from lorafusion.runtime.export import export_peft_adapter
 
-    t0 = time.time()
-    init_distributed(1, 1)
-    arch = preset(args.preset)
-    model = build_model(arch, device="cuda" if torch.cuda.is_available() else None)
-    specs = {"sql": LoRASpec(r=8, lora_alpha=16), "summarize": LoRASpec(r=16, lora_alpha=32, lora_dropout=0.05),
-             "chat": LoRASpec(r=32, lora_alpha=32, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))}
-    for name, spec in specs.items():
-        add_adapter(model, name, spec, seed=0)
-    gen = torch.Generator().manual_seed(0)
-    samples = [(name, torch.randint(0, arch.vocab_size, (n,), generator=gen).tolist())
-               for name, n in (("sql", 37), ("sql", 21), ("summarize", 64), ("chat", 29), ("chat", 45))]
-    batch = pack_microbatch(samples)
-    dev = next(model.parameters()).device
-    batch = batch.to(dev)
-    opt = torch.optim.AdamW([p for _, m in lora_modules(model) for p in list(m.lora_A.values()) + list(m.lora_B.values())],
-                            lr=1e-2)
-    model.train()
-    for step in range(5):
-        with lora_batch(model, batch.routing, batch.adapters):
-            loss = model(batch.tokens, batch.position_ids, attention_mask=None, labels=batch.labels,
-                         packed_seq_params=batch.packed_seq_params())
-        parts = {}
-        for name in batch.adapters:
-            m = batch.adapter_token_mask(name).float() * batch.loss_mask
-            parts[name] = (loss * m).sum() / m.sum()
-        sum(parts.values()).backward()
-        opt.step()
-        opt.zero_grad()
-        print(f"step {step}: " + "  ".join(f"{n}={v.item():.4f}" for n, v in parts.items()))
-    out = Path(args.output_dir)
-    for name in specs:
-        export_peft_adapter(model, name, out / "adapters" / name)
-    print(f"exported {len(specs)} PEFT adapters to {out / 'adapters'} in {time.time() - t0:.1f}s "
-          f"({batch.num_tokens} packed tokens, {len(samples)} samples, {len(specs)} adapters)")
+def cmd_train(args) -> int:
+    from lorafusion.runtime.trainer import Trainer, remove_partial_outputs
+
+    cfg = _load(args)
+    trainer = Trainer(cfg, config_path=args.config, resume=args.resume)
+    try:
+        summary = trainer.run()
+    except BaseException:
+        remove_partial_outputs(Path(cfg.output_dir))
+        raise
+    if trainer.is_logger:
+        print(f"done: {summary['tokens']:,} tokens in {summary['elapsed_s']:.1f}s "
+              f"({summary['tokens_per_s']:,.0f} tokens/s), kernels={summary['kernels']}")
+        for name, j in summary["jobs"].items():
+            print(f"  {name:<16} steps {j['steps']:>5}  loss {j['first_loss']:.4f} -> {j['final_loss']:.4f}  "
+                  f"adapter: {Path(cfg.output_dir) / 'adapters' / name}")
+    from lorafusion.runtime.dist import destroy_distributed
+
+    destroy_distributed()
     return 0
 
 
-def cmd_not_yet(args) -> int:
-    if getattr(args, "config", None) and not Path(args.config).is_file():
-        print(f"{args.config}: file not found (expected a run YAML)", file=sys.stderr)
-        return 2
-    print(NOT_YET.format(cmd=args.cmd))
-    if args.cmd == "train":
-        print("\nRunning `lorafusion smoke` instead:\n")
-        args.preset, args.output_dir = "tiny-llama", "outputs/smoke"
-        return cmd_smoke(args)
+def cmd_plan(args) -> int:
+    from lorafusion.runtime.trainer import Trainer
+
+    cfg = _load(args)
+    trainer = Trainer(cfg, config_path=args.config)
+    trainer.load_data()
+    out = Path(args.out) if args.out else Path(cfg.output_dir) / "plan"
+    res = trainer.plan_only(out, max_windows=args.windows)
+    print(f"{'window':>6} {'jobs':>4} {'mbs':>5} {'noops':>5} {'fill':>6} {'imbal':>6} {'bubble':>7} {'plan_s':>7}")
+    for w in res["windows"]:
+        print(f"{w['window']:>6} {len(w['jobs']):>4} {w['microbatches']:>5} {w['noops']:>5} {w['fill']:>6.3f} "
+              f"{w['imbalance'] or 0:>6.3f} {w['simulated_bubble']:>7.3f} {w['plan_s']:>7.3f}")
+    print(f"tables and charts in {res['dir']} (plan.jsonl, windows.json, gantt.png, packing.png)")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def cmd_export(args) -> int:
+    """Copy a job's PEFT adapter out of a run directory or one checkpoint, atomically."""
+    from lorafusion.runtime.checkpoint import latest_checkpoint
+    from lorafusion.runtime.export import write_dir_atomically
+
+    src = Path(args.checkpoint)
+    if (src / "adapter" / "adapter_config.json").is_file():
+        adapter = src / "adapter"
+    elif (src / "checkpoints" / args.job).is_dir():
+        ckpt = latest_checkpoint(src / "checkpoints" / args.job)
+        if ckpt is None:
+            raise FileNotFoundError(f"{src / 'checkpoints' / args.job}: no complete checkpoint")
+        adapter = ckpt / "adapter"
+    elif (src / "adapters" / args.job / "adapter_config.json").is_file():
+        adapter = src / "adapters" / args.job
+    else:
+        raise FileNotFoundError(f"{src}: no checkpoint or adapter of job {args.job!r} (expected a run output_dir "
+                                f"or a checkpoints/<job>/step_N directory)")
+    files = {p.name: (lambda dst, p=p: shutil.copyfile(p, dst)) for p in adapter.iterdir() if p.is_file()}
+    out = write_dir_atomically(args.out, files)
+    print(json.dumps({"job": args.job, "from": str(adapter), "to": str(out)}))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lorafusion", description="Train many LoRA adapters of one base model at once.")
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train the adapter jobs of a run YAML")
     t.add_argument("config")
-    t.add_argument("overrides", nargs="*", help="key=value overrides")
+    t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. scheduler.token_capacity=8192")
+    t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint of each job")
     pl = sub.add_parser("plan", help="schedule a run's data and draw the plan (no model)")
     pl.add_argument("config")
-    e = sub.add_parser("export", help="export one job of a checkpoint as a PEFT adapter")
+    pl.add_argument("overrides", nargs="*")
+    pl.add_argument("--windows", type=int, default=20, help="how many windows (one global batch per job) to plan")
+    pl.add_argument("--out", help="directory for tables and charts (default OUTPUT_DIR/plan)")
+    e = sub.add_parser("export", help="export one job's adapter (PEFT format) from a run or checkpoint")
     e.add_argument("checkpoint")
     e.add_argument("--job", required=True)
     e.add_argument("--out", required=True)
-    s = sub.add_parser("smoke", help="tiny end-to-end run of what is built: model, 3 adapters, packed batch, export")
-    s.add_argument("--preset", default="tiny-llama")
-    s.add_argument("--output-dir", default="outputs/smoke")
-    args = p.parse_args(argv)
-    if args.cmd == "smoke":
-        return cmd_smoke(args)
-    return cmd_not_yet(args)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = {"train": cmd_train, "plan": cmd_plan, "export": cmd_export}[args.cmd]
+    try:
+        return handler(args)
+    except USER_ERRORS as e:
+        from lorafusion.scheduler import PlanError  # noqa: F401  (a ValueError; listed for readers)
+
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        print(f"lorafusion {args.cmd}: error: {msg}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

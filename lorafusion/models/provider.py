@@ -86,8 +86,10 @@ def _global_param_names(model: torch.nn.Module):
         yield key, p, kind
 
 
-def init_random_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
-    """Deterministic random base weights (norm weights 1, biases 0). Each tensor is drawn whole from a
+def init_random_weights(model: torch.nn.Module, seed: int, std: float | None = None) -> None:
+    """Deterministic random base weights (norm weights 1, biases 0; normal with ``std``, by default
+    1/√hidden_size, which for LLaMA-8B-sized models is ≈0.016 and keeps tiny models' logits from being
+    flat). Each tensor is drawn whole from a
     generator seeded by (seed, its layout-independent name) and then sliced to this rank's TP shard, so
     every TP/PP layout holds the same model."""
     import zlib
@@ -99,6 +101,8 @@ def init_random_weights(model: torch.nn.Module, seed: int, std: float = 0.02) ->
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
+    if std is None:
+        std = model.config.hidden_size ** -0.5
     with torch.no_grad():
         for key, p, kind in _global_param_names(model):
             if key.endswith("layernorm.weight") or key.endswith("layer_norm_weight"):

@@ -40,8 +40,9 @@ def _is_tp_sharded(p: torch.Tensor) -> bool:
     return bool(getattr(p, "tensor_model_parallel", False))
 
 
-def grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """L2 norm of the gradients of the full adapter across TP shards and PP stages (fp32)."""
+def local_grad_sq(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """This rank's share of the squared gradient norm of the full adapter (TP-replicated tensors counted
+    on TP rank 0 only)."""
     dev = params[0].device if params else torch.device("cpu")
     sq = torch.zeros((), dtype=torch.float32, device=dev)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -51,10 +52,14 @@ def grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
         # replicated over TP: count once (TP rank 0); sharded: every rank holds a distinct part
         if _is_tp_sharded(p) or tp_rank == 0:
             sq = sq + p.grad.detach().float().pow(2).sum()
-    if dist.is_initialized() and parallel_state.get_model_parallel_group() is not None \
-            and dist.get_world_size(parallel_state.get_model_parallel_group()) > 1:
-        dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
-    return sq.sqrt()
+    return sq
+
+
+def _model_parallel_group():
+    if not dist.is_initialized():
+        return None
+    group = parallel_state.get_model_parallel_group()
+    return group if dist.get_world_size(group) > 1 else None
 
 
 class AdapterOptimizer:
@@ -66,6 +71,7 @@ class AdapterOptimizer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lr_lambda(schedule, warmup_steps, total_steps, min_lr_ratio))
         self.max_grad_norm = max_grad_norm
+        self._sq = self._work = None
 
     @classmethod
     def from_config(cls, params, cfg, total_steps: int) -> "AdapterOptimizer":
@@ -90,10 +96,22 @@ class AdapterOptimizer:
             p.grad = flat[off:off + n].view_as(p).clone()
             off += n
 
-    def step(self) -> tuple[float, float]:
-        """DP-reduce, clip, step, advance the schedule, zero grads. Returns (grad_norm before clipping, lr used)."""
+    def begin_step(self) -> None:
+        """First half of a step, called on each stage as soon as its backward of the job's global batch is
+        done: reduce gradients over DP, then start (asynchronously) the sum of the squared norm over the
+        model-parallel group (TP × PP), so pipeline stages never wait for each other here."""
         self.reduce_dp()
-        norm = grad_norm(self.params)
+        self._sq = local_grad_sq(self.params)
+        group = _model_parallel_group()
+        self._work = dist.all_reduce(self._sq, group=group, async_op=True) if group is not None else None
+
+    def end_step(self) -> tuple[float, float]:
+        """Second half, called before this stage's next forward of the job: clip by the full-adapter norm,
+        step, advance the schedule, zero grads. Returns (grad norm before clipping, lr used)."""
+        if self._work is not None:
+            self._work.wait()
+        norm = self._sq.sqrt()
+        self._work = self._sq = None
         if self.max_grad_norm is not None and self.max_grad_norm > 0:
             coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
             for p in self.params:
@@ -104,6 +122,10 @@ class AdapterOptimizer:
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         return float(norm), lr
+
+    def step(self) -> tuple[float, float]:
+        self.begin_step()
+        return self.end_step()
 
     def state_dict(self) -> dict:
         return {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()}

@@ -1,0 +1,51 @@
+"""Helpers for runtime tests: tiny datasets and run YAMLs written to a temp dir."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import yaml
+
+
+def write_dataset(path: Path, seed: int, rows: int = 24, kind: str = "reverse") -> Path:
+    rnd = random.Random(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for _ in range(rows):
+            word = "".join(rnd.choice("abcdefghij") for _ in range(rnd.randint(3, 9)))
+            resp = word[::-1] if kind == "reverse" else word.upper()
+            f.write(json.dumps({"prompt": f"{kind} {word}:", "response": resp}) + "\n")
+    return path
+
+
+def job_dict(name: str, data: Path, r: int, *, steps: int = 4, gbs: int = 4, dropout: float = 0.0,
+             lr: float = 1e-2, alpha: float | None = None, targets="all-linear", save_every=None) -> dict:
+    return {
+        "name": name,
+        "dataset": {"path": str(data), "format": "prompt_response", "max_seq_len": 64},
+        "lora": {"r": r, "lora_alpha": alpha or 2 * r, "lora_dropout": dropout, "target_modules": targets},
+        "optimizer": {"lr": lr, "warmup_steps": 1, "schedule": "cosine", "max_grad_norm": 1.0, "weight_decay": 0.01},
+        "global_batch_size": gbs,
+        "max_steps": steps,
+        "save_every": save_every,
+    }
+
+
+def write_run(tmp: Path, jobs: list[dict], *, out: str = "out", tp=1, pp=1, dp=1, capacity=96, name="run.yaml",
+              preset="tiny-llama") -> Path:
+    run = {
+        "model": {"preset": preset, "dtype": "float32"},
+        "tokenizer": {"type": "byte"},
+        "parallelism": {"tp": tp, "pp": pp, "dp": dp},
+        "scheduler": {"token_capacity": capacity, "milp_time_limit_s": 0.2},
+        "kernels": "reference",
+        "jobs": jobs,
+        "output_dir": str(tmp / out),
+        "seed": 1234,
+        "logging": {"tensorboard": False, "progress": False},
+    }
+    path = tmp / name
+    path.write_text(yaml.safe_dump(run, sort_keys=False))
+    return path
