@@ -2,10 +2,15 @@
 
     python configs/quickstart/make_data.py
 
-Three tiny tasks a LoRA on the tiny byte-level base visibly learns, each sample <= ~40 byte tokens:
-  data/reverse.jsonl  prompt/response   "reverse kitab=" -> "batik"
-  data/upper.jsonl    chat (messages)   user "kitab" -> assistant "KITAB"
-  data/add.jsonl      prompt/response   "37+48=" -> "85"
+Three tiny tasks that a LoRA on the tiny *random* byte-level base clearly learns within ~60 steps of 8
+samples (each sample <= 40 byte tokens). They are chosen so that most response tokens follow from the
+previous token or from one prompt token (a random 4-layer, 64-wide base cannot learn to copy or add whole
+words in a minute; reversing/uppercasing/adding words plateaus near the uniform loss):
+
+  data/successor.jsonl  prompt/response  "after k=" -> "lmnop"        (the next five letters)
+  data/vowel.jsonl      chat (messages)  user "kitab" -> assistant "consonant"  (how the word ends;
+                                         half the words end in a vowel)
+  data/count.jsonl      prompt/response  "count 4=" -> "1234"
 """
 
 from __future__ import annotations
@@ -17,11 +22,9 @@ import numpy as np
 
 ROWS = 300
 HERE = Path(__file__).resolve().parent
-LETTERS = np.array(list("abcdefghijklmnopqrstuvwxyz"))
-
-
-def words(rng: np.random.Generator, n: int) -> list[str]:
-    return ["".join(rng.choice(LETTERS, size=int(rng.integers(3, 8)))) for _ in range(n)]
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+VOWELS = "aeiou"
+CONSONANTS = "".join(c for c in LETTERS if c not in VOWELS)
 
 
 def write(name: str, rows: list[dict]) -> None:
@@ -32,14 +35,40 @@ def write(name: str, rows: list[dict]) -> None:
     print(f"wrote {len(rows)} rows to {path.relative_to(HERE)}")
 
 
+def successor(rng: np.random.Generator) -> list[dict]:
+    rows = []
+    for _ in range(ROWS):
+        i = int(rng.integers(0, len(LETTERS) - 5))
+        rows.append({"prompt": f"after {LETTERS[i]}=", "response": LETTERS[i + 1:i + 6]})
+    return rows
+
+
+def vowel(rng: np.random.Generator) -> list[dict]:
+    rows = []
+    for k in range(ROWS):
+        n = int(rng.integers(3, 8))
+        word = "".join(LETTERS[j] for j in rng.integers(0, 26, size=n - 1))
+        last = VOWELS if k % 2 == 0 else CONSONANTS
+        word += last[int(rng.integers(0, len(last)))]
+        answer = "vowel" if word[-1] in VOWELS else "consonant"
+        rows.append({"messages": [{"role": "user", "content": word},
+                                  {"role": "assistant", "content": answer}]})
+    return rows
+
+
+def count(rng: np.random.Generator) -> list[dict]:
+    rows = []
+    for _ in range(ROWS):
+        n = int(rng.integers(1, 10))
+        rows.append({"prompt": f"count {n}=", "response": "".join(str(k) for k in range(1, n + 1))})
+    return rows
+
+
 def main() -> None:
     rng = np.random.default_rng(20261122)
-    write("reverse.jsonl", [{"prompt": f"reverse {w}=", "response": w[::-1]} for w in words(rng, ROWS)])
-    write("upper.jsonl", [{"messages": [{"role": "user", "content": w},
-                                        {"role": "assistant", "content": w.upper()}]}
-                          for w in words(rng, ROWS)])
-    pairs = rng.integers(0, 100, size=(ROWS, 2))
-    write("add.jsonl", [{"prompt": f"{a}+{b}=", "response": str(a + b)} for a, b in pairs.tolist()])
+    write("successor.jsonl", successor(rng))
+    write("vowel.jsonl", vowel(rng))
+    write("count.jsonl", count(rng))
 
 
 if __name__ == "__main__":
