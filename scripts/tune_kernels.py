@@ -11,7 +11,6 @@ Paste the result into ``lorafusion/kernels/tuning.py`` (TUNED), or point LORAFUS
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -38,6 +37,10 @@ CANDIDATES = {
     "ds_db": [dict(BM=bm, BN=bn, CH=ch, num_warps=w, num_stages=s)
               for bm, bn, ch, w, s in [(64, 128, 1024, 4, 3), (64, 256, 1024, 8, 3), (32, 512, 1024, 8, 3),
                                        (16, 512, 1024, 8, 3), (32, 512, 2048, 8, 3), (64, 128, 512, 4, 3)]],
+    "da_dx": [dict(BM=bm, BK=bk, CH=ch, num_warps=w, num_stages=s)
+              for bm, bk, ch, w, s in [(32, 256, 512, 4, 3), (32, 128, 512, 4, 3), (64, 128, 512, 4, 3),
+                                       (32, 256, 512, 8, 3), (64, 256, 1024, 8, 3), (16, 256, 512, 4, 4),
+                                       (32, 128, 1024, 4, 4), (64, 64, 512, 4, 3)]],
     "da": [dict(BM=bm, BK=bk, CH=ch, num_warps=w, num_stages=s)
            for bm, bk, ch, w, s in [(64, 128, 1024, 4, 3), (64, 256, 1024, 8, 3), (128, 128, 1024, 8, 3),
                                     (64, 128, 512, 4, 3), (64, 128, 2048, 4, 3), (32, 256, 512, 4, 3)]],
@@ -71,7 +74,7 @@ def tune_one(kernel, bucket, run):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="tuned.json")
-    ap.add_argument("--kernels", default="gemm,lowrank,shrink,ds_db,da")
+    ap.add_argument("--kernels", default="gemm,lowrank,shrink,ds_db,da,da_dx")
     args = ap.parse_args()
     kernels = args.kernels.split(",")
     dev, dt = "cuda", torch.bfloat16
@@ -96,6 +99,7 @@ def main():
         dy = torch.randn(m, n, device=dev, dtype=dt)
         S = K.lora_shrink(x, A, st, routing, ids, k_total=k)
         dS, _ = K.lora_ds_db(dy, B, S, st, routing)
+        dxb = dy @ W
         jobs = {
             "gemm": [((m, n, k), lambda: K.lora_gemm(x, W.t(), None, S, B.t(), st.scale, st, routing, n=n)),
                      ((m, k, n), lambda: K.lora_gemm(dy, W, None, dS, A, st.inv_keep, st, routing, n=k,
@@ -106,6 +110,7 @@ def main():
             "shrink": [((m, st.r_max, k), lambda: K.lora_shrink(x, A, st, routing, ids, k_total=k))],
             "ds_db": [((m, n, st.r_max), lambda: K.lora_ds_db(dy, B, S, st, routing))],
             "da": [((m, st.r_max, k), lambda: K.lora_da(x, dS, st, routing, ids, k_total=k))],
+            "da_dx": [((m, st.r_max, k), lambda: K.lora_da_dx(x, dS, A, dxb, st, routing, ids, k_total=k))],
         }
         for kernel in kernels:
             for shape, run in jobs[kernel]:

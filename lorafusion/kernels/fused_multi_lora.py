@@ -257,7 +257,7 @@ def lora_da_dx(x: torch.Tensor, dS: torch.Tensor, A_cat: torch.Tensor, dx: torch
     ``dx`` given: accumulated into in place (it holds dY·W); None: a new tensor with the low-rank term alone.
     """
     m, kdim = x.shape
-    cfg = get_config("da", m, st.r_max, kdim)
+    cfg = get_config("da_dx", m, st.r_max, kdim)
     bk = max(16, min(cfg["BK"], 8192 // st.rb))
     chunks, n_chunks, ranges = chunk_table(routing, cfg["CH"], x.device, by_slot=True)
     acc = dx is not None

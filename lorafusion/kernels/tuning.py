@@ -10,13 +10,15 @@ from __future__ import annotations
 import os
 
 # Kernel names: "gemm" (X·W' + low-rank epilogue, compute-bound), "lowrank" (the low-rank term alone),
-# "shrink" (S = drop(X)·Aᵀ), "ds_db" (one pass over dY), "da" (dA = dSᵀ·drop(X)).
+# "shrink" (S = drop(X)·Aᵀ), "ds_db" (one pass over dY), "da" (dA = dSᵀ·drop(X)), "da_dx" (dA and the
+# masked dX low-rank term in one pass).
 DEFAULTS: dict[str, dict] = {
     "gemm": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
     "lowrank": dict(BM=64, BN=128, GROUP_M=8, num_warps=4, num_stages=1),
     "shrink": dict(BM=32, BK=128, num_warps=4, num_stages=3),
     "ds_db": dict(BM=64, BN=128, CH=1024, num_warps=4, num_stages=3),
     "da": dict(BM=64, BK=128, CH=1024, num_warps=4, num_stages=3),
+    "da_dx": dict(BM=32, BK=256, CH=512, num_warps=4, num_stages=3),
 }
 
 INTERPRET: dict[str, dict] = {
@@ -25,6 +27,7 @@ INTERPRET: dict[str, dict] = {
     "shrink": dict(BM=16, BK=32, num_warps=4, num_stages=1),
     "ds_db": dict(BM=16, BN=32, CH=32, num_warps=4, num_stages=1),
     "da": dict(BM=16, BK=32, CH=32, num_warps=4, num_stages=1),
+    "da_dx": dict(BM=16, BK=32, CH=32, num_warps=4, num_stages=1),
 }
 
 # (kernel, bucket) -> config; bucket = (m rounded up to a power of two, n, k) as the kernel sees them.
@@ -60,7 +63,9 @@ TUNED: dict[tuple[str, tuple[int, int, int]], dict] = {
 # Main GEMM of multi_lora_linear: "triton" (one Triton GEMM with the low-rank term in its accumulator) or
 # "cublas" (low-rank term by a Triton kernel, then torch.addmm adds X·Wᵀ through cuBLAS). Env override:
 # LORAFUSION_MAIN_GEMM.
-MAIN_GEMM = "triton"
+# Measured (docs/BENCHMARKS.md): cuBLAS is ~15-20% faster than this Triton GEMM on Hopper, which outweighs the
+# extra write/read of the low-rank term, so "cublas" is the default.
+MAIN_GEMM = "cublas"
 
 
 def interpreting() -> bool:

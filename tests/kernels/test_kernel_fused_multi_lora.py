@@ -26,7 +26,9 @@ def _adapters(case):
 
 
 @pytest.mark.parametrize("case", [0, 1, 2, 256])
-def test_multi_lora_linear_random_layouts(case):
+def test_multi_lora_linear_random_layouts(case, monkeypatch):
+    # both main-GEMM variants: Triton GEMM with the low-rank term inside, or cuBLAS + Triton low-rank passes
+    monkeypatch.setenv("LORAFUSION_MAIN_GEMM", "triton" if case % 2 == 0 else "cublas")
     torch.manual_seed(7)
     rng, ranks, sc, ps, seeds = _adapters(case)
     if case == 256:  # largest and smallest rank: padded rank block 256, epilogue loops over rank chunks
@@ -87,6 +89,7 @@ def test_deterministic_and_cublas_variant(monkeypatch):
     A, B = make_adapters(k, n, ranks, torch.float32, DEV)
     g = torch.randn(m, n, device=DEV)
     args = (x, W, None, A, B, sc, ps, seeds, routing, g)
+    monkeypatch.setenv("LORAFUSION_MAIN_GEMM", "triton")
     y1, g1 = run_linear(multi_lora_linear_fused, *args)
     y2, g2 = run_linear(multi_lora_linear_fused, *args)
     assert torch.equal(y1, y2)
