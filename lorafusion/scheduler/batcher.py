@@ -14,7 +14,8 @@ Algorithm: greedy (first-fit-decreasing (FFD) plus a short local search towards 
 a plan, a warm start and the fallback. If FFD's bin count exceeds the Martello–Toth L2 lower bound a
 MILP minimises the count; a second MILP with the count fixed optimises the balance. Both go through
 PuLP (HiGHS when ``highspy`` is importable, else the bundled CBC, run with a hard wall-clock kill),
-share one time limit, and a solution is only taken when it is strictly better than greedy, so the
+share one time limit and a relative optimality ``gap`` (the balance MILP is skipped when greedy is
+already within it of its bound), and a solution is only taken when it is strictly better than greedy, so the
 result is never worse than greedy and the time-limit path returns exactly the greedy plan. Instances
 with more than ``max_vars`` assignment variables are improved on a neighbourhood: the MILP re-packs the
 items of a few bins (the least loaded for "fill", the most and least loaded for "even"), repeatedly.
@@ -219,7 +220,7 @@ def _cbc() -> pulp.PULP_CBC_CMD:
         return pulp.PULP_CBC_CMD(msg=False, warmStart=True, threads=1)
 
 
-def _run_cbc(prob: pulp.LpProblem, deadline: float) -> None:
+def _run_cbc(prob: pulp.LpProblem, deadline: float, gap: float) -> None:
     """PuLP's bundled CBC with ``-sec`` *and* a hard wall-clock kill: CBC only checks its time limit
     between search phases, so a root-node cut loop can overrun it. Uses PuLP's own MPS/solution I/O."""
     solver = _cbc()
@@ -235,7 +236,7 @@ def _run_cbc(prob: pulp.LpProblem, deadline: float) -> None:
         args = [solver.path, mps]
         if prob.sense == pulp.LpMaximize:
             args.append("-max")
-        args += ["-mips", mst, "-sec", f"{time_limit:.3f}", "-threads", "1", "-solve",
+        args += ["-mips", mst, "-sec", f"{time_limit:.3f}", "-ratio", f"{gap:g}", "-threads", "1", "-solve",
                  "-solution", sol]
         try:
             subprocess.run(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -263,7 +264,7 @@ def _continuous(prob: pulp.LpProblem, name: str, lo: float, hi: float) -> pulp.L
     return pulp.LpVariable(name, lo, hi)  # pragma: no cover - PuLP < 3.3
 
 
-def _solve(prob: pulp.LpProblem, kind: str, deadline: float) -> int:
+def _solve(prob: pulp.LpProblem, kind: str, deadline: float, gap: float = 0.0) -> int:
     """Solve within what is left until ``deadline`` (model building already counted); return PuLP's
     sol_status (1 optimal, 2 feasible at the time limit, else no solution)."""
     time_limit = deadline - time.perf_counter() - _CBC_SLACK_S
@@ -274,9 +275,9 @@ def _solve(prob: pulp.LpProblem, kind: str, deadline: float) -> int:
         warnings.simplefilter("ignore")
         try:
             if _use_highs(kind):
-                prob.solve(pulp.HiGHS(msg=False, timeLimit=time_limit))
+                prob.solve(pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=gap))
             else:
-                _run_cbc(prob, deadline)
+                _run_cbc(prob, deadline, gap)
         except pulp.PulpSolverError:  # e.g. the solver stopped before writing a solution
             return 0
     return int(prob.sol_status)
@@ -336,7 +337,9 @@ def _canonical(bins: list[list[int]], sym_bins: int) -> list[list[int]]:
 
 
 @_milp_or_none
-def _milp_min_bins(w: Sequence[int], cap: int, warm: list[list[int]], kind: str, deadline: float):
+def _milp_min_bins(
+    w: Sequence[int], cap: int, warm: list[list[int]], kind: str, deadline: float, gap: float = 0.0
+):
     n = len(warm)
     prob = pulp.LpProblem("lorafusion_min_bins", pulp.LpMinimize)
     x = _assignment(prob, w, n, n, deadline)
@@ -351,14 +354,16 @@ def _milp_min_bins(w: Sequence[int], cap: int, warm: list[list[int]], kind: str,
         y[b].setInitialValue(1)
         for i in items:
             x[i, b].setInitialValue(1)
-    status = _solve(prob, kind, deadline)
+    status = _solve(prob, kind, deadline, gap)
     if status not in (1, 2):
         return None, False
     return _read_bins(x, len(w), n), status == 1
 
 
 @_milp_or_none
-def _milp_even(w: Sequence[int], cap: int, warm: list[list[int]], kind: str, deadline: float):
+def _milp_even(
+    w: Sequence[int], cap: int, warm: list[list[int]], kind: str, deadline: float, gap: float = 0.0
+):
     n = len(warm)
     warm = _canonical(warm, n)
     prob = pulp.LpProblem("lorafusion_even", pulp.LpMinimize)
@@ -372,14 +377,16 @@ def _milp_even(w: Sequence[int], cap: int, warm: list[list[int]], kind: str, dea
         for i in items:
             x[i, b].setInitialValue(1)
     lmax.setInitialValue(max(sum(w[i] for i in items) for items in warm))
-    status = _solve(prob, kind, deadline)
+    status = _solve(prob, kind, deadline, gap)
     if status not in (1, 2):
         return None, False
     return _read_bins(x, len(w), n), status == 1
 
 
 @_milp_or_none
-def _milp_fill(w: Sequence[int], cap: int, warm: list[list[int]], kind: str, deadline: float):
+def _milp_fill(
+    w: Sequence[int], cap: int, warm: list[list[int]], kind: str, deadline: float, gap: float = 0.0
+):
     n = len(warm)
     tail = min(range(n), key=lambda b: sum(w[i] for i in warm[b]))
     warm = _canonical([warm[b] for b in range(n) if b != tail] + [warm[tail]], n - 1)
@@ -398,7 +405,7 @@ def _milp_fill(w: Sequence[int], cap: int, warm: list[list[int]], kind: str, dea
             if (i, b) in x:
                 x[i, b].setInitialValue(1)
     lmin.setInitialValue(min(sum(w[i] for i in items) for items in warm[:-1]))
-    status = _solve(prob, kind, deadline)
+    status = _solve(prob, kind, deadline, gap)
     if status not in (1, 2):
         return None, False
     return _read_bins(x, len(w), n), status == 1
@@ -425,6 +432,7 @@ class DataBatcher:
         solver: str = "auto",
         max_vars: int = 3000,
         balance: str = "fill",
+        gap: float = 0.01,
     ) -> None:
         if capacity < 1:
             raise PlanError("capacity must be positive")
@@ -435,6 +443,9 @@ class DataBatcher:
         self.time_limit_s = float(time_limit_s)
         self.solver = solver
         self.max_vars = int(max_vars)
+        if not 0 <= gap < 1:
+            raise PlanError("gap must be in [0, 1)")
+        self.gap = float(gap)
 
     def pack(self, lengths: Sequence[int], time_limit_s: float | None = None) -> PackResult:
         """Pack ``lengths`` (each in ``1..capacity``) into bins; never worse than greedy FFD."""
@@ -519,7 +530,7 @@ class DataBatcher:
             left = deadline - time.perf_counter()
             if left < _MIN_SOLVE_S:
                 return warm, True
-            fewer, optimal = _milp_min_bins(sw, cap, warm, self.solver, time.perf_counter() + left / 2)
+            fewer, optimal = _milp_min_bins(sw, cap, warm, self.solver, time.perf_counter() + left / 2, 0.0)
             timed_out = not optimal
             if _valid(fewer, sw, cap) and len(fewer) < len(warm):
                 warm = fewer
@@ -528,15 +539,17 @@ class DataBatcher:
         if deadline - time.perf_counter() < _MIN_SOLVE_S:
             return warm, True
         milp = _milp_even if self.balance == "even" else _milp_fill
-        better, optimal = milp(sw, cap, warm, self.solver, deadline)
+        better, optimal = milp(sw, cap, warm, self.solver, deadline, self.gap)
         timed_out = timed_out or not optimal
         if _valid(better, sw, cap) and self._obj(better, sw) < self._obj(warm, sw):
             warm = better
         return warm, timed_out
 
     def _balanced_enough(self, sw: list[int], bins: list[list[int]]) -> bool:
-        """The balance objective provably cannot improve (it meets its bound)."""
+        """The balance is within the relative ``gap`` of its bound (``gap=0``: it provably cannot
+        improve), so a MILP is not worth its time."""
         loads = _loads(bins, sw)
         if self.balance == "even":
-            return max(loads) <= max(math.ceil(sum(sw) / len(bins)), max(sw))
-        return sorted(loads)[1] >= fill_upper_bound(sw, self.capacity, len(bins))
+            bound = max(math.ceil(sum(sw) / len(bins)), max(sw))
+            return max(loads) <= bound * (1 + self.gap)
+        return sorted(loads)[1] >= fill_upper_bound(sw, self.capacity, len(bins)) * (1 - self.gap)

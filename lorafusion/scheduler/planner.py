@@ -109,7 +109,8 @@ def plan(
     ready = dict(initial_ready or {})
     stats.groups = _order_groups(_choose_groups(jobs, config, capacity, groups), ready)
     batcher = DataBatcher(
-        capacity, config.milp_time_limit_s, config.solver, config.max_milp_vars, config.balance
+        capacity, config.milp_time_limit_s, config.solver, config.max_milp_vars, config.balance,
+        config.milp_gap,
     )
     rounds = max((len(b) for b in entries.values()), default=0)
     todo = [

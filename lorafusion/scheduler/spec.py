@@ -67,6 +67,7 @@ class SchedulerConfig:
     solver: Literal["auto", "cbc", "highs", "greedy"] = "auto"
     lookahead: int | None = None  # window of the no-op sequencer; None -> 2 * S * dp + 4
     max_milp_vars: int = 3000  # bigger instances are improved on a neighbourhood of the greedy plan
+    milp_gap: float = 0.01  # relative optimality gap of the balance MILP (0: solve to optimality)
     max_sample_len_for_auto: int | None = None  # capacity="auto" never goes below the longest sample
 
     def __post_init__(self) -> None:

@@ -59,7 +59,7 @@ TINY = [([3, 3, 3, 3, 4, 4], 10), ([6, 5, 5, 4], 10), ([7, 6, 5, 4, 3, 2, 2], 12
 
 @pytest.mark.parametrize("w,cap", TINY)
 def test_milp_matches_brute_force(w, cap):
-    res = DataBatcher(cap, time_limit_s=5.0, solver="cbc").pack(w)
+    res = DataBatcher(cap, time_limit_s=5.0, solver="cbc", gap=0.0).pack(w)
     assert _bins_valid(res.bins, w, cap)
     assert res.objective == brute_force(w, cap)
     assert lower_bound(w, cap) <= res.num_bins
@@ -101,7 +101,7 @@ def test_time_limit_zero_returns_greedy():
 def test_solver_timeout_without_solution_returns_greedy(monkeypatch):
     calls = []
 
-    def no_solution(prob, kind, deadline):  # what a solver stopped by its time limit reports
+    def no_solution(prob, kind, deadline, gap=0.0):  # what a solver stopped by its time limit reports
         calls.append(prob.name)
         return 0
 
