@@ -19,7 +19,13 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from lorafusion.kernels.fused_lora import _da_dx_kernel, _da_kernel, _ds_db_kernel, _lora_gemm_kernel, _shrink_kernel
+from lorafusion.kernels.fused_lora import (
+    _da_dx_kernel,
+    _da_kernel,
+    _ds_db_kernel,
+    _lora_gemm_kernel,
+    _shrink_kernel,
+)
 from lorafusion.kernels.tuning import get_config, rank_block
 from lorafusion.ops.dropout import keep_threshold
 

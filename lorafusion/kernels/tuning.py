@@ -58,6 +58,11 @@ TUNED: dict[tuple[str, tuple[int, int, int]], dict] = {
     ("shrink", (8192, 64, 4096)): dict(BM=32, BK=128, num_warps=8, num_stages=4),  # 59.9 us
     ("ds_db", (8192, 4096, 64)): dict(BM=64, BN=256, CH=1024, num_warps=8, num_stages=3),  # 101.6 us
     ("da", (8192, 64, 4096)): dict(BM=32, BK=256, CH=512, num_warps=4, num_stages=3),  # 87.3 us
+    ("da_dx", (8192, 16, 4096)): dict(BM=32, BK=256, CH=512, num_warps=4, num_stages=3),  # 107.5 us
+    ("da_dx", (8192, 16, 14336)): dict(BM=32, BK=256, CH=512, num_warps=4, num_stages=3),  # 348.9 us
+    ("da_dx", (16384, 16, 4096)): dict(BM=32, BK=256, CH=512, num_warps=4, num_stages=3),  # 201.7 us
+    ("da_dx", (4096, 16, 8192)): dict(BM=32, BK=256, CH=512, num_warps=4, num_stages=3),  # 106.5 us
+    ("da_dx", (8192, 64, 4096)): dict(BM=32, BK=256, CH=512, num_warps=4, num_stages=3),  # 174.0 us
 }
 
 # Main GEMM of multi_lora_linear: "triton" (one Triton GEMM with the low-rank term in its accumulator) or
