@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench-kernels bench-scheduler clean
+.PHONY: venv demo test lint bench-kernels bench-scheduler bench-train clean
 
 venv: $(STAMP)
 
@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[hf,dev]" "numpy<2.3"
 	touch $(STAMP)
 
+# each demo run writes a fresh output directory, so an earlier run is never overwritten
+DEMO_OUT ?= outputs/quickstart/$(shell date +%Y%m%d-%H%M%S)
 demo: $(STAMP)
-	$(VENV)/bin/lorafusion train configs/quickstart.yaml
+	$(VENV)/bin/lorafusion train configs/quickstart.yaml output_dir=$(DEMO_OUT)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -33,6 +35,9 @@ bench-kernels: $(STAMP)
 
 bench-scheduler: $(STAMP)
 	$(PY) scripts/bench_scheduler.py
+
+bench-train: $(STAMP)
+	$(PY) scripts/bench_train.py
 
 clean:
 	rm -rf $(VENV)

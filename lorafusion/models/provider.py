@@ -62,9 +62,9 @@ def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, p
     model.lorafusion_arch = arch
     for p in model.parameters():
         p.requires_grad_(False)
-    init_random_weights(model, seed)
     if device is not None:
         model.to(device)
+    init_random_weights(model, seed)
     attach_lora_context(model)
     return model
 
@@ -122,8 +122,10 @@ def init_random_weights(model: torch.nn.Module, seed: int, std: float | None = N
             full_shape = list(p.shape)
             if sharded:
                 full_shape[dim] *= tp
-            gen = torch.Generator().manual_seed(mix_seed(seed, zlib.crc32(key.encode())))
-            full = torch.randn(full_shape, generator=gen) * std
+            # drawn on the parameter's device (a CUDA generator differs from the CPU one, but is the same
+            # on every rank, which is what TP/PP consistency needs)
+            gen = torch.Generator(device=p.device).manual_seed(mix_seed(seed, zlib.crc32(key.encode())))
+            full = torch.randn(full_shape, generator=gen, device=p.device, dtype=torch.float32) * std
             if sharded:
                 full = column_shard(kind, full, tp, rank) if dim == 0 else shard(full, dim, tp, rank)
             p.copy_(full)
