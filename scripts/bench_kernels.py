@@ -309,9 +309,12 @@ def breakdown(m, k, n, r, dtype, dev, warmup, rep):
 
 
 def profile_host(smoke: bool):
+    """Host (enqueue) time of each piece of a FusedLoRA forward+backward, device idle before each call."""
     import cProfile
     import pstats
 
+    from lorafusion.kernels import fused_multi_lora as K
+    from lorafusion.ops import Routing
     from lorafusion.ops.fused import fused_lora_linear
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -322,21 +325,36 @@ def profile_host(smoke: bool):
     A = torch.randn(16, k, device=dev, dtype=dt, requires_grad=True)
     B = torch.randn(n, 16, device=dev, dtype=dt, requires_grad=True)
     g = torch.randn(m, n, device=dev, dtype=dt)
-    for mg in ("cublas", "triton"):
-        set_main_gemm(mg)
+    routing = Routing.single(m)
+    ids = routing.ids(dev)
+    seeds = itertools.count(10)
+    st = K.slot_tables([16], [2.0], [0.1], [1], dev)
+    S = K.lora_shrink(x.detach(), A.detach(), st, routing, ids, k_total=k)
+    Bt = B.detach().t().contiguous()
+    pieces = {
+        "slot_tables (new seed)": lambda: K.slot_tables([16], [2.0], [0.1], [next(seeds)], dev),
+        "slot_tables (cached)": lambda: K.slot_tables([16], [2.0], [0.1], [1], dev),
+        "launch shrink": lambda: K.lora_shrink(x.detach(), A.detach(), st, routing, ids, k_total=k),
+        "launch lowrank": lambda: K.lora_gemm(None, None, None, S, Bt, st.scale, st, routing, n=n),
+        "torch.empty": lambda: torch.empty(m, 16, device=dev, dtype=dt),
+        "F.linear (cuBLAS)": lambda: F.linear(x.detach(), W),
+        "fused forward only": lambda: fused_lora_linear(x, W, None, A, B, 2.0, 0.1, next(seeds)),
+        "fused fwd+bwd": lambda: fused_lora_linear(x, W, None, A, B, 2.0, 0.1, next(seeds)).backward(g),
+        "torch eager LoRA fwd+bwd": lambda: peft_lora(x, W, A, B, 2.0, 0.1).backward(g),
+        "base fwd+bwd": lambda: F.linear(x, W).backward(g),
+    }
+    for name, fn in pieces.items():
         for _ in range(3):
-            fused_lora_linear(x, W, None, A, B, 2.0, 0.1, 5).backward(g)
+            fn()
+        print(f"host us {name:28s} {cpu_ms(fn, 30) * 1e3:9.1f}", flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(20):
         if dev == "cuda":
             torch.cuda.synchronize()
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(1 if smoke else 20):
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            fused_lora_linear(x, W, None, A, B, 2.0, 0.1, 5).backward(g)
-        prof.disable()
-        print(f"== host profile, main GEMM {mg}, 20 calls of fwd+bwd")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+        pieces["fused fwd+bwd"]()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("cumtime").print_stats(25)
 
 
 def main():
