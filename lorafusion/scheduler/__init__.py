@@ -12,7 +12,9 @@ Input
     simulated cost per token), ``truncate`` (cut samples longer than the capacity instead of failing).
   * ``SchedulerConfig``: ``pipeline_depth`` S, ``dp_size``, ``token_capacity`` (int, or ``"auto"``
     from a fitted ``CostModel`` via ``auto_token_capacity``), ``milp_time_limit_s`` (MILP budget of
-    one ``plan`` call), ``grouping`` on/off, ``merge`` on/off, ``solver`` (auto|cbc|highs|greedy).
+    one ``plan`` call), ``milp_gap``, ``grouping`` on/off, ``merge`` on/off, ``solver``
+    (auto|cbc|highs|greedy), ``balance`` ("fill": full microbatches + one under-full tail per group,
+    the default; "even": equal microbatches, lower pipeline bubble, more unused capacity).
 
 Output: ``plan(jobs, config) -> Plan``
   * ``Plan.microbatches``: ordered by ``(slot, dp_rank)``; ``index`` = position in the list,
