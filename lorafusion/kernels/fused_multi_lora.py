@@ -13,6 +13,7 @@ seeds (int64), s, 1/(1-p) (fp32), r, the rank offset and the dropout threshold o
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,7 +54,7 @@ def gemm_tables(routing, bm: int, device) -> tuple[torch.Tensor, torch.Tensor]:
                 hi += 1
             mb += [lo, hi]
         flat = [v for s in segs for v in s] or [0, 0, 0]
-        t = torch.tensor(flat + mb, dtype=torch.int32).to(device)
+        t = _to_device(torch.tensor(flat + mb, dtype=torch.int32), device)
         return t[: len(flat)], t[len(flat):]
 
     return routing.cached(("lf_gemm", bm, str(device)), build)
@@ -81,7 +82,7 @@ def chunk_table(routing, size: int, device, by_slot: bool = False):
                     lo, _ = ranges.get(slot, (i, i))
                     ranges[slot] = (lo, i + 1)
         flat = [v for c in pieces for v in c] or [-1, 0, 0]
-        return torch.tensor(flat, dtype=torch.int32).to(device), max(1, len(pieces)), ranges
+        return _to_device(torch.tensor(flat, dtype=torch.int32), device), max(1, len(pieces)), ranges
 
     return routing.cached(("lf_chunks", size, by_slot, str(device)), build)
 
@@ -119,27 +120,27 @@ def slot_tables(ranks: Sequence[int], scaling: Sequence[float], dropout_p: Seque
     return st
 
 
+def _to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """Host → device without stalling the host on the stream: pinned staging + non-blocking copy on CUDA."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return host.pin_memory().to(dev, non_blocking=True)
+    return host.to(dev)
+
+
 def _build_slot_tables(ranks, scaling, dropout_p, seeds, device) -> SlotTables:
     n = len(ranks)
     roffs, acc = [], 0
     for r in ranks:
         roffs.append(acc)
         acc += int(r)
-    seeds64 = [int(s) & 0xFFFFFFFFFFFFFFFF for s in seeds]
-    ints64 = torch.tensor([v - 2**64 if v >= 2**63 else v for v in seeds64], dtype=torch.int64)
-    f = torch.tensor([float(s) for s in scaling] + [1.0 / (1.0 - float(p)) for p in dropout_p],
-                     dtype=torch.float32)
-    i32 = torch.tensor([int(r) for r in ranks] + roffs + [keep_threshold(p) for p in dropout_p] + [0] * (n % 2),
-                       dtype=torch.int32)
-    host = torch.cat([ints64, f.view(torch.int64), i32.view(torch.int64)])
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        buf = host.pin_memory().to(dev, non_blocking=True)
-    else:
-        buf = host.to(dev)
-    nf = n  # 2n float32 = n int64
-    fl = buf[n: n + nf].view(torch.float32)
-    it = buf[n + nf:].view(torch.int32)
+    ints = [int(r) for r in ranks] + roffs + [keep_threshold(p) for p in dropout_p] + [0] * (n % 2)
+    raw = (struct.pack(f"<{n}Q", *(int(s) & 0xFFFFFFFFFFFFFFFF for s in seeds))
+           + struct.pack(f"<{2 * n}f", *(float(s) for s in scaling), *(1.0 / (1.0 - float(p)) for p in dropout_p))
+           + struct.pack(f"<{len(ints)}i", *ints))
+    buf = _to_device(torch.frombuffer(bytearray(raw), dtype=torch.int64), device)
+    fl = buf[n: 2 * n].view(torch.float32)  # 2n float32 = n int64
+    it = buf[2 * n:].view(torch.int32)
     r_max = max(int(r) for r in ranks)
     return SlotTables(seed=buf[:n], thr=it[2 * n:3 * n], scale=fl[:n], inv_keep=fl[n:2 * n], r=it[:n],
                       roff=it[n:2 * n], ranks=tuple(int(r) for r in ranks), r_max=r_max, rb=rank_block(r_max),
