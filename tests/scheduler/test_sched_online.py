@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from lorafusion.scheduler import (
     AdapterGrouper,
@@ -149,3 +152,45 @@ def test_even_balance_mode():
     verify_plan(p, jobs, 2, 2)
     with pytest.raises(PlanError, match="balance"):
         SchedulerConfig(balance="tight")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    events=st.lists(st.sampled_from(["plan", "plan", "add", "remove"]), min_size=1, max_size=10),
+    S=st.integers(1, 4),
+    dp=st.integers(1, 2),
+    rounds=st.integers(1, 2),
+    seed=st.integers(0, 1000),
+)
+def test_random_join_leave_sequences_verify_and_keep_order(events, S, dp, rounds, seed):
+    rng = random.Random(seed)
+    online = OnlineScheduler(SchedulerConfig(S, dp, 1024, milp_time_limit_s=0.0))
+    made = 0
+
+    def new_job():
+        nonlocal made
+        made += 1
+        gbs = rng.randint(1, 6)
+        return make_job(f"j{made}", gbs, rng.randint(1, 4), 20, 600, rng.randint(0, 10**6),
+                        priority=rng.randint(0, 2), rank=rng.choice([8, 16, 64]))
+
+    online.add_job(new_job())
+    for ev in events:
+        if ev == "add":
+            online.add_job(new_job())
+        elif ev == "remove" and online.active:
+            online.remove_job(rng.choice(online.active))
+        else:
+            before = copy.deepcopy(online.plans)
+            online.plan_next(rounds)
+            assert online.plans[: len(before)] == before
+    if not online.plans:
+        return
+    combined = online.combined()
+    planned = online.planned_jobs()
+    verify_plan(combined, planned, S, dp)
+    for job in planned:
+        batches = [g for g, _ in job_order(combined, job.name)]
+        assert batches == sorted(batches)
+        steps = [combined.step_slot(job.name, g) for g in range(len(job.global_batches))]
+        assert all(b - a >= S for a, b in itertools.pairwise(steps))
