@@ -10,10 +10,12 @@ from lorafusion.ops import Routing
 from lorafusion.ops.dropout import keep_mask, mix_seed
 from lorafusion.ops.fused import multi_lora_delta_fused
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 @pytest.mark.parametrize("seed", [0, 12345, mix_seed(7, 3, 1), 2**40 + 7])
 def test_mask_matches_reference(seed):
-    ids = torch.tensor([0, 5, 3, 100_000, 2**31 // 7, 77_777_777, 2**33 + 1], dtype=torch.int64)
+    ids = torch.tensor([0, 5, 3, 100_000, 2**31 // 7, 77_777_777, 2**33 + 1], dtype=torch.int64, device=DEV)
     for k_offset, k_total in [(0, None), (13, 97)]:
         a = keep_mask_triton(seed, ids, 37, 0.3, k_offset, k_total)
         b = keep_mask(seed, ids, 37, 0.3, k_offset, k_total)
@@ -22,7 +24,7 @@ def test_mask_matches_reference(seed):
 
 def test_keep_rate_within_3_sigma():
     p = 0.3
-    ids = torch.arange(64, dtype=torch.int64)
+    ids = torch.arange(64, dtype=torch.int64, device=DEV)
     keep = keep_mask_triton(mix_seed(42), ids, 512, p)
     n = keep.numel()
     sigma = math.sqrt(p * (1 - p) / n)
@@ -32,10 +34,10 @@ def test_keep_rate_within_3_sigma():
 def test_same_mask_forward_and_backward():
     """With A = B = I and X = 1, the forward output is keep/(1-p) and dX (for dOut = 1) is keep/(1-p) too."""
     m, k, p, seed = 21, 32, 0.4, mix_seed(5)
-    row_ids = torch.arange(1000, 1000 + m, dtype=torch.int64)
+    row_ids = torch.arange(1000, 1000 + m, dtype=torch.int64, device=DEV)
     routing = Routing(segments=((0, 0, m),), num_rows=m, row_ids=row_ids)
-    x = torch.ones(m, k, requires_grad=True)
-    eye = torch.eye(k)
+    x = torch.ones(m, k, device=DEV, requires_grad=True)
+    eye = torch.eye(k, device=DEV)
     A, B = eye.clone().requires_grad_(True), eye.clone().requires_grad_(True)
     out = multi_lora_delta_fused(x, [A], [B], [1.0], [p], [seed], routing, k_offset=8, k_total=96)
     out.backward(torch.ones_like(out))
