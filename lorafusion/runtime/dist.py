@@ -28,13 +28,13 @@ def init_distributed(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str
 
         apply_cpu_patches()
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend or ("nccl" if cuda else "gloo"))
+        backend = backend or ("nccl" if cuda else "gloo")
+        if "RANK" in os.environ:  # torchrun / Slurm: env:// rendezvous
+            dist.init_process_group(backend)
+        else:  # a single process; nothing is put into os.environ, so child processes start clean
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"parallelism: tp*pp = {tp}*{pp} does not divide the world size {world}")
