@@ -161,7 +161,7 @@ def lora_gemm(x: torch.Tensor | None, w_kn: torch.Tensor | None, bias: torch.Ten
     m = S.shape[0]
     has_main = x is not None
     kdim = x.shape[1] if has_main else 0
-    cfg = get_config("gemm" if has_main else "lowrank", m, n, kdim)
+    cfg = get_config("gemm" if has_main else "lowrank", m, n, kdim, S.element_size())
     bm, bn = cfg["BM"], cfg["BN"]
     segs, mb = gemm_tables(routing, bm, S.device)
     if out is None:
@@ -188,7 +188,7 @@ def lora_shrink(x: torch.Tensor, A_cat: torch.Tensor, st: SlotTables, routing, r
                 k_total: int, k_offset: int = 0) -> torch.Tensor:
     """S [m, r_max] = keep⊙X·A_aᵀ/(1-p_a) per segment (zero beyond r_a and outside every segment)."""
     m, kdim = x.shape
-    cfg = get_config("shrink", m, st.r_max, kdim)
+    cfg = get_config("shrink", m, st.r_max, kdim, x.element_size())
     cfg["BM"] = max(16, min(cfg["BM"], 8192 // st.rb))
     chunks, n_chunks, _ = chunk_table(routing, cfg["BM"], x.device)
     S = torch.empty(m, st.r_max, device=x.device, dtype=x.dtype)
@@ -219,7 +219,7 @@ def lora_ds_db(dy: torch.Tensor, B_cat: torch.Tensor, S: torch.Tensor, st: SlotT
                need_db: bool = True) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """One pass over dY [m, n]: dS [m, r_max] (dtype of S) and dB per slot (fp32 [n, r_a], None if no rows)."""
     m, n = dy.shape
-    cfg = get_config("ds_db", m, n, st.r_max)
+    cfg = get_config("ds_db", m, n, st.r_max, dy.element_size())
     bn = max(16, min(cfg["BN"], 16384 // st.rb))  # keep the [BN, RB] fp32 accumulator in registers
     chunks, n_chunks, ranges = chunk_table(routing, cfg["CH"], dy.device, by_slot=True)
     nblk = triton.cdiv(n, bn)
@@ -242,7 +242,7 @@ def lora_da(x: torch.Tensor, dS: torch.Tensor, st: SlotTables, routing, row_ids:
             k_total: int, k_offset: int = 0) -> list[torch.Tensor | None]:
     """dA per slot (fp32 [r_a, k], None if the slot has no rows) = dSᵀ·keep⊙X/(1-p)."""
     m, kdim = x.shape
-    cfg = get_config("da", m, st.r_max, kdim)
+    cfg = get_config("da", m, st.r_max, kdim, x.element_size())
     bk = max(16, min(cfg["BK"], 16384 // st.rb))  # keep the [RB, BK] fp32 accumulator in registers
     chunks, n_chunks, ranges = chunk_table(routing, cfg["CH"], x.device, by_slot=True)
     dap = torch.empty(n_chunks, st.rb, kdim, device=x.device, dtype=torch.float32)
@@ -264,7 +264,7 @@ def lora_da_dx(x: torch.Tensor, dS: torch.Tensor, A_cat: torch.Tensor, dx: torch
     ``dx`` given: accumulated into in place (it holds dY·W); None: a new tensor with the low-rank term alone.
     """
     m, kdim = x.shape
-    cfg = get_config("da_dx", m, st.r_max, kdim)
+    cfg = get_config("da_dx", m, st.r_max, kdim, x.element_size())
     bk = max(16, min(cfg["BK"], 8192 // st.rb))
     chunks, n_chunks, ranges = chunk_table(routing, cfg["CH"], x.device, by_slot=True)
     acc = dx is not None

@@ -107,14 +107,20 @@ def _extra() -> dict:
 _EXTRA: dict = {}
 
 
-def get_config(kernel: str, m: int, n: int = 0, k: int = 0) -> dict:
+def get_config(kernel: str, m: int, n: int = 0, k: int = 0, itemsize: int = 2) -> dict:
+    """Block config for ``kernel`` at this shape. The tables are for 2-byte (bf16/fp16) operands; 4-byte
+    (fp32) operands get half the K block and at most two pipeline stages so the tiles fit shared memory."""
     if interpreting():
         return dict(INTERPRET[kernel])
     key = (kernel, bucket(m, n, k))
-    cfg = _extra().get(key) or TUNED.get(key)
-    if cfg is None:
-        cfg = DEFAULTS[kernel]
-    return dict(cfg)
+    cfg = dict(_extra().get(key) or TUNED.get(key) or DEFAULTS[kernel])
+    if itemsize > 2:
+        cfg["num_stages"] = min(cfg["num_stages"], 2)
+        for blk in ("BK", "BN"):
+            if blk in cfg and kernel in ("gemm", "shrink", "da", "da_dx", "ds_db"):
+                cfg[blk] = max(16, cfg[blk] // 2)
+                break
+    return cfg
 
 
 def rank_block(r_max: int) -> int:

@@ -10,6 +10,8 @@ from lorafusion.ops.fused import fused_lora_delta, fused_lora_linear, multi_lora
 from ._util import make_adapters, reference_linear, rel, run_linear
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# fp32 tl.dot runs as TF32 on the GPU (≈1e-3 relative); exact fp32 in the interpreter
+TOL32 = 5e-3 if DEV == "cuda" else 1e-5
 
 
 @pytest.mark.parametrize("dtype,p,bias,shape", [
@@ -30,7 +32,7 @@ def test_fused_lora_linear_matches_reference(dtype, p, bias, shape):
     args = (x, W, b, A, B, [1.7], [p], [mix_seed(1)], routing, g)
     y, grads = run_linear(multi_lora_linear_fused, *args)
     y_ref, grads_ref = run_linear(reference_linear, *args)
-    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    tol = TOL32 if dtype == torch.float32 else 5e-3
     assert y.shape == y_ref.shape
     assert rel(y, y_ref) < tol
     for got, want in zip(grads, grads_ref, strict=True):
@@ -51,6 +53,6 @@ def test_non_contiguous_input_and_single_entry_points():
     A, B = make_adapters(k, n, [r], torch.float32, DEV)
     y = fused_lora_linear(x, W, None, A[0], B[0], 0.5, 0.2, 99)
     y_ref = reference_linear(x, W, None, A, B, [0.5], [0.2], [99], Routing.single(m))
-    assert rel(y, y_ref) < 1e-5
+    assert rel(y, y_ref) < TOL32
     d = fused_lora_delta(x, A[0], B[0], 0.5, 0.2, 99)
-    assert rel(d, y_ref - torch.nn.functional.linear(x, W)) < 1e-5
+    assert rel(d, y_ref - torch.nn.functional.linear(x, W)) < TOL32

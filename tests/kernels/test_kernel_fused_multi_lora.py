@@ -13,6 +13,8 @@ from lorafusion.ops.reference import multi_lora_delta_reference
 from ._util import make_adapters, random_routing, reference_linear, rel, run_linear
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# fp32 tl.dot runs as TF32 on the GPU (≈1e-3 relative); exact fp32 in the interpreter
+TOL32 = 5e-3 if DEV == "cuda" else 1e-5
 
 
 def _adapters(case):
@@ -43,12 +45,12 @@ def test_multi_lora_linear_random_layouts(case, monkeypatch):
     args = (x, W, bias, A, B, sc, ps, seeds, routing, g)
     y, grads = run_linear(multi_lora_linear_fused, *args)
     y_ref, grads_ref = run_linear(reference_linear, *args)
-    assert rel(y, y_ref) < 1e-5, routing
+    assert rel(y, y_ref) < TOL32, routing
     for i, (got, want) in enumerate(zip(grads, grads_ref, strict=True)):
         if want is None:  # a slot with no rows in this batch
             assert got is None or got.abs().max() == 0, i
         else:
-            assert got is not None and rel(got, want) < 1e-5, (i, routing)
+            assert got is not None and rel(got, want) < TOL32, (i, routing)
 
 
 @pytest.mark.parametrize("k_offset", [40, 13])  # 13: shard not 8-aligned, per-element mask path
@@ -73,9 +75,9 @@ def test_multi_lora_delta_sharded_input_and_tile_spanning_segments(k_offset):
 
     out, grads = run(multi_lora_delta_fused)
     out_ref, grads_ref = run(multi_lora_delta_reference)
-    assert rel(out, out_ref) < 1e-5
+    assert rel(out, out_ref) < TOL32
     for got, want in zip(grads, grads_ref, strict=True):
-        assert rel(got, want) < 1e-5
+        assert rel(got, want) < TOL32
 
 
 def test_deterministic_and_cublas_variant(monkeypatch):
@@ -97,6 +99,6 @@ def test_deterministic_and_cublas_variant(monkeypatch):
         assert (a is None and b is None) or torch.equal(a, b)
     monkeypatch.setenv("LORAFUSION_MAIN_GEMM", "cublas")
     y3, g3 = run_linear(multi_lora_linear_fused, *args)
-    assert rel(y3, y1) < 1e-5
+    assert rel(y3, y1) < TOL32
     for a, b in zip(g3, g1, strict=True):
-        assert (a is None and b is None) or rel(a, b) < 1e-5
+        assert (a is None and b is None) or rel(a, b) < TOL32
