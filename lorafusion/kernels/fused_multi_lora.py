@@ -220,7 +220,10 @@ def lora_ds_db(dy: torch.Tensor, B_cat: torch.Tensor, S: torch.Tensor, st: SlotT
     """One pass over dY [m, n]: dS [m, r_max] (dtype of S) and dB per slot (fp32 [n, r_a], None if no rows)."""
     m, n = dy.shape
     cfg = get_config("ds_db", m, n, st.r_max, dy.element_size())
-    bn = max(16, min(cfg["BN"], 16384 // st.rb))  # keep the [BN, RB] fp32 accumulator in registers
+    # keep the [BN, RB] fp32 accumulator in registers and the [BM|BN, RB] operand tiles in shared memory
+    cap = max(16, 32768 // (st.rb * dy.element_size()))
+    bn = max(16, min(cfg["BN"], 16384 // st.rb, cap))
+    cfg["BM"] = max(16, min(cfg["BM"], cap))
     chunks, n_chunks, ranges = chunk_table(routing, cfg["CH"], dy.device, by_slot=True)
     nblk = triton.cdiv(n, bn)
     dsp = torch.empty(nblk, m, st.rb, device=dy.device, dtype=torch.float32)
