@@ -26,11 +26,11 @@ def job_dict(name: str, data: Path, r: int, *, steps: int = 4, gbs: int = 4, dro
         "name": name,
         "dataset": {"path": str(data), "format": "prompt_response", "max_seq_len": 64},
         "lora": {"r": r, "lora_alpha": alpha or 2 * r, "lora_dropout": dropout, "target_modules": targets},
-        # eps 1e-6: AdamW divides by sqrt(v)+eps, so with eps 1e-8 a gradient element that is ~0 has its
+        # eps 1e-5: AdamW divides by sqrt(v)+eps, so with eps 1e-8 a gradient element that is ~0 has its
         # fp32 summation-order noise (packing differs between runs) scaled up to a full lr-sized update;
         # comparisons of whole runs would then measure that noise rather than the training
         "optimizer": {"lr": lr, "warmup_steps": 1, "schedule": "cosine", "max_grad_norm": 1.0, "weight_decay": 0.01,
-                      "eps": 1e-6},
+                      "eps": 1e-5},
         "global_batch_size": gbs,
         "max_steps": steps,
         "save_every": save_every,

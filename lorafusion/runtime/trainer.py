@@ -165,7 +165,13 @@ class Trainer:
                              milp_time_limit_s=self.cfg.scheduler.milp_time_limit_s,
                              grouping=self.cfg.scheduler.grouping)
         t0 = time.perf_counter()
-        the_plan = plan(specs, sc)
+        # The MILP runs under a wall-clock limit, so two ranks planning alone could disagree; every rank
+        # must run the same plan, so global rank 0 plans and broadcasts it.
+        multi = dist.is_initialized() and dist.get_world_size() > 1
+        box = [plan(specs, sc) if not multi or dist.get_rank() == 0 else None]
+        if multi:
+            dist.broadcast_object_list(box, src=0)
+        the_plan = box[0]
         verify_plan(the_plan, specs, p.pp, p.dp)
         return the_plan, time.perf_counter() - t0
 
