@@ -21,6 +21,8 @@ Kernels
 - ``_ds_db_kernel``: one pass over dY: ``dS = s·dY·B`` (partial per n-block) and ``dB = s·dYᵀ·S``
   (partial per chunk); partials are summed in a fixed order (deterministic, no atomics).
 - ``_da_kernel``: ``dA = dSᵀ·(keep ⊙ X)/(1-p)`` (partial per chunk), the mask regenerated.
+- ``_da_dx_kernel``: dA and ``dX (+)= keep⊙(dS·A)/(1-p)`` in one pass over (X, dX) with one mask per tile
+  (after a cuBLAS dY·W, and for the tensor-parallel delta path).
 """
 
 from __future__ import annotations

@@ -2,14 +2,20 @@
 
 Same contracts as :mod:`lorafusion.ops.reference` (see :func:`lorafusion.ops.multi_lora_delta`):
 
-- :func:`multi_lora_linear_fused`: ``Y = X·Wᵀ (+bias) + Σ_seg s·S·Bᵀ`` — the shrink kernel, then one GEMM with
-  the low-rank term in its accumulator. Backward: one pass over dY for dS and dB, one GEMM
-  ``dX = dY·W + keep⊙(dS·A)/(1-p)``, one pass over X for dA. Saved: X, S [m, r_max], the per-call tables.
+- :func:`multi_lora_linear_fused`: ``Y = X·Wᵀ (+bias) + Σ_seg s·S·Bᵀ``. Forward: the shrink kernel
+  (S = drop(X)·Aᵀ/(1-p), mask regenerated from Philox, never stored), then the main GEMM. Backward: one pass
+  over dY for dS and dB, the dX GEMM, and dA. Saved: X, S [m, r_max] and the per-call tables.
+  The main GEMM (``lorafusion.kernels.tuning.MAIN_GEMM`` / env ``LORAFUSION_MAIN_GEMM``):
+  "cublas" (default; measured faster on Hopper) — the low-rank term is written by a Triton kernel and cuBLAS
+  adds X·Wᵀ to it; in backward cuBLAS computes dY·W and one Triton pass adds keep⊙(dS·A)/(1-p) and produces
+  dA with the same mask. "triton" — one Triton GEMM with the low-rank term as its initial accumulator
+  (forward and dX), dA in its own pass.
 - :func:`multi_lora_delta_fused`: the LoRA term alone, as shrink → tensor-parallel collective on S → expand,
   so "row" (all-reduce S in forward) and "column" (all-reduce dS in backward) compose as in the reference.
 - :func:`fused_lora_linear` / :func:`fused_lora_delta`: single-adapter FusedLoRA (one segment, all rows).
 
-Gradients are deterministic: reductions over rows go through per-chunk partials summed in a fixed order.
+Gradients are deterministic: reductions over rows go through per-chunk partials summed in a fixed order
+(no atomics). ``weight`` is frozen in LoRA; if it requires grad, dW is computed with a plain matmul.
 """
 
 from __future__ import annotations
