@@ -169,12 +169,23 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     result = {"config": args.config, "device": device, "steps": args.steps, "warmup": args.warmup}
-    try:
-        ours, batches, info = run_lorafusion(args.config, list(args.overrides), args.steps, args.warmup, out / "ours")
-        result["lorafusion"] = ours
-    except Exception:
-        traceback.print_exc()
-        result["lorafusion_error"] = traceback.format_exc(limit=3)
+    ours = None
+    for attempt, extra in enumerate(([], ["kernels=reference"])):
+        try:
+            ours, batches, info = run_lorafusion(args.config, list(args.overrides) + extra, args.steps, args.warmup,
+                                                 out / f"ours{attempt}")
+            result["lorafusion"] = ours
+            break
+        except Exception:
+            traceback.print_exc()
+            result[f"lorafusion_error_{attempt}"] = traceback.format_exc(limit=4)
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            from lorafusion.runtime.dist import destroy_distributed
+
+            destroy_distributed()
+    if ours is None:
         print(json.dumps(result, default=str))
         return
     if not args.skip_hf:

@@ -41,6 +41,7 @@ def varlen_attention_reference(q, k, v, cu_seqlens: torch.Tensor, scale: float) 
 
 
 _VARLEN = None
+_VARLEN_FAILED = False
 
 
 def _varlen_fn():
@@ -70,7 +71,17 @@ def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
         kw["enable_gqa"] = True
     else:
         k, v = _expand_kv(k, h, 1), _expand_kv(v, h, 1)
-    return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kw)
+    global _VARLEN_FAILED
+    if _VARLEN_FAILED:
+        return varlen_attention_reference(q, k, v, cu_seqlens, scale)
+    try:
+        return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kw)
+    except (RuntimeError, TypeError, NotImplementedError) as e:  # e.g. a head dim or GPU the kernel lacks
+        import warnings
+
+        warnings.warn(f"torch varlen_attn failed ({e}); using the per-sample SDPA path from now on", stacklevel=2)
+        _VARLEN_FAILED = True
+        return varlen_attention_reference(q, k, v, cu_seqlens, scale)
 
 
 class PackedDotProductAttention(MegatronModule):
