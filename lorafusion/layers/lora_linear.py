@@ -140,7 +140,9 @@ class _LoRAMixin:
         del self.lora_B[name]
 
     # -- forward ----------------------------------------------------------------------------------------
-    def _lora_delta(self, x: torch.Tensor) -> torch.Tensor | None:
+    def _lora_args(self):
+        """(routing, A list, B list, scalings, dropout ps, seeds) for this layer's adapters in the current
+        microbatch, or None when no row of it uses an adapter of this layer."""
         ctx = self.lora_ctx
         if ctx is None or ctx.routing is None or len(self.lora_A) == 0:
             return None
@@ -150,6 +152,12 @@ class _LoRAMixin:
         routing, names, seeds = plan
         specs = [ctx.specs[n] for n in names]
         layer_salt = zlib.crc32(self.lora_key.encode())
+        return (routing, [self.lora_A[n] for n in names], [self.lora_B[n] for n in names],
+                [s.scaling for s in specs], [s.lora_dropout if self.training else 0.0 for s in specs],
+                [mix_seed(sd, layer_salt) for sd in seeds])
+
+    def _lora_delta(self, x: torch.Tensor, args) -> torch.Tensor:
+        routing, a, b, scaling, p, seeds = args
         tp, rank = self._tp()
         kw = {}
         if tp > 1:
@@ -158,10 +166,23 @@ class _LoRAMixin:
             if self.s_comm_mode == "row":
                 kw["k_offset"] = rank * x.shape[-1]
                 kw["k_total"] = x.shape[-1] * tp
-        return ops.multi_lora_delta(
-            x, [self.lora_A[n] for n in names], [self.lora_B[n] for n in names],
-            [s.scaling for s in specs], [s.lora_dropout if self.training else 0.0 for s in specs],
-            [mix_seed(sd, layer_salt) for sd in seeds], routing, impl=ctx.impl, **kw)
+        return ops.multi_lora_delta(x, a, b, scaling, p, seeds, routing, impl=self.lora_ctx.impl, **kw)
+
+    def _lora_forward(self, input_, base_forward, *args, **kwargs):
+        """Base + LoRA. Without TP and with the fused kernels, one op does both (the low-rank term enters
+        the base GEMM); otherwise Megatron's own forward (with its TP collectives) plus the LoRA term."""
+        largs = self._lora_args()
+        if largs is not None and self.config.sequence_parallel:
+            raise NotImplementedError("LoRA with sequence_parallel is not supported yet")
+        if largs is None:
+            return base_forward(input_, *args, **kwargs)
+        if self._tp()[0] == 1 and not args and not kwargs and ops.resolve_impl(input_, self.lora_ctx.impl) == "fused":
+            routing, a, b, scaling, p, seeds = largs
+            bias = None if self.skip_bias_add or self.bias is None else self.bias
+            y = ops.multi_lora_linear(input_, self.weight, bias, a, b, scaling, p, seeds, routing, impl="fused")
+            return y, (self.bias if self.skip_bias_add else None)
+        out, bias = base_forward(input_, *args, **kwargs)
+        return out + self._lora_delta(input_, largs), bias
 
 
 class LoRAColumnParallelLinear(_LoRAMixin, ColumnParallelLinear):
@@ -172,11 +193,7 @@ class LoRAColumnParallelLinear(_LoRAMixin, ColumnParallelLinear):
         self._init_lora()
 
     def forward(self, input_, *args, **kwargs):
-        out, bias = super().forward(input_, *args, **kwargs)
-        if self.config.sequence_parallel and len(self.lora_A):
-            raise NotImplementedError("LoRA with sequence_parallel is not supported yet")
-        delta = self._lora_delta(input_)
-        return (out if delta is None else out + delta), bias
+        return self._lora_forward(input_, super().forward, *args, **kwargs)
 
 
 class LoRARowParallelLinear(_LoRAMixin, RowParallelLinear):
@@ -187,8 +204,4 @@ class LoRARowParallelLinear(_LoRAMixin, RowParallelLinear):
         self._init_lora()
 
     def forward(self, input_, *args, **kwargs):
-        out, bias = super().forward(input_, *args, **kwargs)
-        if self.config.sequence_parallel and len(self.lora_A):
-            raise NotImplementedError("LoRA with sequence_parallel is not supported yet")
-        delta = self._lora_delta(input_)
-        return (out if delta is None else out + delta), bias
+        return self._lora_forward(input_, super().forward, *args, **kwargs)
