@@ -206,3 +206,36 @@ def test_quickstart_demo_learns(tmp_path):
     for name, j in summary["jobs"].items():
         assert j["final_loss"] < 0.8 * j["first_loss"], (name, j)
         assert (tmp_path / "qs" / "adapters" / name / "adapter_model.safetensors").is_file()
+
+
+def _bad_cases(tmp: Path, jobs: list[dict]):
+    good = jobs[0]
+    (tmp / "d").mkdir(parents=True, exist_ok=True)
+    empty = tmp / "d" / "empty.jsonl"
+    empty.write_text("")
+    nofield = tmp / "d" / "nofield.jsonl"
+    nofield.write_text('{"prompt": "x"}\n')
+    return {
+        "unknown key": ([dict(good, colour="red")], "colour"),
+        "wrong type": ([dict(good, global_batch_size="many")], "global_batch_size"),
+        "r <= 0": ([dict(good, lora=dict(good["lora"], r=0))], "lora.r"),
+        "PEFT subset": ([dict(good, lora=dict(good["lora"], target_modules=["q_proj"]))], "target_modules"),
+        "missing file": ([dict(good, dataset=dict(good["dataset"], path=str(tmp / "nope.jsonl")))], "nope.jsonl"),
+        "empty dataset": ([dict(good, dataset=dict(good["dataset"], path=str(empty)))], "empty"),
+        "missing field": ([dict(good, dataset=dict(good["dataset"], path=str(nofield)))], "response"),
+        "duplicate names": ([good, dict(good)], "duplicate"),
+    }
+
+
+@pytest.mark.parametrize("case", ["unknown key", "wrong type", "r <= 0", "PEFT subset", "missing file",
+                                  "empty dataset", "missing field", "duplicate names"])
+def test_bad_run_is_one_clear_error_and_writes_nothing(three_jobs, tmp_path, capsys, case):
+    from lorafusion.cli import main
+
+    tmp, jobs, *_ = three_jobs
+    run_jobs, needle = _bad_cases(tmp_path, jobs)[case]
+    run = write_run(tmp_path, run_jobs, out="never")
+    assert main(["train", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[0].startswith("lorafusion train: error: ") and needle in "\n".join(err), err
+    assert not (tmp_path / "never").exists()
