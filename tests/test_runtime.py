@@ -81,8 +81,8 @@ def test_other_jobs_hyperparameters_and_tokens_leave_adapter_bit_identical(three
     # same lengths, different characters: the scheduler packs identically
     src = Path(up["dataset"]["path"]).read_text().splitlines()
     alt = tmp / "d" / "up_alt.jsonl"
-    alt.write_text("".join(json.dumps({k: v.replace("a", "b").replace("C", "D") for k, v in json.loads(l).items()})
-                           + "\n" for l in src))
+    alt.write_text("".join(json.dumps({k: v.replace("a", "b").replace("C", "D") for k, v in json.loads(line).items()})
+                           + "\n" for line in src))
     up["dataset"] = dict(up["dataset"], path=str(alt))
     changed[1] = up
     _, out2 = _train_inprocess(write_run(tmp, changed, out="changed", name="changed.yaml"))
