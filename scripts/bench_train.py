@@ -197,6 +197,10 @@ def main() -> None:
         except Exception:
             traceback.print_exc()
             result["hf_peft_error"] = traceback.format_exc(limit=3)
+    from lorafusion.runtime.dist import destroy_distributed
+
+    destroy_distributed()  # before printing: the JSON must stay the last line
+    (out / "result.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"{'system':<22} {'tokens/s':>10} {'peak GiB':>9}")
     for key in ("lorafusion", "hf_peft"):
         if key in result:
