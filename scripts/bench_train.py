@@ -47,6 +47,10 @@ def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, o
     cfg = load_run_config(config, overrides + [f"output_dir={out}", "logging.progress=false",
                                                "logging.tensorboard=false"]
                           + [f"jobs.{i}.max_steps={steps}" for i in range(len(load_run_config(config).jobs))])
+    look = cfg.scheduler.lookahead_batches
+    if warmup < 1 or warmup % look or steps <= warmup:
+        raise SystemExit(f"--warmup must be a positive multiple of scheduler.lookahead_batches ({look}) and less "
+                         f"than --steps: steps of one planned chunk finish together, so only whole chunks can be timed")
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(cfg, config_path=config)
