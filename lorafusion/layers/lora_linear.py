@@ -16,6 +16,7 @@ compute casts them to the activation dtype.
 from __future__ import annotations
 
 import math
+import weakref
 import zlib
 from dataclasses import dataclass, field
 
@@ -33,7 +34,10 @@ from lorafusion.ops.dropout import mix_seed
 from lorafusion.ops.routing import Routing
 
 
-@dataclass
+_LIVE_CONTEXTS: weakref.WeakSet = weakref.WeakSet()  # every model's context (for recompute snapshots)
+
+
+@dataclass(eq=False)
 class LoRAContext:
     """Model-wide adapter registry plus the routing of the microbatch being run.
 
@@ -47,6 +51,12 @@ class LoRAContext:
     seeds: tuple[int, ...] = ()
     impl: str | None = None
     _local: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        _LIVE_CONTEXTS.add(self)
+
+    def state(self) -> tuple:
+        return (self.routing, self.batch_adapters, self.seeds)
 
     def set_batch(self, routing: Routing | None, batch_adapters, seeds=None) -> None:
         batch_adapters = tuple(batch_adapters)
@@ -81,6 +91,17 @@ class LoRAContext:
                 seeds = [self.seeds[inv[i]] for i in range(len(names))]
                 self._local[key] = (routing, names, seeds)
         return self._local[key]
+
+
+def capture_routing() -> dict:
+    """The routing state of every live model (for activation recomputation)."""
+    return {ctx: ctx.state() for ctx in list(_LIVE_CONTEXTS)}
+
+
+def restore_routing(state: dict) -> None:
+    for ctx, (routing, adapters, seeds) in state.items():
+        if ctx.state() != (routing, adapters, seeds):
+            ctx.set_batch(routing, adapters, seeds)
 
 
 def kaiming_uniform_full(shape: tuple[int, int], seed: int) -> torch.Tensor:

@@ -66,7 +66,30 @@ def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, p
         model.to(device)
     init_random_weights(model, seed)
     attach_lora_context(model)
+    if recompute:
+        enable_lora_recompute(model)
     return model
+
+
+def enable_lora_recompute(model: GPTModel) -> None:
+    """Make Megatron's full activation recomputation correct for LoRA training.
+
+    1. The recompute re-runs a block with the LoRA routing of *its* microbatch (a hook on Megatron's
+       CheckpointFunction restores it), not whatever microbatch 1F1B is on by then.
+    2. The frozen embedding's output is made to require grad: the reentrant checkpoint only runs its
+       backward when an input requires grad, and on the first stage no input would, so the first stage's
+       adapters would silently get no gradient.
+    """
+    from megatron_patches import apply_recompute_state_hook
+
+    from lorafusion.layers.lora_linear import capture_routing, restore_routing
+
+    apply_recompute_state_hook(capture_routing, restore_routing)
+    if getattr(model, "pre_process", False) and getattr(model, "embedding", None) is not None:
+        def _requires_grad(_module, _inputs, output):
+            return output.requires_grad_(True) if torch.is_grad_enabled() and not output.requires_grad else output
+
+        model.embedding.register_forward_hook(_requires_grad)
 
 
 def _global_param_names(model: torch.nn.Module):

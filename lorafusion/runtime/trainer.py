@@ -66,9 +66,6 @@ class Trainer:
         if p.tp * p.pp * p.dp != world:
             raise ConfigError(f"{self.config_path}: parallelism: tp*pp*dp = {p.tp}*{p.pp}*{p.dp} = "
                               f"{p.tp * p.pp * p.dp}, but the launch has {world} process(es)")
-        if self.cfg.model.recompute and p.pp > 1:
-            raise ConfigError(f"{self.config_path}: model.recompute: activation recomputation with pp > 1 is "
-                              f"not supported yet (LoRA routing is per microbatch); set it false or pp: 1")
 
     def _check_output_dir(self) -> None:
         if self.resume or not self.out.exists():
