@@ -112,9 +112,9 @@ def hf_state_for_rank(ckpt: HFCheckpoint, model: torch.nn.Module) -> dict[str, t
     return out
 
 
-def load_hf_weights(model: torch.nn.Module, path: str | Path) -> ModelArch:
+def load_hf_weights(model: torch.nn.Module, path: str | Path | HFCheckpoint) -> ModelArch:
     """Copy HF weights into ``model`` (built for the same architecture); returns the checkpoint's arch."""
-    ckpt = HFCheckpoint(path)
+    ckpt = path if isinstance(path, HFCheckpoint) else HFCheckpoint(path)
     arch = getattr(model, "lorafusion_arch", None)
     if arch is not None and arch != ckpt.arch:
         raise ValueError(f"{ckpt.path / 'config.json'}: architecture {ckpt.arch} does not match the model's {arch}")
@@ -131,11 +131,11 @@ def load_hf_weights(model: torch.nn.Module, path: str | Path) -> ModelArch:
     return ckpt.arch
 
 
-def build_model_from_hf(path: str | Path, *, params_dtype: torch.dtype = torch.float32, **kw):
+def build_model_from_hf(path: str | Path | HFCheckpoint, *, params_dtype: torch.dtype = torch.float32, **kw):
     """Build this rank's stage of the HF model at ``path`` and load its weights."""
     from lorafusion.models.provider import build_model
 
-    arch = HFCheckpoint(path).arch
-    model = build_model(arch, params_dtype=params_dtype, **kw)
-    load_hf_weights(model, path)
+    ckpt = path if isinstance(path, HFCheckpoint) else HFCheckpoint(path)
+    model = build_model(ckpt.arch, params_dtype=params_dtype, **kw)
+    load_hf_weights(model, ckpt)
     return model

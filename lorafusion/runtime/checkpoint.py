@@ -28,7 +28,8 @@ def _rank_file() -> str:
             f"_pp{parallel_state.get_pipeline_model_parallel_rank()}.pt")
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary sibling, then rename it over ``path``."""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -63,7 +64,7 @@ def save_job_checkpoint(job_dir: Path, step: int, *, adapter_params: dict[str, t
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _write_text_atomic(job_dir / "latest", final.name + "\n")
+        write_text_atomic(job_dir / "latest", final.name + "\n")
     _barrier()
     return final if rank0 else None
 

@@ -1,12 +1,13 @@
 """Multi-adapter training through Megatron-core's schedules (1F1B when PP > 1).
 
-One *window* = the next global batch of every active job. The scheduler packs the window's samples
-into balanced microbatches (grouping, MILP packing, merge), ``verify_plan`` proves the plan, and
-Megatron's ``get_forward_backward_func`` runs this data-parallel rank's microbatches. Each microbatch's
-loss is ``Σ_jobs (token-loss sum of the job's tokens in it) / (job's loss tokens in its whole global
-batch)``, so the accumulated gradient of every adapter is exactly the token-mean gradient of its
-global batch, as if trained alone. After the window every job of it reduces its gradients over DP,
-clips by its own full-adapter norm and steps its own optimizer; jobs not in the window are untouched.
+One *chunk* = the next ``scheduler.lookahead_batches`` global batches of every active job. The scheduler
+packs the chunk's samples into balanced microbatches (grouping, MILP packing, merge), ``verify_plan``
+proves the plan, and one call of Megatron's ``get_forward_backward_func`` runs this data-parallel rank's
+microbatches. Each microbatch's loss is ``Σ_jobs (token-loss sum of the job's tokens in it) / (job's
+loss tokens in its whole global batch)``, so the accumulated gradient of every adapter is exactly the
+token-mean gradient of its global batch, as if trained alone. Each job's optimizer steps inside the
+pipeline as soon as its global batch's backward is done on a stage (see :meth:`Trainer._run_chunk`):
+DP reduction, clipping by its own full-adapter norm, its own AdamW; other jobs are untouched.
 
 Dropout masks are keyed by (run seed, job, global batch index, layer) and per-row (sample id, position),
 so they do not depend on packing or on the other jobs either.
@@ -19,7 +20,7 @@ import os
 import shutil
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from lorafusion.data import build_tokenizer, load_job_samples
 from lorafusion.data.packing import PackedBatch, loss_token_count, noop_microbatch, pack_microbatch
 from lorafusion.data.stream import JobStream
 from lorafusion.ops.dropout import mix_seed
+from lorafusion.runtime.checkpoint import write_text_atomic
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -46,7 +48,7 @@ class JobState:
     tokens: int = 0
     last_loss: float = float("nan")
     done: bool = False
-    history: list = field(default_factory=list)
+    first_loss: float | None = None
 
 
 class Trainer:
@@ -91,7 +93,7 @@ class Trainer:
     def setup(self) -> None:
         from megatron.core import parallel_state
 
-        from lorafusion.layers import add_adapter
+        from lorafusion.layers import adapter_parameters, add_adapter
         from lorafusion.models.provider import build_model
         from lorafusion.models.spec import preset
         from lorafusion.runtime.dist import init_distributed
@@ -107,21 +109,19 @@ class Trainer:
         ops.set_default_impl(None if cfg.kernels == "auto" else cfg.kernels)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         dtype = DTYPES[cfg.model.dtype]
+        ckpt = None
         if cfg.model.path:
-            from lorafusion.models.hf_import import HFCheckpoint, load_hf_weights
+            from lorafusion.models.hf_import import HFCheckpoint, build_model_from_hf
 
-            self.arch = HFCheckpoint(cfg.model.path).arch
-            self.model = build_model(self.arch, params_dtype=dtype, recompute=cfg.model.recompute, device=self.device)
-            load_hf_weights(self.model, cfg.model.path)
+            ckpt = HFCheckpoint(cfg.model.path)
+            self.arch = ckpt.arch
         else:
             self.arch = preset(cfg.model.preset)
-            self.model = build_model(self.arch, params_dtype=dtype, recompute=cfg.model.recompute,
-                                     device=self.device, seed=cfg.seed)
         if self.tokenizer.vocab_size > self.arch.vocab_size:
             raise ConfigError(f"{self.config_path}: tokenizer: vocab_size {self.tokenizer.vocab_size} exceeds the "
                               f"model's vocab_size {self.arch.vocab_size}")
-        from lorafusion.layers import adapter_parameters
-
+        kw = dict(params_dtype=dtype, recompute=cfg.model.recompute, device=self.device, seed=cfg.seed)
+        self.model = build_model_from_hf(ckpt, **kw) if ckpt is not None else build_model(self.arch, **kw)
         for name, js in self.jobs.items():
             add_adapter(self.model, name, js.cfg.lora.to_spec(), seed=cfg.seed)
             params = list(adapter_parameters(self.model, name).values())
@@ -249,7 +249,6 @@ class Trainer:
                         for s in ids) for k, ids in samples_of.items()}
         dev = self.device or torch.device("cpu")
         sums = {k: torch.zeros((), dtype=torch.float64, device=dev) for k in samples_of}
-        counts = {k: torch.zeros((), dtype=torch.float64, device=dev) for k in samples_of}
         pending = {"slot": 0}
 
         def begin_ready(upto: int) -> None:
@@ -283,7 +282,6 @@ class Trainer:
                     s = (per_token.float() * m).sum()
                     total = total + s / max(1, denom[k])
                     sums[k] += s.detach().double()
-                    counts[k] += m.sum().detach().double()
                 return total, torch.tensor(1, dtype=torch.int, device=dev), {}
 
             return output, loss_func
@@ -299,13 +297,13 @@ class Trainer:
         set_batch(self.model, None, ())
         # losses live on the last stage; TP rank 0 contributes so TP copies count once
         last = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
-        stat = torch.stack([torch.stack([sums[k], counts[k]]) for k in keys]) * (1.0 if last else 0.0)
+        stat = torch.stack([sums[k] for k in keys]) * (1.0 if last else 0.0)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(stat)
         steps = []
         for i, k in enumerate(keys):
             norm, lr = step_out[k]
-            steps.append({"key": k, "loss": float(stat[i, 0] / stat[i, 1].clamp_min(1)), "grad_norm": norm, "lr": lr,
+            steps.append({"key": k, "loss": float(stat[i]) / max(1, denom[k]), "grad_norm": norm, "lr": lr,
                           "tokens": sum(len(self.jobs[k[0]].samples[s][0]) for s in samples_of[k])})
         steps.sort(key=lambda r: (r["key"][1], list(self.jobs).index(r["key"][0])))
         return {"plan": the_plan, "plan_s": plan_s, "compute_s": compute_s, "steps": steps}
@@ -314,7 +312,7 @@ class Trainer:
         from lorafusion.runtime.metrics import MetricsWriter, Progress
         from lorafusion.runtime.timers import StageTimers
 
-        if not self.jobs:
+        if not hasattr(self, "model"):
             self.setup()
         cfg = self.cfg
         if self.is_logger:
@@ -347,7 +345,8 @@ class Trainer:
                     js.last_loss = st["loss"]
                     rec = {"job": name, "step": js.steps, "loss": st["loss"], "tokens": st["tokens"], "lr": st["lr"],
                            "grad_norm": st["grad_norm"], "elapsed_s": round(time.perf_counter() - t_start, 4)}
-                    js.history.append(rec)
+                    if js.first_loss is None:
+                        js.first_loss = st["loss"]
                     if self.is_logger:
                         self.metrics.log_step(rec)
                         self.progress.update(name, js.steps, js.last_loss, st["tokens"])
@@ -371,12 +370,10 @@ class Trainer:
             "parallelism": cfg.parallelism.model_dump(), "kernels": ops.resolve_impl(
                 torch.empty(0, device=self.device or "cpu"), None if cfg.kernels == "auto" else cfg.kernels),
             "jobs": {n: {"steps": js.steps, "tokens": js.tokens, "final_loss": js.last_loss,
-                         "first_loss": js.history[0]["loss"] if js.history else None} for n, js in self.jobs.items()},
+                         "first_loss": js.first_loss} for n, js in self.jobs.items()},
         }
         if self.is_logger:
-            tmp = self.out / ".summary.json.tmp"
-            tmp.write_text(json.dumps(summary, indent=2) + "\n")
-            os.replace(tmp, self.out / "summary.json")
+            write_text_atomic(self.out / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
 
     # ------------------------------------------------------------------------------- export / checkpoint
