@@ -97,7 +97,7 @@ def adapter_parameters(model, name: str) -> dict[str, torch.nn.Parameter]:
 def lora_batch(model, routing: Routing | None, adapters: Sequence[str], seeds: Sequence[int] | None = None):
     """Route the rows of the next forward(s): segment slot i → ``adapters[i]``."""
     ctx = get_lora_context(model)
-    prev = (ctx.routing, ctx.batch_adapters, ctx.seeds)
+    prev = ctx.state()
     ctx.set_batch(routing, adapters, seeds)
     try:
         yield ctx

@@ -113,12 +113,14 @@ def kaiming_uniform_full(shape: tuple[int, int], seed: int) -> torch.Tensor:
 
 
 class _LoRAMixin:
-    """Shared adapter bookkeeping for the two parallel linears."""
+    """Adapters, routing and forward for the two parallel linears (put first in the bases, before the
+    Megatron linear that ``super()`` reaches)."""
 
     lora_kind: str = ""  # Megatron name: linear_qkv / linear_proj / linear_fc1 / linear_fc2
     s_comm_mode: str = ""  # "column" | "row"
 
-    def _init_lora(self) -> None:
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)  # the Megatron parallel linear (next in the MRO)
         self.lora_A = torch.nn.ParameterDict()
         self.lora_B = torch.nn.ParameterDict()
         self.lora_ctx: LoRAContext | None = None
@@ -189,40 +191,26 @@ class _LoRAMixin:
                 kw["k_total"] = x.shape[-1] * tp
         return ops.multi_lora_delta(x, a, b, scaling, p, seeds, routing, impl=self.lora_ctx.impl, **kw)
 
-    def _lora_forward(self, input_, base_forward, *args, **kwargs):
+    def forward(self, input_, *args, **kwargs):
         """Base + LoRA. Without TP and with the fused kernels, one op does both (the low-rank term enters
         the base GEMM); otherwise Megatron's own forward (with its TP collectives) plus the LoRA term."""
         largs = self._lora_args()
         if largs is not None and self.config.sequence_parallel:
             raise NotImplementedError("LoRA with sequence_parallel is not supported yet")
         if largs is None:
-            return base_forward(input_, *args, **kwargs)
+            return super().forward(input_, *args, **kwargs)
         if self._tp()[0] == 1 and not args and not kwargs and ops.resolve_impl(input_, self.lora_ctx.impl) == "fused":
             routing, a, b, scaling, p, seeds = largs
             bias = None if self.skip_bias_add or self.bias is None else self.bias
             y = ops.multi_lora_linear(input_, self.weight, bias, a, b, scaling, p, seeds, routing, impl="fused")
             return y, (self.bias if self.skip_bias_add else None)
-        out, bias = base_forward(input_, *args, **kwargs)
+        out, bias = super().forward(input_, *args, **kwargs)
         return out + self._lora_delta(input_, largs), bias
 
 
 class LoRAColumnParallelLinear(_LoRAMixin, ColumnParallelLinear):
     s_comm_mode = "column"
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._init_lora()
-
-    def forward(self, input_, *args, **kwargs):
-        return self._lora_forward(input_, super().forward, *args, **kwargs)
-
 
 class LoRARowParallelLinear(_LoRAMixin, RowParallelLinear):
     s_comm_mode = "row"
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._init_lora()
-
-    def forward(self, input_, *args, **kwargs):
-        return self._lora_forward(input_, super().forward, *args, **kwargs)
