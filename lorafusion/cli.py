@@ -107,9 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     handler = {"train": cmd_train, "plan": cmd_plan, "export": cmd_export}[args.cmd]
     try:
         return handler(args)
-    except USER_ERRORS as e:
-        from lorafusion.scheduler import PlanError  # noqa: F401  (a ValueError; listed for readers)
-
+    except USER_ERRORS as e:  # ConfigError, DataError and the scheduler's PlanError are ValueErrors
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         print(f"lorafusion {args.cmd}: error: {msg}", file=sys.stderr)
         return 2
