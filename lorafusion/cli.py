@@ -1,4 +1,7 @@
-"""``lorafusion`` command line: train | plan | export."""
+"""``lorafusion`` command line: train | plan | export.
+
+A :class:`lorafusion.core.errors.UserError` (bad config, data, files or launch) prints one line and exits 2;
+any other exception is a bug and shows its traceback."""
 
 from __future__ import annotations
 
@@ -12,7 +15,6 @@ from pathlib import Path
 # megatron-core warns at import that Apex / Transformer Engine are absent; the local paths are intended.
 warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*")
 
-USER_ERRORS = (ValueError, FileNotFoundError, KeyError)
 
 
 def _load(args):
@@ -25,7 +27,7 @@ def cmd_train(args) -> int:
     from lorafusion.runtime.trainer import Trainer, remove_partial_outputs
 
     cfg = _load(args)
-    trainer = Trainer(cfg, config_path=args.config, resume=args.resume)
+    trainer = Trainer(cfg, resume=args.resume)
     try:
         summary = trainer.run()
     except BaseException:
@@ -44,13 +46,13 @@ def cmd_train(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from lorafusion.runtime.trainer import Trainer
+    from lorafusion.runtime.feed import Feed, load_jobs, scheduler_config
+    from lorafusion.runtime.report import write_plan_report
 
     cfg = _load(args)
-    trainer = Trainer(cfg, config_path=args.config)
-    trainer.load_data()
+    _, jobs = load_jobs(cfg)
     out = Path(args.out) if args.out else Path(cfg.output_dir) / "plan"
-    res = trainer.plan_only(out, max_windows=args.windows)
+    res = write_plan_report(Feed(jobs, scheduler_config(cfg), dp_rank=None), out, max_chunks=args.windows)
     print(f"{'window':>6} {'jobs':>4} {'mbs':>5} {'noops':>5} {'fill':>6} {'imbal':>6} {'bubble':>7} {'plan_s':>7}")
     for w in res["windows"]:
         print(f"{w['window']:>6} {len(w['jobs']):>4} {w['microbatches']:>5} {w['noops']:>5} {w['fill']:>6.3f} "
@@ -61,6 +63,7 @@ def cmd_plan(args) -> int:
 
 def cmd_export(args) -> int:
     """Copy a job's PEFT adapter out of a run directory or one checkpoint, atomically."""
+    from lorafusion.core.errors import MissingFileError
     from lorafusion.runtime.checkpoint import latest_checkpoint
     from lorafusion.runtime.export import write_dir_atomically
 
@@ -70,12 +73,12 @@ def cmd_export(args) -> int:
     elif (src / "checkpoints" / args.job).is_dir():
         ckpt = latest_checkpoint(src / "checkpoints" / args.job)
         if ckpt is None:
-            raise FileNotFoundError(f"{src / 'checkpoints' / args.job}: no complete checkpoint")
+            raise MissingFileError(f"{src / 'checkpoints' / args.job}: no complete checkpoint")
         adapter = ckpt / "adapter"
     elif (src / "adapters" / args.job / "adapter_config.json").is_file():
         adapter = src / "adapters" / args.job
     else:
-        raise FileNotFoundError(f"{src}: no checkpoint or adapter of job {args.job!r} (expected a run output_dir "
+        raise MissingFileError(f"{src}: no checkpoint or adapter of job {args.job!r} (expected a run output_dir "
                                 f"or a checkpoints/<job>/step_N directory)")
     files = {p.name: (lambda dst, p=p: shutil.copyfile(p, dst)) for p in adapter.iterdir() if p.is_file()}
     out = write_dir_atomically(args.out, files)
@@ -105,11 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"train": cmd_train, "plan": cmd_plan, "export": cmd_export}[args.cmd]
+    from lorafusion.core.errors import UserError
+
     try:
         return handler(args)
-    except USER_ERRORS as e:  # ConfigError, DataError and the scheduler's PlanError are ValueErrors
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-        print(f"lorafusion {args.cmd}: error: {msg}", file=sys.stderr)
+    except UserError as e:  # the user's input (config, data, files, launch): one line; bugs keep their traceback
+        print(f"lorafusion {args.cmd}: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -53,7 +53,7 @@ def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, o
                          f"than --steps: steps of one planned chunk finish together, so only whole chunks can be timed")
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    trainer = Trainer(cfg, config_path=config)
+    trainer = Trainer(cfg)
     summary = trainer.run()
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     warm = [r for r in rows if r["step"] <= warmup]
@@ -86,7 +86,7 @@ def run_hf_peft(info: dict, batches: dict, warmup: int) -> dict:
     import peft
     import transformers
 
-    from lorafusion.models.spec import arch_to_hf_config
+    from lorafusion.core.arch import arch_to_hf_config
 
     arch = info["arch"]
     cfgd = arch_to_hf_config(arch)
@@ -103,10 +103,10 @@ def run_hf_peft(info: dict, batches: dict, warmup: int) -> dict:
     timed_tokens, timed_s, padded = 0, 0.0, 0
     for n, job_batches in batches.items():  # one adapter at a time
         jc = info["jobs"][n]
-        from lorafusion.layers.targets import to_peft_target_modules
+        from lorafusion.core.targets import to_peft_target_modules
 
         lcfg = peft.LoraConfig(r=jc.lora.r, lora_alpha=jc.lora.lora_alpha, lora_dropout=jc.lora.lora_dropout,
-                               target_modules=to_peft_target_modules(jc.lora.to_spec().target_modules),
+                               target_modules=to_peft_target_modules(jc.lora.target_modules),
                                task_type="CAUSAL_LM")
         pm = peft.get_peft_model(model, lcfg)
         opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=jc.optimizer.lr)

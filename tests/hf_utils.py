@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from lorafusion.models.spec import ModelArch, arch_to_hf_config
+from lorafusion.core.arch import ModelArch, arch_to_hf_config
 
 
 def hf_model_class(arch: ModelArch):

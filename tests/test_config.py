@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lorafusion.config import ConfigError, JobConfig, LoRAConfig, RunConfig, load_job_config, load_run_config
+from lorafusion.config import ConfigError, JobConfig, RunConfig, load_job_config, load_run_config
+from lorafusion.core.lora import LoRASpec
+from lorafusion.core.targets import MEGATRON_TARGETS
 
 ROOT = Path(__file__).resolve().parents[1]
 DEL = object()
@@ -170,7 +172,7 @@ def test_valid_tree_loads_with_absolute_paths(in_tmp):
     assert Path(job.dataset.path) == (in_tmp / "jobs" / "data" / "rev.jsonl").resolve()
     assert job.dataset.builder == "json"
     assert cfg.scheduler.token_capacity == 1024 and cfg.kernels == "auto" and cfg.seed == 1234
-    assert job.optimizer.betas == (0.9, 0.999) and job.lora.target_modules == "all-linear"
+    assert job.optimizer.betas == (0.9, 0.999) and job.lora.target_modules == MEGATRON_TARGETS
 
 
 def test_relative_paths_resolve_against_containing_file_not_cwd(in_tmp, tmp_path_factory, monkeypatch):
@@ -195,7 +197,7 @@ def test_overrides(in_tmp):
     assert cfg.scheduler.token_capacity == "auto" and cfg.seed == 3 and cfg.logging.log_every == 5
     job = cfg.jobs[0]
     assert job.optimizer.lr == 1e-4 and job.num_epochs == 2 and job.optimizer.betas == (0.8, 0.95)
-    assert job.lora.to_spec().target_modules == ("linear_qkv",)
+    assert job.lora.target_modules == ("linear_qkv",)
     # an override path is relative to the current directory
     (in_tmp / "other.jsonl").write_text((in_tmp / "jobs/data/rev.jsonl").read_text())
     cfg = load_run_config("run.yaml", ["jobs.0.dataset.path=other.jsonl"])
@@ -214,24 +216,22 @@ def test_missing_run_file_names_it(in_tmp):
     assert "nope.yaml: file not found" in _error(Path("nope.yaml"))
 
 
-def test_to_spec_and_world_size(in_tmp):
+def test_lora_section_is_the_lora_spec_and_world_size(in_tmp, monkeypatch):
     make_tree(in_tmp, job_edits=[("lora", {"r": 16, "lora_alpha": 32, "use_rslora": True,
                                            "target_modules": ["gate_proj", "up_proj", "down_proj"]})])
     cfg = load_run_config("run.yaml", ["parallelism.dp=2"])
-    spec = cfg.jobs[0].lora.to_spec()
+    spec = cfg.jobs[0].lora
+    assert type(spec) is LoRASpec  # the one LoRA schema: the config validates through it
     assert spec.r == 16 and spec.target_modules == ("linear_fc1", "linear_fc2")
     assert abs(spec.scaling - 32 / 4) < 1e-12
     cfg.check_world_size(2)
-    with pytest.raises(ConfigError, match=r"run.yaml: parallelism: expected tp \* pp \* dp = 4"):
+    with pytest.raises(ConfigError, match=r"^run.yaml: parallelism: tp\*pp\*dp = 1\*1\*2 = 2, but the launch has 4 "):
         cfg.check_world_size(4)
-
-
-def test_to_spec_error_names_file_and_field():
-    lora = LoRAConfig.model_construct(r=0, lora_alpha=8.0, lora_dropout=0.0, target_modules="all-linear",
-                                      use_rslora=False)
-    lora._source = ("jobs/x.yaml", "lora")
-    with pytest.raises(ConfigError, match=r"^jobs/x.yaml: lora.r: expected an integer > 0, got 0$"):
-        lora.to_spec()
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun / Slurm say how many processes were launched
+    cfg.check_world_size()
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(ConfigError, match="the launch has 1 process"):
+        cfg.check_world_size()
 
 
 def test_load_job_config_alone(in_tmp):
@@ -260,7 +260,7 @@ def test_quickstart_config_loads():
     assert {j.dataset.format for j in cfg.jobs} >= {"prompt_response", "chat"}
     for j in cfg.jobs:
         assert Path(j.dataset.path).is_file()
-        j.lora.to_spec()
+        assert isinstance(j.lora, LoRASpec)
 
 
 def test_import_is_light():

@@ -14,10 +14,10 @@ from lorafusion.config import (
     ConfigError,
     DatasetConfig,
     JobConfig,
-    LoRAConfig,
     TokenizerConfig,
     load_run_config,
 )
+from lorafusion.core.lora import LoRASpec
 from lorafusion.data import (
     ByteTokenizer,
     DataError,
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def job_for(path, fmt="prompt_response", name="j", **ds) -> JobConfig:
     return JobConfig(name=name, dataset=DatasetConfig(path=str(path), format=fmt, **ds),
-                     lora=LoRAConfig(r=4, lora_alpha=8), global_batch_size=2, max_steps=3)
+                     lora=LoRASpec(r=4, lora_alpha=8), global_batch_size=2, max_steps=3)
 
 
 def write_jsonl(path: Path, rows) -> Path:
@@ -288,8 +288,3 @@ def test_stream_state_dict_resume():
     with pytest.raises(ConfigError, match="cannot resume the data stream: the checkpoint has num_samples = 17"):
         JobStream("j", 18, 4, seed=3, num_epochs=5).load_state_dict(state)
 
-
-def test_stream_for_job(tmp_path):
-    job = job_for(tmp_path / "x.jsonl")
-    s = JobStream.for_job(job, num_samples=10, seed=5)
-    assert (s.global_batch_size, s.total_steps) == (2, 3)

@@ -8,7 +8,7 @@ import torch
 from hf_utils import write_hf_checkpoint
 from lorafusion.models.hf_import import HFCheckpoint, build_model_from_hf, load_hf_weights
 from lorafusion.models.provider import build_model
-from lorafusion.models.spec import ModelArch, RopeScaling, arch_from_hf_config, preset
+from lorafusion.core.arch import ModelArch, RopeScaling, arch_from_hf_config, preset
 
 ARCHS = {
     "llama-gqa-8x2": ModelArch(family="llama", vocab_size=300, hidden_size=64, num_layers=2, num_attention_heads=8,

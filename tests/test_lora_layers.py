@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from lorafusion.data import pack_microbatch
-from lorafusion.layers import LoRASpec, Routing, add_adapter, lora_batch, lora_modules, remove_adapter
-from lorafusion.layers.targets import resolve_target_modules
+from lorafusion.core.lora import LoRASpec
+from lorafusion.layers import Routing, add_adapter, lora_batch, lora_modules, remove_adapter
+from lorafusion.core.targets import resolve_target_modules
 from lorafusion.models.provider import build_model
-from lorafusion.models.spec import preset
+from lorafusion.core.arch import preset
 from model_utils import adapter_losses, lora_grads, randomize_b
 
 SPECS = {
@@ -159,9 +160,10 @@ sys.path.insert(0, sys.argv[1])
 from lorafusion.runtime.dist import init_distributed
 init_distributed(1, 1)
 from lorafusion.data import pack_microbatch
-from lorafusion.layers import LoRASpec, add_adapter, get_lora_context, lora_modules
+from lorafusion.core.lora import LoRASpec
+from lorafusion.layers import add_adapter, get_lora_context, lora_modules
 from lorafusion.models.provider import build_model
-from lorafusion.models.spec import ModelArch
+from lorafusion.core.arch import ModelArch
 from model_utils import adapter_losses, lora_grads, randomize_b
 arch = ModelArch(family="llama", vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4,
                  num_query_groups=2, ffn_hidden_size=48, max_position_embeddings=64)

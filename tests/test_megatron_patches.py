@@ -36,7 +36,8 @@ def test_two_layer_gpt_trains_a_step_on_cpu(megatron_single):
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     from lorafusion.models.provider import lora_layer_spec
-    from lorafusion.models.spec import preset, transformer_config
+    from lorafusion.core.arch import preset
+    from lorafusion.models.spec import transformer_config
 
     arch = preset("tiny-llama", num_layers=2)
     cfg = transformer_config(arch, hidden_dropout=0.1, perform_initialization=True)

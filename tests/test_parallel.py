@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from hf_utils import write_hf_checkpoint
-from lorafusion.layers import LoRASpec, add_adapter
+from lorafusion.core.lora import LoRASpec
+from lorafusion.layers import add_adapter
 from lorafusion.models.hf_import import build_model_from_hf
-from lorafusion.models.spec import ModelArch
+from lorafusion.core.arch import ModelArch
 from lorafusion.runtime.export import adapter_peft_state, export_peft_adapter
 from model_utils import randomize_b
 

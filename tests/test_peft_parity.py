@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from hf_utils import write_hf_checkpoint
-from lorafusion.layers import LoRASpec, add_adapter, lora_batch, lora_modules, Routing
+from lorafusion.core.lora import LoRASpec
+from lorafusion.layers import Routing, add_adapter, lora_batch, lora_modules
 from lorafusion.models.hf_import import build_model_from_hf
-from lorafusion.models.spec import ModelArch, preset
+from lorafusion.core.arch import ModelArch, preset
 from lorafusion.runtime.export import adapter_peft_state, export_peft_adapter, import_peft_adapter
 
 peft = pytest.importorskip("peft")

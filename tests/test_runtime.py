@@ -26,7 +26,7 @@ def _train_inprocess(run_yaml: Path, overrides=()):
     from lorafusion.runtime.trainer import Trainer
 
     cfg = load_run_config(run_yaml, list(overrides))
-    return Trainer(cfg, config_path=str(run_yaml)).run(), Path(cfg.output_dir)
+    return Trainer(cfg).run(), Path(cfg.output_dir)
 
 
 def _adapter(out: Path, job: str) -> dict[str, torch.Tensor]:
@@ -111,7 +111,7 @@ def test_checkpoint_resume_equals_uninterrupted_run(three_jobs, tmp_path):
     from lorafusion.runtime.trainer import Trainer
 
     cfg = load_run_config(run, [f"output_dir={tmp_path / 'part'}"])
-    Trainer(cfg, config_path=str(run), resume=True).run()
+    Trainer(cfg, resume=True).run()
     _assert_close(_adapter(tmp_path / "part", "rev"), _adapter(tmp_path / "full", "rev"), rel=1e-6)
     # export from a run directory (latest checkpoint) and from one checkpoint
     res = _cli("export", str(tmp_path / "full"), "--job", "rev", "--out", str(tmp_path / "exp"))

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lorafusion.config import ConfigError, JobConfig
+from lorafusion.config.schema import JobConfig
+from lorafusion.core.errors import ConfigError
 
 __all__ = ["DataError", "JobData", "build_sample", "load_job_samples", "read_rows"]
 
@@ -60,9 +61,6 @@ class JobData:
     @property
     def num_tokens(self) -> int:
         return sum(self.lengths)
-
-    def lengths_of(self, sample_ids) -> list[int]:
-        return [self.lengths[i] for i in sample_ids]
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import zlib
 
 import numpy as np
 
-from lorafusion.config import ConfigError
+from lorafusion.core.errors import ConfigError
 
 __all__ = ["JobStream", "epoch_permutation"]
 
@@ -59,12 +59,6 @@ class JobStream:
         self.steps_done = 0  # global batches handed out
         self._perm: np.ndarray | None = None
         self._perm_epoch = -1
-
-    @classmethod
-    def for_job(cls, job, num_samples: int, seed: int) -> JobStream:
-        """The stream of a :class:`lorafusion.config.JobConfig` (``seed`` is the run's seed)."""
-        return cls(job.name, num_samples, job.global_batch_size, seed, max_steps=job.max_steps,
-                   num_epochs=job.num_epochs)
 
     # ------------------------------------------------------------------ order
     @property

@@ -23,7 +23,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from lorafusion.config import ConfigError
+from lorafusion.core.errors import ConfigError
 
 __all__ = [
     "SIMPLE_CHAT_TEMPLATE",

@@ -1,6 +1,7 @@
-"""Megatron-core integration: multi-adapter LoRA linears, target mapping, injection and routing."""
+"""Megatron-core integration: multi-adapter LoRA linears, injection and per-microbatch routing.
+(The LoRA schema and target names are core vocabulary: :mod:`lorafusion.core.lora`,
+:mod:`lorafusion.core.targets`.)"""
 
-from lorafusion.layers.adapter import LoRASpec, check_adapter_name
 from lorafusion.layers.inject import (
     adapter_parameters,
     add_adapter,
@@ -12,10 +13,8 @@ from lorafusion.layers.inject import (
     set_batch,
 )
 from lorafusion.layers.lora_linear import LoRAColumnParallelLinear, LoRAContext, LoRARowParallelLinear
-from lorafusion.layers.targets import MEGATRON_TARGETS, resolve_target_modules, to_peft_target_modules
 from lorafusion.ops.routing import Routing
 
-__all__ = ["LoRASpec", "check_adapter_name", "adapter_parameters", "add_adapter", "attach_lora_context",
-           "get_lora_context", "lora_batch", "lora_modules", "remove_adapter", "set_batch",
-           "LoRAColumnParallelLinear", "LoRARowParallelLinear", "LoRAContext", "MEGATRON_TARGETS",
-           "resolve_target_modules", "to_peft_target_modules", "Routing"]
+__all__ = ["adapter_parameters", "add_adapter", "attach_lora_context", "get_lora_context", "lora_batch",
+           "lora_modules", "remove_adapter", "set_batch", "LoRAColumnParallelLinear", "LoRARowParallelLinear",
+           "LoRAContext", "Routing"]

@@ -7,9 +7,9 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from lorafusion.layers.adapter import LoRASpec, check_adapter_name
+from lorafusion.core.lora import LoRASpec, check_adapter_name
 from lorafusion.layers.lora_linear import LoRAContext, _LoRAMixin
-from lorafusion.layers.targets import MEGATRON_TARGETS
+from lorafusion.core.targets import MEGATRON_TARGETS
 from lorafusion.ops.routing import Routing
 
 

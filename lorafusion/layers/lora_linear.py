@@ -29,7 +29,7 @@ from megatron.core.tensor_parallel.layers import (
 )
 
 from lorafusion import ops
-from lorafusion.layers.adapter import LoRASpec
+from lorafusion.core.lora import LoRASpec
 from lorafusion.ops.dropout import mix_seed
 from lorafusion.ops.routing import Routing
 

@@ -13,8 +13,9 @@ import torch
 from megatron.core import parallel_state
 from safetensors import safe_open
 
+from lorafusion.core.errors import MissingFileError
 from lorafusion.models.layout import column_shard, qkv_merge, shard
-from lorafusion.models.spec import ModelArch, arch_from_hf_config
+from lorafusion.core.arch import ModelArch, arch_from_hf_config
 
 
 class HFCheckpoint:
@@ -23,10 +24,10 @@ class HFCheckpoint:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not self.path.is_dir():
-            raise FileNotFoundError(f"model.path: {self.path} is not a directory (expected a HF model directory)")
+            raise MissingFileError(f"model.path: {self.path} is not a directory (expected a HF model directory)")
         cfg_file = self.path / "config.json"
         if not cfg_file.is_file():
-            raise FileNotFoundError(f"{cfg_file}: missing (expected the HF config.json)")
+            raise MissingFileError(f"{cfg_file}: missing (expected the HF config.json)")
         try:
             self.config = json.loads(cfg_file.read_text())
         except json.JSONDecodeError as e:
@@ -48,7 +49,7 @@ class HFCheckpoint:
                 raise ValueError(f"{single}: not a readable safetensors file ({e})") from e
             self.files = {k: single for k in keys}
         else:
-            raise FileNotFoundError(f"{self.path}: no model.safetensors or model.safetensors.index.json")
+            raise MissingFileError(f"{self.path}: no model.safetensors or model.safetensors.index.json")
         self._handles: dict[Path, object] = {}
 
     def get(self, key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -57,7 +58,7 @@ class HFCheckpoint:
         file = self.files[key]
         if file not in self._handles:
             if not file.is_file():
-                raise FileNotFoundError(f"{file}: missing (listed in model.safetensors.index.json)")
+                raise MissingFileError(f"{file}: missing (listed in model.safetensors.index.json)")
             try:
                 self._handles[file] = safe_open(str(file), framework="pt")
             except Exception as e:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from lorafusion.models.spec import ModelArch
+from lorafusion.core.arch import ModelArch
 
 
 def qkv_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: ModelArch) -> torch.Tensor:

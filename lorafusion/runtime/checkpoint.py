@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from lorafusion.core.errors import MissingFileError
+
 
 def _barrier():
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -75,7 +77,7 @@ def latest_checkpoint(job_dir: Path) -> Path | None:
         return None
     path = Path(job_dir) / pointer.read_text().strip()
     if not (path / "state.json").is_file():
-        raise FileNotFoundError(f"{pointer}: names {path.name}, which is not a complete checkpoint")
+        raise MissingFileError(f"{pointer}: names {path.name}, which is not a complete checkpoint")
     return path
 
 
@@ -85,6 +87,6 @@ def load_job_checkpoint(path: Path) -> tuple[dict, dict]:
     state = json.loads((path / "state.json").read_text())
     rank_file = path / _rank_file()
     if not rank_file.is_file():
-        raise FileNotFoundError(f"{rank_file}: missing — the checkpoint was written with a different "
+        raise MissingFileError(f"{rank_file}: missing — the checkpoint was written with a different "
                                 f"parallel layout ({state.get('layout')})")
     return state, torch.load(rank_file, map_location="cpu", weights_only=False)

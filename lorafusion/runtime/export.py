@@ -21,11 +21,12 @@ from megatron.core import parallel_state
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from lorafusion.layers.adapter import LoRASpec
+from lorafusion.core.errors import ConfigError, MissingFileError
+from lorafusion.core.lora import LoRASpec
 from lorafusion.layers.inject import add_adapter, get_lora_context, lora_modules
-from lorafusion.layers.targets import PEFT_GROUPS, resolve_target_modules, to_peft_target_modules
+from lorafusion.core.targets import PEFT_GROUPS, resolve_target_modules, to_peft_target_modules
 from lorafusion.models.layout import column_shard, column_unshard, qkv_merge, qkv_split, shard
-from lorafusion.models.spec import ModelArch
+from lorafusion.core.arch import ModelArch
 
 _PARENT = {"linear_qkv": "self_attn", "linear_proj": "self_attn", "linear_fc1": "mlp", "linear_fc2": "mlp"}
 _PREFIX = "base_model.model.model.layers"
@@ -160,38 +161,38 @@ def read_peft_adapter(path: str | Path) -> tuple[LoRASpec, dict[str, torch.Tenso
     path = Path(path)
     cfg_file, st_file = path / "adapter_config.json", path / "adapter_model.safetensors"
     if not cfg_file.is_file():
-        raise FileNotFoundError(f"{cfg_file}: missing (expected a PEFT adapter directory)")
+        raise MissingFileError(f"{cfg_file}: missing (expected a PEFT adapter directory)")
     try:
         cfg = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_file}: not valid JSON ({e})") from e
+        raise ConfigError(f"{cfg_file}: not valid JSON ({e})") from e
     if cfg.get("peft_type") != "LORA":
-        raise ValueError(f"{cfg_file}: peft_type: expected 'LORA', got {cfg.get('peft_type')!r}")
+        raise ConfigError(f"{cfg_file}: peft_type: expected 'LORA', got {cfg.get('peft_type')!r}")
     for field, ok in (("use_dora", False), ("bias", "none"), ("fan_in_fan_out", False), ("lora_bias", False)):
         if cfg.get(field, ok) != ok:
-            raise ValueError(f"{cfg_file}: {field}: expected {ok!r}, got {cfg.get(field)!r}")
+            raise ConfigError(f"{cfg_file}: {field}: expected {ok!r}, got {cfg.get(field)!r}")
     for field in ("rank_pattern", "alpha_pattern"):
         if cfg.get(field):
-            raise ValueError(f"{cfg_file}: {field}: per-module ranks/alphas cannot be imported (expected empty)")
+            raise ConfigError(f"{cfg_file}: {field}: per-module ranks/alphas cannot be imported (expected empty)")
     for field in ("modules_to_save", "layers_to_transform", "layer_replication", "trainable_token_indices"):
         if cfg.get(field):
-            raise ValueError(f"{cfg_file}: {field}: expected null, got {cfg.get(field)!r}")
+            raise ConfigError(f"{cfg_file}: {field}: expected null, got {cfg.get(field)!r}")
     targets = cfg.get("target_modules")
     if isinstance(targets, str) and targets != "all-linear":
-        raise ValueError(f"{cfg_file}: target_modules: a regex string cannot be mapped exactly; expected a list")
+        raise ConfigError(f"{cfg_file}: target_modules: a regex string cannot be mapped exactly; expected a list")
     try:
         spec = LoRASpec(r=cfg.get("r"), lora_alpha=cfg.get("lora_alpha"), lora_dropout=cfg.get("lora_dropout", 0.0),
                         target_modules=tuple(targets) if isinstance(targets, list) else targets,
                         use_rslora=bool(cfg.get("use_rslora", False)))
     except ValueError as e:
-        raise ValueError(f"{cfg_file}: {e}") from e
+        raise ConfigError(f"{cfg_file}: {e}") from e
     if not st_file.is_file():
-        raise FileNotFoundError(f"{st_file}: missing (only safetensors adapters are supported)")
+        raise MissingFileError(f"{st_file}: missing (only safetensors adapters are supported)")
     try:
         with safe_open(str(st_file), framework="pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:
-        raise ValueError(f"{st_file}: not a readable safetensors file ({e})") from e
+        raise ConfigError(f"{st_file}: not a readable safetensors file ({e})") from e
     return spec, tensors
 
 

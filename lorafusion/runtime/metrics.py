@@ -25,10 +25,6 @@ class MetricsWriter:
             for key in ("loss", "lr", "grad_norm", "tokens"):
                 self._tb.add_scalar(f"{job}/{key}", record[key], step)
 
-    def log_scalar(self, name: str, value: float, step: int) -> None:
-        if self._tb is not None:
-            self._tb.add_scalar(name, value, step)
-
     def close(self) -> None:
         self._f.close()
         if self._tb is not None:

@@ -1,8 +1,14 @@
 """Stage timers plugged into Megatron's schedules (``config.timers``) to measure busy time per stage.
 
 Megatron calls ``config.timers(name, log_level=...).start()/stop()`` around forward-compute,
-backward-compute, p2p and the whole forward-backward. The bubble ratio of a stage over a window is
+backward-compute, p2p and the whole forward-backward. The bubble ratio of a stage over a chunk is
 ``1 - (forward-compute + backward-compute) / forward-backward``.
+
+On CUDA, start and stop record CUDA events on the current stream and never synchronise, so the host can
+run ahead of the GPU; the spans are resolved (one synchronisation) only when the totals are read with
+:meth:`StageTimers.reset`, at the end of a chunk. A span is the GPU-stream time between the two marks,
+the same quantity a host timer bracketed by ``torch.cuda.synchronize()`` measured. On CPU the marks are
+``time.perf_counter()`` readings.
 """
 
 from __future__ import annotations
@@ -14,30 +20,32 @@ import torch
 
 
 class _Timer:
-    def __init__(self, owner: "StageTimers", name: str):
-        self.owner, self.name, self._t0 = owner, name, None
+    def __init__(self, owner: StageTimers, name: str):
+        self.owner, self.name, self._start = owner, name, None
 
     def start(self, barrier: bool = False):
-        self.owner._sync()
-        self._t0 = time.perf_counter()
+        self._start = self.owner._mark()
 
     def stop(self, barrier: bool = False):
-        if self._t0 is None:
+        if self._start is None:
             return
-        self.owner._sync()
-        self.owner.totals[self.name] += time.perf_counter() - self._t0
-        self._t0 = None
+        self.owner._spans[self.name].append((self._start, self.owner._mark()))
+        self._start = None
 
 
 class StageTimers:
-    def __init__(self, synchronize: bool | None = None):
-        self.totals: dict[str, float] = defaultdict(float)
+    def __init__(self, cuda: bool | None = None):
+        self.cuda = torch.cuda.is_available() if cuda is None else cuda
+        self._spans: dict[str, list[tuple]] = defaultdict(list)  # name -> [(start mark, stop mark)]
         self._timers: dict[str, _Timer] = {}
-        self.synchronize = torch.cuda.is_available() if synchronize is None else synchronize
+        self._free_events: list = []  # recorded events are reused after reset()
 
-    def _sync(self):
-        if self.synchronize:
-            torch.cuda.synchronize()
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = self._free_events.pop() if self._free_events else torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def __call__(self, name: str, log_level: int = 0) -> _Timer:
         if name not in self._timers:
@@ -45,9 +53,18 @@ class StageTimers:
         return self._timers[name]
 
     def reset(self) -> dict[str, float]:
-        out = dict(self.totals)
-        self.totals.clear()
-        return out
+        """Seconds per timer name since the last reset (on CUDA this waits for the recorded work)."""
+        totals: dict[str, float] = {}
+        if self.cuda and self._spans:
+            torch.cuda.synchronize()
+        for name, spans in self._spans.items():
+            if self.cuda:
+                totals[name] = sum(a.elapsed_time(b) for a, b in spans) / 1000.0
+                self._free_events.extend(e for span in spans for e in span)
+            else:
+                totals[name] = sum(b - a for a, b in spans)
+        self._spans.clear()
+        return totals
 
     @staticmethod
     def bubble(totals: dict[str, float]) -> float | None:

@@ -125,11 +125,11 @@ def plan(
         budget = max(0.0, deadline - time.perf_counter()) / (len(todo) - k)
         chunks.append(_pack_chunk(ents, batcher, gi, budget, stats))
     if config.merge:
-        count = noop_counter(config.pipeline_depth, config.dp_size, ready, config.lookahead)
+        count = noop_counter(config.pipeline_depth, config.dp_size, ready, config.sequencer_window)
         stream, stats.merges = merge_tails(chunks, capacity, count, rank, config.balance == "fill")
     else:
         stream = [mb for c in orient(chunks) for mb in c]
-    mbs, last = sequence(stream, config.pipeline_depth, config.dp_size, ready, config.lookahead)
+    mbs, last = sequence(stream, config.pipeline_depth, config.dp_size, ready, config.sequencer_window)
     stats.num_noops = sum(mb.is_noop for mb in mbs)
     stats.plan_s = time.perf_counter() - t0
     return Plan(mbs, config.pipeline_depth, config.dp_size, capacity, last, ready, stats)

@@ -6,6 +6,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from lorafusion.core.errors import UserError
+
 SampleId = Hashable
 GlobalBatch = Sequence[tuple[SampleId, int]]
 
@@ -14,8 +16,9 @@ class PlanError(ValueError):
     """A job, configuration or plan breaks the scheduler contract (the message names what and where)."""
 
 
-class SampleTooLongError(PlanError):
-    """A sample has more tokens than the microbatch token capacity and its job does not truncate."""
+class SampleTooLongError(PlanError, UserError):
+    """A sample has more tokens than the microbatch token capacity and its job does not truncate (the
+    user's data or settings; other PlanErrors break the contract inside the program)."""
 
 
 @dataclass(frozen=True)
@@ -55,17 +58,20 @@ class JobSpec:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Knobs of one planning call (mirrors the run YAML's ``scheduler`` + ``parallelism`` sections)."""
+    """Knobs of planning. The first block are the run YAML's ``parallelism`` (``pp``, ``dp``) and
+    ``scheduler`` fields, with the YAML's names and defaults (``lookahead_batches``: global batches of
+    every job per planned chunk, used by the runtime's feed); the rest are not in the YAML."""
 
     pipeline_depth: int = 1
     dp_size: int = 1
     token_capacity: int | Literal["auto"] = 4096
-    milp_time_limit_s: float = 0.5
+    milp_time_limit_s: float = 1.0
     grouping: bool = True
+    lookahead_batches: int = 2
     merge: bool = True
     balance: Literal["fill", "even"] = "fill"  # see batcher: full bins + tail, or equal bins
     solver: Literal["auto", "cbc", "highs", "greedy"] = "auto"
-    lookahead: int | None = None  # window of the no-op sequencer; None -> 2 * S * dp + 4
+    sequencer_window: int | None = None  # pending microbatches the no-op sequencer looks at; None -> 2*S*dp + 4
     max_milp_vars: int = 3000  # bigger instances are improved on a neighbourhood of the greedy plan
     milp_gap: float = 0.01  # relative optimality gap of the balance MILP (0: solve to optimality)
     max_sample_len_for_auto: int | None = None  # capacity="auto" never goes below the longest sample
@@ -77,6 +83,8 @@ class SchedulerConfig:
             raise PlanError("token_capacity must be a positive int or 'auto'")
         if self.balance not in ("fill", "even"):
             raise PlanError(f"balance must be 'fill' or 'even', got {self.balance!r}")
+        if self.lookahead_batches < 1:
+            raise PlanError("lookahead_batches must be >= 1")
         if self.milp_time_limit_s < 0:
             raise PlanError("milp_time_limit_s must be >= 0")
 

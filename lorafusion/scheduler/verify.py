@@ -95,17 +95,17 @@ def sequence(
     pipeline_depth: int,
     dp_size: int = 1,
     initial_ready: Mapping[str, int] | None = None,
-    lookahead: int | None = None,
+    window: int | None = None,
 ) -> tuple[list[Microbatch], dict[tuple[str, int], int]]:
     """Place ``stream`` into slots of ``dp_size`` microbatches, obeying the dependency rule.
 
-    Each slot's ranks take, in stream order, the first microbatch within ``lookahead`` pending ones
+    Each slot's ranks take, in stream order, the first microbatch within ``window`` pending ones
     that is ready; a rank with none gets a no-op. Returns the microbatches (sorted by slot, rank) and
     ``last_microbatch[(job, batch)]``. Raises PlanError when the stream can never become ready (one
     microbatch holding two batches of a job, or batch g+1 before batch g).
     """
     initial_ready = dict(initial_ready or {})
-    window = lookahead or 2 * pipeline_depth * dp_size + 4
+    window = window or 2 * pipeline_depth * dp_size + 4
     state = _State(
         remaining=Counter(k for mb in stream for k in mb.keys),
         last_slot={},

@@ -1,9 +1,8 @@
-"""Run and job configuration (pydantic v2). The only place YAML is parsed.
+"""Reading run and job YAMLs: the only place YAML is parsed.
 
-A **run YAML** names the base model, tokenizer, parallelism, scheduler, kernels, output directory, seed,
-logging and ``jobs``: a list whose items are paths of **job YAMLs** (relative to the run YAML's directory)
-and/or inline job mappings. Relative ``dataset.path`` / ``model.path`` / ``tokenizer.path`` are resolved
-against the directory of the YAML file that contains them and stored absolute.
+A **run YAML** lists its jobs as paths of **job YAMLs** (relative to the run YAML's directory) and/or inline
+job mappings. Relative ``dataset.path`` / ``model.path`` / ``tokenizer.path`` are resolved against the
+directory of the YAML file that contains them and stored absolute.
 
 Every problem is reported as one :class:`ConfigError` whose message names the file, the dotted field path
 and what was expected, e.g. ``configs/quickstart/reverse.yaml: lora.r: expected an integer > 0, got 0``
@@ -12,286 +11,25 @@ and what was expected, e.g. ``configs/quickstart/reverse.yaml: lora.r: expected 
 ``key=value`` overrides (``scheduler.token_capacity=8192``, ``seed=3``, ``jobs.0.optimizer.lr=1e-4``;
 ``jobs.<name>.…`` works too) are applied to the loaded YAML before validation; values are parsed as YAML
 scalars / flow collections; a key the schema does not have is an error. A relative path given by an
-override is resolved against the current directory.
+override is resolved against the current directory. (OmegaConf's dotlist merge was considered: it would
+need the same schema walk to name jobs by name, resolve override paths and word its errors as these do.)
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
-import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args, get_origin
+from typing import Annotated, Any, get_args, get_origin
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    PrivateAttr,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ValidationError
 
-__all__ = [
-    "DATASET_FILE_TYPES",
-    "ConfigError",
-    "DatasetConfig",
-    "JobConfig",
-    "LoRAConfig",
-    "LoggingConfig",
-    "ModelConfig",
-    "OptimizerConfig",
-    "ParallelismConfig",
-    "RunConfig",
-    "SchedulerCfg",
-    "TokenizerConfig",
-    "load_job_config",
-    "load_run_config",
-]
+from lorafusion.config.schema import JobConfig, RunConfig
+from lorafusion.core.arch import PRESETS
+from lorafusion.core.errors import ConfigError
 
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the file, the dotted field path and what was expected."""
-
-
-_NAME_RE = re.compile(r"^[A-Za-z0-9_\-]+$")
-# extension → `datasets` builder name
-DATASET_FILE_TYPES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-
-
-def _betas(v: Any) -> Any:
-    if not isinstance(v, list | tuple) or len(v) != 2:
-        raise ValueError(f"expected a list of two numbers [beta1, beta2], got {v!r}")
-    return tuple(v)
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, validate_default=False)
-
-
-# ----------------------------------------------------------------------------------------------- sections
-class ModelConfig(_Strict):
-    preset: str | None = None
-    path: str | None = None  # HF model directory (config.json + safetensors)
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    recompute: bool = False
-
-    @model_validator(mode="after")
-    def _one_source(self):
-        if (self.preset is None) == (self.path is None):
-            raise ValueError("expected exactly one of `preset` (a preset name) or `path` (a HF model directory)")
-        return self
-
-
-class TokenizerConfig(_Strict):
-    type: Literal["byte", "hf", "sentencepiece"] = "byte"
-    # hf: a directory with tokenizer.json (default: model.path); sentencepiece: a .model file or a
-    # directory holding tokenizer.model
-    path: str | None = None
-
-
-class ParallelismConfig(_Strict):
-    tp: int = Field(1, ge=1)
-    pp: int = Field(1, ge=1)
-    dp: int = Field(1, ge=1)
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
-
-
-def _capacity(v: Any) -> Any:
-    if v == "auto" and isinstance(v, str):
-        return v
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ValueError(f"expected a positive integer or 'auto', got {v!r}")
-    return v
-
-
-class SchedulerCfg(_Strict):
-    token_capacity: Annotated[int | Literal["auto"], BeforeValidator(_capacity)] = 4096
-    milp_time_limit_s: float = Field(1.0, gt=0)
-    grouping: bool = True
-    lookahead_batches: int = Field(2, ge=1)
-
-
-class DatasetConfig(_Strict):
-    path: str
-    format: Literal["prompt_response", "chat", "text"]
-    file_type: Literal["json", "jsonl", "parquet", "csv"] | None = None
-    prompt_field: str = "prompt"
-    response_field: str = "response"
-    messages_field: str = "messages"
-    text_field: str = "text"
-    max_seq_len: int = Field(2048, ge=2)
-    truncate: bool = False
-    mask_prompt: bool = True
-
-    @model_validator(mode="after")
-    def _known_type(self):
-        if self.file_type is None and Path(self.path).suffix.lower() not in DATASET_FILE_TYPES:
-            raise ValueError(
-                f"path: cannot tell the file type of {self.path!r} from its extension; expected one of "
-                f"{', '.join(DATASET_FILE_TYPES)} or set dataset.file_type"
-            )
-        return self
-
-    @property
-    def builder(self) -> str:
-        """The ``datasets`` builder name for this file ("json", "parquet" or "csv")."""
-        if self.file_type is not None:
-            return "json" if self.file_type == "jsonl" else self.file_type
-        return DATASET_FILE_TYPES[Path(self.path).suffix.lower()]
-
-
-def _resolve_targets(value):
-    """``lorafusion.layers.targets.resolve_target_modules`` without importing megatron (the package
-    ``lorafusion.layers`` imports it in its ``__init__``; targets.py itself is pure Python)."""
-    mod = sys.modules.get("lorafusion.layers.targets")
-    if mod is None:
-        mod = sys.modules.get("lorafusion._config_targets")
-    if mod is None:
-        src = Path(__file__).resolve().parent / "layers" / "targets.py"
-        spec = importlib.util.spec_from_file_location("lorafusion._config_targets", src)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        sys.modules["lorafusion._config_targets"] = mod
-    return mod.resolve_target_modules(value, field="lora.target_modules")
-
-
-class LoRAConfig(_Strict):
-    r: int = Field(gt=0)
-    lora_alpha: float = Field(gt=0)
-    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] | str = "all-linear"
-    use_rslora: bool = False
-    # where this section came from, for errors raised by to_spec(): (file, dotted prefix)
-    _source: tuple[str, str] = PrivateAttr(default=("<config>", "lora"))
-
-    @field_validator("target_modules", mode="before")
-    @classmethod
-    def _targets(cls, v):
-        if not isinstance(v, str | list) or (isinstance(v, list) and not all(isinstance(x, str) for x in v)):
-            raise ValueError(f"expected a module name or a list of module names, got {v!r}")
-        try:
-            _resolve_targets(v)
-        except ValueError as e:
-            raise ValueError(str(e).removeprefix("lora.target_modules: ")) from None
-        return v
-
-    def to_spec(self):
-        """The validated :class:`lorafusion.layers.adapter.LoRASpec` (imports the layers package)."""
-        from lorafusion.layers.adapter import LoRASpec
-
-        tm = (self.target_modules,) if isinstance(self.target_modules, str) else tuple(self.target_modules)
-        try:
-            return LoRASpec(r=self.r, lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout,
-                            target_modules=tm, use_rslora=self.use_rslora)
-        except ValueError as e:
-            file, prefix = self._source
-            msg = str(e)
-            if msg.startswith("lora."):
-                msg = prefix + msg[len("lora"):]
-            else:
-                msg = f"{prefix}: {msg}"
-            raise ConfigError(f"{file}: {msg}") from None
-
-
-class OptimizerConfig(_Strict):
-    lr: float = Field(2e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: Annotated[tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]],
-                     BeforeValidator(_betas)] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
-    warmup_steps: int = Field(0, ge=0)
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    max_grad_norm: float | None = Field(1.0, gt=0)
-
-
-class JobConfig(_Strict):
-    name: str
-    dataset: DatasetConfig
-    lora: LoRAConfig
-    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    global_batch_size: int = Field(ge=1)  # samples per optimizer step
-    max_steps: int | None = Field(None, ge=1)
-    num_epochs: int | None = Field(None, ge=1)
-    save_every: int | None = Field(None, ge=1)
-    priority: int = 0
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not _NAME_RE.match(v):
-            raise ValueError(f"expected letters, digits, '_' or '-', got {v!r}")
-        return v
-
-    @model_validator(mode="after")
-    def _stop_rule(self):
-        if self.max_steps is None and self.num_epochs is None:
-            raise ValueError("max_steps: expected max_steps or num_epochs (at least one), got neither")
-        return self
-
-
-class LoggingConfig(_Strict):
-    tensorboard: bool = True
-    progress: bool = True
-    log_every: int = Field(1, ge=1)
-
-
-class RunConfig(_Strict):
-    model: ModelConfig
-    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
-    parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
-    scheduler: SchedulerCfg = Field(default_factory=SchedulerCfg)
-    kernels: Literal["auto", "fused", "reference"] = "auto"
-    jobs: list[JobConfig] = Field(min_length=1)
-    output_dir: str
-    seed: int = Field(1234, ge=0)
-    logging: LoggingConfig = Field(default_factory=LoggingConfig)
-
-    @model_validator(mode="after")
-    def _cross(self):
-        seen: dict[str, int] = {}
-        for i, job in enumerate(self.jobs):
-            if job.name in seen:
-                raise ValueError(f"jobs: duplicate job name {job.name!r} (jobs {seen[job.name]} and {i}); "
-                                 f"expected unique names")
-            seen[job.name] = i
-        if self.tokenizer.type == "hf" and self.tokenizer.path is None and self.model.path is None:
-            raise ValueError("tokenizer.path: expected a HF tokenizer directory (required when model.path "
-                             "is not set)")
-        if self.tokenizer.type == "sentencepiece" and self.tokenizer.path is None:
-            raise ValueError("tokenizer.path: expected the sentencepiece model file")
-        cap = self.scheduler.token_capacity
-        if cap != "auto":
-            for i, job in enumerate(self.jobs):
-                if job.dataset.max_seq_len > cap:
-                    raise ValueError(
-                        f"jobs.{i}.dataset.max_seq_len: expected at most scheduler.token_capacity ({cap}) "
-                        f"so every sample fits one microbatch, got {job.dataset.max_seq_len}")
-        return self
-
-    # the run YAML this came from (set by load_run_config), for errors raised after loading
-    _source: str = PrivateAttr(default="<config>")
-
-    def check_world_size(self, world_size: int) -> None:
-        """ConfigError unless tp * pp * dp == world_size (the number of launched processes)."""
-        p = self.parallelism
-        if p.world_size != world_size:
-            raise ConfigError(f"{self._source}: parallelism: expected tp * pp * dp = {world_size} (the number "
-                              f"of processes launched), got {p.tp} * {p.pp} * {p.dp} = {p.world_size}")
-
-    def job(self, name: str) -> JobConfig:
-        for j in self.jobs:
-            if j.name == name:
-                return j
-        raise KeyError(name)
+__all__ = ["load_job_config", "load_run_config"]
 
 
 # ----------------------------------------------------------------------------------------------- YAML
@@ -516,64 +254,28 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def _apply_override(raw: dict, item: str, job_names: list[Any]) -> list[Any]:
-    """Set a dotted key in ``raw`` (validated against the schema); returns the resolved location."""
+    """Set a dotted key in ``raw`` (checked against the schema); returns the resolved location.
+    ``jobs.<i>`` or ``jobs.<name>`` selects a job."""
     parts, value = _parse_override(item)
     model: Any = RunConfig
     node: Any = raw
     loc: list[Any] = []
-    for i, part in enumerate(parts):
-        last = i == len(parts) - 1
-        if not (isinstance(model, type) and issubclass(model, BaseModel)):
-            raise ConfigError(f"override {item!r}: {_loc(loc)} has no sub-keys")
-        if part not in model.model_fields:
-            where = f"{_loc(loc)}." if loc else ""
-            raise ConfigError(f"override {item!r}: unknown key {where}{part}; expected one of: "
-                              f"{', '.join(model.model_fields)}")
-        loc.append(part)
-        ann = model.model_fields[part].annotation
-        if part == "jobs" and model is RunConfig:
-            if last:
-                raise ConfigError(f"override {item!r}: cannot replace the whole job list; set jobs.<i>.<key>")
-            sel = parts[i + 1]
-            jobs = node.get("jobs")
-            if not isinstance(jobs, list):
-                raise ConfigError(f"override {item!r}: the run config has no job list")
-            if sel.isdigit():
-                idx = int(sel)
-            elif sel in job_names:
-                idx = job_names.index(sel)
-            else:
-                raise ConfigError(f"override {item!r}: no job {sel!r}; expected an index 0..{len(jobs) - 1} "
-                                  f"or one of the job names {[n for n in job_names if isinstance(n, str)]}")
-            if idx >= len(jobs):
-                raise ConfigError(f"override {item!r}: job index {idx} out of range (the run has "
-                                  f"{len(jobs)} job(s))")
-            if not isinstance(jobs[idx], dict):
-                raise ConfigError(f"override {item!r}: job {idx} is not a mapping")
-            return _apply_in_job(jobs[idx], parts[i + 2:], value, item, ["jobs", idx])
-        if last:
-            node[part] = _maybe_path(parts, value)
-            return loc
-        sub = node.get(part)
-        if sub is None:
-            sub = node[part] = {}
-        if not isinstance(sub, dict):
-            raise ConfigError(f"override {item!r}: {_loc(loc)} is not a mapping in the config")
-        node, model = sub, _unwrap(ann)
-    return loc
-
-
-def _apply_in_job(job: dict, parts: list[str], value: Any, item: str, loc: list[Any]) -> list[Any]:
-    if not parts:
-        raise ConfigError(f"override {item!r}: expected a key inside the job, e.g. {_loc(loc)}.optimizer.lr")
-    model: Any = JobConfig
-    node = job
-    for i, part in enumerate(parts):
+    i = 0
+    while i < len(parts):
+        part = parts[i]
         if not (isinstance(model, type) and issubclass(model, BaseModel)):
             raise ConfigError(f"override {item!r}: {_loc(loc)} has no sub-keys")
         if part not in model.model_fields:
             raise ConfigError(f"override {item!r}: unknown key {_loc(loc + [part])}; expected one of: "
                               f"{', '.join(model.model_fields)}")
+        if part == "jobs" and model is RunConfig:
+            node, loc = _select_job(node, parts, i, item, job_names)
+            model = JobConfig
+            i += 2
+            if i == len(parts):
+                raise ConfigError(f"override {item!r}: expected a key inside the job, e.g. "
+                                  f"{_loc(loc)}.optimizer.lr")
+            continue
         loc.append(part)
         if i == len(parts) - 1:
             node[part] = _maybe_path(parts, value)
@@ -584,7 +286,31 @@ def _apply_in_job(job: dict, parts: list[str], value: Any, item: str, loc: list[
         if not isinstance(sub, dict):
             raise ConfigError(f"override {item!r}: {_loc(loc)} is not a mapping in the config")
         node, model = sub, _unwrap(model.model_fields[part].annotation)
+        i += 1
     return loc
+
+
+def _select_job(raw: dict, parts: list[str], i: int, item: str, job_names: list[Any]) -> tuple[dict, list[Any]]:
+    """The job mapping that ``jobs.<index or name>`` (at ``parts[i:i + 2]``) names, and its location."""
+    if i == len(parts) - 1:
+        raise ConfigError(f"override {item!r}: cannot replace the whole job list; set jobs.<i>.<key>")
+    sel = parts[i + 1]
+    jobs = raw.get("jobs")
+    if not isinstance(jobs, list):
+        raise ConfigError(f"override {item!r}: the run config has no job list")
+    if sel.isdigit():
+        idx = int(sel)
+    elif sel in job_names:
+        idx = job_names.index(sel)
+    else:
+        raise ConfigError(f"override {item!r}: no job {sel!r}; expected an index 0..{len(jobs) - 1} "
+                          f"or one of the job names {[n for n in job_names if isinstance(n, str)]}")
+    if idx >= len(jobs):
+        raise ConfigError(f"override {item!r}: job index {idx} out of range (the run has "
+                          f"{len(jobs)} job(s))")
+    if not isinstance(jobs[idx], dict):
+        raise ConfigError(f"override {item!r}: job {idx} is not a mapping")
+    return jobs[idx], ["jobs", idx]
 
 
 def _maybe_path(parts: list[str], value: Any) -> Any:
@@ -665,9 +391,6 @@ def load_run_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> R
         raise ConfigError(_format_errors(e, locate)) from None
 
     cfg._source = run_shown
-    for i, job in enumerate(cfg.jobs):
-        file = sources[i][0] if i in sources else run_shown
-        job.lora._source = (file, "lora" if i in sources else f"jobs.{i}.lora")
     _check_files(cfg, run_shown, sources, locate)
     return cfg
 
@@ -675,11 +398,7 @@ def load_run_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> R
 def _check_files(cfg: RunConfig, run_shown: str, sources, locate) -> None:
     """Files the config names must exist (checked here so `plan` fails before any work)."""
     if cfg.model.preset is not None:
-        try:
-            from lorafusion.models.spec import PRESETS
-        except ImportError:  # pragma: no cover - torch missing
-            PRESETS = None
-        if PRESETS is not None and cfg.model.preset not in PRESETS:
+        if cfg.model.preset not in PRESETS:
             raise ConfigError(f"{run_shown}: model.preset: expected one of {sorted(PRESETS)}, "
                               f"got {cfg.model.preset!r}")
     if cfg.model.path is not None:
@@ -719,5 +438,4 @@ def load_job_config(path: str | os.PathLike) -> JobConfig:
         job = JobConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(_format_errors(e, lambda loc: (shown, loc, ""))) from None
-    job.lora._source = (shown, "lora")
     return job

@@ -1,0 +1,214 @@
+"""Run and job configuration models (pydantic v2), built on the core types.
+
+A **run** names the base model, tokenizer, parallelism, scheduler, kernels, output directory, seed, logging
+and its **jobs**. A job's ``lora`` section is validated by :class:`lorafusion.core.lora.LoRASpec` itself
+(the one LoRA schema). Reading YAML, overrides, relative paths and error messages live in
+:mod:`lorafusion.config.load`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+from lorafusion.core.errors import ConfigError
+from lorafusion.core.lora import LoRASpec, check_adapter_name
+
+__all__ = [
+    "DATASET_FILE_TYPES",
+    "DatasetConfig",
+    "JobConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelismConfig",
+    "RunConfig",
+    "SchedulerSection",
+    "TokenizerConfig",
+]
+
+# extension → `datasets` builder name
+DATASET_FILE_TYPES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def _betas(v: Any) -> Any:
+    if not isinstance(v, list | tuple) or len(v) != 2:
+        raise ValueError(f"expected a list of two numbers [beta1, beta2], got {v!r}")
+    return tuple(v)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=False)
+
+
+class ModelConfig(_Strict):
+    preset: str | None = None
+    path: str | None = None  # HF model directory (config.json + safetensors)
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    recompute: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.preset is None) == (self.path is None):
+            raise ValueError("expected exactly one of `preset` (a preset name) or `path` (a HF model directory)")
+        return self
+
+
+class TokenizerConfig(_Strict):
+    type: Literal["byte", "hf", "sentencepiece"] = "byte"
+    # hf: a directory with tokenizer.json (default: model.path); sentencepiece: a .model file or a
+    # directory holding tokenizer.model
+    path: str | None = None
+
+
+class ParallelismConfig(_Strict):
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    dp: int = Field(1, ge=1)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+def _capacity(v: Any) -> Any:
+    if v == "auto" and isinstance(v, str):
+        return v
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError(f"expected a positive integer or 'auto', got {v!r}")
+    return v
+
+
+class SchedulerSection(_Strict):
+    """The run YAML's ``scheduler`` section. Its fields are fields of the scheduler's ``SchedulerConfig``
+    with the same names and defaults (``lorafusion.runtime.feed.scheduler_config`` builds one from the
+    run config)."""
+
+    token_capacity: Annotated[int | Literal["auto"], BeforeValidator(_capacity)] = 4096
+    milp_time_limit_s: float = Field(1.0, gt=0)
+    grouping: bool = True
+    lookahead_batches: int = Field(2, ge=1)  # global batches of every job per planned chunk
+
+
+class DatasetConfig(_Strict):
+    path: str
+    format: Literal["prompt_response", "chat", "text"]
+    file_type: Literal["json", "jsonl", "parquet", "csv"] | None = None
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    messages_field: str = "messages"
+    text_field: str = "text"
+    max_seq_len: int = Field(2048, ge=2)
+    truncate: bool = False
+    mask_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _known_type(self):
+        if self.file_type is None and Path(self.path).suffix.lower() not in DATASET_FILE_TYPES:
+            raise ValueError(
+                f"path: cannot tell the file type of {self.path!r} from its extension; expected one of "
+                f"{', '.join(DATASET_FILE_TYPES)} or set dataset.file_type"
+            )
+        return self
+
+    @property
+    def builder(self) -> str:
+        """The ``datasets`` builder name for this file ("json", "parquet" or "csv")."""
+        if self.file_type is not None:
+            return "json" if self.file_type == "jsonl" else self.file_type
+        return DATASET_FILE_TYPES[Path(self.path).suffix.lower()]
+
+
+class OptimizerConfig(_Strict):
+    lr: float = Field(2e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: Annotated[tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]],
+                     BeforeValidator(_betas)] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+
+
+class JobConfig(_Strict):
+    name: str
+    dataset: DatasetConfig
+    lora: LoRASpec
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    global_batch_size: int = Field(ge=1)  # samples per optimizer step
+    max_steps: int | None = Field(None, ge=1)
+    num_epochs: int | None = Field(None, ge=1)
+    save_every: int | None = Field(None, ge=1)
+    priority: int = 0
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return check_adapter_name(v)
+
+    @model_validator(mode="after")
+    def _stop_rule(self):
+        if self.max_steps is None and self.num_epochs is None:
+            raise ValueError("max_steps: expected max_steps or num_epochs (at least one), got neither")
+        return self
+
+
+class LoggingConfig(_Strict):
+    tensorboard: bool = True
+    progress: bool = True
+    log_every: int = Field(1, ge=1)
+
+
+class RunConfig(_Strict):
+    model: ModelConfig
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
+    scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
+    kernels: Literal["auto", "fused", "reference"] = "auto"
+    jobs: list[JobConfig] = Field(min_length=1)
+    output_dir: str
+    seed: int = Field(1234, ge=0)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _cross(self):
+        seen: dict[str, int] = {}
+        for i, job in enumerate(self.jobs):
+            if job.name in seen:
+                raise ValueError(f"jobs: duplicate job name {job.name!r} (jobs {seen[job.name]} and {i}); "
+                                 f"expected unique names")
+            seen[job.name] = i
+        if self.tokenizer.type == "hf" and self.tokenizer.path is None and self.model.path is None:
+            raise ValueError("tokenizer.path: expected a HF tokenizer directory (required when model.path "
+                             "is not set)")
+        if self.tokenizer.type == "sentencepiece" and self.tokenizer.path is None:
+            raise ValueError("tokenizer.path: expected the sentencepiece model file")
+        cap = self.scheduler.token_capacity
+        if cap != "auto":
+            for i, job in enumerate(self.jobs):
+                if job.dataset.max_seq_len > cap:
+                    raise ValueError(
+                        f"jobs.{i}.dataset.max_seq_len: expected at most scheduler.token_capacity ({cap}) "
+                        f"so every sample fits one microbatch, got {job.dataset.max_seq_len}")
+        return self
+
+    # the run YAML this came from (set by load_run_config), for errors raised after loading
+    _source: str = PrivateAttr(default="<config>")
+
+    @property
+    def source(self) -> str:
+        """The run YAML as shown in messages (``<config>`` when built in code)."""
+        return self._source
+
+    def check_world_size(self, world_size: int | None = None) -> None:
+        """ConfigError unless tp * pp * dp equals the number of launched processes (default: the
+        ``WORLD_SIZE`` torchrun/Slurm set, 1 without it)."""
+        world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+        p = self.parallelism
+        if p.world_size != world:
+            raise ConfigError(f"{self.source}: parallelism: tp*pp*dp = {p.tp}*{p.pp}*{p.dp} = {p.world_size}, "
+                              f"but the launch has {world} process(es)")

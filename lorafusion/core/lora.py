@@ -1,0 +1,69 @@
+"""One LoRA adapter's hyper-parameters (PEFT names): the only LoRA schema.
+
+:class:`LoRASpec` is a frozen pydantic model. The run config validates job YAMLs through it (so a bad
+``lora`` section is reported with file and field like every other), and code builds it directly
+(``LoRASpec(r=8, lora_alpha=16)``; a bad value raises one ``ValueError`` naming ``lora.<field>``).
+``target_modules`` is normalised to Megatron linear names (see :mod:`lorafusion.core.targets`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from lorafusion.core.targets import resolve_target_modules
+
+__all__ = ["ADAPTER_NAME_RE", "LoRASpec", "check_adapter_name"]
+
+ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9_\-]+$")
+
+
+def check_adapter_name(name: Any) -> str:
+    """``name`` if it is a valid adapter/job name (letters, digits, '_' or '-'), else ValueError."""
+    if not isinstance(name, str) or not ADAPTER_NAME_RE.match(name):
+        raise ValueError(f"expected letters, digits, '_' or '-', got {name!r}")
+    return name
+
+
+class LoRASpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_default=False)
+
+    r: int = Field(gt=0)
+    lora_alpha: float = Field(gt=0)
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # all-linear
+    use_rslora: bool = False
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:  # direct construction: one ValueError naming lora.<field>
+            lines = []
+            for err in e.errors(include_url=False):
+                loc = ".".join(str(p) for p in err["loc"])
+                msg = str((err.get("ctx") or {}).get("error", err["msg"]))
+                lines.append(f"lora.{loc}: {msg}" + ("" if err["type"] == "value_error" else
+                                                      f", got {err.get('input')!r}"))
+            raise ValueError("\n".join(lines)) from None
+
+    # Nested in a run config, pydantic validates the section itself (its errors then name file and field
+    # like every other); marking this __init__ as pydantic's own keeps it out of that path.
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _targets(cls, v: Any) -> tuple[str, ...]:
+        if not isinstance(v, str | list | tuple) or (
+                not isinstance(v, str) and not all(isinstance(x, str) for x in v)):
+            raise ValueError(f"expected a module name or a list of module names, got {v!r}")
+        try:
+            return resolve_target_modules(v)
+        except ValueError as e:  # pydantic puts the field in front itself
+            raise ValueError(str(e).removeprefix("lora.target_modules: ")) from None
+
+    @property
+    def scaling(self) -> float:
+        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)

@@ -1,0 +1,125 @@
+"""One planned chunk through Megatron-core's schedule (1F1B when PP > 1), with each job's optimizer
+stepping inside the pipeline.
+
+Loss: each microbatch returns ``Σ_jobs (token-loss sum of the job's tokens in it) / (job's loss tokens in
+its whole global batch)``, so the accumulated gradient of every adapter is exactly the token-mean
+gradient of its global batch, as if trained alone. Dropout masks are keyed by (run seed, job, global
+batch index, layer) and per row by (sample id, position), so they depend neither on packing nor on the
+other jobs.
+
+Steps: on stage s of S, 1F1B runs the backward of slot t before the forward of slot t + S - s. So when
+the forward of slot u is about to run, every (job, batch) whose last slot L has L + S - s <= u has
+finished backward on this stage: its step *begins* (DP reduction, async norm reduction). It *ends*
+(clip + AdamW) right before this stage's first forward that uses the job again, which the scheduler's
+dependency rule (first_slot(g+1) >= L + S) places after the beginning; at the latest when the
+pipeline has drained. :class:`StepTracker` keeps that bookkeeping.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from lorafusion.ops.dropout import mix_seed
+from lorafusion.runtime.feed import Chunk, Key
+from lorafusion.scheduler import Plan
+
+
+class StepTracker:
+    """When each (job, global batch) of a plan begins and ends its optimizer step on one stage."""
+
+    def __init__(self, plan: Plan, optimizers: dict, stage: int, num_stages: int):
+        self.optimizers = optimizers  # job name -> AdapterOptimizer
+        self.keys: list[Key] = sorted(plan.last_microbatch, key=lambda k: (plan.step_slot(*k), k))
+        self._begin_at = {k: plan.step_slot(*k) + num_stages - stage for k in self.keys}
+        self._begun: list[Key] = []
+        self.results: dict[Key, tuple[float, float]] = {}  # (grad norm, lr) of each finished step
+        self._next_slot = 0
+
+    def before_forward(self, jobs: Iterable[str]) -> None:
+        """Call right before each forward, in slot order, with the jobs of that microbatch."""
+        self._begin(upto=self._next_slot)
+        self._next_slot += 1
+        self._end(set(jobs))
+
+    def finish(self) -> dict[Key, tuple[float, float]]:
+        """The pipeline has drained (every backward is done): begin and end every remaining step."""
+        self._begin(upto=None)
+        self._end(None)
+        return self.results
+
+    def _begin(self, upto: int | None) -> None:
+        for k in self.keys:
+            if k not in self._begun and (upto is None or self._begin_at[k] <= upto):
+                self.optimizers[k[0]].begin_step()
+                self._begun.append(k)
+
+    def _end(self, jobs: set[str] | None) -> None:
+        for k in self._begun:
+            if k not in self.results and (jobs is None or k[0] in jobs):
+                self.results[k] = self.optimizers[k[0]].end_step()
+
+
+def dropout_seed(run_seed: int, job: str, batch: int) -> int:
+    return mix_seed(run_seed, zlib.crc32(job.encode()), batch)
+
+
+def run_chunk(model, chunk: Chunk, optimizers: dict, *, seed: int, device: torch.device | None) -> dict:
+    """Train on ``chunk`` (this rank's packed microbatches). Returns ``{"compute_s", "steps"}`` with one
+    ``{"key", "loss", "grad_norm", "lr", "tokens"}`` per (job, batch), in plan step order."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from lorafusion.layers import set_batch
+
+    num_stages = parallel_state.get_pipeline_model_parallel_world_size()
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    tracker = StepTracker(chunk.plan, optimizers, stage, num_stages)
+    dev = device or torch.device("cpu")
+    denom = {k: max(1, chunk.loss_tokens(k)) for k in tracker.keys}
+    sums = {k: torch.zeros((), dtype=torch.float64, device=dev) for k in tracker.keys}
+
+    def forward_step(data_iterator, model_):
+        batch, batch_of = next(data_iterator)
+        tracker.before_forward(batch.adapters)
+        batch = batch.to(dev)
+        set_batch(model_, batch.routing, batch.adapters, [dropout_seed(seed, n, batch_of[n]) for n in batch.adapters])
+        output = model_(batch.tokens, batch.position_ids, attention_mask=None, labels=batch.labels,
+                        packed_seq_params=batch.packed_seq_params())
+
+        def loss_func(per_token):
+            total = per_token.sum() * 0.0
+            for name in batch.adapters:
+                k = (name, batch_of[name])
+                m = batch.adapter_token_mask(name).to(per_token.dtype) * batch.loss_mask.to(per_token.dtype)
+                s = (per_token.float() * m).sum()
+                total = total + s / denom[k]
+                sums[k] += s.detach().double()
+            # The loss is already normalised per job by its global batch's token count. The config sets
+            # calculate_per_token_loss=True (models/spec.py), under which Megatron divides the loss by
+            # neither this count nor the number of microbatches; the count would only reach a
+            # finalize_model_grads_func, which we do not set. So 1 is a placeholder, not a token count.
+            return total, torch.tensor(1, dtype=torch.int, device=dev), {}
+
+        return output, loss_func
+
+    t0 = time.perf_counter()
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(chunk.packed), model=[model],
+                                num_microbatches=len(chunk.packed),
+                                seq_length=max(b.num_tokens for b, _ in chunk.packed),
+                                micro_batch_size=1, forward_only=False)
+    results = tracker.finish()
+    compute_s = time.perf_counter() - t0
+    set_batch(model, None, ())
+    # losses live on the last stage; TP rank 0 contributes so TP copies count once
+    last = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+    stat = torch.stack([sums[k] for k in tracker.keys]) * (1.0 if last else 0.0)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(stat)
+    steps = [{"key": k, "loss": float(stat[i]) / denom[k], "grad_norm": results[k][0], "lr": results[k][1],
+              "tokens": chunk.tokens(k)} for i, k in enumerate(tracker.keys)]
+    return {"compute_s": compute_s, "steps": steps}
