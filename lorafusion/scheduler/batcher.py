@@ -23,23 +23,16 @@ items of a few bins (the least loaded for "fill", the most and least loaded for 
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import subprocess
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import pulp
 
+from .milp import MIN_SOLVE_S, milp_even, milp_fill, milp_min_bins
 from .spec import PlanError
 
-_MIN_SOLVE_S = 0.05  # below this remaining budget the MILP is not even built
-_CBC_SLACK_S = 0.03  # solver start/stop overhead kept out of the time limit handed to the solver
-_HARD_GRACE_S = 0.05  # CBC is killed this long after its own time limit
 
 
 @dataclass(frozen=True)
@@ -204,213 +197,6 @@ def lower_bound(lengths: Sequence[int], capacity: int) -> int:
     return best
 
 
-def highs_available() -> bool:
-    return importlib.util.find_spec("highspy") is not None
-
-
-def _use_highs(kind: str) -> bool:
-    if kind == "highs" and not highs_available():
-        raise PlanError("solver='highs' needs the highspy package")
-    return kind == "highs" or (kind == "auto" and highs_available())
-
-
-def _cbc() -> pulp.PULP_CBC_CMD:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return pulp.PULP_CBC_CMD(msg=False, warmStart=True, threads=1)
-
-
-def _run_cbc(prob: pulp.LpProblem, deadline: float, gap: float) -> None:
-    """PuLP's bundled CBC with ``-sec`` *and* a hard wall-clock kill: CBC only checks its time limit
-    between search phases, so a root-node cut loop can overrun it. Uses PuLP's own MPS/solution I/O."""
-    solver = _cbc()
-    mps, sol, mst = solver.create_tmp_files(prob.name, "mps", "sol", "mst")
-    try:
-        if deadline - time.perf_counter() < _MIN_SOLVE_S:
-            return
-        vs, vnames, cnames, _ = prob.writeMPS(mps, rename=1)
-        solver.writesol(mst, prob, vs, vnames, cnames)
-        time_limit = deadline - time.perf_counter() - _CBC_SLACK_S
-        if time_limit < _MIN_SOLVE_S / 2:
-            return
-        args = [solver.path, mps]
-        if prob.sense == pulp.LpMaximize:
-            args.append("-max")
-        args += ["-mips", mst, "-sec", f"{time_limit:.3f}", "-ratio", f"{gap:g}", "-threads", "1", "-solve",
-                 "-solution", sol]
-        try:
-            subprocess.run(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           stdin=subprocess.DEVNULL, timeout=time_limit + _HARD_GRACE_S, check=False)
-        except subprocess.TimeoutExpired:
-            return
-        if not os.path.exists(sol):
-            return
-        status, values, _, _, _, sol_status = solver.readsol_MPS(sol, prob, vs, vnames, cnames)
-        prob.assignVarsVals(values)
-        prob.assignStatus(status, sol_status)
-    finally:
-        solver.delete_tmp_files(mps, sol, mst)
-
-
-def _binary(prob: pulp.LpProblem, name: str) -> pulp.LpVariable:
-    if hasattr(prob, "add_variable"):
-        return prob.add_variable(name, 0, 1, cat="Binary")
-    return pulp.LpVariable(name, 0, 1, cat="Binary")  # pragma: no cover - PuLP < 3.3
-
-
-def _continuous(prob: pulp.LpProblem, name: str, lo: float, hi: float) -> pulp.LpVariable:
-    if hasattr(prob, "add_variable"):
-        return prob.add_variable(name, lo, hi)
-    return pulp.LpVariable(name, lo, hi)  # pragma: no cover - PuLP < 3.3
-
-
-def _solve(prob: pulp.LpProblem, kind: str, deadline: float, gap: float = 0.0) -> int:
-    """Solve within what is left until ``deadline`` (model building already counted); return PuLP's
-    sol_status (1 optimal, 2 feasible at the time limit, else no solution)."""
-    time_limit = deadline - time.perf_counter() - _CBC_SLACK_S
-    if time_limit < _MIN_SOLVE_S:
-        return 0
-    prob.sol_status = 0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            if _use_highs(kind):
-                prob.solve(pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=gap))
-            else:
-                _run_cbc(prob, deadline, gap)
-        except pulp.PulpSolverError:  # e.g. the solver stopped before writing a solution
-            return 0
-    return int(prob.sol_status)
-
-
-def _read_bins(x: dict[tuple[int, int], pulp.LpVariable], m: int, n: int) -> list[list[int]] | None:
-    bins: list[list[int]] = [[] for _ in range(n)]
-    for i in range(m):
-        hit = [b for b in range(n) if (i, b) in x and (x[i, b].varValue or 0.0) > 0.5]
-        if len(hit) != 1:
-            return None
-        bins[hit[0]].append(i)
-    return [b for b in bins if b]
-
-
-class _OutOfTime(Exception):
-    """Building a model ran into the deadline (model building is Python and not free)."""
-
-
-def _check(deadline: float) -> None:
-    if time.perf_counter() > deadline - _MIN_SOLVE_S:
-        raise _OutOfTime
-
-
-def _milp_or_none(fn):
-    """Decorator: a model builder that runs out of time returns ``(None, False)`` (no solution)."""
-
-    def wrapped(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except _OutOfTime:
-            return None, False
-
-    wrapped.__doc__ = fn.__doc__
-    return wrapped
-
-
-def _assignment(prob: pulp.LpProblem, w: Sequence[int], n: int, sym_bins: int, deadline: float) -> dict:
-    """x[i, b] with each item once; items are sorted by decreasing length, so for the first
-    ``sym_bins`` (interchangeable) bins ``x[i, b] = 0`` for ``b > i`` breaks symmetry."""
-    x = {}
-    for i in range(len(w)):
-        _check(deadline)
-        for b in range(n):
-            if b < sym_bins and b > i:
-                continue
-            x[i, b] = _binary(prob, f"x_{i}_{b}")
-    for i in range(len(w)):
-        prob += pulp.lpSum(x[i, b] for b in range(n) if (i, b) in x) == 1
-    return x
-
-
-def _canonical(bins: list[list[int]], sym_bins: int) -> list[list[int]]:
-    """Order bins so a warm start satisfies the symmetry-breaking rule (tail kept last if present)."""
-    head = sorted(bins[:sym_bins], key=min)
-    return head + bins[sym_bins:]
-
-
-@_milp_or_none
-def _milp_min_bins(
-    w: Sequence[int], cap: int, warm: list[list[int]], kind: str, deadline: float, gap: float = 0.0
-):
-    n = len(warm)
-    prob = pulp.LpProblem("lorafusion_min_bins", pulp.LpMinimize)
-    x = _assignment(prob, w, n, n, deadline)
-    y = [_binary(prob, f"y_{b}") for b in range(n)]
-    prob += pulp.lpSum(y)
-    for b in range(n):
-        _check(deadline)
-        prob += pulp.lpSum(w[i] * x[i, b] for i in range(len(w)) if (i, b) in x) <= cap * y[b]
-        if b + 1 < n:
-            prob += y[b] >= y[b + 1]
-    for b, items in enumerate(_canonical(warm, n)):
-        y[b].setInitialValue(1)
-        for i in items:
-            x[i, b].setInitialValue(1)
-    status = _solve(prob, kind, deadline, gap)
-    if status not in (1, 2):
-        return None, False
-    return _read_bins(x, len(w), n), status == 1
-
-
-@_milp_or_none
-def _milp_even(
-    w: Sequence[int], cap: int, warm: list[list[int]], kind: str, deadline: float, gap: float = 0.0
-):
-    n = len(warm)
-    warm = _canonical(warm, n)
-    prob = pulp.LpProblem("lorafusion_even", pulp.LpMinimize)
-    x = _assignment(prob, w, n, n, deadline)
-    lmax = _continuous(prob, "lmax", 0, cap)
-    prob += lmax
-    for b in range(n):
-        _check(deadline)
-        prob += pulp.lpSum(w[i] * x[i, b] for i in range(len(w)) if (i, b) in x) <= lmax
-    for b, items in enumerate(warm):
-        for i in items:
-            x[i, b].setInitialValue(1)
-    lmax.setInitialValue(max(sum(w[i] for i in items) for items in warm))
-    status = _solve(prob, kind, deadline, gap)
-    if status not in (1, 2):
-        return None, False
-    return _read_bins(x, len(w), n), status == 1
-
-
-@_milp_or_none
-def _milp_fill(
-    w: Sequence[int], cap: int, warm: list[list[int]], kind: str, deadline: float, gap: float = 0.0
-):
-    n = len(warm)
-    tail = min(range(n), key=lambda b: sum(w[i] for i in warm[b]))
-    warm = _canonical([warm[b] for b in range(n) if b != tail] + [warm[tail]], n - 1)
-    prob = pulp.LpProblem("lorafusion_fill", pulp.LpMaximize)
-    x = _assignment(prob, w, n, n - 1, deadline)
-    lmin = _continuous(prob, "lmin", 0, cap)
-    prob += lmin
-    for b in range(n):
-        _check(deadline)
-        load = pulp.lpSum(w[i] * x[i, b] for i in range(len(w)) if (i, b) in x)
-        prob += load <= cap
-        if b < n - 1:
-            prob += load >= lmin
-    for b, items in enumerate(warm):
-        for i in items:
-            if (i, b) in x:
-                x[i, b].setInitialValue(1)
-    lmin.setInitialValue(min(sum(w[i] for i in items) for items in warm[:-1]))
-    status = _solve(prob, kind, deadline, gap)
-    if status not in (1, 2):
-        return None, False
-    return _read_bins(x, len(w), n), status == 1
-
-
 def _valid(bins: list[list[int]] | None, w: Sequence[int], cap: int) -> bool:
     if not bins:
         return False
@@ -458,7 +244,7 @@ class DataBatcher:
         greedy = greedy_pack(lengths, cap, balance=self.balance)
         lb = lower_bound(lengths, cap)
         best, source, timed_out = greedy, "greedy", False
-        if self.solver != "greedy" and len(greedy) > 1 and budget >= _MIN_SOLVE_S:
+        if self.solver != "greedy" and len(greedy) > 1 and budget >= MIN_SOLVE_S:
             cand, timed_out = self._improve(lengths, greedy, lb, t0 + budget)
             if _valid(cand, lengths, cap) and self._obj(cand, lengths) < self._obj(greedy, lengths):
                 best, source = cand, "milp"
@@ -489,10 +275,10 @@ class DataBatcher:
         if len(w) * len(greedy) <= self.max_vars:
             return self._region(w, greedy, lb, deadline)
         bins, timed_out = [list(b) for b in greedy], False
-        while deadline - time.perf_counter() >= _MIN_SOLVE_S:
+        while deadline - time.perf_counter() >= MIN_SOLVE_S:
             chosen, kept = self._neighbourhood(w, bins)
             left = deadline - time.perf_counter()
-            region, to = self._region(w, chosen, None, time.perf_counter() + max(left / 2, _MIN_SOLVE_S))
+            region, to = self._region(w, chosen, None, time.perf_counter() + max(left / 2, MIN_SOLVE_S))
             timed_out = timed_out or to
             new = region + kept
             if not self._obj(new, w) < self._obj(bins, w):
@@ -528,17 +314,17 @@ class DataBatcher:
         cap, timed_out = self.capacity, False
         if len(warm) > lb:
             left = deadline - time.perf_counter()
-            if left < _MIN_SOLVE_S:
+            if left < MIN_SOLVE_S:
                 return warm, True
-            fewer, optimal = _milp_min_bins(sw, cap, warm, self.solver, time.perf_counter() + left / 2, 0.0)
+            fewer, optimal = milp_min_bins(sw, cap, warm, self.solver, time.perf_counter() + left / 2, 0.0)
             timed_out = not optimal
             if _valid(fewer, sw, cap) and len(fewer) < len(warm):
                 warm = fewer
         if len(warm) < 2 or self._balanced_enough(sw, warm):
             return warm, timed_out
-        if deadline - time.perf_counter() < _MIN_SOLVE_S:
+        if deadline - time.perf_counter() < MIN_SOLVE_S:
             return warm, True
-        milp = _milp_even if self.balance == "even" else _milp_fill
+        milp = milp_even if self.balance == "even" else milp_fill
         better, optimal = milp(sw, cap, warm, self.solver, deadline, self.gap)
         timed_out = timed_out or not optimal
         if _valid(better, sw, cap) and self._obj(better, sw) < self._obj(warm, sw):

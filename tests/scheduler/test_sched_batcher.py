@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import lorafusion.scheduler.batcher as batcher_mod
+import lorafusion.scheduler.milp as milp_mod
 from lorafusion.scheduler import (
     DataBatcher,
     JobSpec,
@@ -105,7 +105,7 @@ def test_solver_timeout_without_solution_returns_greedy(monkeypatch):
         calls.append(prob.name)
         return 0
 
-    monkeypatch.setattr(batcher_mod, "_solve", no_solution)
+    monkeypatch.setattr(milp_mod, "_solve", no_solution)
     w, cap = [3, 3, 3, 3, 4, 4], 10
     res = DataBatcher(cap, time_limit_s=5.0).pack(w)
     assert calls, "the MILP path was not taken"
@@ -123,7 +123,7 @@ def test_large_instance_respects_time_limit_and_neighbourhood():
 
 
 def test_highs_requested_without_highspy_is_a_clear_error():
-    if batcher_mod.highs_available():
+    if milp_mod.highs_available():
         pytest.skip("highspy is installed")
     with pytest.raises(PlanError, match="highspy"):
         DataBatcher(10, time_limit_s=1.0, solver="highs").pack([3, 3, 3, 3, 4, 4])
