@@ -53,3 +53,38 @@ def write_run(tmp: Path, jobs: list[dict], *, out: str = "out", tp=1, pp=1, dp=1
     path = tmp / name
     path.write_text(yaml.safe_dump(run, sort_keys=False))
     return path
+
+
+def train_inprocess(run_yaml: Path, overrides=(), **trainer_kw):
+    """Train a run YAML in this process; (summary, output_dir)."""
+    from lorafusion.config import load_run_config
+    from lorafusion.runtime.trainer import Trainer
+
+    cfg = load_run_config(run_yaml, list(overrides))
+    return Trainer(cfg, **trainer_kw).run(), Path(cfg.output_dir)
+
+
+def load_adapter(out: Path, job: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(out / "adapters" / job / "adapter_model.safetensors")
+
+
+def assert_close(a: dict, b: dict, rel: float = 1e-5) -> None:
+    """Relative error ||a - b|| / ||b|| per tensor (AdamW turns fp32 summation-order noise in near-zero
+    gradients into single elements that differ more; the tensor-wise error is what training sees)."""
+    assert a.keys() == b.keys()
+    for k in a:
+        err = (a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-12)
+        assert err <= rel, (k, float(err))
+
+
+def three_job_dicts(tmp: Path) -> list[dict]:
+    """Three jobs with different ranks, batch sizes, dropout and targets (the runtime tests' workload)."""
+    return [
+        job_dict("rev", write_dataset(tmp / "d" / "rev.jsonl", 1), r=4, dropout=0.1),
+        job_dict("up", write_dataset(tmp / "d" / "up.jsonl", 2, kind="upper"), r=8, gbs=3,
+                 targets=["q_proj", "k_proj", "v_proj", "o_proj"]),
+        job_dict("rev2", write_dataset(tmp / "d" / "rev2.jsonl", 3, rows=17), r=16, gbs=5, dropout=0.2,
+                 targets=["gate_proj", "up_proj", "down_proj"]),
+    ]

@@ -1,0 +1,99 @@
+"""The command line: user errors are one line (exit 2) and write nothing; bugs keep their traceback;
+`lorafusion plan` writes its tables and charts."""
+
+from pathlib import Path
+
+import pytest
+
+from runtime_utils import write_run
+
+
+def _main(*args) -> int:
+    from lorafusion.cli import main
+
+    return main(list(args))
+
+
+def test_world_size_mismatch_is_a_clear_error_and_writes_nothing(three_jobs, tmp_path, capsys, monkeypatch):
+    tmp, jobs, *_ = three_jobs
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    run = write_run(tmp_path, jobs[:1], out="never", tp=2)
+    assert _main("train", str(run)) == 2
+    assert "parallelism: tp*pp*dp = 2*1*1 = 2, but the launch has 1 process(es)" in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()
+
+
+def test_samples_that_cannot_fit_capacity_are_a_clear_error(three_jobs, tmp_path, capsys):
+    tmp, jobs, *_ = three_jobs
+    run = write_run(tmp_path, jobs[:1], out="never", capacity=8)
+    assert _main("train", str(run)) == 2
+    assert "jobs.0.dataset.max_seq_len: expected at most scheduler.token_capacity (8)" in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()
+
+
+def test_existing_run_is_never_overwritten(three_jobs, capsys):
+    tmp, jobs, summary, out = three_jobs
+    before = (out / "metrics.jsonl").read_text()
+    assert _main("train", str(tmp / "run.yaml")) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert (out / "metrics.jsonl").read_text() == before
+
+
+def test_plan_command_writes_tables_and_charts(three_jobs, tmp_path, capsys):
+    tmp, *_ = three_jobs
+    assert _main("plan", str(tmp / "run.yaml"), "--out", str(tmp_path / "plan"), "--windows", "2") == 0
+    for f in ("plan.jsonl", "windows.json", "gantt.png", "packing.png"):
+        assert (tmp_path / "plan" / f).stat().st_size > 0
+    assert "tables and charts in" in capsys.readouterr().out
+
+
+def test_internal_errors_keep_their_traceback(monkeypatch, capsys):
+    """A ValueError/KeyError from a bug is not a user error: it propagates (traceback), it is not turned
+    into one line and exit 2."""
+    import lorafusion.cli as cli
+    from lorafusion.core.errors import ConfigError
+
+    def bug(args):
+        raise KeyError("internal: no such slot")
+
+    monkeypatch.setattr(cli, "cmd_plan", bug)
+    with pytest.raises(KeyError, match="no such slot"):
+        cli.main(["plan", "x.yaml"])
+
+    def user_error(args):
+        raise ConfigError("run.yaml: seed: expected an integer >= 0, got -1")
+
+    monkeypatch.setattr(cli, "cmd_plan", user_error)
+    assert cli.main(["plan", "x.yaml"]) == 2
+    assert capsys.readouterr().err == "lorafusion plan: error: run.yaml: seed: expected an integer >= 0, got -1\n"
+
+
+def _bad_cases(tmp: Path, jobs: list[dict]):
+    good = jobs[0]
+    (tmp / "d").mkdir(parents=True, exist_ok=True)
+    empty = tmp / "d" / "empty.jsonl"
+    empty.write_text("")
+    nofield = tmp / "d" / "nofield.jsonl"
+    nofield.write_text('{"prompt": "x"}\n')
+    return {
+        "unknown key": ([dict(good, colour="red")], "colour"),
+        "wrong type": ([dict(good, global_batch_size="many")], "global_batch_size"),
+        "r <= 0": ([dict(good, lora=dict(good["lora"], r=0))], "lora.r"),
+        "PEFT subset": ([dict(good, lora=dict(good["lora"], target_modules=["q_proj"]))], "target_modules"),
+        "missing file": ([dict(good, dataset=dict(good["dataset"], path=str(tmp / "nope.jsonl")))], "nope.jsonl"),
+        "empty dataset": ([dict(good, dataset=dict(good["dataset"], path=str(empty)))], "empty"),
+        "missing field": ([dict(good, dataset=dict(good["dataset"], path=str(nofield)))], "response"),
+        "duplicate names": ([good, dict(good)], "duplicate"),
+    }
+
+
+@pytest.mark.parametrize("case", ["unknown key", "wrong type", "r <= 0", "PEFT subset", "missing file",
+                                  "empty dataset", "missing field", "duplicate names"])
+def test_bad_run_is_one_clear_error_and_writes_nothing(three_jobs, tmp_path, capsys, case):
+    tmp, jobs, *_ = three_jobs
+    run_jobs, needle = _bad_cases(tmp_path, jobs)[case]
+    run = write_run(tmp_path, run_jobs, out="never")
+    assert _main("train", str(run)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[0].startswith("lorafusion train: error: ") and needle in "\n".join(err), err
+    assert not (tmp_path / "never").exists()
