@@ -13,7 +13,7 @@ from lorafusion.layers.inject import (
 )
 from lorafusion.layers.lora_linear import LoRAColumnParallelLinear, LoRAContext, LoRARowParallelLinear
 from lorafusion.layers.targets import MEGATRON_TARGETS, resolve_target_modules, to_peft_target_modules
-from lorafusion.ops.routing import Routing
+from lorafusion.core.routing import Routing
 
 __all__ = ["LoRASpec", "check_adapter_name", "adapter_parameters", "add_adapter", "attach_lora_context",
            "get_lora_context", "lora_batch", "lora_modules", "remove_adapter", "set_batch",

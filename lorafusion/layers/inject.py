@@ -7,10 +7,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from lorafusion.core.routing import Routing
 from lorafusion.layers.adapter import LoRASpec, check_adapter_name
 from lorafusion.layers.lora_linear import LoRAContext, _LoRAMixin
 from lorafusion.layers.targets import MEGATRON_TARGETS
-from lorafusion.ops.routing import Routing
 
 
 def _chunks(model) -> list[torch.nn.Module]:
@@ -53,6 +53,7 @@ def attach_lora_context(model, ctx: LoRAContext | None = None) -> LoRAContext:
     for key, mod in lora_modules(model):
         mod.lora_ctx = ctx
         mod.lora_key = key
+        ctx.register_layer(key)
         mod.lora_kind = key.split(".", 1)[1]
     return ctx
 

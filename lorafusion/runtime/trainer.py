@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from lorafusion.config import ConfigError, RunConfig
 from lorafusion.data import build_tokenizer, load_job_samples
 from lorafusion.data.packing import PackedBatch, loss_token_count, noop_microbatch, pack_microbatch
 from lorafusion.data.stream import JobStream
-from lorafusion.ops.dropout import mix_seed
+from lorafusion.core.seeds import mix_seed, name_key
 from lorafusion.runtime.checkpoint import write_text_atomic
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -93,7 +92,7 @@ class Trainer:
     def setup(self) -> None:
         from megatron.core import parallel_state
 
-        from lorafusion.layers import adapter_parameters, add_adapter
+        from lorafusion.layers import adapter_parameters, add_adapter, get_lora_context
         from lorafusion.models.provider import build_model
         from lorafusion.models.spec import preset
         from lorafusion.runtime.dist import init_distributed
@@ -106,7 +105,6 @@ class Trainer:
         info = init_distributed(cfg.parallelism.tp, cfg.parallelism.pp, seed=cfg.seed)
         self.rank, self.dp_rank = info["rank"], parallel_state.get_data_parallel_rank()
         self.is_logger = self.rank == 0
-        ops.set_default_impl(None if cfg.kernels == "auto" else cfg.kernels)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         dtype = DTYPES[cfg.model.dtype]
         ckpt = None
@@ -122,6 +120,7 @@ class Trainer:
                               f"model's vocab_size {self.arch.vocab_size}")
         kw = dict(params_dtype=dtype, recompute=cfg.model.recompute, device=self.device, seed=cfg.seed)
         self.model = build_model_from_hf(ckpt, **kw) if ckpt is not None else build_model(self.arch, **kw)
+        get_lora_context(self.model).impl = None if cfg.kernels == "auto" else cfg.kernels
         for name, js in self.jobs.items():
             add_adapter(self.model, name, js.cfg.lora.to_spec(), seed=cfg.seed)
             params = list(adapter_parameters(self.model, name).values())
@@ -131,7 +130,7 @@ class Trainer:
 
     # -------------------------------------------------------------------------------------------- loop
     def _dropout_seed(self, job: str, batch: int) -> int:
-        return mix_seed(self.cfg.seed, zlib.crc32(job.encode()), batch)
+        return mix_seed(self.cfg.seed, name_key(job), batch)
 
     def _pack(self, mb) -> tuple[PackedBatch, dict[str, int]]:
         if mb.is_noop or not mb.entries:
