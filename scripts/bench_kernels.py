@@ -116,7 +116,9 @@ def peft_multi_loop(x, W, As, Bs, ss, ps, lengths):
 
 
 def set_main_gemm(v):
-    os.environ["LORAFUSION_MAIN_GEMM"] = v
+    from lorafusion.kernels import tuning
+
+    tuning.MAIN_GEMM = v
 
 
 def cpu_ms(fn, n=10) -> float:
@@ -213,7 +215,7 @@ def single_shape(m, k, n, r, p, dtype, dev, do_compile, warmup, rep):
 
 
 def multi(m, k, n, dtype, dev, warmup, rep):
-    from lorafusion.ops import Routing
+    from lorafusion.core.routing import Routing
     from lorafusion.ops.fused import fused_lora_linear, multi_lora_linear_fused
 
     torch.manual_seed(1)
@@ -264,8 +266,9 @@ def multi(m, k, n, dtype, dev, warmup, rep):
 
 def breakdown(m, k, n, r, dtype, dev, warmup, rep):
     """Each kernel alone (and the cuBLAS GEMMs it competes with)."""
+    from lorafusion.core.routing import Routing
     from lorafusion.kernels import fused_multi_lora as K
-    from lorafusion.ops import Routing
+    from lorafusion.kernels.tables import TableCache
 
     torch.manual_seed(2)
     routing = Routing.single(m)
@@ -275,10 +278,10 @@ def breakdown(m, k, n, r, dtype, dev, warmup, rep):
     A = (torch.randn(r, k, device=dev) / k**0.5).to(dtype)
     B = (torch.randn(n, r, device=dev) * 0.1).to(dtype)
     dy = torch.randn(m, n, device=dev, dtype=dtype)
-    ids = routing.ids(dev)
+    ids = TableCache().row_ids(routing, dev)
     out = {}
     for p in (0.1, 0.0):
-        st = K.slot_tables([r], [2.0], [p], [99], dev)
+        st = TableCache().slot_tables([r], [2.0], [p], [99], dev)
         tag = f"p{p:g}"
         S = K.lora_shrink(x, A, st, routing, ids, k_total=k)
         dS, _ = K.lora_ds_db(dy, B, S, st, routing)
@@ -313,8 +316,9 @@ def profile_host(smoke: bool):
     import cProfile
     import pstats
 
+    from lorafusion.core.routing import Routing
     from lorafusion.kernels import fused_multi_lora as K
-    from lorafusion.ops import Routing
+    from lorafusion.kernels.tables import TableCache
     from lorafusion.ops.fused import fused_lora_linear
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -326,14 +330,16 @@ def profile_host(smoke: bool):
     B = torch.randn(n, 16, device=dev, dtype=dt, requires_grad=True)
     g = torch.randn(m, n, device=dev, dtype=dt)
     routing = Routing.single(m)
-    ids = routing.ids(dev)
+    tc = TableCache()
+    ids = tc.row_ids(routing, dev)
     seeds = itertools.count(10)
-    st = K.slot_tables([16], [2.0], [0.1], [1], dev)
+    st = tc.slot_tables([16], [2.0], [0.1], [1], dev)
+    seed_dev = torch.tensor([1], dtype=torch.int64, device=dev)
     S = K.lora_shrink(x.detach(), A.detach(), st, routing, ids, k_total=k)
     Bt = B.detach().t().contiguous()
     pieces = {
-        "slot_tables (new seed)": lambda: K.slot_tables([16], [2.0], [0.1], [next(seeds)], dev),
-        "slot_tables (cached)": lambda: K.slot_tables([16], [2.0], [0.1], [1], dev),
+        "slot_tables (new seed)": lambda: tc.slot_tables([16], [2.0], [0.1], [next(seeds)], dev),
+        "slot_tables (seeds on device)": lambda: tc.slot_tables([16], [2.0], [0.1], seed_dev, dev),
         "launch shrink": lambda: K.lora_shrink(x.detach(), A.detach(), st, routing, ids, k_total=k),
         "launch lowrank": lambda: K.lora_gemm(None, None, None, S, Bt, st.scale, st, routing, n=n),
         "torch.empty": lambda: torch.empty(m, 16, device=dev, dtype=dt),

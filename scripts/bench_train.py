@@ -3,11 +3,16 @@ a time, the way people run LoRA jobs today) on the same base shape, samples and 
 same run.
 
     python scripts/bench_train.py --config configs/llama3.1-8b-4adapters.yaml --steps 6 --out results/
+    python scripts/bench_train.py ... --ablate      # + fused kernels off, + scheduler off, in the same run
+    python scripts/bench_train.py ... --profile     # + a torch.profiler summary of the first timed chunk
 
 Both sides train every job for ``--steps`` optimizer steps on identical global batches (the job streams of
 the run config). Tokens/s counts real (unpadded) tokens and excludes the first ``--warmup`` steps of each
 job. HF+PEFT pads each microbatch to its longest sample and packs samples into microbatches of at most
-``token_capacity`` padded tokens. Prints a table and, as its last line, one JSON object.
+``token_capacity`` padded tokens. ``--ablate`` adds, on the same data: ``kernels=reference`` (our fast torch
+LoRA path instead of the Triton kernels) and "scheduler off": one adapter job at a time through our own
+runtime (each job alone, its own planned chunks: the way a Megatron-LM user runs LoRA jobs one after the
+other). Prints a table and, as its last line, one JSON object.
 """
 
 from __future__ import annotations
@@ -40,13 +45,79 @@ def sync():
         torch.cuda.synchronize()
 
 
-def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, out: Path) -> dict:
+class ChunkProfiler:
+    """Profile one planned chunk of a trainer run (CUDA kernels and host activity) and summarise it: GPU busy
+    fraction over the chunk, idle gaps, and the top kernels by GPU time."""
+
+    def __init__(self, chunk_index: int):
+        self.chunk_index, self.calls, self.summary = chunk_index, 0, None
+
+    def wrap(self, owner, name: str = "run_chunk"):
+        """Replace ``owner.<name>`` (lorafusion.runtime.pipeline.run_chunk: one chunk) by a profiling wrapper."""
+        orig = getattr(owner, name)
+        prof = self
+
+        def wrapped(*a, **kw):
+            i = prof.calls
+            prof.calls += 1
+            if i != prof.chunk_index or not torch.cuda.is_available():
+                return orig(*a, **kw)
+            from torch.profiler import ProfilerActivity, profile
+
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+                out = orig(*a, **kw)
+                torch.cuda.synchronize()
+            prof.summary = summarise_profile(p)
+            return out
+
+        setattr(owner, name, wrapped)
+
+
+def summarise_profile(p, top: int = 20) -> dict:
+    kern = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0]
+    if not kern:
+        return {}
+    iv = sorted((e.time_range.start, e.time_range.end) for e in kern)
+    t0, t1 = iv[0][0], max(e for _, e in iv)
+    busy, gaps, cur_s, cur_e = 0.0, [], iv[0][0], iv[0][1]
+    for s_, e_ in iv[1:]:
+        if s_ > cur_e:
+            busy += cur_e - cur_s
+            gaps.append(s_ - cur_e)
+            cur_s, cur_e = s_, e_
+        else:
+            cur_e = max(cur_e, e_)
+    busy += cur_e - cur_s
+    by_name: dict[str, list] = {}
+    for e in kern:
+        d = by_name.setdefault(e.name, [0.0, 0])
+        d[0] += e.time_range.elapsed_us()
+        d[1] += 1
+    total = sum(v[0] for v in by_name.values())
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    big = [g for g in gaps if g >= 1000]
+    return {"window_ms": (t1 - t0) / 1e3, "gpu_busy_frac": busy / max(1e-9, t1 - t0),
+            "idle_gaps_ge_1ms": {"count": len(big), "total_ms": sum(big) / 1e3, "max_ms": max(big, default=0) / 1e3},
+            "idle_gaps_lt_1ms_total_ms": sum(g for g in gaps if g < 1000) / 1e3,
+            "top_kernels": [{"name": n[:90], "ms": v[0] / 1e3, "calls": v[1], "frac": v[0] / total}
+                            for n, v in rows]}
+
+
+def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, out: Path,
+                   only_job: int | None = None, profiler: ChunkProfiler | None = None) -> dict:
     from lorafusion.config import load_run_config
     from lorafusion.runtime.trainer import Trainer
 
     cfg = load_run_config(config, overrides + [f"output_dir={out}", "logging.progress=false",
                                                "logging.tensorboard=false"]
                           + [f"jobs.{i}.max_steps={steps}" for i in range(len(load_run_config(config).jobs))])
+    if only_job is not None:  # "scheduler off": this job alone through the same runtime
+        cfg = cfg.model_copy(update={"jobs": [cfg.jobs[only_job]]})
+    if profiler is not None:
+        import lorafusion.runtime.pipeline as pipeline
+
+        profiler.wrap(pipeline)
     look = cfg.scheduler.lookahead_batches
     if warmup < 1 or warmup % look or steps <= warmup:
         raise SystemExit(f"--warmup must be a positive multiple of scheduler.lookahead_batches ({look}) and less "
@@ -166,6 +237,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=512)
     ap.add_argument("--out", default="results/bench_train")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--ablate", action="store_true", help="also kernels=reference and one job at a time")
+    ap.add_argument("--profile", action="store_true", help="profile the first timed chunk of our run")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     ensure_data(args.rows)
@@ -173,12 +246,27 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     result = {"config": args.config, "device": device, "steps": args.steps, "warmup": args.warmup}
+    try:
+        import subprocess
+
+        result["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                          capture_output=True, text=True).stdout.strip() or None
+    except OSError:
+        result["commit"] = None
     ours = None
+    from lorafusion.config import load_run_config
+
+    base_cfg = load_run_config(args.config, list(args.overrides))
+    result["token_capacity"] = base_cfg.scheduler.token_capacity
+    look = base_cfg.scheduler.lookahead_batches
+    profiler = ChunkProfiler(args.warmup // look) if args.profile else None
     for attempt, extra in enumerate(([], ["kernels=reference"])):
         try:
             ours, batches, info = run_lorafusion(args.config, list(args.overrides) + extra, args.steps, args.warmup,
-                                                 out / f"ours{attempt}")
+                                                 out / f"ours{attempt}", profiler=profiler)
             result["lorafusion"] = ours
+            if profiler is not None:
+                result["profile"] = profiler.summary
             break
         except Exception:
             traceback.print_exc()
@@ -192,6 +280,31 @@ def main() -> None:
     if ours is None:
         print(json.dumps(result, default=str))
         return
+    from lorafusion.runtime.dist import destroy_distributed
+
+    if args.ablate:
+        destroy_distributed()
+        ablations = {"reference": dict(overrides=["kernels=reference"], jobs=[None]),
+                     "scheduler_off": dict(overrides=[], jobs=list(range(len(base_cfg.jobs))))}
+        for key, spec in ablations.items():
+            try:
+                parts = []
+                for j in spec["jobs"]:
+                    tag = key if j is None else f"{key}_{j}"
+                    r, _, _ = run_lorafusion(args.config, list(args.overrides) + spec["overrides"], args.steps,
+                                             args.warmup, out / tag, only_job=j)
+                    parts.append(r)
+                    destroy_distributed()
+                    gc.collect()
+                    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+                toks, secs = sum(p["timed_tokens"] for p in parts), sum(p["timed_s"] for p in parts)
+                result[key] = {"tokens_per_s": toks / secs, "timed_tokens": toks, "timed_s": secs,
+                               "peak_mem_gib": max((p["peak_mem_gib"] or 0) for p in parts),
+                               "kernels": parts[0]["kernels"], "runs": len(parts)}
+            except Exception:
+                traceback.print_exc()
+                result[f"{key}_error"] = traceback.format_exc(limit=4)
+                destroy_distributed()
     if not args.skip_hf:
         try:
             if torch.cuda.is_available():
@@ -201,15 +314,19 @@ def main() -> None:
         except Exception:
             traceback.print_exc()
             result["hf_peft_error"] = traceback.format_exc(limit=3)
-    from lorafusion.runtime.dist import destroy_distributed
-
     destroy_distributed()  # before printing: the JSON must stay the last line
     (out / "result.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"{'system':<22} {'tokens/s':>10} {'peak GiB':>9}")
-    for key in ("lorafusion", "hf_peft"):
+    for key in ("lorafusion", "reference", "scheduler_off", "hf_peft"):
         if key in result:
             r = result[key]
             print(f"{key:<22} {r['tokens_per_s']:>10,.0f} {r['peak_mem_gib'] or 0:>9.1f}")
+    if result.get("profile"):
+        pr = result["profile"]
+        print(f"profile: window {pr['window_ms']:.0f} ms, GPU busy {pr['gpu_busy_frac']:.3f}, "
+              f"gaps>=1ms {pr['idle_gaps_ge_1ms']}")
+        for row in pr["top_kernels"][:12]:
+            print(f"  {row['ms']:>9.1f} ms {row['calls']:>6} {row['frac']:>6.3f}  {row['name']}")
     print(json.dumps(result, default=str))
 
 

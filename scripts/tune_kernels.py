@@ -19,9 +19,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from lorafusion.kernels.tables import TableCache  # noqa: E402
 from lorafusion.kernels import fused_multi_lora as K  # noqa: E402
 from lorafusion.kernels import tuning  # noqa: E402
-from lorafusion.ops import Routing  # noqa: E402
+from lorafusion.core.routing import Routing  # noqa: E402
 
 SHAPES = [(8192, 4096, 4096), (8192, 4096, 14336), (8192, 14336, 4096), (16384, 4096, 4096), (4096, 8192, 8192)]
 
@@ -89,8 +90,8 @@ def main():
         else:
             ls = [int(m * f) for f in (0.37, 0.29, 0.21)]
             routing = Routing.from_lengths([0, 1, 2, 3], ls + [m - sum(ls)])
-        st = K.slot_tables(ranks, [2.0] * len(ranks), [0.1] * len(ranks), list(range(len(ranks))), dev)
-        ids = routing.ids(dev)
+        st = TableCache().slot_tables(ranks, [2.0] * len(ranks), [0.1] * len(ranks), list(range(len(ranks))), dev)
+        ids = TableCache().row_ids(routing, dev)
         rt = sum(ranks)
         x = torch.randn(m, k, device=dev, dtype=dt)
         W = (torch.randn(n, k, device=dev) / k**0.5).to(dt)

@@ -5,13 +5,11 @@ from __future__ import annotations
 import torch
 
 from lorafusion.layers import lora_batch, lora_modules
-from lorafusion.ops.dropout import mix_seed
+from lorafusion.core.seeds import mix_seed, name_key
 
 
 def adapter_seed(run_seed: int, name: str) -> int:
-    import zlib
-
-    return mix_seed(run_seed, zlib.crc32(name.encode()))
+    return mix_seed(run_seed, name_key(name))
 
 
 def per_token_loss(model, batch, run_seed: int = 7):

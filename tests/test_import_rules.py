@@ -72,12 +72,10 @@ def test_config_and_scheduler_import_neither_torch_nor_megatron():
         assert _offences(sub, forbidden_top={"torch", "megatron", "triton"}) == []
 
 
-@pytest.mark.xfail(strict=True, reason="kernels import keep_threshold from ops/dropout.py until core/seeds.py lands (lead's part of issue 14)")
 def test_kernels_import_only_core():
     assert _offences("kernels", allowed_ours={"core"}) == []
 
 
-@pytest.mark.xfail(strict=True, reason="data/packing.py imports Routing from ops/routing.py until core/routing.py lands (lead's part of issue 14)")
 def test_data_never_imports_ops_layers_models_or_runtime():
     assert _offences("data", forbidden_ours={"ops", "layers", "models", "runtime"}) == []
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from lorafusion.ops.routing import Routing
+from lorafusion.core.routing import Routing
 
 
 @dataclass
@@ -77,7 +78,7 @@ def pack_microbatch(samples: Sequence[tuple[str, Sequence[int]]], prompt_lengths
         lmask.extend([1.0 if (t + 1 >= max(p, 1) and t + 1 < n) else 0.0 for t in range(n)])  # loss_token_count
         cu.append(cu[-1] + n)
         base = i if row_ids is None else int(row_ids[i])
-        ids.extend(base * (1 << 20) + t for t in range(n))
+        ids.append(np.arange(base << 20, (base << 20) + n, dtype=np.int64))
         if name not in adapters:
             adapters.append(name)
         slot = adapters.index(name)
@@ -86,7 +87,6 @@ def pack_microbatch(samples: Sequence[tuple[str, Sequence[int]]], prompt_lengths
         else:
             slots.append(slot)
             lengths.append(n)
-    row_tensor = torch.tensor(ids, dtype=torch.int64)
     return PackedBatch(
         tokens=torch.tensor(toks, dtype=torch.int64)[None],
         position_ids=torch.tensor(pos, dtype=torch.int64)[None],
@@ -94,7 +94,7 @@ def pack_microbatch(samples: Sequence[tuple[str, Sequence[int]]], prompt_lengths
         loss_mask=torch.tensor(lmask, dtype=torch.float32)[None],
         cu_seqlens=torch.tensor(cu, dtype=torch.int32),
         max_seqlen=max(cu[i + 1] - cu[i] for i in range(len(cu) - 1)),
-        routing=Routing.from_lengths(slots, lengths, row_ids=row_tensor),
+        routing=Routing.from_lengths(slots, lengths, row_ids=np.concatenate(ids)),
         adapters=tuple(adapters),
         sample_adapter=tuple(name for name, _ in samples),
     )

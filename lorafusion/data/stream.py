@@ -14,18 +14,17 @@ The job finishes after ``max_steps`` global batches or ``num_epochs`` epochs, wh
 
 from __future__ import annotations
 
-import zlib
-
 import numpy as np
 
 from lorafusion.core.errors import ConfigError
+from lorafusion.core.seeds import name_key
 
 __all__ = ["JobStream", "epoch_permutation"]
 
 
 def epoch_permutation(seed: int, job_name: str, epoch: int, num_samples: int) -> np.ndarray:
     """The order of sample ids in ``epoch`` of job ``job_name`` (int64 array)."""
-    key = zlib.crc32(job_name.encode("utf-8"))
+    key = name_key(job_name)
     rng = np.random.default_rng([int(seed), key, int(epoch)])
     return rng.permutation(num_samples)
 

@@ -70,7 +70,7 @@ def keep_mask_triton(seed: int, row_ids, k: int, p: float, k_offset: int = 0, k_
     """The kernels' mask as a bool tensor [len(row_ids), k] (for tests and debugging)."""
     import torch
 
-    from lorafusion.ops.dropout import keep_threshold
+    from lorafusion.core.seeds import keep_threshold
 
     k_total = k if k_total is None else k_total
     m = row_ids.numel()

@@ -1,21 +1,11 @@
-"""FusedMultiLoRA launchers: per-microbatch offset tables and per-call adapter tables, then the kernels.
+"""FusedMultiLoRA launchers: shapes, block configs and grids around the kernels of :mod:`.fused_lora`.
 
-Tables (int32, device, built once per microbatch and memoised on the :class:`Routing`):
-- ``segs`` [n_segs, 3] (slot, start, end) and ``mb`` [m_blocks, 2] (first, last+1 segment index touching
-  each BM row block of the GEMM): a row block that spans several segments loops over them.
-- ``chunks`` [n_chunks, 3] (slot, start, length): every segment cut into pieces of at most ``size`` rows,
-  plus rows outside every segment as slot -1 (they produce zeros). For the reduction kernels the chunks
-  are sorted by slot so that each slot's partials are one contiguous range, summed in a fixed order.
-
-Per call (seeds change every call): one small packed host tensor → one (pinned, non-blocking) copy holding
-seeds (int64), s, 1/(1-p) (fp32), r, the rank offset and the dropout threshold of each slot (int32).
+Every launcher takes the call's :class:`~lorafusion.kernels.tables.SlotTables` and a
+:class:`~lorafusion.kernels.tables.TableCache` that holds the microbatch's routing tables (built on the
+first call of a microbatch and reused by every layer); without a cache the tables are built for this call.
 """
 
 from __future__ import annotations
-
-import struct
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -27,124 +17,12 @@ from lorafusion.kernels.fused_lora import (
     _lora_gemm_kernel,
     _shrink_kernel,
 )
-from lorafusion.kernels.tuning import get_config, rank_block
-from lorafusion.ops.dropout import keep_threshold
-
-# ----------------------------------------------------------------------------------------------- tables
+from lorafusion.kernels.tables import SlotTables, TableCache
+from lorafusion.kernels.tuning import get_config
 
 
-def _segments(routing):
-    return [(slot, start, start + length) for slot, start, length in routing.segments]
-
-
-def gemm_tables(routing, bm: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(segs, mb) for row blocks of ``bm`` rows."""
-
-    def build():
-        segs = _segments(routing)
-        n_blocks = triton.cdiv(routing.num_rows, bm)
-        mb = []
-        lo = 0
-        for b in range(n_blocks):
-            r0, r1 = b * bm, (b + 1) * bm
-            while lo < len(segs) and segs[lo][2] <= r0:
-                lo += 1
-            hi = lo
-            while hi < len(segs) and segs[hi][1] < r1:
-                hi += 1
-            mb += [lo, hi]
-        flat = [v for s in segs for v in s] or [0, 0, 0]
-        t = _to_device(torch.tensor(flat + mb, dtype=torch.int32), device)
-        return t[: len(flat)], t[len(flat):]
-
-    return routing.cached(("lf_gemm", bm, str(device)), build)
-
-
-def chunk_table(routing, size: int, device, by_slot: bool = False):
-    """(chunks tensor, n_chunks, slot_ranges) — slot_ranges: {slot: (first, last+1)} when ``by_slot``."""
-
-    def build():
-        pieces = []
-        pos = 0
-        for slot, start, length in routing.segments:
-            for s in range(pos, start, size):
-                pieces.append((-1, s, min(size, start - s)))
-            for s in range(start, start + length, size):
-                pieces.append((slot, s, min(size, start + length - s)))
-            pos = start + length
-        for s in range(pos, routing.num_rows, size):
-            pieces.append((-1, s, min(size, routing.num_rows - s)))
-        ranges = {}
-        if by_slot:
-            pieces.sort(key=lambda c: (c[0] < 0, c[0], c[1]))
-            for i, (slot, _, _) in enumerate(pieces):
-                if slot >= 0:
-                    lo, _ = ranges.get(slot, (i, i))
-                    ranges[slot] = (lo, i + 1)
-        flat = [v for c in pieces for v in c] or [-1, 0, 0]
-        return _to_device(torch.tensor(flat, dtype=torch.int32), device), max(1, len(pieces)), ranges
-
-    return routing.cached(("lf_chunks", size, by_slot, str(device)), build)
-
-
-@dataclass
-class SlotTables:
-    seed: torch.Tensor  # int64 [S]
-    thr: torch.Tensor  # int32 [S] keep iff u16 >= thr (lorafusion.ops.dropout.keep_threshold)
-    scale: torch.Tensor  # fp32 [S]
-    inv_keep: torch.Tensor  # fp32 [S] 1/(1-p)
-    r: torch.Tensor  # int32 [S]
-    roff: torch.Tensor  # int32 [S]
-    ranks: tuple[int, ...]
-    r_max: int
-    rb: int
-    dropout: bool
-
-
-_SLOT_CACHE: dict = {}
-_SLOT_CACHE_MAX = 512
-
-
-def slot_tables(ranks: Sequence[int], scaling: Sequence[float], dropout_p: Sequence[float],
-                seeds: Sequence[int], device) -> SlotTables:
-    """Per-call adapter tables in one host→device copy, memoised on their values (a call that repeats its
-    seeds — activation recomputation, CUDA-graph capture and replay — copies nothing)."""
-    key = (str(device), tuple(int(r) for r in ranks), tuple(float(s) for s in scaling),
-           tuple(float(p) for p in dropout_p), tuple(int(s) for s in seeds))
-    hit = _SLOT_CACHE.get(key)
-    if hit is not None:
-        return hit
-    if len(_SLOT_CACHE) >= _SLOT_CACHE_MAX:
-        _SLOT_CACHE.pop(next(iter(_SLOT_CACHE)))
-    _SLOT_CACHE[key] = st = _build_slot_tables(ranks, scaling, dropout_p, seeds, device)
-    return st
-
-
-def _to_device(host: torch.Tensor, device) -> torch.Tensor:
-    """Host → device without stalling the host on the stream: pinned staging + non-blocking copy on CUDA."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return host.pin_memory().to(dev, non_blocking=True)
-    return host.to(dev)
-
-
-def _build_slot_tables(ranks, scaling, dropout_p, seeds, device) -> SlotTables:
-    n = len(ranks)
-    roffs, acc = [], 0
-    for r in ranks:
-        roffs.append(acc)
-        acc += int(r)
-    ints = [int(r) for r in ranks] + roffs + [keep_threshold(p) for p in dropout_p] + [0] * (n % 2)
-    raw = (struct.pack(f"<{n}Q", *(int(s) & 0xFFFFFFFFFFFFFFFF for s in seeds))
-           + struct.pack(f"<{2 * n}f", *(float(s) for s in scaling), *(1.0 / (1.0 - float(p)) for p in dropout_p))
-           + struct.pack(f"<{len(ints)}i", *ints))
-    buf = _to_device(torch.frombuffer(bytearray(raw), dtype=torch.int64), device)
-    fl = buf[n: 2 * n].view(torch.float32)  # 2n float32 = n int64
-    it = buf[2 * n:].view(torch.int32)
-    r_max = max(int(r) for r in ranks)
-    return SlotTables(seed=buf[:n], thr=it[2 * n:3 * n], scale=fl[:n], inv_keep=fl[n:2 * n], r=it[:n],
-                      roff=it[n:2 * n], ranks=tuple(int(r) for r in ranks), r_max=r_max, rb=rank_block(r_max),
-                      dropout=any(float(p) > 0.0 for p in dropout_p))
+def _cache(cache: TableCache | None) -> TableCache:
+    return cache if cache is not None else TableCache()
 
 
 # ---------------------------------------------------------------------------------------------- launchers
@@ -153,7 +31,7 @@ def _build_slot_tables(ranks, scaling, dropout_p, seeds, device) -> SlotTables:
 def lora_gemm(x: torch.Tensor | None, w_kn: torch.Tensor | None, bias: torch.Tensor | None, S: torch.Tensor,
               L_rn: torch.Tensor, coef: torch.Tensor, st: SlotTables, routing, *, n: int, dropout: bool = False,
               row_ids: torch.Tensor | None = None, k_total: int = 0, k_offset: int = 0,
-              out: torch.Tensor | None = None, out_dtype=None) -> torch.Tensor:
+              out: torch.Tensor | None = None, out_dtype=None, cache: TableCache | None = None) -> torch.Tensor:
     """``out[m, n] = x·w_kn (+bias) + Σ_seg coef[a]·keep⊙(S[:, :r_a]·L_rn[roff_a:roff_a+r_a, :])``.
 
     ``w_kn`` and ``L_rn`` are any strided views with shapes [K, n] and [R_tot, n]; ``x`` None → low-rank only.
@@ -163,7 +41,7 @@ def lora_gemm(x: torch.Tensor | None, w_kn: torch.Tensor | None, bias: torch.Ten
     kdim = x.shape[1] if has_main else 0
     cfg = get_config("gemm" if has_main else "lowrank", m, n, kdim, S.element_size())
     bm, bn = cfg["BM"], cfg["BN"]
-    segs, mb = gemm_tables(routing, bm, S.device)
+    segs, mb = _cache(cache).gemm_tables(routing, bm, S.device)
     if out is None:
         out = torch.empty(m, n, device=S.device, dtype=out_dtype or S.dtype)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
@@ -185,12 +63,12 @@ def lora_gemm(x: torch.Tensor | None, w_kn: torch.Tensor | None, bias: torch.Ten
 
 
 def lora_shrink(x: torch.Tensor, A_cat: torch.Tensor, st: SlotTables, routing, row_ids: torch.Tensor, *,
-                k_total: int, k_offset: int = 0) -> torch.Tensor:
+                k_total: int, k_offset: int = 0, cache: TableCache | None = None) -> torch.Tensor:
     """S [m, r_max] = keep⊙X·A_aᵀ/(1-p_a) per segment (zero beyond r_a and outside every segment)."""
     m, kdim = x.shape
     cfg = get_config("shrink", m, st.r_max, kdim, x.element_size())
     cfg["BM"] = max(16, min(cfg["BM"], 8192 // st.rb))
-    chunks, n_chunks, _ = chunk_table(routing, cfg["BM"], x.device)
+    chunks, n_chunks, _ = _cache(cache).chunk_table(routing, cfg["BM"], x.device)
     S = torch.empty(m, st.r_max, device=x.device, dtype=x.dtype)
     _shrink_kernel[(n_chunks,)](
         x, A_cat, S, row_ids, chunks, st.seed, st.thr, st.inv_keep, st.r, st.roff,
@@ -216,7 +94,7 @@ def _reduce_by_slot(partial: torch.Tensor, ranges: dict, n_slots: int) -> list[t
 
 
 def lora_ds_db(dy: torch.Tensor, B_cat: torch.Tensor, S: torch.Tensor, st: SlotTables, routing,
-               need_db: bool = True) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+               need_db: bool = True, cache: TableCache | None = None) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """One pass over dY [m, n]: dS [m, r_max] (dtype of S) and dB per slot (fp32 [n, r_a], None if no rows)."""
     m, n = dy.shape
     cfg = get_config("ds_db", m, n, st.r_max, dy.element_size())
@@ -224,7 +102,7 @@ def lora_ds_db(dy: torch.Tensor, B_cat: torch.Tensor, S: torch.Tensor, st: SlotT
     cap = max(16, 32768 // (st.rb * dy.element_size()))
     bn = max(16, min(cfg["BN"], 16384 // st.rb, cap))
     cfg["BM"] = max(16, min(cfg["BM"], cap))
-    chunks, n_chunks, ranges = chunk_table(routing, cfg["CH"], dy.device, by_slot=True)
+    chunks, n_chunks, ranges = _cache(cache).chunk_table(routing, cfg["CH"], dy.device, by_slot=True)
     nblk = triton.cdiv(n, bn)
     dsp = torch.empty(nblk, m, st.rb, device=dy.device, dtype=torch.float32)
     dbp = torch.empty(n_chunks, n, st.rb, device=dy.device, dtype=torch.float32)
@@ -242,12 +120,12 @@ def lora_ds_db(dy: torch.Tensor, B_cat: torch.Tensor, S: torch.Tensor, st: SlotT
 
 
 def lora_da(x: torch.Tensor, dS: torch.Tensor, st: SlotTables, routing, row_ids: torch.Tensor, *,
-            k_total: int, k_offset: int = 0) -> list[torch.Tensor | None]:
+            k_total: int, k_offset: int = 0, cache: TableCache | None = None) -> list[torch.Tensor | None]:
     """dA per slot (fp32 [r_a, k], None if the slot has no rows) = dSᵀ·keep⊙X/(1-p)."""
     m, kdim = x.shape
     cfg = get_config("da", m, st.r_max, kdim, x.element_size())
     bk = max(16, min(cfg["BK"], 16384 // st.rb))  # keep the [RB, BK] fp32 accumulator in registers
-    chunks, n_chunks, ranges = chunk_table(routing, cfg["CH"], x.device, by_slot=True)
+    chunks, n_chunks, ranges = _cache(cache).chunk_table(routing, cfg["CH"], x.device, by_slot=True)
     dap = torch.empty(n_chunks, st.rb, kdim, device=x.device, dtype=torch.float32)
     _da_kernel[(triton.cdiv(kdim, bk), n_chunks)](
         x, dS, dap, row_ids, chunks, st.seed, st.thr, st.inv_keep, st.r, st.roff,
@@ -261,7 +139,7 @@ def lora_da(x: torch.Tensor, dS: torch.Tensor, st: SlotTables, routing, row_ids:
 
 def lora_da_dx(x: torch.Tensor, dS: torch.Tensor, A_cat: torch.Tensor, dx: torch.Tensor | None, st: SlotTables,
                routing, row_ids: torch.Tensor, *, k_total: int, k_offset: int = 0,
-               need_da: bool = True) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+               need_da: bool = True, cache: TableCache | None = None) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """dA per slot and ``dx (+)= keep⊙(dS·A)/(1-p)`` in one pass with one mask per tile.
 
     ``dx`` given: accumulated into in place (it holds dY·W); None: a new tensor with the low-rank term alone.
@@ -269,7 +147,7 @@ def lora_da_dx(x: torch.Tensor, dS: torch.Tensor, A_cat: torch.Tensor, dx: torch
     m, kdim = x.shape
     cfg = get_config("da_dx", m, st.r_max, kdim, x.element_size())
     bk = max(16, min(cfg["BK"], 8192 // st.rb))
-    chunks, n_chunks, ranges = chunk_table(routing, cfg["CH"], x.device, by_slot=True)
+    chunks, n_chunks, ranges = _cache(cache).chunk_table(routing, cfg["CH"], x.device, by_slot=True)
     acc = dx is not None
     if dx is None:
         dx = torch.empty(m, kdim, device=x.device, dtype=x.dtype)

@@ -66,19 +66,16 @@ TUNED: dict[tuple[str, tuple[int, int, int]], dict] = {
 }
 
 # Main GEMM of multi_lora_linear: "triton" (one Triton GEMM with the low-rank term in its accumulator) or
-# "cublas" (low-rank term by a Triton kernel, then torch.addmm adds X·Wᵀ through cuBLAS). Env override:
-# LORAFUSION_MAIN_GEMM.
+# "cublas" (low-rank term by a Triton kernel, then torch.addmm adds X·Wᵀ through cuBLAS). Callers pass
+# ``main_gemm`` (the LoRA layers take it from the run config); this is the default when they pass None, read
+# once from LORAFUSION_MAIN_GEMM at import for benchmark runs.
 # Measured (docs/BENCHMARKS.md): cuBLAS is ~15-20% faster than this Triton GEMM on Hopper, which outweighs the
 # extra write/read of the low-rank term, so "cublas" is the default.
-MAIN_GEMM = "cublas"
+MAIN_GEMM = os.environ.get("LORAFUSION_MAIN_GEMM", "cublas")
 
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def main_gemm() -> str:
-    return os.environ.get("LORAFUSION_MAIN_GEMM", MAIN_GEMM)
 
 
 def _pow2_at_least(x: int) -> int:

@@ -13,7 +13,7 @@ from lorafusion.layers.inject import (
     set_batch,
 )
 from lorafusion.layers.lora_linear import LoRAColumnParallelLinear, LoRAContext, LoRARowParallelLinear
-from lorafusion.ops.routing import Routing
+from lorafusion.core.routing import Routing
 
 __all__ = ["adapter_parameters", "add_adapter", "attach_lora_context", "get_lora_context", "lora_batch",
            "lora_modules", "remove_adapter", "set_batch", "LoRAColumnParallelLinear", "LoRARowParallelLinear",

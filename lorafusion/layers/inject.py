@@ -8,9 +8,9 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from lorafusion.core.lora import LoRASpec, check_adapter_name
-from lorafusion.layers.lora_linear import LoRAContext, _LoRAMixin
+from lorafusion.core.routing import Routing
 from lorafusion.core.targets import MEGATRON_TARGETS
-from lorafusion.ops.routing import Routing
+from lorafusion.layers.lora_linear import LoRAContext, _LoRAMixin
 
 
 def _chunks(model) -> list[torch.nn.Module]:
@@ -53,6 +53,7 @@ def attach_lora_context(model, ctx: LoRAContext | None = None) -> LoRAContext:
     for key, mod in lora_modules(model):
         mod.lora_ctx = ctx
         mod.lora_key = key
+        ctx.register_layer(key)
         mod.lora_kind = key.split(".", 1)[1]
     return ctx
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import weakref
-import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -30,8 +29,9 @@ from megatron.core.tensor_parallel.layers import (
 
 from lorafusion import ops
 from lorafusion.core.lora import LoRASpec
-from lorafusion.ops.dropout import mix_seed
-from lorafusion.ops.routing import Routing
+from lorafusion.core.routing import Routing
+from lorafusion.core.seeds import mix_seed, name_key
+from lorafusion.kernels.tables import TableCache, seed_tensor
 
 
 _LIVE_CONTEXTS: weakref.WeakSet = weakref.WeakSet()  # every model's context (for recompute snapshots)
@@ -42,7 +42,12 @@ class LoRAContext:
     """Model-wide adapter registry plus the routing of the microbatch being run.
 
     ``batch_adapters[slot]`` names the adapter of routing slot ``slot``; ``seeds[slot]`` is that
-    adapter's dropout seed for this microbatch (each layer mixes in its own id).
+    adapter's dropout seed for this microbatch (each layer mixes in its own key). ``impl`` and
+    ``main_gemm`` choose the LoRA compute (None: automatic / the kernels' default); ``tables`` keeps the
+    kernels' device tables across the layers and microbatches of this model.
+
+    Per microbatch and set of adapters present in a layer, the first layer that runs builds every
+    layer's seeds at once (one host→device copy on CUDA), so a layer call copies nothing.
     """
 
     specs: dict[str, LoRASpec] = field(default_factory=dict)
@@ -50,6 +55,9 @@ class LoRAContext:
     batch_adapters: tuple[str, ...] = ()
     seeds: tuple[int, ...] = ()
     impl: str | None = None
+    main_gemm: str | None = None
+    tables: TableCache = field(default_factory=TableCache, repr=False)
+    layer_keys: dict[str, int] = field(default_factory=dict, repr=False)  # key -> its seed salt
     _local: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -57,6 +65,9 @@ class LoRAContext:
 
     def state(self) -> tuple:
         return (self.routing, self.batch_adapters, self.seeds)
+
+    def register_layer(self, key: str) -> None:
+        self.layer_keys[key] = name_key(key)
 
     def set_batch(self, routing: Routing | None, batch_adapters, seeds=None) -> None:
         batch_adapters = tuple(batch_adapters)
@@ -74,7 +85,7 @@ class LoRAContext:
         self._local.clear()
 
     def local_plan(self, present: frozenset[str]):
-        """(local routing, local adapter names, local seeds) restricted to adapters in ``present``."""
+        """(local routing, local adapter names, local base seeds) restricted to adapters in ``present``."""
         key = present
         if key not in self._local:
             names, remap = [], {}
@@ -82,15 +93,28 @@ class LoRAContext:
                 if name in present and name not in remap:
                     remap[slot] = len(names)
                     names.append(name)
-            segs = tuple((remap[s], st, n) for s, st, n in self.routing.segments if s in remap)
-            if not segs:
+            routing = self.routing.restrict(remap)
+            if routing is None:
                 self._local[key] = None
             else:
-                routing = Routing(segments=segs, num_rows=self.routing.num_rows, row_ids=self.routing.row_ids)
                 inv = {v: k for k, v in remap.items()}
-                seeds = [self.seeds[inv[i]] for i in range(len(names))]
-                self._local[key] = (routing, names, seeds)
+                self._local[key] = (routing, names, [self.seeds[inv[i]] for i in range(len(names))])
         return self._local[key]
+
+    def layer_seeds(self, present: frozenset[str], layer_key: str, device) -> tuple[list[int], object]:
+        """(this layer's seeds, the same on ``device`` or None off CUDA) for the local plan of ``present``."""
+        ck = ("seeds", present, str(device))
+        hit = self._local.get(ck)
+        if hit is None:
+            base = self.local_plan(present)[2]
+            keys = list(self.layer_keys)
+            rows = [[mix_seed(sd, self.layer_keys[k]) for sd in base] for k in keys]
+            dev = seed_tensor(rows, device) if torch.device(device).type == "cuda" else None
+            hit = self._local[ck] = {k: (rows[i], None if dev is None else dev[i]) for i, k in enumerate(keys)}
+        if layer_key not in hit:  # a layer registered after this microbatch began
+            base = self.local_plan(present)[2]
+            return [mix_seed(sd, name_key(layer_key)) for sd in base], None
+        return hit[layer_key]
 
 
 def capture_routing() -> dict:
@@ -100,7 +124,8 @@ def capture_routing() -> dict:
 
 def restore_routing(state: dict) -> None:
     for ctx, (routing, adapters, seeds) in state.items():
-        if ctx.state() != (routing, adapters, seeds):
+        # routings compare by identity (they may hold row-id arrays), names and seeds by value
+        if ctx.routing is not routing or ctx.batch_adapters != adapters or ctx.seeds != seeds:
             ctx.set_batch(routing, adapters, seeds)
 
 
@@ -140,8 +165,7 @@ class _LoRAMixin:
             raise ValueError(f"adapter name clash: {name!r} is already on {self.lora_key}")
         tp, rank = self._tp()
         fin, fout = self.full_in_out()
-        a_full = kaiming_uniform_full((spec.r, fin), mix_seed(seed, zlib.crc32(name.encode()),
-                                                              zlib.crc32(self.lora_key.encode())))
+        a_full = kaiming_uniform_full((spec.r, fin), mix_seed(seed, name_key(name), name_key(self.lora_key)))
         if self.s_comm_mode == "row":
             local = fin // tp
             a = a_full[:, rank * local:(rank + 1) * local].clone()
@@ -163,24 +187,25 @@ class _LoRAMixin:
         del self.lora_B[name]
 
     # -- forward ----------------------------------------------------------------------------------------
-    def _lora_args(self):
-        """(routing, A list, B list, scalings, dropout ps, seeds) for this layer's adapters in the current
-        microbatch, or None when no row of it uses an adapter of this layer."""
+    def _lora_args(self, x: torch.Tensor):
+        """(routing, A list, B list, scalings, dropout ps, seeds, seeds on the device or None) for this
+        layer's adapters in the current microbatch, or None when no row of it uses an adapter here."""
         ctx = self.lora_ctx
         if ctx is None or ctx.routing is None or len(self.lora_A) == 0:
             return None
-        plan = ctx.local_plan(frozenset(self.lora_A.keys()))
+        present = frozenset(self.lora_A.keys())
+        plan = ctx.local_plan(present)
         if plan is None:
             return None
-        routing, names, seeds = plan
+        routing, names, _ = plan
+        seeds, seed_table = ctx.layer_seeds(present, self.lora_key, x.device)
         specs = [ctx.specs[n] for n in names]
-        layer_salt = zlib.crc32(self.lora_key.encode())
         return (routing, [self.lora_A[n] for n in names], [self.lora_B[n] for n in names],
                 [s.scaling for s in specs], [s.lora_dropout if self.training else 0.0 for s in specs],
-                [mix_seed(sd, layer_salt) for sd in seeds])
+                seeds, seed_table)
 
     def _lora_delta(self, x: torch.Tensor, args) -> torch.Tensor:
-        routing, a, b, scaling, p, seeds = args
+        routing, a, b, scaling, p, seeds, seed_table = args
         tp, rank = self._tp()
         kw = {}
         if tp > 1:
@@ -189,20 +214,23 @@ class _LoRAMixin:
             if self.s_comm_mode == "row":
                 kw["k_offset"] = rank * x.shape[-1]
                 kw["k_total"] = x.shape[-1] * tp
-        return ops.multi_lora_delta(x, a, b, scaling, p, seeds, routing, impl=self.lora_ctx.impl, **kw)
+        return ops.multi_lora_delta(x, a, b, scaling, p, seeds, routing, impl=self.lora_ctx.impl,
+                                    cache=self.lora_ctx.tables, seed_table=seed_table, **kw)
 
     def forward(self, input_, *args, **kwargs):
         """Base + LoRA. Without TP and with the fused kernels, one op does both (the low-rank term enters
         the base GEMM); otherwise Megatron's own forward (with its TP collectives) plus the LoRA term."""
-        largs = self._lora_args()
+        largs = self._lora_args(input_)
         if largs is not None and self.config.sequence_parallel:
             raise NotImplementedError("LoRA with sequence_parallel is not supported yet")
         if largs is None:
             return super().forward(input_, *args, **kwargs)
         if self._tp()[0] == 1 and not args and not kwargs and ops.resolve_impl(input_, self.lora_ctx.impl) == "fused":
-            routing, a, b, scaling, p, seeds = largs
+            routing, a, b, scaling, p, seeds, seed_table = largs
             bias = None if self.skip_bias_add or self.bias is None else self.bias
-            y = ops.multi_lora_linear(input_, self.weight, bias, a, b, scaling, p, seeds, routing, impl="fused")
+            ctx = self.lora_ctx
+            y = ops.multi_lora_linear(input_, self.weight, bias, a, b, scaling, p, seeds, routing, impl="fused",
+                                      cache=ctx.tables, seed_table=seed_table, main_gemm=ctx.main_gemm)
             return y, (self.bias if self.skip_bias_add else None)
         out, bias = super().forward(input_, *args, **kwargs)
         return out + self._lora_delta(input_, largs), bias

@@ -115,12 +115,10 @@ def init_random_weights(model: torch.nn.Module, seed: int, std: float | None = N
     flat). Each tensor is drawn whole from a
     generator seeded by (seed, its layout-independent name) and then sliced to this rank's TP shard, so
     every TP/PP layout holds the same model."""
-    import zlib
-
     from megatron.core import parallel_state
 
     from lorafusion.models.layout import column_shard, shard
-    from lorafusion.ops.dropout import mix_seed
+    from lorafusion.core.seeds import mix_seed, name_key
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
@@ -147,7 +145,7 @@ def init_random_weights(model: torch.nn.Module, seed: int, std: float | None = N
                 full_shape[dim] *= tp
             # drawn on the parameter's device (a CUDA generator differs from the CPU one, but is the same
             # on every rank, which is what TP/PP consistency needs)
-            gen = torch.Generator(device=p.device).manual_seed(mix_seed(seed, zlib.crc32(key.encode())))
+            gen = torch.Generator(device=p.device).manual_seed(mix_seed(seed, name_key(key)))
             full = torch.randn(full_shape, generator=gen, device=p.device, dtype=torch.float32) * std
             if sharded:
                 full = column_shard(kind, full, tp, rank) if dim == 0 else shard(full, dim, tp, rank)

@@ -14,9 +14,9 @@ element: the kernels' X passes were bound by Philox arithmetic, not memory.)
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from lorafusion.core.seeds import keep_threshold
 
 _MASK32 = 0xFFFFFFFF
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
@@ -60,14 +60,6 @@ def philox_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32) * 4.6566127342e-10
 
 
-def keep_threshold(p: float) -> int:
-    """Integer threshold on the 16-bit uniforms: keep iff ``u16 >= keep_threshold(p)``."""
-    p = float(p)
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout p must be in [0, 1), got {p}")
-    return min(65535, math.ceil(p * 65536))
-
-
 def keep_mask(seed: int, row_ids: torch.Tensor, k: int, p: float, k_offset: int = 0,
               k_total: int | None = None) -> torch.Tensor:
     """Boolean keep mask [len(row_ids), k]: element kept with probability 1 - p (see module doc)."""
@@ -80,15 +72,3 @@ def keep_mask(seed: int, row_ids: torch.Tensor, k: int, p: float, k_offset: int 
     w = torch.gather(words, 0, (t // 2).unsqueeze(0)).squeeze(0)
     u16 = (w >> (16 * (t % 2))) & 0xFFFF
     return u16 >= thr
-
-
-def mix_seed(*parts: int) -> int:
-    """Combine integers into one 63-bit seed (splitmix64 steps); stable across processes and runs."""
-    h = 0x9E3779B97F4A7C15
-    for part in parts:
-        h = (h ^ (int(part) & 0xFFFFFFFFFFFFFFFF)) & 0xFFFFFFFFFFFFFFFF
-        h = (h + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-        h ^= h >> 31
-    return h & 0x7FFFFFFFFFFFFFFF

@@ -5,7 +5,7 @@ Same contracts as :mod:`lorafusion.ops.reference` (see :func:`lorafusion.ops.mul
 - :func:`multi_lora_linear_fused`: ``Y = X·Wᵀ (+bias) + Σ_seg s·S·Bᵀ``. Forward: the shrink kernel
   (S = drop(X)·Aᵀ/(1-p), mask regenerated from Philox, never stored), then the main GEMM. Backward: one pass
   over dY for dS and dB, the dX GEMM, and dA. Saved: X, S [m, r_max] and the per-call tables.
-  The main GEMM (``lorafusion.kernels.tuning.MAIN_GEMM`` / env ``LORAFUSION_MAIN_GEMM``):
+  The main GEMM (``main_gemm`` argument; default ``lorafusion.kernels.tuning.MAIN_GEMM``):
   "cublas" (default; measured faster on Hopper) — the low-rank term is written by a Triton kernel and cuBLAS
   adds X·Wᵀ to it; in backward cuBLAS computes dY·W and one Triton pass adds keep⊙(dS·A)/(1-p) and produces
   dA with the same mask. "triton" — one Triton GEMM with the low-rank term as its initial accumulator
@@ -24,18 +24,23 @@ from collections.abc import Sequence
 
 import torch
 
+from lorafusion.core.routing import Routing
 from lorafusion.kernels import fused_multi_lora as K
-from lorafusion.kernels.tuning import main_gemm
+from lorafusion.kernels.tables import TableCache
+from lorafusion.kernels import tuning
 from lorafusion.ops.comm import apply_s_comm
-from lorafusion.ops.routing import Routing
 
 __all__ = ["multi_lora_linear_fused", "multi_lora_delta_fused", "fused_lora_linear", "fused_lora_delta"]
 
 
 class _Plan:
-    """Everything about one call that is not a differentiable tensor."""
+    """Everything about one call that is not a differentiable tensor.
 
-    def __init__(self, x2d, lora_A, lora_B, scaling, dropout_p, seeds, routing, k_offset=0, k_total=None):
+    ``cache`` holds the microbatch's routing tables and the adapter set's tables across calls (the LoRA
+    layers pass their model's); ``seed_table``, if given, is ``seeds`` already on the device."""
+
+    def __init__(self, x2d, lora_A, lora_B, scaling, dropout_p, seeds, routing, k_offset=0, k_total=None,
+                 cache: TableCache | None = None, seed_table=None, main_gemm: str | None = None):
         if not (len(lora_A) == len(lora_B) == len(scaling) == len(dropout_p) == len(seeds)):
             raise ValueError("lora_A, lora_B, scaling, dropout_p and seeds need one entry per adapter slot")
         if x2d.shape[0] != routing.num_rows:
@@ -53,8 +58,13 @@ class _Plan:
         self.n = lora_B[0].shape[0]
         self.k_offset = int(k_offset)
         self.k_total = self.k if k_total is None else int(k_total)
-        self.st = K.slot_tables(self.ranks, scaling, dropout_p, seeds, x2d.device)
-        self.row_ids = routing.ids(x2d.device)
+        self.main_gemm = main_gemm or tuning.MAIN_GEMM
+        if self.main_gemm not in ("cublas", "triton"):
+            raise ValueError(f"main_gemm: expected 'cublas' or 'triton', got {self.main_gemm!r}")
+        self.cache = cache if cache is not None else TableCache()
+        self.st = self.cache.slot_tables(self.ranks, scaling, dropout_p,
+                                         seeds if seed_table is None else seed_table, x2d.device)
+        self.row_ids = self.cache.row_ids(routing, x2d.device)
 
 
 def _cat_A(lora_A, dtype):
@@ -80,14 +90,14 @@ class _FusedMultiLoRALinear(torch.autograd.Function):
         lora_A, lora_B = params[:ns], params[ns:]
         st = plan.st
         A_cat, B_cat = _cat_A(lora_A, x2d.dtype), _cat_B(lora_B, x2d.dtype)
-        S = K.lora_shrink(x2d, A_cat, st, plan.routing, plan.row_ids, k_total=plan.k_total)
+        S = K.lora_shrink(x2d, A_cat, st, plan.routing, plan.row_ids, k_total=plan.k_total, cache=plan.cache)
         w = weight.to(x2d.dtype)
         Bt = B_cat.t().contiguous()  # [R_tot, n]: coalesced loads of the low-rank operand
-        if main_gemm() == "cublas":
-            y = K.lora_gemm(None, None, bias, S, Bt, st.scale, st, plan.routing, n=plan.n)
+        if plan.main_gemm == "cublas":
+            y = K.lora_gemm(None, None, bias, S, Bt, st.scale, st, plan.routing, n=plan.n, cache=plan.cache)
             y = torch.addmm(y, x2d, w.t())
         else:
-            y = K.lora_gemm(x2d, w.t(), bias, S, Bt, st.scale, st, plan.routing, n=plan.n)
+            y = K.lora_gemm(x2d, w.t(), bias, S, Bt, st.scale, st, plan.routing, n=plan.n, cache=plan.cache)
         ctx.plan = plan
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x2d, weight, S, A_cat, B_cat, *params)
@@ -103,21 +113,21 @@ class _FusedMultiLoRALinear(torch.autograd.Function):
         need_db = any(ctx.needs_input_grad[4 + ns:])
         need_da = any(ctx.needs_input_grad[4:4 + ns])
         dy = dy.to(x2d.dtype)
-        dS, dB = K.lora_ds_db(dy, B_cat, S, st, plan.routing, need_db=need_db)
+        dS, dB = K.lora_ds_db(dy, B_cat, S, st, plan.routing, need_db=need_db, cache=plan.cache)
         dx = None
         dA = [None] * ns
         w = weight.to(x2d.dtype)
-        if need_x and main_gemm() == "cublas":
+        if need_x and plan.main_gemm == "cublas":
             # dX = dY·W by cuBLAS, then one pass adds keep⊙(dS·A)/(1-p) and produces dA with the same mask
             dx = dy @ w
             dx, dA = K.lora_da_dx(x2d, dS, A_cat, dx, st, plan.routing, plan.row_ids, k_total=plan.k_total,
-                                  need_da=need_da)
+                                  need_da=need_da, cache=plan.cache)
         else:
             if need_x:
                 dx = K.lora_gemm(dy, w, None, dS, A_cat, st.inv_keep, st, plan.routing, n=plan.k,
-                                 dropout=st.dropout, row_ids=plan.row_ids, k_total=plan.k_total)
+                                 dropout=st.dropout, row_ids=plan.row_ids, k_total=plan.k_total, cache=plan.cache)
             if need_da:
-                dA = K.lora_da(x2d, dS, st, plan.routing, plan.row_ids, k_total=plan.k_total)
+                dA = K.lora_da(x2d, dS, st, plan.routing, plan.row_ids, k_total=plan.k_total, cache=plan.cache)
         dw = (dy.t() @ x2d).to(weight.dtype) if need_w else None
         dbias = dy.sum(0) if (need_b and ctx.has_bias) else None
         if not need_db:
@@ -130,7 +140,7 @@ class _Shrink(torch.autograd.Function):
     def forward(ctx, x2d, plan: _Plan, *lora_A):
         A_cat = _cat_A(lora_A, x2d.dtype)
         S = K.lora_shrink(x2d, A_cat, plan.st, plan.routing, plan.row_ids, k_total=plan.k_total,
-                          k_offset=plan.k_offset)
+                          k_offset=plan.k_offset, cache=plan.cache)
         ctx.plan = plan
         ctx.save_for_backward(x2d, A_cat, *lora_A)
         return S
@@ -145,9 +155,10 @@ class _Shrink(torch.autograd.Function):
         dx, dA = None, [None] * plan.n_slots
         if ctx.needs_input_grad[0]:  # dX and dA in one pass, one mask per tile
             dx, dA = K.lora_da_dx(x2d, dS, A_cat, None, st, plan.routing, plan.row_ids, k_total=plan.k_total,
-                                  k_offset=plan.k_offset, need_da=need_da)
+                                  k_offset=plan.k_offset, need_da=need_da, cache=plan.cache)
         elif need_da:
-            dA = K.lora_da(x2d, dS, st, plan.routing, plan.row_ids, k_total=plan.k_total, k_offset=plan.k_offset)
+            dA = K.lora_da(x2d, dS, st, plan.routing, plan.row_ids, k_total=plan.k_total, k_offset=plan.k_offset,
+                           cache=plan.cache)
         return (dx, None, *_grads(dA, lora_A))
 
 
@@ -156,7 +167,7 @@ class _Expand(torch.autograd.Function):
     def forward(ctx, S, plan: _Plan, *lora_B):
         B_cat = _cat_B(lora_B, S.dtype)
         out = K.lora_gemm(None, None, None, S, B_cat.t().contiguous(), plan.st.scale, plan.st, plan.routing,
-                          n=plan.n)
+                          n=plan.n, cache=plan.cache)
         ctx.plan = plan
         ctx.save_for_backward(S, B_cat, *lora_B)
         return out
@@ -166,7 +177,7 @@ class _Expand(torch.autograd.Function):
         plan: _Plan = ctx.plan
         S, B_cat, *lora_B = ctx.saved_tensors
         need_db = any(ctx.needs_input_grad[2:])
-        dS, dB = K.lora_ds_db(dout.to(S.dtype), B_cat, S, plan.st, plan.routing, need_db=need_db)
+        dS, dB = K.lora_ds_db(dout.to(S.dtype), B_cat, S, plan.st, plan.routing, need_db=need_db, cache=plan.cache)
         if not need_db:
             dB = [None] * plan.n_slots
         return (dS, None, *_grads(dB, lora_B))
@@ -175,11 +186,13 @@ class _Expand(torch.autograd.Function):
 def multi_lora_delta_fused(x: torch.Tensor, lora_A: Sequence[torch.Tensor], lora_B: Sequence[torch.Tensor],
                            scaling: Sequence[float], dropout_p: Sequence[float], seeds: Sequence[int],
                            routing: Routing, *, k_offset: int = 0, k_total: int | None = None,
-                           s_comm: str | None = None, tp_group=None) -> torch.Tensor:
+                           s_comm: str | None = None, tp_group=None, cache: TableCache | None = None,
+                           seed_table: torch.Tensor | None = None) -> torch.Tensor:
     """The LoRA term only (see :func:`lorafusion.ops.multi_lora_delta`)."""
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
-    plan = _Plan(x2d, lora_A, lora_B, scaling, dropout_p, seeds, routing, k_offset, k_total)
+    plan = _Plan(x2d, lora_A, lora_B, scaling, dropout_p, seeds, routing, k_offset, k_total, cache=cache,
+                 seed_table=seed_table)
     S = _Shrink.apply(x2d, plan, *lora_A)
     S = apply_s_comm(S, s_comm, tp_group)
     out = _Expand.apply(S, plan, *lora_B)
@@ -189,26 +202,17 @@ def multi_lora_delta_fused(x: torch.Tensor, lora_A: Sequence[torch.Tensor], lora
 def multi_lora_linear_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                             lora_A: Sequence[torch.Tensor], lora_B: Sequence[torch.Tensor],
                             scaling: Sequence[float], dropout_p: Sequence[float], seeds: Sequence[int],
-                            routing: Routing) -> torch.Tensor:
+                            routing: Routing, *, cache: TableCache | None = None,
+                            seed_table: torch.Tensor | None = None, main_gemm: str | None = None) -> torch.Tensor:
     """Frozen base plus LoRA, one GEMM (see :func:`lorafusion.ops.multi_lora_linear`)."""
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
     if weight.shape[1] != x2d.shape[1] or lora_B[0].shape[0] != weight.shape[0]:
         raise ValueError(f"weight {tuple(weight.shape)} / lora_B {tuple(lora_B[0].shape)} do not fit x {tuple(x.shape)}")
-    plan = _Plan(x2d, lora_A, lora_B, scaling, dropout_p, seeds, routing)
+    plan = _Plan(x2d, lora_A, lora_B, scaling, dropout_p, seeds, routing, cache=cache, seed_table=seed_table,
+                 main_gemm=main_gemm)
     y = _FusedMultiLoRALinear.apply(x2d, weight, bias, plan, *lora_A, *lora_B)
     return y.reshape(*lead, y.shape[-1])
-
-
-_SINGLE: dict[int, Routing] = {}
-
-
-def _single_routing(m: int) -> Routing:
-    if m not in _SINGLE:
-        if len(_SINGLE) > 64:
-            _SINGLE.clear()
-        _SINGLE[m] = Routing.single(m)
-    return _SINGLE[m]
 
 
 def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A: torch.Tensor,
@@ -216,11 +220,11 @@ def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """Single-adapter FusedLoRA: ``X·Wᵀ (+bias) + s·dropout(X)·Aᵀ·Bᵀ`` (all rows, row ids = row index)."""
     m = x.numel() // x.shape[-1]
     return multi_lora_linear_fused(x, weight, bias, [lora_A], [lora_B], [scaling], [dropout_p], [seed],
-                                   _single_routing(m))
+                                   Routing.single(m))
 
 
 def fused_lora_delta(x: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float,
                      dropout_p: float, seed: int) -> torch.Tensor:
     """Single-adapter LoRA term alone."""
     m = x.numel() // x.shape[-1]
-    return multi_lora_delta_fused(x, [lora_A], [lora_B], [scaling], [dropout_p], [seed], _single_routing(m))
+    return multi_lora_delta_fused(x, [lora_A], [lora_B], [scaling], [dropout_p], [seed], Routing.single(m))

@@ -18,13 +18,12 @@ pipeline has drained. :class:`StepTracker` keeps that bookkeeping.
 from __future__ import annotations
 
 import time
-import zlib
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 
-from lorafusion.ops.dropout import mix_seed
+from lorafusion.core.seeds import mix_seed, name_key
 from lorafusion.runtime.feed import Chunk, Key
 from lorafusion.scheduler import Plan
 
@@ -65,7 +64,7 @@ class StepTracker:
 
 
 def dropout_seed(run_seed: int, job: str, batch: int) -> int:
-    return mix_seed(run_seed, zlib.crc32(job.encode()), batch)
+    return mix_seed(run_seed, name_key(job), batch)
 
 
 def run_chunk(model, chunk: Chunk, optimizers: dict, *, seed: int, device: torch.device | None) -> dict:

@@ -47,7 +47,7 @@ class Trainer:
         from megatron.core import parallel_state
 
         from lorafusion.core.arch import preset
-        from lorafusion.layers import adapter_parameters, add_adapter
+        from lorafusion.layers import adapter_parameters, add_adapter, get_lora_context
         from lorafusion.models.provider import build_model
         from lorafusion.runtime.dist import init_distributed
         from lorafusion.runtime.optim import AdapterOptimizer
@@ -60,7 +60,6 @@ class Trainer:
         info = init_distributed(cfg.parallelism.tp, cfg.parallelism.pp, seed=cfg.seed)
         self.is_logger = info["rank"] == 0
         dp_rank = parallel_state.get_data_parallel_rank()
-        ops.set_default_impl(None if cfg.kernels == "auto" else cfg.kernels)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         ckpt = None
         if cfg.model.path:
@@ -76,6 +75,7 @@ class Trainer:
         kw = dict(params_dtype=DTYPES[cfg.model.dtype], recompute=cfg.model.recompute, device=self.device,
                   seed=cfg.seed)
         self.model = build_model_from_hf(ckpt, **kw) if ckpt is not None else build_model(self.arch, **kw)
+        get_lora_context(self.model).impl = None if cfg.kernels == "auto" else cfg.kernels
         self.timers = StageTimers()
         self.model.config.timers = self.timers  # Megatron's schedules time their stages through this hook
         for name, js in self.jobs.items():

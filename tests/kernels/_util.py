@@ -16,7 +16,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def random_routing(m: int, n_slots: int, rng: random.Random, gaps: bool = True):
     """Random contiguous segments over m rows: any lengths, repeated slots, optional uncovered rows."""
-    from lorafusion.ops import Routing
+    from lorafusion.core.routing import Routing
 
     segs, pos = [], 0
     while pos < m:

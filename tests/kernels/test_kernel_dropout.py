@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from lorafusion.kernels.dropout import keep_mask_triton
-from lorafusion.ops import Routing
-from lorafusion.ops.dropout import keep_mask, mix_seed
+from lorafusion.core.routing import Routing
+from lorafusion.core.seeds import mix_seed
+from lorafusion.ops.dropout import keep_mask
 from lorafusion.ops.fused import multi_lora_delta_fused
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lorafusion.ops import Routing
-from lorafusion.ops.dropout import mix_seed
+from lorafusion.core.routing import Routing
+from lorafusion.core.seeds import mix_seed
 from lorafusion.ops.fused import fused_lora_delta, fused_lora_linear, multi_lora_linear_fused
 
 from ._util import make_adapters, reference_linear, rel, run_linear

@@ -1,12 +1,13 @@
 """FusedMultiLoRA vs the torch reference on random segment layouts (CPU: Triton interpreter, fp32)."""
 
+import functools
 import random
 
 import pytest
 import torch
 
-from lorafusion.ops import Routing
-from lorafusion.ops.dropout import mix_seed
+from lorafusion.core.routing import Routing
+from lorafusion.core.seeds import mix_seed
 from lorafusion.ops.fused import multi_lora_delta_fused, multi_lora_linear_fused
 from lorafusion.ops.reference import multi_lora_delta_reference
 
@@ -28,9 +29,9 @@ def _adapters(case):
 
 
 @pytest.mark.parametrize("case", [0, 1, 2, 256])
-def test_multi_lora_linear_random_layouts(case, monkeypatch):
+def test_multi_lora_linear_random_layouts(case):
     # both main-GEMM variants: Triton GEMM with the low-rank term inside, or cuBLAS + Triton low-rank passes
-    monkeypatch.setenv("LORAFUSION_MAIN_GEMM", "triton" if case % 2 == 0 else "cublas")
+    fused = functools.partial(multi_lora_linear_fused, main_gemm="triton" if case % 2 == 0 else "cublas")
     torch.manual_seed(7)
     rng, ranks, sc, ps, seeds = _adapters(case)
     if case == 256:  # largest and smallest rank: padded rank block 256, epilogue loops over rank chunks
@@ -43,7 +44,7 @@ def test_multi_lora_linear_random_layouts(case, monkeypatch):
     A, B = make_adapters(k, n, ranks, torch.float32, DEV)
     g = torch.randn(m, n, device=DEV)
     args = (x, W, bias, A, B, sc, ps, seeds, routing, g)
-    y, grads = run_linear(multi_lora_linear_fused, *args)
+    y, grads = run_linear(fused, *args)
     y_ref, grads_ref = run_linear(reference_linear, *args)
     assert rel(y, y_ref) < TOL32, routing
     for i, (got, want) in enumerate(zip(grads, grads_ref, strict=True)):
@@ -80,7 +81,7 @@ def test_multi_lora_delta_sharded_input_and_tile_spanning_segments(k_offset):
         assert rel(got, want) < TOL32
 
 
-def test_deterministic_and_cublas_variant(monkeypatch):
+def test_deterministic_and_cublas_variant():
     torch.manual_seed(4)
     rng = random.Random(4)
     m, k, n = 41, 24, 18
@@ -91,14 +92,13 @@ def test_deterministic_and_cublas_variant(monkeypatch):
     A, B = make_adapters(k, n, ranks, torch.float32, DEV)
     g = torch.randn(m, n, device=DEV)
     args = (x, W, None, A, B, sc, ps, seeds, routing, g)
-    monkeypatch.setenv("LORAFUSION_MAIN_GEMM", "triton")
-    y1, g1 = run_linear(multi_lora_linear_fused, *args)
-    y2, g2 = run_linear(multi_lora_linear_fused, *args)
+    triton_gemm = functools.partial(multi_lora_linear_fused, main_gemm="triton")
+    y1, g1 = run_linear(triton_gemm, *args)
+    y2, g2 = run_linear(triton_gemm, *args)
     assert torch.equal(y1, y2)
     for a, b in zip(g1, g2, strict=True):
         assert (a is None and b is None) or torch.equal(a, b)
-    monkeypatch.setenv("LORAFUSION_MAIN_GEMM", "cublas")
-    y3, g3 = run_linear(multi_lora_linear_fused, *args)
+    y3, g3 = run_linear(functools.partial(multi_lora_linear_fused, main_gemm="cublas"), *args)
     assert rel(y3, y1) < TOL32
     for a, b in zip(g3, g1, strict=True):
         assert (a is None and b is None) or rel(a, b) < TOL32

@@ -1,13 +1,16 @@
 """GPU checks (H100/H200): bf16 kernels vs a float64 reference, relative error <= 1e-2, no NaN, every output
 element written (outputs and scratch poisoned with NaN first), bit-identical reruns, GPU Philox == torch."""
 
+import functools
 import random
 
 import pytest
 import torch
 
-from lorafusion.ops import Routing
-from lorafusion.ops.dropout import keep_mask, mix_seed
+from lorafusion.core.routing import Routing
+from lorafusion.core.seeds import mix_seed
+from lorafusion.kernels.tables import TableCache
+from lorafusion.ops.dropout import keep_mask
 
 from ._util import make_adapters, random_routing, reference_linear, rel
 
@@ -30,10 +33,11 @@ def _poison_allocator():
 
 
 @pytest.mark.parametrize("case", range(6))
-def test_bf16_vs_fp64_random_shapes_and_segments(case, monkeypatch):
-    from lorafusion.ops.fused import multi_lora_linear_fused
+def test_bf16_vs_fp64_random_shapes_and_segments(case):
+    from lorafusion.ops.fused import multi_lora_linear_fused as multi_lora_linear_fused_
 
-    monkeypatch.setenv("LORAFUSION_MAIN_GEMM", "triton" if case % 2 == 0 else "cublas")
+    multi_lora_linear_fused = functools.partial(multi_lora_linear_fused_,
+                                                main_gemm="triton" if case % 2 == 0 else "cublas")
     rng = random.Random(100 + case)
     torch.manual_seed(100 + case)
     m = rng.choice([1, 17, 300, 1000, 4097])
@@ -108,7 +112,7 @@ def test_gemm_output_fully_written():
 
     m, k, n = 999, 512, 1000
     routing = Routing.from_lengths([1, 0], [400, 599])
-    st = K.slot_tables([8, 16], [1.0, 2.0], [0.1, 0.2], [3, 4], "cuda")
+    st = TableCache().slot_tables([8, 16], [1.0, 2.0], [0.1, 0.2], [3, 4], "cuda")
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     W = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     S = torch.randn(m, 16, device="cuda", dtype=torch.bfloat16)

@@ -1,13 +1,16 @@
-"""Per-microbatch adapter routing: which contiguous rows of a packed batch belong to which adapter."""
+"""Per-microbatch adapter routing: which contiguous rows of a packed batch belong to which adapter.
+
+Pure data (no torch): the kernels build and cache their device tables from it
+(:mod:`lorafusion.kernels.tables`), keyed by the routing object's identity.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-import torch
 
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Routing:
     """Contiguous row segments of one packed batch.
 
@@ -16,14 +19,16 @@ class Routing:
     op. Rows covered by no segment get no LoRA term. Segments are sorted by start and never overlap;
     several segments may use the same slot.
 
-    ``row_ids`` (optional, int64, one per row) are packing-independent ids used to key dropout masks, so
-    a token's mask does not depend on where the scheduler placed its sample. Defaults to the row index.
+    ``row_ids`` (optional, one integer per row: a numpy int64 array, a sequence, or any 1-D array-like)
+    are packing-independent ids used to key dropout masks, so a token's mask does not depend on where the
+    scheduler placed its sample. Defaults to the row index.
+
+    Equality is identity: a routing is one microbatch's, and caches are keyed by the object.
     """
 
     segments: tuple[tuple[int, int, int], ...]
     num_rows: int
-    row_ids: torch.Tensor | None = None
-    _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    row_ids: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         segs = tuple((int(a), int(s), int(n)) for a, s, n in self.segments)
@@ -38,8 +43,8 @@ class Routing:
             end = start + length
         if end > self.num_rows:
             raise ValueError(f"Routing.segments: segment ends at row {end} but the batch has {self.num_rows} rows")
-        if self.row_ids is not None and self.row_ids.numel() != self.num_rows:
-            raise ValueError(f"Routing.row_ids: expected {self.num_rows} ids, got {self.row_ids.numel()}")
+        if self.row_ids is not None and len(self.row_ids) != self.num_rows:
+            raise ValueError(f"Routing.row_ids: expected {self.num_rows} ids, got {len(self.row_ids)}")
 
     @classmethod
     def single(cls, num_rows: int, slot: int = 0) -> "Routing":
@@ -47,7 +52,7 @@ class Routing:
         return cls(segments=((slot, 0, num_rows),), num_rows=num_rows)
 
     @classmethod
-    def from_lengths(cls, slots: list[int], lengths: list[int], row_ids: torch.Tensor | None = None) -> "Routing":
+    def from_lengths(cls, slots: Sequence[int], lengths: Sequence[int], row_ids=None) -> "Routing":
         """Back-to-back segments: slot ``slots[i]`` gets the next ``lengths[i]`` rows."""
         segs, start = [], 0
         for slot, n in zip(slots, lengths, strict=True):
@@ -56,16 +61,8 @@ class Routing:
             start += n
         return cls(segments=tuple(segs), num_rows=start, row_ids=row_ids)
 
-    def ids(self, device: torch.device) -> torch.Tensor:
-        """Row ids on ``device`` (cached per device)."""
-        key = ("row_ids", str(device))
-        if key not in self._cache:
-            ids = self.row_ids if self.row_ids is not None else torch.arange(self.num_rows, dtype=torch.int64)
-            self._cache[key] = ids.to(device=device, dtype=torch.int64)
-        return self._cache[key]
-
-    def cached(self, key, build):
-        """Memoise device-side tables (kernels build their offset tables once per microbatch)."""
-        if key not in self._cache:
-            self._cache[key] = build()
-        return self._cache[key]
+    def restrict(self, slot_map: dict[int, int]) -> "Routing | None":
+        """The routing over the same rows keeping only segments whose slot is in ``slot_map``, renumbered
+        by it (None when no segment is left)."""
+        segs = tuple((slot_map[s], st, n) for s, st, n in self.segments if s in slot_map)
+        return Routing(segments=segs, num_rows=self.num_rows, row_ids=self.row_ids) if segs else None
