@@ -148,7 +148,7 @@ class JobConfig(_Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        return check_adapter_name(v)
+        return check_adapter_name(v, field=None)
 
     @model_validator(mode="after")
     def _stop_rule(self):

@@ -21,10 +21,12 @@ __all__ = ["ADAPTER_NAME_RE", "LoRASpec", "check_adapter_name"]
 ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9_\-]+$")
 
 
-def check_adapter_name(name: Any) -> str:
-    """``name`` if it is a valid adapter/job name (letters, digits, '_' or '-'), else ValueError."""
+def check_adapter_name(name: Any, field: str | None = "adapter name") -> str:
+    """``name`` if it is a valid adapter/job name (letters, digits, '_' or '-'), else a ValueError whose
+    message starts with ``field`` (None: pydantic names the field)."""
     if not isinstance(name, str) or not ADAPTER_NAME_RE.match(name):
-        raise ValueError(f"expected letters, digits, '_' or '-', got {name!r}")
+        raise ValueError(("" if field is None else f"{field}: ") + f"expected letters, digits, '_' or '-', "
+                         f"got {name!r}")
     return name
 
 
