@@ -24,8 +24,15 @@ def test_multi_adapter_run_equals_each_adapter_alone(three_jobs):
         assert ours == pytest.approx(theirs, rel=1e-5)
 
 
-def test_other_jobs_hyperparameters_and_tokens_leave_adapter_bit_identical(three_jobs):
-    tmp, jobs, summary, out = three_jobs
+# A MILP time limit these tiny plans never reach, for comparisons that must be bit-identical: with the
+# runs' 0.2 s a loaded machine (or a parallel test run) can stop the solver at different points in two
+# runs, and another packing sums in another order.
+UNHURRIED = ["scheduler.milp_time_limit_s=10"]
+
+
+def test_other_jobs_hyperparameters_and_tokens_leave_adapter_bit_identical(three_jobs, tmp_path):
+    tmp, jobs, *_ = three_jobs
+    _, out = train_inprocess(write_run(tmp_path, jobs, out="original", name="original.yaml"), UNHURRIED)
     changed = [dict(j) for j in jobs]
     up = dict(changed[1])
     up["optimizer"] = dict(up["optimizer"], lr=3e-3)
@@ -37,7 +44,7 @@ def test_other_jobs_hyperparameters_and_tokens_leave_adapter_bit_identical(three
                            + "\n" for line in src))
     up["dataset"] = dict(up["dataset"], path=str(alt))
     changed[1] = up
-    _, out2 = train_inprocess(write_run(tmp, changed, out="changed", name="changed.yaml"))
+    _, out2 = train_inprocess(write_run(tmp_path, changed, out="changed", name="changed.yaml"), UNHURRIED)
     for name in ("rev", "rev2"):
         a, b = load_adapter(out, name), load_adapter(out2, name)
         assert all(torch.equal(a[k], b[k]) for k in a), name
@@ -56,12 +63,9 @@ def test_activation_recompute_trains_the_same(three_jobs, tmp_path):
 
 def test_background_planning_trains_exactly_like_sequential_planning(three_jobs, tmp_path):
     tmp, jobs, *_ = three_jobs
-    # a MILP time limit these tiny plans never reach: with 0.2 s a loaded machine can stop the solver at
-    # different points in two runs, and another packing sums in another order (not bit-identical)
-    slow = ["scheduler.milp_time_limit_s=10"]
-    s, out_seq = train_inprocess(write_run(tmp_path, jobs, out="sequential"), slow, background_planning=False)
+    s, out_seq = train_inprocess(write_run(tmp_path, jobs, out="sequential"), UNHURRIED, background_planning=False)
     assert s["plan_wait_s"] == 0.0
-    _, out = train_inprocess(write_run(tmp_path, jobs, out="background", name="bg.yaml"), slow)
+    _, out = train_inprocess(write_run(tmp_path, jobs, out="background", name="bg.yaml"), UNHURRIED)
     for job in ("rev", "up", "rev2"):
         a, b = load_adapter(out_seq, job), load_adapter(out, job)
         assert all(torch.equal(a[k], b[k]) for k in a), job
