@@ -299,10 +299,12 @@ class Trainer:
         stat = torch.stack([sums[k] for k in keys]) * (1.0 if last else 0.0)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(stat)
+        stat = stat.tolist()  # one host synchronisation per chunk: losses and grad norms together
+        norms = torch.stack([step_out[k][0].float() for k in keys]).tolist()
         steps = []
         for i, k in enumerate(keys):
-            norm, lr = step_out[k]
-            steps.append({"key": k, "loss": float(stat[i]) / max(1, denom[k]), "grad_norm": norm, "lr": lr,
+            lr = step_out[k][1]
+            steps.append({"key": k, "loss": stat[i] / max(1, denom[k]), "grad_norm": norms[i], "lr": lr,
                           "tokens": sum(len(self.jobs[k[0]].samples[s][0]) for s in samples_of[k])})
         steps.sort(key=lambda r: (r["key"][1], list(self.jobs).index(r["key"][0])))
         return {"plan": the_plan, "plan_s": plan_s, "compute_s": compute_s, "steps": steps}
