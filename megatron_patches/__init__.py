@@ -7,5 +7,7 @@ those, once, and only when CUDA is absent; on a GPU it does nothing. Nothing is 
 
 from megatron_patches.cpu import apply_cpu_patches, cpu_patches_applied
 from megatron_patches.recompute import apply_recompute_state_hook
+from megatron_patches.rope import apply_packed_rope_patch, packed_rope_patch_applied
 
-__all__ = ["apply_cpu_patches", "cpu_patches_applied", "apply_recompute_state_hook"]
+__all__ = ["apply_cpu_patches", "cpu_patches_applied", "apply_recompute_state_hook", "apply_packed_rope_patch",
+           "packed_rope_patch_applied"]
