@@ -2,7 +2,9 @@
 
 Megatron-core assumes CUDA in a handful of places (``torch.cuda.current_device()``, its CUDA RNG
 tracker, ``device="cuda"`` buffers in the schedules and p2p). :func:`apply_cpu_patches` replaces exactly
-those, once, and only when CUDA is absent; on a GPU it does nothing. Nothing is patched on import.
+those, once, and only when CUDA is absent; on a GPU it does nothing. :func:`apply_recompute_state_hook`
+(LoRA routing under activation recomputation) and :func:`apply_packed_rope_patch` (sync-free packed RoPE
+for models built with fused ops) work on CPU and GPU. Nothing is patched on import.
 """
 
 from megatron_patches.cpu import apply_cpu_patches, cpu_patches_applied
