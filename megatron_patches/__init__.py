@@ -2,10 +2,14 @@
 
 Megatron-core assumes CUDA in a handful of places (``torch.cuda.current_device()``, its CUDA RNG
 tracker, ``device="cuda"`` buffers in the schedules and p2p). :func:`apply_cpu_patches` replaces exactly
-those, once, and only when CUDA is absent; on a GPU it does nothing. Nothing is patched on import.
+those, once, and only when CUDA is absent; on a GPU it does nothing. :func:`apply_recompute_state_hook`
+(LoRA routing under activation recomputation) and :func:`apply_packed_rope_patch` (sync-free packed RoPE
+for models built with fused ops) work on CPU and GPU. Nothing is patched on import.
 """
 
 from megatron_patches.cpu import apply_cpu_patches, cpu_patches_applied
 from megatron_patches.recompute import apply_recompute_state_hook
+from megatron_patches.rope import apply_packed_rope_patch, packed_rope_patch_applied
 
-__all__ = ["apply_cpu_patches", "cpu_patches_applied", "apply_recompute_state_hook"]
+__all__ = ["apply_cpu_patches", "cpu_patches_applied", "apply_recompute_state_hook", "apply_packed_rope_patch",
+           "packed_rope_patch_applied"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 import traceback
@@ -249,8 +250,8 @@ def main() -> None:
     try:
         import subprocess
 
-        result["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                                          capture_output=True, text=True).stdout.strip() or None
+        result["commit"] = os.environ.get("BENCH_COMMIT") or subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or None
     except OSError:
         result["commit"] = None
     ours = None

@@ -1,4 +1,5 @@
-"""Worker for multi-process (gloo) tests: ``python parallel_worker.py MODE WORKDIR`` under RANK/WORLD_SIZE env.
+"""Worker for multi-process (gloo) tests: ``python parallel_worker.py MODE WORKDIR [FUSED_OPS]`` under
+RANK/WORLD_SIZE env (FUSED_OPS: build_model's fused_ops, default "off"; results then carry its name).
 
 MODE "tp": TP=2 forward+backward of packed microbatches. MODE "pp": PP=2, 1F1B via Megatron's
 ``get_forward_backward_func``. MODE "dp"-free. Writes results of rank 0 (and the last stage) to WORKDIR.
@@ -32,6 +33,8 @@ def loss_terms(loss, batch, denom):
 
 def main():
     mode, workdir = sys.argv[1], Path(sys.argv[2])
+    fused = sys.argv[3] if len(sys.argv) > 3 else "off"
+    tag = "" if fused == "off" else f"_{fused}"
     torch.set_num_threads(1)
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -44,7 +47,7 @@ def main():
 
     tp, pp = (2, 1) if mode == "tp" else (1, 2)
     init_distributed(tp, pp)
-    model = build_model_from_hf(workdir / "base")
+    model = build_model_from_hf(workdir / "base", fused_ops=fused)
     for name in sorted(os.listdir(workdir / "adapters")):
         import_peft_adapter(model, name, workdir / "adapters" / name)
     model.train()
@@ -84,11 +87,11 @@ def main():
         res = fb(forward_step_func=forward_step, data_iterator=it, model=[model], num_microbatches=len(mbs),
                  seq_length=max(b.num_tokens for b in mbs), micro_batch_size=1, forward_only=False)
         if parallel_state.is_pipeline_last_stage():
-            (workdir / "pp_losses.json").write_text(json.dumps([r["loss"].item() for r in res]))
+            (workdir / f"pp{tag}_losses.json").write_text(json.dumps([r["loss"].item() for r in res]))
     grads = {n: adapter_peft_state(model, n, model.lorafusion_arch, grad=True) for n in sorted(os.listdir(workdir / "adapters"))}
     if rank == 0:
         out["grads"] = grads
-        torch.save(out, workdir / f"{mode}_result.pt")
+        torch.save(out, workdir / f"{mode}{tag}_result.pt")
     destroy_distributed()
 
 

@@ -82,13 +82,13 @@ def workdir(tmp_path_factory, megatron_single):
     return d, losses, grads
 
 
-def _launch(mode, d):
+def _launch(mode, d, fused="off"):
     port = str(_free_port())
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=port, OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).parent / "parallel_worker.py"), mode, str(d)],
+        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).parent / "parallel_worker.py"), mode, str(d), fused],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=300)[0] for p in procs]
     for p, o in zip(procs, outs):
@@ -103,17 +103,25 @@ def _assert_grads_equal(got, want):
             assert (got[n][k] - want[n][k]).abs().max() / scale <= 1e-5, (n, k)
 
 
-def test_tensor_parallel_2_equals_single_process(workdir):
+# fused ops ("torch": fused RMSNorm / SwiGLU / packed RoPE; at TP=2 Megatron's vocab-parallel loss, at PP=2
+# the fused loss on the last stage) against the same single-process model with Megatron's ops
+FUSED = ["off", "torch"]
+
+
+@pytest.mark.parametrize("fused", FUSED)
+def test_tensor_parallel_2_equals_single_process(workdir, fused):
     d, losses, grads = workdir
-    _launch("tp", d)
-    res = torch.load(d / "tp_result.pt")
+    _launch("tp", d, fused)
+    res = torch.load(d / ("tp_result.pt" if fused == "off" else f"tp_{fused}_result.pt"))
     assert res["losses"] == pytest.approx(losses, rel=1e-5)
     _assert_grads_equal(res["grads"], grads)
 
 
-def test_pipeline_parallel_2_1f1b_equals_single_process(workdir):
+@pytest.mark.parametrize("fused", FUSED)
+def test_pipeline_parallel_2_1f1b_equals_single_process(workdir, fused):
     d, losses, grads = workdir
-    _launch("pp", d)
-    assert json.loads((d / "pp_losses.json").read_text()) == pytest.approx(losses, rel=1e-5)
-    res = torch.load(d / "pp_result.pt")
+    _launch("pp", d, fused)
+    tag = "" if fused == "off" else f"_{fused}"
+    assert json.loads((d / f"pp{tag}_losses.json").read_text()) == pytest.approx(losses, rel=1e-5)
+    res = torch.load(d / f"pp{tag}_result.pt")
     _assert_grads_equal(res["grads"], grads)

@@ -4,6 +4,12 @@ Built with Megatron's local layer spec, the four linears swapped for the LoRA-ca
 core attention for :class:`PackedDotProductAttention` (packed sequences, cu_seqlens). Transformer Engine
 layers fuse the input norm into linear_qkv and hide the normalised input LoRA needs, so they are not
 used yet (``transformer_impl="te"`` is an explicit error).
+
+``build_model(fused_ops=...)`` picks the ops around the LoRA layers (see :mod:`lorafusion.models.fused`):
+``"off"`` is Megatron's stock local spec (torch RMSNorm, unfused SwiGLU and thd RoPE, full logits +
+vocab-parallel cross-entropy); ``"torch"`` / ``"triton"`` use the fused ops (RMSNorm in params dtype,
+SwiGLU saving only fc1's output, sync-free packed RoPE, per-token linear cross-entropy without logits at
+TP == 1) in that implementation. The default is ``"triton"`` on a CUDA device and ``"off"`` elsewhere.
 """
 
 from __future__ import annotations
@@ -18,11 +24,14 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from lorafusion.layers.inject import attach_lora_context
 from lorafusion.layers.lora_linear import LoRAColumnParallelLinear, LoRARowParallelLinear
 from lorafusion.models.attention import PackedDotProductAttention
+from lorafusion.models.fused import resolve_fused_ops
+from lorafusion.models.fused.model import FusedLossGPTModel, fuse_layer_spec, fused_config_overrides, norm_spec
 from lorafusion.models.spec import ModelArch, transformer_config
 
 
-def lora_layer_spec(transformer_impl: str = "local"):
-    """Megatron ``ModuleSpec`` of one LLaMA/Qwen2 decoder layer with LoRA-capable linears."""
+def lora_layer_spec(transformer_impl: str = "local", fused_ops: str = "off"):
+    """Megatron ``ModuleSpec`` of one LLaMA/Qwen2 decoder layer with LoRA-capable linears (and, unless
+    ``fused_ops`` is "off", the fused RMSNorm and SwiGLU of that implementation)."""
     if transformer_impl != "local":
         raise ValueError(f"model.transformer_impl: only 'local' is supported today, got {transformer_impl!r}")
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
@@ -33,30 +42,49 @@ def lora_layer_spec(transformer_impl: str = "local"):
     mlp = spec.submodules.mlp.submodules
     mlp.linear_fc1 = LoRAColumnParallelLinear
     mlp.linear_fc2 = LoRARowParallelLinear
+    if resolve_fused_ops(fused_ops, None) != "off":
+        spec = fuse_layer_spec(spec, fused_ops)
     return spec
 
 
 def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, pre_process: bool | None = None,
                 post_process: bool | None = None, recompute: bool = False, device: str | torch.device | None = None,
-                transformer_impl: str = "local", seed: int = 1234, **config_overrides) -> GPTModel:
+                transformer_impl: str = "local", seed: int = 1234, fused_ops: str | None = None,
+                **config_overrides) -> GPTModel:
     """Build this pipeline stage's ``GPTModel`` (requires ``parallel_state`` to be initialised).
 
     Base weights are frozen (``requires_grad=False``); initialise them with :mod:`lorafusion.models.hf_import`
-    or :func:`init_random_weights`.
+    or :func:`init_random_weights`. ``fused_ops``: "off", "torch" or "triton" (see the module docstring);
+    ``None`` = "triton" when ``device`` is CUDA, else "off". The choice is recorded as
+    ``model.lorafusion_fused_ops``.
     """
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    cfg = transformer_config(arch, params_dtype, tp=tp, pp=pp, recompute=recompute, **config_overrides)
+    mode = resolve_fused_ops(fused_ops, device)
+    impl = None if mode == "off" else mode
+    overrides = {**(fused_config_overrides(impl) if impl else {}), **config_overrides}
+    cfg = transformer_config(arch, params_dtype, tp=tp, pp=pp, recompute=recompute, **overrides)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-    model = GPTModel(
-        config=cfg, transformer_layer_spec=lora_layer_spec(transformer_impl), vocab_size=arch.vocab_size,
+    layer_spec = lora_layer_spec(transformer_impl, fused_ops=mode)
+    if impl is not None:
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+        from megatron_patches import apply_packed_rope_patch
+
+        apply_packed_rope_patch()
+        cfg.lorafusion_rope_impl = impl  # read by the packed-RoPE dispatcher (megatron_patches.rope)
+        layer_spec = TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(cfg),
+                                                layer_norm=norm_spec(impl))
+    model = FusedLossGPTModel(
+        config=cfg, transformer_layer_spec=layer_spec, vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=arch.tie_word_embeddings, position_embedding_type="rope",
-        rotary_base=arch.rope_theta, parallel_output=True,
+        rotary_base=arch.rope_theta, parallel_output=True, fused_loss=impl,
     )
+    model.lorafusion_fused_ops = mode
     # RoPE frequencies exactly as HF computes them (covers llama3 scaling with any parameters).
     model.rotary_pos_emb.inv_freq = arch.inv_freq()
     model.lorafusion_arch = arch

@@ -42,17 +42,17 @@ def _is_tp_sharded(p: torch.Tensor) -> bool:
 
 def local_grad_sq(params: list[torch.nn.Parameter]) -> torch.Tensor:
     """This rank's share of the squared gradient norm of the full adapter (TP-replicated tensors counted
-    on TP rank 0 only)."""
+    on TP rank 0 only), as one fp32 device scalar (multi-tensor kernels: a few launches for all of an
+    adapter's parameters, no host synchronisation)."""
     dev = params[0].device if params else torch.device("cpu")
-    sq = torch.zeros((), dtype=torch.float32, device=dev)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    for p in params:
-        if p.grad is None:
-            continue
-        # replicated over TP: count once (TP rank 0); sharded: every rank holds a distinct part
-        if _is_tp_sharded(p) or tp_rank == 0:
-            sq = sq + p.grad.detach().float().pow(2).sum()
-    return sq
+    # replicated over TP: count once (TP rank 0); sharded: every rank holds a distinct part
+    grads = [p.grad.detach().float() for p in params
+             if p.grad is not None and (_is_tp_sharded(p) or tp_rank == 0)]
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=dev)
+    norms = torch._foreach_norm(grads)
+    return torch.stack(norms).square().sum()
 
 
 def _model_parallel_group():
@@ -105,27 +105,29 @@ class AdapterOptimizer:
         group = _model_parallel_group()
         self._work = dist.all_reduce(self._sq, group=group, async_op=True) if group is not None else None
 
-    def end_step(self) -> tuple[float, float]:
+    def end_step(self) -> tuple[torch.Tensor, float]:
         """Second half, called before this stage's next forward of the job: clip by the full-adapter norm,
-        step, advance the schedule, zero grads. Returns (grad norm before clipping, lr used)."""
+        step, advance the schedule, zero grads. Returns (grad norm before clipping as a device scalar —
+        read it when the chunk is done, so the host never waits on the GPU here —, lr used)."""
         if self._work is not None:
             self._work.wait()
         norm = self._sq.sqrt()
         self._work = self._sq = None
         if self.max_grad_norm is not None and self.max_grad_norm > 0:
             coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, coef)
         lr = self.lr
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
-        return float(norm), lr
+        return norm, lr
 
     def step(self) -> tuple[float, float]:
         self.begin_step()
-        return self.end_step()
+        norm, lr = self.end_step()
+        return float(norm), lr
 
     def state_dict(self) -> dict:
         return {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()}

@@ -36,7 +36,7 @@ class StepTracker:
         self.keys: list[Key] = sorted(plan.last_microbatch, key=lambda k: (plan.step_slot(*k), k))
         self._begin_at = {k: plan.step_slot(*k) + num_stages - stage for k in self.keys}
         self._begun: list[Key] = []
-        self.results: dict[Key, tuple[float, float]] = {}  # (grad norm, lr) of each finished step
+        self.results: dict[Key, tuple] = {}  # (grad norm as a device scalar, lr) of each finished step
         self._next_slot = 0
 
     def before_forward(self, jobs: Iterable[str]) -> None:
@@ -45,7 +45,7 @@ class StepTracker:
         self._next_slot += 1
         self._end(set(jobs))
 
-    def finish(self) -> dict[Key, tuple[float, float]]:
+    def finish(self) -> dict[Key, tuple]:
         """The pipeline has drained (every backward is done): begin and end every remaining step."""
         self._begin(upto=None)
         self._end(None)
@@ -119,6 +119,8 @@ def run_chunk(model, chunk: Chunk, optimizers: dict, *, seed: int, device: torch
     stat = torch.stack([sums[k] for k in tracker.keys]) * (1.0 if last else 0.0)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(stat)
-    steps = [{"key": k, "loss": float(stat[i]) / denom[k], "grad_norm": results[k][0], "lr": results[k][1],
+    stat = stat.tolist()  # one host synchronisation per chunk: losses and grad norms together
+    norms = torch.stack([results[k][0].float() for k in tracker.keys]).tolist()
+    steps = [{"key": k, "loss": stat[i] / denom[k], "grad_norm": norms[i], "lr": results[k][1],
               "tokens": chunk.tokens(k)} for i, k in enumerate(tracker.keys)]
     return {"compute_s": compute_s, "steps": steps}

@@ -1,0 +1,78 @@
+"""Megatron wiring of the fused ops: the layer spec and a ``GPTModel`` whose loss is the fused linear
+cross-entropy.
+
+- Norms: ``input_layernorm``, ``pre_mlp_layernorm`` and the block's ``final_layernorm`` become
+  :class:`~lorafusion.models.fused.rms_norm.RMSNorm` (weight in params dtype; same state-dict names).
+- SwiGLU: ``MLPSubmodules.activation_func`` = :class:`~lorafusion.models.fused.swiglu.SwiGLU`, which
+  Megatron's MLP applies to the whole fc1 output when ``config.use_te_activation_func`` is set (despite its
+  name the flag only selects "call the activation module on the fc1 output").
+- RoPE: ``config.lorafusion_rope_impl`` plus ``megatron_patches.apply_packed_rope_patch``.
+- Loss: :class:`FusedLossGPTModel` returns the per-token loss [b, s] from
+  :func:`~lorafusion.models.fused.linear_cross_entropy.linear_cross_entropy` exactly where
+  ``GPTModel`` returned ``compute_language_model_loss(labels, logits)`` — only with TP == 1 (otherwise
+  Megatron's vocab-parallel path) and only when labels are given (``labels=None`` returns logits as before).
+"""
+
+from __future__ import annotations
+
+import copy
+
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from lorafusion.models.fused import check_impl
+from lorafusion.models.fused.linear_cross_entropy import linear_cross_entropy
+from lorafusion.models.fused.rms_norm import RMSNorm
+from lorafusion.models.fused.swiglu import SwiGLU
+
+
+def norm_spec(impl: str) -> ModuleSpec:
+    return ModuleSpec(module=RMSNorm, params={"impl": check_impl(impl)})
+
+
+def fuse_layer_spec(spec: ModuleSpec, impl: str) -> ModuleSpec:
+    """A copy of a local-spec decoder layer with fused norms and SwiGLU of implementation ``impl``."""
+    spec = copy.deepcopy(spec)
+    spec.submodules.input_layernorm = norm_spec(impl)
+    spec.submodules.pre_mlp_layernorm = norm_spec(impl)
+    spec.submodules.mlp.submodules.activation_func = ModuleSpec(module=SwiGLU, params={"impl": impl})
+    return spec
+
+
+def fused_config_overrides(impl: str) -> dict:
+    """TransformerConfig fields the fused ops need (``lorafusion_rope_impl`` is set on the instance)."""
+    check_impl(impl)
+    return {"use_te_activation_func": True, "bias_activation_fusion": False}
+
+
+class FusedLossGPTModel(GPTModel):
+    """``GPTModel`` whose training loss (labels given, TP == 1, no MTP, not inference) is the fused
+    per-token linear cross-entropy of implementation ``fused_loss`` ("torch" / "triton"); ``None`` keeps
+    Megatron's loss."""
+
+    def __init__(self, *args, fused_loss: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fused_loss = None if fused_loss is None else check_impl(fused_loss)
+
+    def _fused_loss_applies(self, labels, mtp_in_postprocess, inference_context) -> bool:
+        return (self.fused_loss is not None and labels is not None and self.post_process
+                and not mtp_in_postprocess and self.config.mtp_num_layers is None
+                and inference_context is None and self.config.tensor_model_parallel_size == 1
+                and not self.config.sequence_parallel)
+
+    def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, mtp_in_postprocess=None,
+                     inference_context=None, **kwargs):
+        if not self._fused_loss_applies(labels, mtp_in_postprocess, inference_context):
+            return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args,
+                                        mtp_in_postprocess=mtp_in_postprocess, inference_context=inference_context,
+                                        **kwargs)
+        if self.share_embeddings_and_output_weights:
+            weight = self.shared_embedding_or_output_weight()
+        else:
+            weight = self.output_layer.weight
+        # hidden [s, b, h], labels [b, s] → loss [b, s] (compute_language_model_loss's layout)
+        loss = linear_cross_entropy(hidden_states, weight, labels.transpose(0, 1), impl=self.fused_loss)
+        return loss.transpose(0, 1).contiguous()
+
+
+__all__ = ["FusedLossGPTModel", "fuse_layer_spec", "norm_spec", "fused_config_overrides"]

@@ -1,0 +1,45 @@
+"""Packed (thd) RoPE without host syncs, for models that ask for it (megatron-core 0.16).
+
+Megatron's ``apply_rotary_pos_emb`` with ``cu_seqlens`` runs ``_apply_rotary_pos_emb_thd``, which calls
+``.tolist()`` on ``cu_seqlens`` (a device→host sync) for every q and k of every layer and splits the
+microbatch per sample. :func:`apply_packed_rope_patch` replaces the name
+``megatron.core.transformer.attention.apply_rotary_pos_emb`` (the one ``Attention.forward`` calls) with a
+dispatcher: when the model's ``TransformerConfig`` carries ``lorafusion_rope_impl`` ("torch" or "triton",
+set by ``lorafusion.models.provider.build_model`` for fused ops) and the call is a packed, non-interleaved,
+full-rotary-dim call without context parallelism or mscale, it runs
+``lorafusion.models.fused.rope.packed_rope``; every other call goes to Megatron's own function unchanged.
+Explicit (nothing is patched on import) and idempotent.
+"""
+
+from __future__ import annotations
+
+_ORIGINAL = None
+
+
+def packed_rope_patch_applied() -> bool:
+    return _ORIGINAL is not None
+
+
+def apply_packed_rope_patch() -> None:
+    global _ORIGINAL
+    if _ORIGINAL is not None:
+        return
+    from megatron.core.transformer import attention
+
+    original = attention.apply_rotary_pos_emb
+
+    def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None):
+        # stands in for megatron.core.models.common.embeddings.rope_utils.apply_rotary_pos_emb inside
+        # megatron.core.transformer.attention
+        impl = getattr(config, "lorafusion_rope_impl", None)
+        if (impl is None or cu_seqlens is None or mscale != 1.0 or config.rotary_interleaved
+                or config.multi_latent_attention or config.apply_rope_fusion or config.context_parallel_size != 1
+                or t.dim() != 3 or freqs.shape[-1] != t.shape[-1]):
+            return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
+        from lorafusion.models.fused.rope import packed_rope
+
+        return packed_rope(t, freqs, cu_seqlens, impl=impl)
+
+    apply_rotary_pos_emb.__wrapped__ = original
+    attention.apply_rotary_pos_emb = apply_rotary_pos_emb
+    _ORIGINAL = original
