@@ -17,3 +17,10 @@ class ConfigError(UserError, ValueError):
 
 class MissingFileError(UserError, FileNotFoundError):
     """A file or directory the user named (model, adapter, checkpoint) is missing or incomplete."""
+
+
+class MissingTensorError(UserError, KeyError):
+    """A tensor the user's checkpoint should hold is not in it."""
+
+    def __str__(self) -> str:  # the message as written (KeyError would quote it)
+        return str(self.args[0]) if self.args else ""

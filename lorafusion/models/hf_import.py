@@ -13,7 +13,7 @@ import torch
 from megatron.core import parallel_state
 from safetensors import safe_open
 
-from lorafusion.core.errors import MissingFileError
+from lorafusion.core.errors import ConfigError, MissingFileError, MissingTensorError
 from lorafusion.models.layout import column_shard, qkv_merge, shard
 from lorafusion.core.arch import ModelArch, arch_from_hf_config
 
@@ -31,7 +31,7 @@ class HFCheckpoint:
         try:
             self.config = json.loads(cfg_file.read_text())
         except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_file}: not valid JSON ({e})") from e
+            raise ConfigError(f"{cfg_file}: not valid JSON ({e})") from e
         self.arch: ModelArch = arch_from_hf_config(self.config, str(cfg_file))
         index = self.path / "model.safetensors.index.json"
         single = self.path / "model.safetensors"
@@ -39,14 +39,14 @@ class HFCheckpoint:
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError) as e:
-                raise ValueError(f"{index}: expected JSON with a 'weight_map' object ({e})") from e
+                raise ConfigError(f"{index}: expected JSON with a 'weight_map' object ({e})") from e
             self.files = {k: self.path / v for k, v in weight_map.items()}
         elif single.is_file():
             try:
                 with safe_open(str(single), framework="pt") as f:
                     keys = list(f.keys())
             except Exception as e:  # safetensors raises its own error types for corrupt headers
-                raise ValueError(f"{single}: not a readable safetensors file ({e})") from e
+                raise ConfigError(f"{single}: not a readable safetensors file ({e})") from e
             self.files = {k: single for k in keys}
         else:
             raise MissingFileError(f"{self.path}: no model.safetensors or model.safetensors.index.json")
@@ -54,7 +54,7 @@ class HFCheckpoint:
 
     def get(self, key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         if key not in self.files:
-            raise KeyError(f"{self.path}: tensor {key!r} not found in the checkpoint")
+            raise MissingTensorError(f"{self.path}: tensor {key!r} not found in the checkpoint")
         file = self.files[key]
         if file not in self._handles:
             if not file.is_file():
@@ -62,13 +62,13 @@ class HFCheckpoint:
             try:
                 self._handles[file] = safe_open(str(file), framework="pt")
             except Exception as e:
-                raise ValueError(f"{file}: not a readable safetensors file ({e})") from e
+                raise ConfigError(f"{file}: not a readable safetensors file ({e})") from e
         try:
             t = self._handles[file].get_tensor(key)
         except Exception as e:
-            raise ValueError(f"{file}: cannot read tensor {key!r} ({e})") from e
+            raise ConfigError(f"{file}: cannot read tensor {key!r} ({e})") from e
         if shape is not None and tuple(t.shape) != tuple(shape):
-            raise ValueError(f"{file}: tensor {key!r} has shape {tuple(t.shape)}, but config.json implies {tuple(shape)}")
+            raise ConfigError(f"{file}: tensor {key!r} has shape {tuple(t.shape)}, but config.json implies {tuple(shape)}")
         return t
 
 
@@ -118,7 +118,7 @@ def load_hf_weights(model: torch.nn.Module, path: str | Path | HFCheckpoint) -> 
     ckpt = path if isinstance(path, HFCheckpoint) else HFCheckpoint(path)
     arch = getattr(model, "lorafusion_arch", None)
     if arch is not None and arch != ckpt.arch:
-        raise ValueError(f"{ckpt.path / 'config.json'}: architecture {ckpt.arch} does not match the model's {arch}")
+        raise ConfigError(f"{ckpt.path / 'config.json'}: architecture {ckpt.arch} does not match the model's {arch}")
     state = hf_state_for_rank(ckpt, model)
     own = model.state_dict()
     with torch.no_grad():
@@ -126,7 +126,7 @@ def load_hf_weights(model: torch.nn.Module, path: str | Path | HFCheckpoint) -> 
             if key not in own:
                 raise KeyError(f"internal: model has no parameter {key!r}")
             if own[key].shape != value.shape:
-                raise ValueError(f"{ckpt.path}: {key} would get shape {tuple(value.shape)}, model expects "
+                raise ConfigError(f"{ckpt.path}: {key} would get shape {tuple(value.shape)}, model expects "
                                  f"{tuple(own[key].shape)}")
             own[key].copy_(value.to(own[key].dtype))
     return ckpt.arch

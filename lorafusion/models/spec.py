@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from lorafusion.core.arch import ModelArch
+from lorafusion.core.errors import ConfigError
 
 
 def transformer_config(arch: ModelArch, params_dtype: torch.dtype = torch.float32, *, tp: int = 1, pp: int = 1,
@@ -14,9 +15,9 @@ def transformer_config(arch: ModelArch, params_dtype: torch.dtype = torch.float3
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if arch.num_query_groups % tp:
-        raise ValueError(f"parallelism.tp: {tp} must divide num_query_groups={arch.num_query_groups}")
+        raise ConfigError(f"parallelism.tp: {tp} must divide num_query_groups={arch.num_query_groups}")
     if arch.num_layers % pp:
-        raise ValueError(f"parallelism.pp: {pp} must divide num_layers={arch.num_layers}")
+        raise ConfigError(f"parallelism.pp: {pp} must divide num_layers={arch.num_layers}")
     kw = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,

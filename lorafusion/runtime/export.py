@@ -218,23 +218,23 @@ def import_peft_adapter(model, name: str, path: str | Path, arch: ModelArch | No
             ka, kb = _peft_key(layer, peft_module, kind, "A"), _peft_key(layer, peft_module, kind, "B")
             for k in (ka, kb):
                 if k not in tensors:
-                    raise ValueError(f"{st_file}: tensor {k!r} missing")
+                    raise ConfigError(f"{st_file}: tensor {k!r} missing")
                 used.add(k)
             a_parts.append(tensors[ka].float())
             b_parts.append(tensors[kb].float())
         a = a_parts[0]
         for other, peft_module in zip(a_parts[1:], PEFT_GROUPS[kind][1:], strict=True):
             if other.shape != a.shape or not torch.equal(other, a):
-                raise ValueError(
+                raise ConfigError(
                     f"{st_file}: layer {layer} {peft_module}.lora_A differs from {PEFT_GROUPS[kind][0]}.lora_A; "
                     f"{'/'.join(PEFT_GROUPS[kind])} share one A in the fused {kind}, so this adapter has no "
                     f"exact representation")
         fin, fout = mod.full_in_out()
         if a.shape != (spec.r, fin):
-            raise ValueError(f"{st_file}: layer {layer} {kind} lora_A has shape {tuple(a.shape)}, expected {(spec.r, fin)}")
+            raise ConfigError(f"{st_file}: layer {layer} {kind} lora_A has shape {tuple(a.shape)}, expected {(spec.r, fin)}")
         b = qkv_merge(*b_parts, arch) if kind == "linear_qkv" else torch.cat(b_parts, 0)
         if b.shape != (fout, spec.r):
-            raise ValueError(f"{st_file}: layer {layer} {kind} lora_B has shape {tuple(b.shape)}, expected {(fout, spec.r)}")
+            raise ConfigError(f"{st_file}: layer {layer} {kind} lora_B has shape {tuple(b.shape)}, expected {(fout, spec.r)}")
         if kind in ("linear_qkv", "linear_fc1"):
             staged[key] = (a, column_shard(kind, b, tp, rank))
         else:
@@ -242,7 +242,7 @@ def import_peft_adapter(model, name: str, path: str | Path, arch: ModelArch | No
     if not dist.is_initialized() or dist.get_world_size() == 1 or parallel_state.get_pipeline_model_parallel_world_size() == 1:
         extra = sorted(set(k for k in tensors if ".layers." in k) - used)
         if extra:
-            raise ValueError(f"{st_file}: tensors {extra[:3]}... target modules outside target_modules "
+            raise ConfigError(f"{st_file}: tensors {extra[:3]}... target modules outside target_modules "
                              f"{to_peft_target_modules(spec.target_modules)}")
     add_adapter(model, name, spec)
     with torch.no_grad():

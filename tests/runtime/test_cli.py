@@ -97,3 +97,14 @@ def test_bad_run_is_one_clear_error_and_writes_nothing(three_jobs, tmp_path, cap
     err = capsys.readouterr().err.strip().splitlines()
     assert err and err[0].startswith("lorafusion train: error: ") and needle in "\n".join(err), err
     assert not (tmp_path / "never").exists()
+
+
+def test_a_layout_the_model_cannot_take_is_a_user_error():
+    from lorafusion.core.arch import preset
+    from lorafusion.core.errors import UserError
+    from lorafusion.models.spec import transformer_config
+
+    with pytest.raises(UserError, match="parallelism.tp: 3 must divide num_query_groups=2"):
+        transformer_config(preset("tiny-llama"), tp=3)
+    with pytest.raises(UserError, match="parallelism.pp: 3 must divide num_layers=4"):
+        transformer_config(preset("tiny-llama"), pp=3)
