@@ -60,15 +60,18 @@ def philox_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32) * 4.6566127342e-10
 
 
-def keep_mask(seed: int, row_ids: torch.Tensor, k: int, p: float, k_offset: int = 0,
+def keep_mask(seed, row_ids: torch.Tensor, k: int, p: float, k_offset: int = 0,
               k_total: int | None = None) -> torch.Tensor:
-    """Boolean keep mask [len(row_ids), k]: element kept with probability 1 - p (see module doc)."""
+    """Boolean keep mask [len(row_ids), k]: element kept with probability 1 - p (see module doc).
+
+    One Philox call per eight columns, as the kernels draw it. ``seed`` is an int or a 0-dim int64 tensor
+    (one compiled kernel then serves every seed)."""
     k_total = k if k_total is None else k_total
     thr = keep_threshold(p)
-    cols = torch.arange(k_offset, k_offset + k, device=row_ids.device, dtype=torch.int64)
-    counters = (row_ids.to(torch.int64)[:, None] * ((k_total + 7) // 8) + (cols // 8)[None, :]) & _MASK32
-    words = torch.stack(philox4_uint32(seed, counters))  # [4, rows, k]
-    t = (cols % 8)[None, :].expand_as(counters)
-    w = torch.gather(words, 0, (t // 2).unsqueeze(0)).squeeze(0)
-    u16 = (w >> (16 * (t % 2))) & 0xFFFF
-    return u16 >= thr
+    first, last = k_offset // 8, (k_offset + k - 1) // 8
+    groups = torch.arange(first, last + 1, device=row_ids.device, dtype=torch.int64)
+    counters = (row_ids.to(torch.int64)[:, None] * ((k_total + 7) // 8) + groups[None, :]) & _MASK32
+    w = philox4_uint32(seed, counters)  # 4 × [rows, groups]
+    u16 = torch.stack([half for word in w for half in (word & 0xFFFF, word >> 16)], dim=-1)  # [rows, groups, 8]
+    lo = k_offset % 8
+    return u16.reshape(u16.shape[0], -1)[:, lo:lo + k] >= thr
