@@ -39,9 +39,17 @@ class PackedBatch:
                                max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
 
     def to(self, device) -> "PackedBatch":
-        return PackedBatch(self.tokens.to(device), self.position_ids.to(device), self.labels.to(device),
-                           self.loss_mask.to(device), self.cu_seqlens.to(device), self.max_seqlen, self.routing,
-                           self.adapters, self.sample_adapter)
+        """The tensors on ``device``; to a GPU through pinned memory without blocking the host (the host
+        keeps enqueueing work while the copy waits its turn on the stream)."""
+        dev = torch.device(device)
+
+        def move(t):
+            if dev.type == "cuda" and t.device.type == "cpu":
+                return t.pin_memory().to(dev, non_blocking=True)
+            return t.to(dev)
+
+        return PackedBatch(move(self.tokens), move(self.position_ids), move(self.labels), move(self.loss_mask),
+                           move(self.cu_seqlens), self.max_seqlen, self.routing, self.adapters, self.sample_adapter)
 
     def adapter_token_mask(self, name: str) -> torch.Tensor:
         """[1, T] bool: tokens belonging to adapter ``name``."""

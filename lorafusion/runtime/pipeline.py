@@ -91,11 +91,13 @@ def run_chunk(model, chunk: Chunk, optimizers: dict, *, seed: int, device: torch
                         packed_seq_params=batch.packed_seq_params())
 
         def loss_func(per_token):
-            total = per_token.sum() * 0.0
-            for name in batch.adapters:
+            # each adapter's tokens are its routing segments: slices of the device tensor, no host masks
+            counted = per_token.float().reshape(-1) * batch.loss_mask.reshape(-1)
+            total = counted.sum() * 0.0
+            for slot, start, length in batch.routing.segments:
+                name = batch.adapters[slot]
                 k = (name, batch_of[name])
-                m = batch.adapter_token_mask(name).to(per_token.dtype) * batch.loss_mask.to(per_token.dtype)
-                s = (per_token.float() * m).sum()
+                s = counted[start:start + length].sum()
                 total = total + s / denom[k]
                 sums[k] += s.detach().double()
             # The loss is already normalised per job by its global batch's token count. The config sets
