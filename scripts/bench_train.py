@@ -105,8 +105,36 @@ def summarise_profile(p, top: int = 20) -> dict:
                             for n, v in rows]}
 
 
+class ChunkClock:
+    """Host wall time inside each ``run_chunk`` call (it ends with a synchronisation: the chunk's GPU work
+    is done) and between calls (chunk boundary: logging, checkpoints, waiting for the next plan)."""
+
+    def __init__(self):
+        self.inside: list[float] = []
+        self.between: list[float] = []
+        self._last_exit = None
+
+    def wrap(self, owner, name: str = "run_chunk"):
+        orig = getattr(owner, name)
+        clock = self
+
+        def wrapped(*a, **kw):
+            t0 = time.perf_counter()
+            if clock._last_exit is not None:
+                clock.between.append(t0 - clock._last_exit)
+            out = orig(*a, **kw)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            clock._last_exit = time.perf_counter()
+            clock.inside.append(clock._last_exit - t0)
+            return out
+
+        setattr(owner, name, wrapped)
+
+
 def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, out: Path,
-                   only_job: int | None = None, profiler: ChunkProfiler | None = None) -> dict:
+                   only_job: int | None = None, profiler: ChunkProfiler | None = None,
+                   background: bool = True) -> dict:
     from lorafusion.config import load_run_config
     from lorafusion.runtime.trainer import Trainer
 
@@ -115,18 +143,24 @@ def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, o
                           + [f"jobs.{i}.max_steps={steps}" for i in range(len(load_run_config(config).jobs))])
     if only_job is not None:  # "scheduler off": this job alone through the same runtime
         cfg = cfg.model_copy(update={"jobs": [cfg.jobs[only_job]]})
-    if profiler is not None:
-        import lorafusion.runtime.pipeline as pipeline
+    import lorafusion.runtime.pipeline as pipeline
 
+    orig_run_chunk = pipeline.run_chunk
+    if profiler is not None:
         profiler.wrap(pipeline)
+    clock = ChunkClock()
+    clock.wrap(pipeline)
     look = cfg.scheduler.lookahead_batches
     if warmup < 1 or warmup % look or steps <= warmup:
         raise SystemExit(f"--warmup must be a positive multiple of scheduler.lookahead_batches ({look}) and less "
                          f"than --steps: steps of one planned chunk finish together, so only whole chunks can be timed")
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    trainer = Trainer(cfg)
-    summary = trainer.run()
+    trainer = Trainer(cfg, background_planning=background)
+    try:
+        summary = trainer.run()
+    finally:
+        pipeline.run_chunk = orig_run_chunk
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     warm = [r for r in rows if r["step"] <= warmup]
     timed = [r for r in rows if r["step"] > warmup]
@@ -134,7 +168,9 @@ def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, o
     t1 = max(r["elapsed_s"] for r in timed)
     res = {"tokens_per_s": sum(r["tokens"] for r in timed) / (t1 - t0), "timed_tokens": sum(r["tokens"] for r in timed),
            "timed_s": t1 - t0, "kernels": summary["kernels"], "noops": summary["noop_microbatches"],
-           "plan_s": summary["plan_s"], "bubble_ratio": summary["bubble_ratio"],
+           "plan_s": summary["plan_s"], "plan_wait_s": summary.get("plan_wait_s"),
+           "chunk_s": [round(x, 3) for x in clock.inside], "boundary_s": [round(x, 3) for x in clock.between],
+           "bubble_ratio": summary["bubble_ratio"],
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
            "final_loss": {n: j["final_loss"] for n, j in summary["jobs"].items()}}
     batches = {n: [] for n in trainer.jobs}
@@ -240,6 +276,7 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--ablate", action="store_true", help="also kernels=reference and one job at a time")
     ap.add_argument("--profile", action="store_true", help="profile the first timed chunk of our run")
+    ap.add_argument("--no-background", action="store_true", help="plan each chunk when it is needed")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     ensure_data(args.rows)
@@ -264,7 +301,8 @@ def main() -> None:
     for attempt, extra in enumerate(([], ["kernels=reference"])):
         try:
             ours, batches, info = run_lorafusion(args.config, list(args.overrides) + extra, args.steps, args.warmup,
-                                                 out / f"ours{attempt}", profiler=profiler)
+                                                 out / f"ours{attempt}", profiler=profiler,
+                                                 background=not args.no_background)
             result["lorafusion"] = ours
             if profiler is not None:
                 result["profile"] = profiler.summary
