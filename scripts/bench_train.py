@@ -156,6 +156,7 @@ def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, o
                          f"than --steps: steps of one planned chunk finish together, so only whole chunks can be timed")
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_accumulated_memory_stats()
     trainer = Trainer(cfg, background_planning=background)
     try:
         summary = trainer.run()
@@ -172,6 +173,8 @@ def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, o
            "chunk_s": [round(x, 3) for x in clock.inside], "boundary_s": [round(x, 3) for x in clock.between],
            "bubble_ratio": summary["bubble_ratio"],
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+           "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries") if torch.cuda.is_available() else None,
+           "reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else None,
            "final_loss": {n: j["final_loss"] for n, j in summary["jobs"].items()}}
     batches = {n: [] for n in trainer.jobs}
     from lorafusion.data import JobStream
