@@ -270,6 +270,9 @@ def run_hf_peft(info: dict, batches: dict, warmup: int) -> dict:
 
 
 def main() -> None:
+    from lorafusion.cli import ALLOC_CONF
+
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)  # as `lorafusion train` runs
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/llama3.1-8b-4adapters.yaml")
     ap.add_argument("--steps", type=int, default=6)

@@ -95,7 +95,7 @@ class _FusedMultiLoRALinear(torch.autograd.Function):
         Bt = B_cat.t().contiguous()  # [R_tot, n]: coalesced loads of the low-rank operand
         if plan.main_gemm == "cublas":
             y = K.lora_gemm(None, None, bias, S, Bt, st.scale, st, plan.routing, n=plan.n, cache=plan.cache)
-            y = torch.addmm(y, x2d, w.t())
+            y.addmm_(x2d, w.t())  # in place: out-of-place addmm first copies the low-rank term into a new tensor
         else:
             y = K.lora_gemm(x2d, w.t(), bias, S, Bt, st.scale, st, plan.routing, n=plan.n, cache=plan.cache)
         ctx.plan = plan
