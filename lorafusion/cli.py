@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import os
+import shutil
 import sys
 import warnings
 from pathlib import Path
