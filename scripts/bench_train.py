@@ -351,14 +351,26 @@ def main() -> None:
                 result[f"{key}_error"] = traceback.format_exc(limit=4)
                 destroy_distributed()
     if not args.skip_hf:
-        try:
-            if torch.cuda.is_available():
-                torch.cuda.reset_peak_memory_stats()
-            result["hf_peft"] = run_hf_peft(info, batches, args.warmup)
-            result["speedup"] = ours["tokens_per_s"] / result["hf_peft"]["tokens_per_s"]
-        except Exception:
-            traceback.print_exc()
-            result["hf_peft_error"] = traceback.format_exc(limit=3)
+        # HF+PEFT materialises the logits and pads: at our capacity it may not fit. Then it gets its best
+        # chance: the largest capacity (halving from ours) that runs, recorded with the result.
+        cap = info["capacity"]
+        while cap >= 1024:
+            try:
+                if torch.cuda.is_available():
+                    torch.cuda.reset_peak_memory_stats()
+                result["hf_peft"] = run_hf_peft(dict(info, capacity=cap), batches, args.warmup)
+                result["hf_peft"]["token_capacity"] = cap
+                result["speedup"] = ours["tokens_per_s"] / result["hf_peft"]["tokens_per_s"]
+                break
+            except torch.OutOfMemoryError:
+                result.setdefault("hf_peft_oom_at", []).append(cap)
+            except Exception:
+                traceback.print_exc()
+                result["hf_peft_error"] = traceback.format_exc(limit=3)
+                break
+            cap //= 2  # (outside the handler: the failed attempt's frames, and its model, are released)
+            gc.collect()
+            torch.cuda.empty_cache()
     destroy_distributed()  # before printing: the JSON must stay the last line
     (out / "result.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"{'system':<22} {'tokens/s':>10} {'peak GiB':>9}")

@@ -42,7 +42,9 @@ def _slot_meta(slot, r_ptr, roff_ptr):
     return sc, r, roff
 
 
-@triton.jit
+# Row counts change with every packed microbatch: not specialised (Triton would otherwise compile a new
+# variant the first time a count is 1 or a multiple of 16 — mid-run, on the training's critical path).
+@triton.jit(do_not_specialize=["M"])
 def _lora_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, s_ptr, l_ptr, out_ptr, rowid_ptr,
     seg_ptr, mb_ptr,
@@ -165,7 +167,7 @@ def _shrink_kernel(
              mask=rowm[:, None] & (offs_r < R_OUT)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _ds_db_kernel(
     dy_ptr, b_ptr, s_ptr, dsp_ptr, dbp_ptr, chunk_ptr,
     coef_ptr, r_ptr, roff_ptr,
