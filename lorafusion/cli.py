@@ -34,11 +34,19 @@ def cmd_train(args) -> int:
         remove_partial_outputs(Path(cfg.output_dir))
         raise
     if trainer.is_logger:
-        print(f"done: {summary['tokens']:,} tokens in {summary['elapsed_s']:.1f}s "
-              f"({summary['tokens_per_s']:,.0f} tokens/s), kernels={summary['kernels']}")
+        if summary["status"] == "stopped":
+            print(f"stopped by {summary['stopped_by']}: every job checkpointed in "
+                  f"{Path(cfg.output_dir) / 'checkpoints'}; continue with: lorafusion train {args.config} "
+                  f"{' '.join(args.overrides)} --resume".replace("  ", " "))
+        else:
+            print(f"done: {summary['session_tokens']:,} tokens in {summary['elapsed_s']:.1f}s "
+                  f"({summary['tokens_per_s']:,.0f} tokens/s), kernels={summary['kernels']}")
+        fmt = lambda x: "-" if x is None or x != x else f"{x:.4f}"  # noqa: E731
         for name, j in summary["jobs"].items():
-            print(f"  {name:<16} steps {j['steps']:>5}  loss {j['first_loss']:.4f} -> {j['final_loss']:.4f}  "
-                  f"adapter: {Path(cfg.output_dir) / 'adapters' / name}")
+            where = (f"adapter: {Path(cfg.output_dir) / 'adapters' / name}" if j["status"] == "done"
+                     else f"{j['status']} at step {j['steps']}/{j['total_steps']}")
+            print(f"  {name:<16} steps {j['steps']:>5}  loss {fmt(j['first_loss'])} -> {fmt(j['final_loss'])}  "
+                  f"{where}")
     from lorafusion.runtime.dist import destroy_distributed
 
     destroy_distributed()
@@ -106,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"] and "--resume" in argv:
+        # a flag between the overrides would end them (argparse: "unrecognized arguments"); it may go anywhere
+        argv = [a for a in argv if a != "--resume"] + ["--resume"]
     args = build_parser().parse_args(argv)
     handler = {"train": cmd_train, "plan": cmd_plan, "export": cmd_export}[args.cmd]
     from lorafusion.core.errors import UserError
@@ -115,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:  # the user's input (config, data, files, launch): one line; bugs keep their traceback
         print(f"lorafusion {args.cmd}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C (the first one checkpoints and stops cleanly)
+        print(f"lorafusion {args.cmd}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -163,6 +163,15 @@ class LoggingConfig(_Strict):
     log_every: int = Field(1, ge=1)
 
 
+class CheckpointConfig(_Strict):
+    """When jobs without ``save_every`` are checkpointed: every ``every_minutes`` of training (all jobs at one
+    chunk boundary) and at the end; a stop signal (SIGTERM, SIGUSR1, SIGINT) checkpoints every job too.
+    ``keep_last``: complete checkpoints kept per job (older ones are removed)."""
+
+    every_minutes: float = Field(30.0, gt=0, allow_inf_nan=False)
+    keep_last: int = Field(3, ge=1)
+
+
 class RunConfig(_Strict):
     model: ModelConfig
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
@@ -173,6 +182,7 @@ class RunConfig(_Strict):
     output_dir: str
     seed: int = Field(1234, ge=0)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
 
     @model_validator(mode="after")
     def _cross(self):

@@ -38,7 +38,7 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def save_job_checkpoint(job_dir: Path, step: int, *, adapter_params: dict[str, torch.Tensor], optimizer_state: dict,
-                        state: dict, write_adapter) -> Path | None:
+                        state: dict, write_adapter, keep_last: int | None = None) -> Path | None:
     """Collective over all ranks. ``write_adapter(dir)`` exports the PEFT adapter (collective, rank 0 writes)."""
     job_dir = Path(job_dir)
     final = job_dir / f"step_{step:06d}"
@@ -67,8 +67,21 @@ def save_job_checkpoint(job_dir: Path, step: int, *, adapter_params: dict[str, t
             shutil.rmtree(final)
         os.replace(tmp, final)
         write_text_atomic(job_dir / "latest", final.name + "\n")
+        if keep_last:
+            prune_checkpoints(job_dir, keep_last)
     _barrier()
     return final if rank0 else None
+
+
+def prune_checkpoints(job_dir: Path, keep_last: int) -> None:
+    """Remove all but the newest ``keep_last`` complete ``step_*`` directories (never the one ``latest`` names)."""
+    job_dir = Path(job_dir)
+    pointer = job_dir / "latest"
+    current = pointer.read_text().strip() if pointer.is_file() else None
+    steps = sorted(p for p in job_dir.glob("step_*") if p.is_dir() and (p / "state.json").is_file())
+    for p in steps[:-keep_last]:
+        if p.name != current:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def latest_checkpoint(job_dir: Path) -> Path | None:

@@ -124,6 +124,16 @@ class Feed:
         self._ahead = _Ahead(self._prepare) if chunk is not None else None
         return chunk
 
+    def close(self) -> None:
+        """Wait for the chunk being prepared in the background (its plan broadcast is collective, so every
+        rank finishes it) and drop it. Call before stopping early."""
+        if self._ahead is not None:
+            try:
+                self._ahead.result()
+            except Exception:  # noqa: BLE001 - a chunk that will never run; its error does not matter
+                pass
+            self._ahead = None
+
     # ----------------------------------------------------------------------------------------- steps
     def _draw(self) -> dict[str, list[tuple[int, list[Sample]]]]:
         """The next ``lookahead_batches`` global batches of every unfinished job (advances the streams);

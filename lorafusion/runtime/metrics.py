@@ -3,8 +3,36 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 import time
 from pathlib import Path
+
+
+def _finite_or_none(v):
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+def cut_metrics(path: Path, steps: dict[str, int]) -> None:
+    """Keep only the rows of ``metrics.jsonl`` at or before each job's resumed step (``steps[job]``; rows
+    of jobs not in ``steps`` are kept), so a resumed run never repeats a (job, step) row. Atomic."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a crash: drop it
+            continue
+        if row.get("job") in steps and row.get("step", 0) > steps[row["job"]]:
+            continue
+        kept.append(line)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(k + "\n" for k in kept))
+    os.replace(tmp, path)
 
 
 class MetricsWriter:
@@ -19,7 +47,8 @@ class MetricsWriter:
 
     def log_step(self, record: dict) -> None:
         """record: {"job", "step", "loss", "tokens", "lr", "grad_norm", "elapsed_s"}."""
-        self._f.write(json.dumps(record) + "\n")
+        # strict JSON: a non-finite number is written as null, never as a bare NaN/Infinity
+        self._f.write(json.dumps({k: _finite_or_none(v) for k, v in record.items()}, allow_nan=False) + "\n")
         if self._tb is not None:
             job, step = record["job"], record["step"]
             for key in ("loss", "lr", "grad_norm", "tokens"):

@@ -33,6 +33,8 @@ class Trainer:
         self.resume = resume
         self.background_planning = background_planning
         self.out = Path(cfg.output_dir)
+        self._saved_step: dict[str, int] = {}  # job -> step of its newest checkpoint
+        self._stream_states: dict[str, dict] = {}  # job -> stream state at the newest chunk boundary
 
     # ------------------------------------------------------------------------------------------- set-up
     def _check_output_dir(self) -> None:
@@ -90,7 +92,13 @@ class Trainer:
 
     # -------------------------------------------------------------------------------------------- loop
     def run(self) -> dict:
-        from lorafusion.runtime.metrics import MetricsWriter, Progress
+        from lorafusion.runtime.control import StopSignals
+
+        with StopSignals() as stops:
+            return self._run(stops)
+
+    def _run(self, stops) -> dict:
+        from lorafusion.runtime.metrics import MetricsWriter, Progress, cut_metrics
         from lorafusion.runtime.pipeline import run_chunk
 
         self._setup()
@@ -98,6 +106,8 @@ class Trainer:
         metrics = progress = None
         if self.is_logger:
             self.out.mkdir(parents=True, exist_ok=True)
+            if self.resume:  # rows after each job's checkpoint are trained again: drop them, never repeat them
+                cut_metrics(self.out / "metrics.jsonl", {n: js.steps for n, js in self.jobs.items()})
             metrics = MetricsWriter(self.out, tensorboard=cfg.logging.tensorboard)
             progress = Progress({n: js.stream.total_steps for n, js in self.jobs.items()},
                                 enabled=cfg.logging.progress)
@@ -106,6 +116,9 @@ class Trainer:
         t_start = time.perf_counter()
         windows = plan_s = noops = total_tokens = 0
         bubbles = []
+        stopped = None
+        last_timed_save = time.monotonic()
+        every_s = cfg.checkpoint.every_minutes * 60.0
         try:
             while (chunk := self.feed.next()) is not None:
                 res = run_chunk(self.model, chunk, optimizers, seed=cfg.seed, device=self.device)
@@ -129,23 +142,40 @@ class Trainer:
                                           "lr": st["lr"], "grad_norm": st["grad_norm"],
                                           "elapsed_s": round(time.perf_counter() - t_start, 4)})
                         progress.update(name, js.steps, js.last_loss, st["tokens"])
+                self._stream_states.update(chunk.stream_states)
                 self._save_due_checkpoints(chunk)
+                # ranks agree (one tiny collective per chunk) on a stop signal and on a timed checkpoint
+                stop, timed = stops.poll(time.monotonic() - last_timed_save >= every_s)
+                if stop or timed:
+                    self._save_all(only_default_policy=not stop)
+                    last_timed_save = time.monotonic()
+                if stop:
+                    stopped = stops.received or "signal"
+                    self.feed.close()
+                    break
             elapsed = time.perf_counter() - t_start
-            for name in self.jobs:
-                self.export(name, self.out / "adapters" / name)
+            if stopped is None:
+                self._save_all(only_default_policy=True)  # the end of the run: every job's final state
+            for name, js in self.jobs.items():
+                if js.steps >= js.stream.total_steps:
+                    self.export(name, self.out / "adapters" / name)
         finally:
             if progress is not None:
                 progress.close()
             if metrics is not None:
                 metrics.close()
         summary = {
-            "tokens": total_tokens, "elapsed_s": round(elapsed, 3), "tokens_per_s": total_tokens / max(elapsed, 1e-9),
+            "status": "stopped" if stopped else "done", "stopped_by": stopped,
+            "tokens": sum(js.tokens for js in self.jobs.values()),  # the whole run, resumed parts included
+            "session_tokens": total_tokens,
+            "elapsed_s": round(elapsed, 3), "tokens_per_s": total_tokens / max(elapsed, 1e-9),
             "windows": windows, "plan_s": round(plan_s, 3), "plan_wait_s": round(self.feed.wait_s, 3),
             "noop_microbatches": noops, "bubble_ratio": (sum(bubbles) / len(bubbles)) if bubbles else None,
             "parallelism": cfg.parallelism.model_dump(), "kernels": ops.resolve_impl(
                 torch.empty(0, device=self.device or "cpu"), None if cfg.kernels == "auto" else cfg.kernels),
-            "jobs": {n: {"steps": js.steps, "tokens": js.tokens, "final_loss": js.last_loss,
-                         "first_loss": js.first_loss} for n, js in self.jobs.items()},
+            "jobs": {n: {"status": "done" if js.steps >= js.stream.total_steps else "stopped",
+                         "steps": js.steps, "total_steps": js.stream.total_steps, "tokens": js.tokens,
+                         "final_loss": js.last_loss, "first_loss": js.first_loss} for n, js in self.jobs.items()},
         }
         if self.is_logger:
             write_text_atomic(self.out / "summary.json", json.dumps(summary, indent=2) + "\n")
@@ -165,6 +195,15 @@ class Trainer:
             if every and any(s % every == 0 for s in range(js.steps - len(batches) + 1, js.steps + 1)):
                 self.save_checkpoint(name, chunk.stream_states[name])
 
+    def _save_all(self, *, only_default_policy: bool) -> None:
+        """Checkpoint every job not yet saved at its current step (``only_default_policy``: only jobs without
+        ``save_every``, whose policy is time-based and at the end; a stop signal saves every job)."""
+        for name, js in self.jobs.items():
+            if only_default_policy and js.cfg.save_every:
+                continue
+            if self._saved_step.get(name) != js.steps and name in self._stream_states:
+                self.save_checkpoint(name, self._stream_states[name])
+
     def save_checkpoint(self, name: str, stream_state: dict) -> None:
         """``stream_state``: the job's data stream as of the chunk boundary being saved (the feed's live
         stream is already a chunk further)."""
@@ -173,11 +212,13 @@ class Trainer:
 
         js = self.jobs[name]
         state = {"job": name, "step": js.steps, "tokens": js.tokens, "stream": stream_state,
+                 "first_loss": js.first_loss, "last_loss": js.last_loss,
                  "seed": self.cfg.seed, "layout": self.cfg.parallelism.model_dump()}
         save_job_checkpoint(self.out / "checkpoints" / name, js.steps,
                             adapter_params=adapter_parameters(self.model, name),
                             optimizer_state=js.optimizer.state_dict(), state=state,
-                            write_adapter=lambda d: self.export(name, d))
+                            write_adapter=lambda d: self.export(name, d), keep_last=self.cfg.checkpoint.keep_last)
+        self._saved_step[name] = js.steps
 
     def _load_checkpoints(self) -> None:
         from lorafusion.layers import adapter_parameters
@@ -198,6 +239,9 @@ class Trainer:
             js.optimizer.load_state_dict(tensors["optimizer"])
             js.stream.load_state_dict(state["stream"])
             js.steps, js.tokens = state["step"], state.get("tokens", 0)
+            js.first_loss, js.last_loss = state.get("first_loss"), state.get("last_loss", float("nan"))
+            self._saved_step[name] = js.steps
+            self._stream_states[name] = state["stream"]
 
 
 def remove_partial_outputs(out: Path) -> None:

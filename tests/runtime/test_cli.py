@@ -108,3 +108,13 @@ def test_a_layout_the_model_cannot_take_is_a_user_error():
         transformer_config(preset("tiny-llama"), tp=3)
     with pytest.raises(UserError, match="parallelism.pp: 3 must divide num_layers=4"):
         transformer_config(preset("tiny-llama"), pp=3)
+
+
+def test_resume_flag_goes_anywhere_on_the_command_line(tmp_path, capsys, monkeypatch):
+    """`train RUN --resume key=value` parses (it used to be "unrecognized arguments", a SystemExit)."""
+    from runtime_utils import job_dict, write_dataset
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    run = write_run(tmp_path, [job_dict("a", write_dataset(tmp_path / "a.jsonl", 1), r=4)], out="never")
+    assert _main("train", str(run), "--resume", "parallelism.tp=2", "seed=3") == 2
+    assert "tp*pp*dp = 2*1*1 = 2" in capsys.readouterr().err
