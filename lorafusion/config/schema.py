@@ -144,6 +144,9 @@ class JobConfig(_Strict):
     num_epochs: int | None = Field(None, ge=1)
     save_every: int | None = Field(None, ge=1)
     priority: int = 0
+    # steps in a row whose loss or gradient norm is not finite (each one skipped) before the job is paused as
+    # diverged
+    max_nonfinite_steps: int = Field(3, ge=1)
 
     @field_validator("name")
     @classmethod

@@ -46,8 +46,10 @@ class JobState:
     optimizer: object = None
     steps: int = 0  # optimizer steps taken
     tokens: int = 0
-    last_loss: float = float("nan")
+    last_loss: float | None = None  # of the last finite step
     first_loss: float | None = None
+    status: str = "running"  # running | diverged (paused: no more batches, no more updates)
+    nonfinite: int = 0  # non-finite (skipped) steps in a row
 
 
 def load_jobs(cfg: RunConfig):
@@ -140,6 +142,8 @@ class Feed:
         the one place samples are looked up by id."""
         batches: dict[str, list[tuple[int, list[Sample]]]] = {}
         for name, js in self.jobs.items():
+            if js.status == "diverged":
+                continue
             for _ in range(self.sched.lookahead_batches):
                 index = js.stream.steps_done
                 ids = js.stream.next_global_batch()

@@ -78,13 +78,20 @@ class Progress:
         self._total = self._bar.add_task("tokens/s", total=None, info="")
         self._bar.start()
 
-    def update(self, job: str, step: int, loss: float, tokens: int) -> None:
+    def update(self, job: str, step: int, loss: float | None, tokens: int) -> None:
         self.tokens += tokens
         if not self.enabled:
             return
-        self._bar.update(self._tasks[job], completed=step, info=f"loss {loss:.4f}")
+        self._bar.update(self._tasks[job], completed=step, info="loss -" if loss is None else f"loss {loss:.4f}")
         rate = self.tokens / max(1e-9, time.perf_counter() - self.t0)
         self._bar.update(self._total, info=f"{rate:,.0f} tok/s  ({self.tokens:,} tokens)")
+
+    def log(self, line: str) -> None:
+        """A message for the console (above the live table when there is one)."""
+        if self._bar is not None:
+            self._bar.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -8,6 +8,7 @@ checkpoint after chunk k records its data stream as of the end of chunk k (``Chu
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from pathlib import Path
@@ -128,21 +129,33 @@ class Trainer:
                 totals = self.timers.reset()  # every chunk: resolves (and frees) its timing events
                 if cfg.parallelism.pp > 1 and (b := self.timers.bubble(totals)) is not None:
                     bubbles.append(b)
+                self._stream_states.update({n: s for n, s in chunk.stream_states.items()
+                                            if self.jobs[n].status != "diverged"})
                 for st in sorted(res["steps"], key=lambda r: (r["key"][1], order.index(r["key"][0]))):
                     name = st["key"][0]
                     js = self.jobs[name]
+                    if js.status == "diverged":  # paused in an earlier chunk; this one was planned before that
+                        continue
                     js.steps += 1
                     js.tokens += st["tokens"]
                     total_tokens += st["tokens"]
-                    js.last_loss = st["loss"]
-                    if js.first_loss is None:
-                        js.first_loss = st["loss"]
+                    finite = math.isfinite(st["loss"]) and math.isfinite(st["grad_norm"])
+                    js.nonfinite = 0 if finite else js.nonfinite + 1
+                    if finite:
+                        js.last_loss = st["loss"]
+                        if js.first_loss is None:
+                            js.first_loss = st["loss"]
                     if self.is_logger:
                         metrics.log_step({"job": name, "step": js.steps, "loss": st["loss"], "tokens": st["tokens"],
-                                          "lr": st["lr"], "grad_norm": st["grad_norm"],
+                                          "lr": st["lr"], "grad_norm": st["grad_norm"], "skipped": not finite,
                                           "elapsed_s": round(time.perf_counter() - t_start, 4)})
                         progress.update(name, js.steps, js.last_loss, st["tokens"])
-                self._stream_states.update(chunk.stream_states)
+                        if not finite:
+                            progress.log(f"job {name}: step {js.steps} skipped (loss {st['loss']}, grad norm "
+                                         f"{st['grad_norm']}): {js.nonfinite} non-finite in a row, paused at "
+                                         f"{js.cfg.max_nonfinite_steps}")
+                    if js.nonfinite >= js.cfg.max_nonfinite_steps:
+                        self._pause_diverged(name, progress)
                 self._save_due_checkpoints(chunk)
                 # ranks agree (one tiny collective per chunk) on a stop signal and on a timed checkpoint
                 stop, timed = stops.poll(time.monotonic() - last_timed_save >= every_s)
@@ -157,7 +170,7 @@ class Trainer:
             if stopped is None:
                 self._save_all(only_default_policy=True)  # the end of the run: every job's final state
             for name, js in self.jobs.items():
-                if js.steps >= js.stream.total_steps:
+                if js.steps >= js.stream.total_steps or js.status == "diverged":
                     self.export(name, self.out / "adapters" / name)
         finally:
             if progress is not None:
@@ -173,7 +186,7 @@ class Trainer:
             "noop_microbatches": noops, "bubble_ratio": (sum(bubbles) / len(bubbles)) if bubbles else None,
             "parallelism": cfg.parallelism.model_dump(), "kernels": ops.resolve_impl(
                 torch.empty(0, device=self.device or "cpu"), None if cfg.kernels == "auto" else cfg.kernels),
-            "jobs": {n: {"status": "done" if js.steps >= js.stream.total_steps else "stopped",
+            "jobs": {n: {"status": self._job_status(js),
                          "steps": js.steps, "total_steps": js.stream.total_steps, "tokens": js.tokens,
                          "final_loss": js.last_loss, "first_loss": js.first_loss} for n, js in self.jobs.items()},
         }
@@ -181,18 +194,37 @@ class Trainer:
             write_text_atomic(self.out / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
 
+    @staticmethod
+    def _job_status(js) -> str:
+        if js.status == "diverged":
+            return "diverged"
+        return "done" if js.steps >= js.stream.total_steps else "stopped"
+
     # ------------------------------------------------------------------------------- export / checkpoint
     def export(self, name: str, out_dir: Path) -> None:
         from lorafusion.runtime.export import export_peft_adapter
 
         export_peft_adapter(self.model, name, out_dir, self.arch, base_model=self.cfg.model.path or self.cfg.model.preset)
 
+    def _pause_diverged(self, name: str, progress) -> None:
+        """Stop a job whose last ``max_nonfinite_steps`` steps were all non-finite: no more batches (from the
+        next planned chunk on) and no more updates; its weights are those of its last finite step (skipped
+        steps change nothing), checkpointed now and exported at the end as its adapter."""
+        js = self.jobs[name]
+        js.status = "diverged"
+        js.optimizer.paused = True
+        if progress is not None:
+            progress.log(f"job {name}: diverged ({js.nonfinite} non-finite steps in a row) — paused at step "
+                         f"{js.steps}; its adapter is its last finite state; the other jobs continue")
+        self._saved_step.pop(name, None)
+        self.save_checkpoint(name, self._stream_states[name])
+
     def _save_due_checkpoints(self, chunk: Chunk) -> None:
         """Checkpoint every job of ``chunk`` whose ``save_every`` divides a step the chunk took."""
         for name, batches in chunk.batches.items():
             js = self.jobs[name]
             every = js.cfg.save_every
-            if every and any(s % every == 0 for s in range(js.steps - len(batches) + 1, js.steps + 1)):
+            if every and js.status != "diverged" and any(s % every == 0 for s in range(js.steps - len(batches) + 1, js.steps + 1)):
                 self.save_checkpoint(name, chunk.stream_states[name])
 
     def _save_all(self, *, only_default_policy: bool) -> None:
@@ -212,7 +244,8 @@ class Trainer:
 
         js = self.jobs[name]
         state = {"job": name, "step": js.steps, "tokens": js.tokens, "stream": stream_state,
-                 "first_loss": js.first_loss, "last_loss": js.last_loss,
+                 "first_loss": js.first_loss, "last_loss": js.last_loss, "status": js.status,
+                 "nonfinite": js.nonfinite,
                  "seed": self.cfg.seed, "layout": self.cfg.parallelism.model_dump()}
         save_job_checkpoint(self.out / "checkpoints" / name, js.steps,
                             adapter_params=adapter_parameters(self.model, name),
@@ -239,7 +272,9 @@ class Trainer:
             js.optimizer.load_state_dict(tensors["optimizer"])
             js.stream.load_state_dict(state["stream"])
             js.steps, js.tokens = state["step"], state.get("tokens", 0)
-            js.first_loss, js.last_loss = state.get("first_loss"), state.get("last_loss", float("nan"))
+            js.first_loss, js.last_loss = state.get("first_loss"), state.get("last_loss")
+            js.status, js.nonfinite = state.get("status", "running"), state.get("nonfinite", 0)
+            js.optimizer.paused = js.status == "diverged"
             self._saved_step[name] = js.steps
             self._stream_states[name] = state["stream"]
 
