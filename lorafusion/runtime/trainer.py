@@ -34,6 +34,7 @@ class Trainer:
         self.resume = resume
         self.background_planning = background_planning
         self.out = Path(cfg.output_dir)
+        self._fingerprints: dict[str, dict] = {}
         self._saved_step: dict[str, int] = {}  # job -> step of its newest checkpoint
         self._stream_states: dict[str, dict] = {}  # job -> stream state at the newest chunk boundary
 
@@ -246,12 +247,46 @@ class Trainer:
         state = {"job": name, "step": js.steps, "tokens": js.tokens, "stream": stream_state,
                  "first_loss": js.first_loss, "last_loss": js.last_loss, "status": js.status,
                  "nonfinite": js.nonfinite,
-                 "seed": self.cfg.seed, "layout": self.cfg.parallelism.model_dump()}
+                 "seed": self.cfg.seed, "layout": self.cfg.parallelism.model_dump(),
+                 "settings": self._settings(name)}
         save_job_checkpoint(self.out / "checkpoints" / name, js.steps,
                             adapter_params=adapter_parameters(self.model, name),
                             optimizer_state=js.optimizer.state_dict(), state=state,
                             write_adapter=lambda d: self.export(name, d), keep_last=self.cfg.checkpoint.keep_last)
         self._saved_step[name] = js.steps
+
+    def _settings(self, name: str) -> dict:
+        """What a resume must find unchanged for job ``name`` (flat dotted keys as in the YAML): everything that
+        changes its result except ``max_steps`` / ``num_epochs`` (raising them continues the job; its lr
+        schedule then spans the new total) and ``save_every``."""
+        if name not in self._fingerprints:
+            cfg, job = self.cfg, self.jobs[name].cfg
+            ds = job.dataset.model_dump(exclude={"path"})
+            ds["sha256"] = file_sha256(Path(job.dataset.path))
+            tree = {"lora": job.lora.model_dump(mode="json"), "optimizer": job.optimizer.model_dump(mode="json"),
+                    "global_batch_size": job.global_batch_size, "dataset": ds}
+            flat = _flatten(tree)
+            # (paths by name only: a run directory that moved with its data still resumes)
+            flat.update({"(run) seed": cfg.seed, "(run) model.dtype": cfg.model.dtype,
+                         "(run) model": Path(cfg.model.path).name if cfg.model.path else cfg.model.preset,
+                         "(run) tokenizer.type": cfg.tokenizer.type})
+            self._fingerprints[name] = flat
+        return self._fingerprints[name]
+
+    def _check_settings(self, name: str, path: Path, saved: dict | None) -> None:
+        if saved is None:  # a checkpoint written before settings were recorded
+            return
+        index = next(i for i, j in enumerate(self.cfg.jobs) if j.name == name)
+        now = self._settings(name)
+        for key in sorted(set(saved) | set(now)):
+            if saved.get(key) != now.get(key):
+                field = key.replace("(run) ", "") if key.startswith("(run) ") else \
+                    f"jobs.{index}.{key.replace('dataset.sha256', 'dataset.path')}"
+                what = "the data file's contents changed" if key == "dataset.sha256" else \
+                    f"the checkpoint has {saved.get(key)!r}, the config {now.get(key)!r}"
+                raise ConfigError(f"{self.cfg.source}: {field}: cannot resume job {name!r} from {path}: {what}; "
+                                  f"resuming would change its result (raising max_steps/num_epochs is allowed; "
+                                  f"otherwise use a new output_dir)")
 
     def _load_checkpoints(self) -> None:
         from lorafusion.layers import adapter_parameters
@@ -262,6 +297,7 @@ class Trainer:
             if path is None:
                 continue
             state, tensors = load_job_checkpoint(path)
+            self._check_settings(name, path, state.get("settings"))
             params = adapter_parameters(self.model, name)
             with torch.no_grad():
                 for k, p in params.items():
@@ -277,6 +313,27 @@ class Trainer:
             js.optimizer.paused = js.status == "diverged"
             self._saved_step[name] = js.steps
             self._stream_states[name] = state["stream"]
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file's bytes (1 MiB reads)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
 
 
 def remove_partial_outputs(out: Path) -> None:

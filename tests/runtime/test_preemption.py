@@ -112,3 +112,27 @@ def test_resume_after_jobs_finished_with_a_raised_max_steps_and_an_added_job(tmp
     keys = [(r["job"], r["step"]) for r in _rows(out)]
     assert sorted(keys) == sorted({*keys}) and len(keys) == 6 + 2 + 2
     assert summary["tokens"] == sum(j["tokens"] for j in summary["jobs"].values())
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda j: j["optimizer"].update(lr=3e-3), "jobs.0.optimizer.lr"),
+    (lambda j: j["lora"].update(lora_alpha=3.0), "jobs.0.lora.lora_alpha"),
+    (lambda j: j["lora"].update(use_rslora=True), "jobs.0.lora.use_rslora"),
+    (lambda j: j["lora"].update(r=8), "jobs.0.lora.r"),
+    (lambda j: Path(j["dataset"]["path"]).write_text(Path(j["dataset"]["path"]).read_text().replace("a", "b")),
+     "jobs.0.dataset.path"),
+    (None, "seed"),
+])
+def test_resume_refuses_a_changed_setting_naming_the_field(tmp_path, megatron_single, change, field):
+    from lorafusion.core.errors import ConfigError
+
+    jobs = _jobs(tmp_path, steps=2)
+    train_inprocess(write_run(tmp_path, jobs, out="o", capacity=1024))
+    jobs = [json.loads(json.dumps(j)) for j in jobs]
+    if change is not None:
+        change(jobs[0])
+    run = write_run(tmp_path, jobs, out="o", capacity=1024)
+    with pytest.raises(ConfigError) as e:
+        train_inprocess(run, ["seed=7"] if change is None else [], resume=True)
+    msg = str(e.value)
+    assert f": {field}: cannot resume job 'a'" in msg, msg
