@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import warnings
@@ -75,22 +76,46 @@ def cmd_export(args) -> int:
     from lorafusion.runtime.checkpoint import latest_checkpoint
     from lorafusion.runtime.export import write_dir_atomically
 
+    from lorafusion.core.errors import ConfigError
+
     src = Path(args.checkpoint)
-    if (src / "adapter" / "adapter_config.json").is_file():
-        adapter = src / "adapter"
+    out = Path(args.out)
+    if (out.exists() or out.is_symlink()) and not args.force:
+        raise ConfigError(f"{out}: --out already exists; choose another path or pass --force to replace it "
+                          f"(atomically, once the new export is complete)")
+    final = src / "adapters" / args.job
+    status = None
+    if (src / "summary.json").is_file():
+        try:
+            status = json.loads((src / "summary.json").read_text()).get("jobs", {}).get(args.job, {}).get("status")
+        except (json.JSONDecodeError, AttributeError):
+            status = None
+    if (src / "adapter" / "adapter_config.json").is_file():  # one checkpoint step directory
+        state = json.loads((src / "state.json").read_text()) if (src / "state.json").is_file() else {}
+        if state.get("job", args.job) != args.job:
+            raise ConfigError(f"{src}: is a checkpoint of job {state['job']!r}, not of --job {args.job!r}")
+        adapter, what = src / "adapter", f"checkpoint at step {state.get('step', '?')}"
+    elif (final / "adapter_config.json").is_file() and status in (None, "done", "diverged"):
+        adapter = final
+        what = "final adapter" if status != "diverged" else "last finite state (the job diverged)"
     elif (src / "checkpoints" / args.job).is_dir():
         ckpt = latest_checkpoint(src / "checkpoints" / args.job)
         if ckpt is None:
             raise MissingFileError(f"{src / 'checkpoints' / args.job}: no complete checkpoint")
-        adapter = ckpt / "adapter"
-    elif (src / "adapters" / args.job / "adapter_config.json").is_file():
-        adapter = src / "adapters" / args.job
+        adapter, what = ckpt / "adapter", f"latest checkpoint, step {int(ckpt.name.split('_')[-1])} (the job has " \
+                                          f"not finished)"
     else:
         raise MissingFileError(f"{src}: no checkpoint or adapter of job {args.job!r} (expected a run output_dir "
                                 f"or a checkpoints/<job>/step_N directory)")
     files = {p.name: (lambda dst, p=p: shutil.copyfile(p, dst)) for p in adapter.iterdir() if p.is_file()}
-    out = write_dir_atomically(args.out, files)
-    print(json.dumps({"job": args.job, "from": str(adapter), "to": str(out)}))
+    if out.is_file() or out.is_symlink():  # --force over a file: the complete new directory, then the swap
+        new = write_dir_atomically(out.parent / f".{out.name}.new", files)
+        out.unlink()
+        os.replace(new, out)
+    else:
+        out = write_dir_atomically(out, files)
+    print(f"exported {what} of job {args.job!r} to {out}", file=sys.stderr)
+    print(json.dumps({"job": args.job, "exported": what, "from": str(adapter), "to": str(out)}))
     return 0
 
 
@@ -109,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="export one job's adapter (PEFT format) from a run or checkpoint")
     e.add_argument("checkpoint")
     e.add_argument("--job", required=True)
-    e.add_argument("--out", required=True)
+    e.add_argument("--out", required=True, help="a new directory (an existing one is refused unless --force)")
+    e.add_argument("--force", action="store_true", help="replace an existing --out once the export is complete")
     return p
 
 

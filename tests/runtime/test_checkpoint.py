@@ -43,3 +43,42 @@ def test_checkpoint_resume_equals_uninterrupted_run(three_jobs, tmp_path, capsys
     capsys.readouterr()
     assert _export(str(tmp_path / "nothing"), "--job", "rev", "--out", str(tmp_path / "exp3")) == 2
     assert "no checkpoint or adapter of job 'rev'" in capsys.readouterr().err
+
+
+def test_export_returns_the_final_adapter_says_which_and_never_deletes(tmp_path, capsys, megatron_single):
+    from runtime_utils import job_dict, write_dataset
+
+    jobs = [job_dict("a", write_dataset(tmp_path / "a.jsonl", 1), r=4, steps=5, save_every=2),
+            job_dict("b", write_dataset(tmp_path / "b.jsonl", 2), r=4, steps=2)]
+    _, out = train_inprocess(write_run(tmp_path, jobs, out="run", capacity=1024))
+    final = (out / "adapters" / "a" / "adapter_model.safetensors").read_bytes()
+    step4 = (out / "checkpoints" / "a" / "step_000004" / "adapter" / "adapter_model.safetensors").read_bytes()
+    assert final != step4
+    capsys.readouterr()
+    assert _export(str(out), "--job", "a", "--out", str(tmp_path / "e1")) == 0
+    assert (tmp_path / "e1" / "adapter_model.safetensors").read_bytes() == final
+    assert "exported final adapter of job 'a'" in capsys.readouterr().err
+    # an unfinished job: its latest checkpoint, said so
+    summary = json.loads((out / "summary.json").read_text())
+    summary["jobs"]["a"]["status"] = "stopped"
+    (out / "summary.json").write_text(json.dumps(summary))
+    assert _export(str(out), "--job", "a", "--out", str(tmp_path / "e2")) == 0
+    assert (tmp_path / "e2" / "adapter_model.safetensors").read_bytes() == step4
+    assert "latest checkpoint, step 4" in capsys.readouterr().err
+    # an existing --out is refused and left as it was; --force replaces it
+    (tmp_path / "keep").mkdir()
+    (tmp_path / "keep" / "mine.txt").write_text("precious")
+    (tmp_path / "file.txt").write_text("precious")
+    for existing in ("keep", "file.txt"):
+        assert _export(str(out), "--job", "b", "--out", str(tmp_path / existing)) == 2
+        assert "already exists" in capsys.readouterr().err
+    assert (tmp_path / "keep" / "mine.txt").read_text() == "precious" and (tmp_path / "file.txt").is_file()
+    for existing in ("keep", "file.txt"):
+        assert _export(str(out), "--job", "b", "--out", str(tmp_path / existing), "--force") == 0
+        assert sorted(p.name for p in (tmp_path / existing).iterdir()) == ["adapter_config.json",
+                                                                          "adapter_model.safetensors"]
+    # a step directory of another job
+    capsys.readouterr()
+    assert _export(str(out / "checkpoints" / "a" / "step_000004"), "--job", "b", "--out", str(tmp_path / "e3")) == 2
+    assert "is a checkpoint of job 'a', not of --job 'b'" in capsys.readouterr().err
+    assert not (tmp_path / "e3").exists()
