@@ -100,7 +100,7 @@ class Trainer:
             return self._run(stops)
 
     def _run(self, stops) -> dict:
-        from lorafusion.runtime.metrics import MetricsWriter, Progress, cut_metrics
+        from lorafusion.runtime.metrics import MetricsWriter, Progress, cut_metrics, max_memory_gib
         from lorafusion.runtime.pipeline import run_chunk
 
         self._setup()
@@ -112,7 +112,7 @@ class Trainer:
                 cut_metrics(self.out / "metrics.jsonl", {n: js.steps for n, js in self.jobs.items()})
             metrics = MetricsWriter(self.out, tensorboard=cfg.logging.tensorboard)
             progress = Progress({n: js.stream.total_steps for n, js in self.jobs.items()},
-                                enabled=cfg.logging.progress)
+                                enabled=cfg.logging.progress, log_every=cfg.logging.log_every)
         optimizers = {n: js.optimizer for n, js in self.jobs.items()}
         order = list(self.jobs)
         t_start = time.perf_counter()
@@ -130,6 +130,7 @@ class Trainer:
                 totals = self.timers.reset()  # every chunk: resolves (and frees) its timing events
                 if cfg.parallelism.pp > 1 and (b := self.timers.bubble(totals)) is not None:
                     bubbles.append(b)
+                mem_gib = max_memory_gib()
                 self._stream_states.update({n: s for n, s in chunk.stream_states.items()
                                             if self.jobs[n].status != "diverged"})
                 for st in sorted(res["steps"], key=lambda r: (r["key"][1], order.index(r["key"][0]))):
@@ -149,8 +150,11 @@ class Trainer:
                     if self.is_logger:
                         metrics.log_step({"job": name, "step": js.steps, "loss": st["loss"], "tokens": st["tokens"],
                                           "lr": st["lr"], "grad_norm": st["grad_norm"], "skipped": not finite,
+                                          "tokens_per_s": round(total_tokens / max(1e-9, time.perf_counter() - t_start),
+                                                                1),
+                                          "max_memory_gib": round(mem_gib, 4),
                                           "elapsed_s": round(time.perf_counter() - t_start, 4)})
-                        progress.update(name, js.steps, js.last_loss, st["tokens"])
+                        progress.update(name, js.steps, js.last_loss, st["tokens"], st["lr"])
                         if not finite:
                             progress.log(f"job {name}: step {js.steps} skipped (loss {st['loss']}, grad norm "
                                          f"{st['grad_norm']}): {js.nonfinite} non-finite in a row, paused at "
