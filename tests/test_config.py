@@ -281,3 +281,22 @@ def test_yaml_exponent_floats_are_numbers(in_tmp):
     assert "lr: 1e-4" in text
     make_tree(in_tmp, job_text=text)
     assert load_run_config("run.yaml").jobs[0].optimizer.lr == 1e-4
+
+
+@pytest.mark.parametrize("field, text", [
+    ("optimizer.lr", ".inf"), ("lora.lora_alpha", ".inf"), ("lora.lora_dropout", ".nan"),
+    ("optimizer.weight_decay", ".nan"), ("optimizer.eps", ".inf"), ("optimizer.max_grad_norm", ".inf"),
+    ("optimizer.min_lr_ratio", ".nan"), ("optimizer.betas", "[.nan, 0.9]"),
+])
+def test_non_finite_floats_are_rejected_in_job_fields(in_tmp, field, text):
+    make_tree(in_tmp)
+    section, key = field.split(".")
+    msg = _error(Path("run.yaml"), [f"jobs.0.{field}={text}"])
+    assert f"{section}." in msg and key.split("_")[0] in msg and "finite" in msg, msg
+
+
+@pytest.mark.parametrize("field", ["scheduler.milp_time_limit_s", "checkpoint.every_minutes"])
+def test_non_finite_floats_are_rejected_in_run_fields(in_tmp, field):
+    make_tree(in_tmp)
+    msg = _error(Path("run.yaml"), [f"{field}=.inf"])
+    assert field in msg and "finite" in msg, msg

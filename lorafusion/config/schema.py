@@ -41,7 +41,8 @@ def _betas(v: Any) -> Any:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, validate_default=False)
+    # allow_inf_nan=False: .inf and .nan are rejected in every float field (a NaN lr or alpha trains nothing)
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=False, allow_inf_nan=False)
 
 
 class ModelConfig(_Strict):
@@ -171,7 +172,7 @@ class CheckpointConfig(_Strict):
     chunk boundary) and at the end; a stop signal (SIGTERM, SIGUSR1, SIGINT) checkpoints every job too.
     ``keep_last``: complete checkpoints kept per job (older ones are removed)."""
 
-    every_minutes: float = Field(30.0, gt=0, allow_inf_nan=False)
+    every_minutes: float = Field(30.0, gt=0)
     keep_last: int = Field(3, ge=1)
 
 
