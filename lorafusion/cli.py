@@ -32,7 +32,8 @@ def cmd_train(args) -> int:
     try:
         summary = trainer.run()
     except BaseException:
-        remove_partial_outputs(Path(cfg.output_dir))
+        if trainer.owns_output_dir:  # never touch the files of another run that holds the directory
+            remove_partial_outputs(Path(cfg.output_dir))
         raise
     if trainer.is_logger:
         if summary["status"] == "stopped":

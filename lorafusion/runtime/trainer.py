@@ -34,6 +34,7 @@ class Trainer:
         self.resume = resume
         self.background_planning = background_planning
         self.out = Path(cfg.output_dir)
+        self.owns_output_dir = False  # this process holds output_dir's lock (so may clean it up after a failure)
         self._fingerprints: dict[str, dict] = {}
         self._saved_step: dict[str, int] = {}  # job -> step of its newest checkpoint
         self._stream_states: dict[str, dict] = {}  # job -> stream state at the newest chunk boundary
@@ -46,6 +47,45 @@ class Trainer:
         if taken:
             raise ConfigError(f"{self.cfg.source}: output_dir: {self.out} already holds a run ({', '.join(taken)}); "
                               f"choose another output_dir or resume it with --resume")
+
+    def _lock_output_dir(self) -> None:
+        """One run per output_dir: global rank 0 holds an exclusive ``flock`` on ``OUTPUT_DIR/.lock`` until the
+        process ends (released by the OS even after a crash); every rank learns whether it got it."""
+        import fcntl
+        import os
+
+        import torch.distributed as dist
+
+        holder = ""
+        if self.is_logger:
+            self.out.mkdir(parents=True, exist_ok=True)
+            path = self.out / ".lock"
+            self._lock = path.open("a+")
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self.owns_output_dir = True
+                self._lock.seek(0)
+                self._lock.truncate()
+                self._lock.write(f"{os.getpid()}\n")
+                self._lock.flush()
+            except BlockingIOError:
+                self._lock.seek(0)
+                holder = self._lock.read().strip() or "?"
+                self._lock.close()
+                self._lock = None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            box = [holder]
+            dist.broadcast_object_list(box, src=0)
+            holder = box[0]
+        if holder:
+            raise ConfigError(f"{self.cfg.source}: output_dir: {self.out} is in use by another lorafusion train "
+                              f"(pid {holder}); wait for it to end or choose another output_dir")
+
+    def release(self) -> None:
+        """Release the output_dir lock (the end of the process releases it too)."""
+        if getattr(self, "_lock", None) is not None:
+            self._lock.close()
+            self._lock = None
 
     def _setup(self) -> None:
         from megatron.core import parallel_state
@@ -63,6 +103,7 @@ class Trainer:
         self.tokenizer, self.jobs = load_jobs(cfg)
         info = init_distributed(cfg.parallelism.tp, cfg.parallelism.pp, seed=cfg.seed)
         self.is_logger = info["rank"] == 0
+        self._lock_output_dir()
         dp_rank = parallel_state.get_data_parallel_rank()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         ckpt = None
@@ -96,8 +137,11 @@ class Trainer:
     def run(self) -> dict:
         from lorafusion.runtime.control import StopSignals
 
-        with StopSignals() as stops:
-            return self._run(stops)
+        try:
+            with StopSignals() as stops:
+                return self._run(stops)
+        finally:
+            self.release()
 
     def _run(self, stops) -> dict:
         from lorafusion.runtime.metrics import MetricsWriter, Progress, cut_metrics, max_memory_gib

@@ -118,3 +118,26 @@ def test_resume_flag_goes_anywhere_on_the_command_line(tmp_path, capsys, monkeyp
     run = write_run(tmp_path, [job_dict("a", write_dataset(tmp_path / "a.jsonl", 1), r=4)], out="never")
     assert _main("train", str(run), "--resume", "parallelism.tp=2", "seed=3") == 2
     assert "tp*pp*dp = 2*1*1 = 2" in capsys.readouterr().err
+
+
+def test_one_run_per_output_dir(tmp_path, capsys, megatron_single):
+    """While a run holds output_dir (its lock), a second one is refused with a clear error and touches nothing."""
+    import fcntl
+
+    from runtime_utils import job_dict, write_dataset
+
+    run = write_run(tmp_path, [job_dict("a", write_dataset(tmp_path / "a.jsonl", 1), r=4, steps=2)], out="o")
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / ".step_000001.tmp").mkdir()  # the holder's work in progress
+    with open(tmp_path / "o" / ".lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("4242\n")
+        held.flush()
+        assert _main("train", str(run), "--resume") == 2
+        assert "is in use by another lorafusion train (pid 4242)" in capsys.readouterr().err
+        assert (tmp_path / "o" / ".step_000001.tmp").is_dir()
+        assert not (tmp_path / "o" / "metrics.jsonl").exists()
+    from runtime_utils import train_inprocess  # (in-process: cmd_train would tear the session's process group down)
+
+    summary, _ = train_inprocess(run, resume=True)  # released: the run goes ahead
+    assert summary["jobs"]["a"]["status"] == "done"
