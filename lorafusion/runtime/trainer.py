@@ -338,13 +338,25 @@ class Trainer:
 
     def _load_checkpoints(self) -> None:
         from lorafusion.layers import adapter_parameters
-        from lorafusion.runtime.checkpoint import latest_checkpoint, load_job_checkpoint
+        import torch.distributed as dist
+
+        from lorafusion.core.errors import MissingFileError
+        from lorafusion.runtime.checkpoint import load_newest_usable
 
         for name, js in self.jobs.items():
-            path = latest_checkpoint(self.out / "checkpoints" / name)
+            path, state, tensors, skipped = load_newest_usable(self.out / "checkpoints" / name)
+            if dist.is_initialized() and dist.get_world_size() > 1:  # every rank must resume the same step
+                steps = [None] * dist.get_world_size()
+                dist.all_gather_object(steps, None if path is None else path.name)
+                if len(set(steps)) > 1:
+                    raise MissingFileError(f"{self.out / 'checkpoints' / name}: ranks found different usable "
+                                           f"checkpoints ({sorted(set(map(str, steps)))}); a checkpoint is damaged")
             if path is None:
                 continue
-            state, tensors = load_job_checkpoint(path)
+            if skipped and self.is_logger:
+                for bad, why in skipped:
+                    print(f"job {name}: checkpoint {bad} is not usable ({why}); falling back", flush=True)
+                print(f"job {name}: resuming from {path}", flush=True)
             self._check_settings(name, path, state.get("settings"))
             params = adapter_parameters(self.model, name)
             with torch.no_grad():
