@@ -67,7 +67,8 @@ def cmd_plan(args) -> int:
     for w in res["windows"]:
         print(f"{w['window']:>6} {len(w['jobs']):>4} {w['microbatches']:>5} {w['noops']:>5} {w['fill']:>6.3f} "
               f"{w['imbalance'] or 0:>6.3f} {w['simulated_bubble']:>7.3f} {w['plan_s']:>7.3f}")
-    print(f"tables and charts in {res['dir']} (plan.jsonl, windows.json, gantt.png, packing.png)")
+    charts = "" if any(f.endswith(".png") for f in res["files"]) else " (no chunk planned: no charts)"
+    print(f"written to {res['dir']}: {', '.join(res['files'])}{charts}")
     return 0
 
 
@@ -120,6 +121,16 @@ def cmd_export(args) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lorafusion", description="Train many LoRA adapters of one base model at once.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -130,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="schedule a run's data and draw the plan (no model)")
     pl.add_argument("config")
     pl.add_argument("overrides", nargs="*")
-    pl.add_argument("--windows", type=int, default=20, help="how many windows (one global batch per job) to plan")
+    pl.add_argument("--windows", type=_positive_int, default=20,
+                    help="how many windows (chunks of scheduler.lookahead_batches global batches per job) to plan")
     pl.add_argument("--out", help="directory for tables and charts (default OUTPUT_DIR/plan)")
     e = sub.add_parser("export", help="export one job's adapter (PEFT format) from a run or checkpoint")
     e.add_argument("checkpoint")

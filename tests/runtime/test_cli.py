@@ -44,7 +44,15 @@ def test_plan_command_writes_tables_and_charts(three_jobs, tmp_path, capsys):
     assert _main("plan", str(tmp / "run.yaml"), "--out", str(tmp_path / "plan"), "--windows", "2") == 0
     for f in ("plan.jsonl", "windows.json", "gantt.png", "packing.png"):
         assert (tmp_path / "plan" / f).stat().st_size > 0
-    assert "tables and charts in" in capsys.readouterr().out
+    assert "gantt.png, packing.png" in capsys.readouterr().out
+
+
+def test_plan_windows_must_be_positive(three_jobs, tmp_path, capsys):
+    tmp, *_ = three_jobs
+    with pytest.raises(SystemExit) as e:
+        _main("plan", str(tmp / "run.yaml"), "--out", str(tmp_path / "plan"), "--windows", "0")
+    assert e.value.code == 2 and "--windows: expected a positive integer, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "plan").exists()
 
 
 def test_internal_errors_keep_their_traceback(monkeypatch, capsys):
