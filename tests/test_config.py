@@ -300,3 +300,19 @@ def test_non_finite_floats_are_rejected_in_run_fields(in_tmp, field):
     make_tree(in_tmp)
     msg = _error(Path("run.yaml"), [f"{field}=.inf"])
     assert field in msg and "finite" in msg, msg
+
+
+def test_model_path_without_tokenizer_uses_its_tokenizer_or_one_clear_error(in_tmp):
+    """Never byte ids on a real model's vocabulary: the directory's tokenizer files, else an error naming it."""
+    run = make_tree(in_tmp, run_edits=[("model", {"path": "hf", "dtype": "float32"}), ("tokenizer", DEL)])
+    (in_tmp / "hf").mkdir()
+    (in_tmp / "hf" / "config.json").write_text("{}")
+    msg = _error(run)
+    assert "run.yaml: tokenizer: model.path" in msg and "has no tokenizer files" in msg, msg
+    (in_tmp / "hf" / "tokenizer.json").write_text("{}")
+    cfg = load_run_config(run)
+    assert cfg.tokenizer.type == "hf" and cfg.tokenizer.path is None
+    (in_tmp / "hf" / "tokenizer.json").unlink()
+    (in_tmp / "hf" / "tokenizer.model").write_bytes(b"")
+    cfg = load_run_config(run)
+    assert cfg.tokenizer.type == "sentencepiece" and Path(cfg.tokenizer.path) == (in_tmp / "hf" / "tokenizer.model").resolve()

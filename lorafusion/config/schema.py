@@ -196,6 +196,17 @@ class RunConfig(_Strict):
                 raise ValueError(f"jobs: duplicate job name {job.name!r} (jobs {seen[job.name]} and {i}); "
                                  f"expected unique names")
             seen[job.name] = i
+        if "tokenizer" not in self.model_fields_set and self.model.path is not None:
+            # a real model without a tokenizer section: its own tokenizer files, never byte ids on its vocabulary
+            d = Path(self.model.path)
+            if (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file() or not d.is_dir():
+                self.tokenizer = TokenizerConfig(type="hf")
+            elif (d / "tokenizer.model").is_file():
+                self.tokenizer = TokenizerConfig(type="sentencepiece", path=str(d / "tokenizer.model"))
+            else:
+                raise ValueError(f"tokenizer: model.path {self.model.path} has no tokenizer files (tokenizer.json, "
+                                 f"tokenizer_config.json or tokenizer.model); add a tokenizer section (type hf "
+                                 f"with a path, or sentencepiece)")
         if self.tokenizer.type == "hf" and self.tokenizer.path is None and self.model.path is None:
             raise ValueError("tokenizer.path: expected a HF tokenizer directory (required when model.path "
                              "is not set)")
