@@ -43,7 +43,10 @@ class Trainer:
     def _check_output_dir(self) -> None:
         if self.resume or not self.out.exists():
             return
-        taken = [n for n in ("metrics.jsonl", "checkpoints", "adapters", "summary.json") if (self.out / n).exists()]
+        # what a failed run leaves before its first checkpoint (metrics rows, tensorboard, the lock) holds nothing
+        # to keep: such a directory may be trained again from scratch
+        taken = [n for n in ("checkpoints", "adapters", "summary.json")
+                 if (self.out / n).exists() and not ((self.out / n).is_dir() and not any((self.out / n).iterdir()))]
         if taken:
             raise ConfigError(f"{self.cfg.source}: output_dir: {self.out} already holds a run ({', '.join(taken)}); "
                               f"choose another output_dir or resume it with --resume")
@@ -154,6 +157,8 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             if self.resume:  # rows after each job's checkpoint are trained again: drop them, never repeat them
                 cut_metrics(self.out / "metrics.jsonl", {n: js.steps for n, js in self.jobs.items()})
+            else:  # a fresh run (the directory held at most a failed run's rows, see _check_output_dir)
+                (self.out / "metrics.jsonl").unlink(missing_ok=True)
             metrics = MetricsWriter(self.out, tensorboard=cfg.logging.tensorboard)
             progress = Progress({n: js.stream.total_steps for n, js in self.jobs.items()},
                                 enabled=cfg.logging.progress, log_every=cfg.logging.log_every)

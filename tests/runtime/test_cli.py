@@ -1,6 +1,7 @@
 """The command line: user errors are one line (exit 2) and write nothing; bugs keep their traceback;
 `lorafusion plan` writes its tables and charts."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,16 @@ def test_one_run_per_output_dir(tmp_path, capsys, megatron_single):
 
     summary, _ = train_inprocess(run, resume=True)  # released: the run goes ahead
     assert summary["jobs"]["a"]["status"] == "done"
+
+
+def test_a_run_that_failed_before_any_checkpoint_can_be_run_again(tmp_path, megatron_single):
+    from runtime_utils import job_dict, train_inprocess, write_dataset
+
+    run = write_run(tmp_path, [job_dict("a", write_dataset(tmp_path / "a.jsonl", 1), r=4, steps=2)], out="o")
+    (tmp_path / "o" / "checkpoints").mkdir(parents=True)  # what a failed run leaves behind
+    (tmp_path / "o" / "tensorboard").mkdir()
+    (tmp_path / "o" / "metrics.jsonl").write_text('{"job": "a", "step": 1, "loss": 9.0}\n')
+    summary, out = train_inprocess(run)
+    assert summary["jobs"]["a"]["status"] == "done"
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["loss"] != 9.0
