@@ -255,7 +255,7 @@ def test_quickstart_config_loads():
     assert sorted(j.lora.r for j in cfg.jobs) == [8, 16, 32]
     assert cfg.model.preset == "tiny-llama" and cfg.model.dtype == "float32" and cfg.tokenizer.type == "byte"
     assert (cfg.parallelism.tp, cfg.parallelism.pp, cfg.parallelism.dp) == (1, 1, 1)
-    assert cfg.kernels == "auto" and cfg.output_dir == "outputs/quickstart"
+    assert cfg.kernels == "auto" and Path(cfg.output_dir) == ROOT / "outputs" / "quickstart"
     assert cfg.scheduler.token_capacity == 1024
     assert {j.dataset.format for j in cfg.jobs} >= {"prompt_response", "chat"}
     for j in cfg.jobs:
@@ -316,3 +316,13 @@ def test_model_path_without_tokenizer_uses_its_tokenizer_or_one_clear_error(in_t
     (in_tmp / "hf" / "tokenizer.model").write_bytes(b"")
     cfg = load_run_config(run)
     assert cfg.tokenizer.type == "sentencepiece" and Path(cfg.tokenizer.path) == (in_tmp / "hf" / "tokenizer.model").resolve()
+
+
+def test_relative_output_dir_resolves_against_the_yaml_and_overrides_against_the_cwd(in_tmp, tmp_path_factory,
+                                                                                        monkeypatch):
+    make_tree(in_tmp)
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    monkeypatch.chdir(elsewhere)
+    assert Path(load_run_config(in_tmp / "run.yaml").output_dir) == (in_tmp / "out").resolve()
+    assert Path(load_run_config(in_tmp / "run.yaml", ["output_dir=o2"]).output_dir).resolve() == \
+        (elsewhere / "o2").resolve()
