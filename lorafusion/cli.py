@@ -6,6 +6,7 @@ any other exception is a bug and shows its traceback."""
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import shutil
@@ -16,6 +17,10 @@ from pathlib import Path
 # megatron-core warns at import that Apex / Transformer Engine are absent; the local paths are intended.
 warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*")
 
+
+
+_ENVIRONMENT_ERRNOS = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM,
+                       errno.ENOTDIR, errno.EISDIR, errno.EEXIST}
 
 
 def _load(args):
@@ -165,6 +170,17 @@ def main(argv: list[str] | None = None) -> int:
         return handler(args)
     except UserError as e:  # the user's input (config, data, files, launch): one line; bugs keep their traceback
         print(f"lorafusion {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.errno not in _ENVIRONMENT_ERRNOS:
+            raise
+        # the machine, not the program: a read-only or full disk, a file size limit, a file where a directory
+        # should be. Checkpoints and exports are written whole or not at all, so nothing complete is lost.
+        where = f" {e.filename}" if e.filename else ""
+        code = errno.errorcode.get(e.errno, e.errno)
+        print(f"lorafusion {args.cmd}: error: cannot write{where}: {e.strerror or e} ({code}); "
+              f"complete checkpoints and exports are intact — fix it and run again (train: --resume continues)",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a second Ctrl-C (the first one checkpoints and stops cleanly)
         print(f"lorafusion {args.cmd}: interrupted", file=sys.stderr)

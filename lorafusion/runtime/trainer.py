@@ -102,6 +102,9 @@ class Trainer:
 
         cfg = self.cfg
         cfg.check_world_size()
+        if cfg.kernels == "fused" and not torch.cuda.is_available():
+            raise ConfigError(f"{cfg.source}: kernels: fused needs a CUDA GPU (Triton kernels); this machine has "
+                              f"none — use auto (fused on CUDA, reference elsewhere) or reference")
         self._check_output_dir()
         self.tokenizer, self.jobs = load_jobs(cfg)
         info = init_distributed(cfg.parallelism.tp, cfg.parallelism.pp, seed=cfg.seed)

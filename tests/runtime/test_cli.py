@@ -163,3 +163,33 @@ def test_a_run_that_failed_before_any_checkpoint_can_be_run_again(tmp_path, mega
     assert summary["jobs"]["a"]["status"] == "done"
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["loss"] != 9.0
+
+
+def test_filesystem_and_environment_errors_are_one_line(tmp_path, capsys, megatron_single, monkeypatch):
+    import errno
+
+    from runtime_utils import job_dict, write_dataset
+
+    run = write_run(tmp_path, [job_dict("a", write_dataset(tmp_path / "a.jsonl", 1), r=4, steps=2)], out="o")
+    (tmp_path / "afile").write_text("x")
+    assert _main("train", str(run), f"output_dir={tmp_path / 'afile'}") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot write {tmp_path / 'afile'}" in err and "Traceback" not in err, err
+    assert (tmp_path / "afile").read_text() == "x"
+    # a full disk while the run writes its metrics
+    from lorafusion.runtime import metrics
+
+    def full(self, record):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+
+    monkeypatch.setattr(metrics.MetricsWriter, "log_step", full)
+    assert _main("train", str(run)) == 2
+    err = capsys.readouterr().err
+    assert "metrics.jsonl: No space left on device (ENOSPC)" in err and err.count("\n") == 1, err
+    monkeypatch.undo()
+    import torch
+
+    if not torch.cuda.is_available():  # no GPU for the fused kernels
+        assert _main("train", str(run), "kernels=fused", f"output_dir={tmp_path / 'o2'}") == 2
+        assert "kernels: fused needs a CUDA GPU" in capsys.readouterr().err
+        assert not (tmp_path / "o2").exists()
