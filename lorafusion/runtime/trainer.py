@@ -194,6 +194,9 @@ class Trainer:
                     js.tokens += st["tokens"]
                     total_tokens += st["tokens"]
                     finite = math.isfinite(st["loss"]) and math.isfinite(st["grad_norm"])
+                    # the device skipped the update iff the gradient norm was not finite (a non-finite loss
+                    # back-propagates into the gradients); either one counts towards divergence
+                    skipped = not math.isfinite(st["grad_norm"])
                     js.nonfinite = 0 if finite else js.nonfinite + 1
                     if finite:
                         js.last_loss = st["loss"]
@@ -201,16 +204,16 @@ class Trainer:
                             js.first_loss = st["loss"]
                     if self.is_logger:
                         metrics.log_step({"job": name, "step": js.steps, "loss": st["loss"], "tokens": st["tokens"],
-                                          "lr": st["lr"], "grad_norm": st["grad_norm"], "skipped": not finite,
+                                          "lr": st["lr"], "grad_norm": st["grad_norm"], "skipped": skipped,
                                           "tokens_per_s": round(total_tokens / max(1e-9, time.perf_counter() - t_start),
                                                                 1),
                                           "max_memory_gib": round(mem_gib, 4),
                                           "elapsed_s": round(time.perf_counter() - t_start, 4)})
                         progress.update(name, js.steps, js.last_loss, st["tokens"], st["lr"])
                         if not finite:
-                            progress.log(f"job {name}: step {js.steps} skipped (loss {st['loss']}, grad norm "
-                                         f"{st['grad_norm']}): {js.nonfinite} non-finite in a row, paused at "
-                                         f"{js.cfg.max_nonfinite_steps}")
+                            progress.log(f"job {name}: step {js.steps} not finite (loss {st['loss']}, grad norm "
+                                         f"{st['grad_norm']}){', update skipped' if skipped else ''}: "
+                                         f"{js.nonfinite} in a row, paused at {js.cfg.max_nonfinite_steps}")
                     if js.nonfinite >= js.cfg.max_nonfinite_steps:
                         self._pause_diverged(name, progress)
                 self._save_due_checkpoints(chunk)
