@@ -255,7 +255,7 @@ def test_quickstart_config_loads():
     assert sorted(j.lora.r for j in cfg.jobs) == [8, 16, 32]
     assert cfg.model.preset == "tiny-llama" and cfg.model.dtype == "float32" and cfg.tokenizer.type == "byte"
     assert (cfg.parallelism.tp, cfg.parallelism.pp, cfg.parallelism.dp) == (1, 1, 1)
-    assert cfg.kernels == "auto" and cfg.output_dir == "outputs/quickstart"
+    assert cfg.kernels == "auto" and Path(cfg.output_dir) == ROOT / "outputs" / "quickstart"
     assert cfg.scheduler.token_capacity == 1024
     assert {j.dataset.format for j in cfg.jobs} >= {"prompt_response", "chat"}
     for j in cfg.jobs:
@@ -281,3 +281,48 @@ def test_yaml_exponent_floats_are_numbers(in_tmp):
     assert "lr: 1e-4" in text
     make_tree(in_tmp, job_text=text)
     assert load_run_config("run.yaml").jobs[0].optimizer.lr == 1e-4
+
+
+@pytest.mark.parametrize("field, text", [
+    ("optimizer.lr", ".inf"), ("lora.lora_alpha", ".inf"), ("lora.lora_dropout", ".nan"),
+    ("optimizer.weight_decay", ".nan"), ("optimizer.eps", ".inf"), ("optimizer.max_grad_norm", ".inf"),
+    ("optimizer.min_lr_ratio", ".nan"), ("optimizer.betas", "[.nan, 0.9]"),
+])
+def test_non_finite_floats_are_rejected_in_job_fields(in_tmp, field, text):
+    make_tree(in_tmp)
+    section, key = field.split(".")
+    msg = _error(Path("run.yaml"), [f"jobs.0.{field}={text}"])
+    assert f"{section}." in msg and key.split("_")[0] in msg and "finite" in msg, msg
+
+
+@pytest.mark.parametrize("field", ["scheduler.milp_time_limit_s", "checkpoint.every_minutes"])
+def test_non_finite_floats_are_rejected_in_run_fields(in_tmp, field):
+    make_tree(in_tmp)
+    msg = _error(Path("run.yaml"), [f"{field}=.inf"])
+    assert field in msg and "finite" in msg, msg
+
+
+def test_model_path_without_tokenizer_uses_its_tokenizer_or_one_clear_error(in_tmp):
+    """Never byte ids on a real model's vocabulary: the directory's tokenizer files, else an error naming it."""
+    run = make_tree(in_tmp, run_edits=[("model", {"path": "hf", "dtype": "float32"}), ("tokenizer", DEL)])
+    (in_tmp / "hf").mkdir()
+    (in_tmp / "hf" / "config.json").write_text("{}")
+    msg = _error(run)
+    assert "run.yaml: tokenizer: model.path" in msg and "has no tokenizer files" in msg, msg
+    (in_tmp / "hf" / "tokenizer.json").write_text("{}")
+    cfg = load_run_config(run)
+    assert cfg.tokenizer.type == "hf" and cfg.tokenizer.path is None
+    (in_tmp / "hf" / "tokenizer.json").unlink()
+    (in_tmp / "hf" / "tokenizer.model").write_bytes(b"")
+    cfg = load_run_config(run)
+    assert cfg.tokenizer.type == "sentencepiece" and Path(cfg.tokenizer.path) == (in_tmp / "hf" / "tokenizer.model").resolve()
+
+
+def test_relative_output_dir_resolves_against_the_yaml_and_overrides_against_the_cwd(in_tmp, tmp_path_factory,
+                                                                                        monkeypatch):
+    make_tree(in_tmp)
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    monkeypatch.chdir(elsewhere)
+    assert Path(load_run_config(in_tmp / "run.yaml").output_dir) == (in_tmp / "out").resolve()
+    assert Path(load_run_config(in_tmp / "run.yaml", ["output_dir=o2"]).output_dir).resolve() == \
+        (elsewhere / "o2").resolve()

@@ -1,8 +1,8 @@
 """Reading run and job YAMLs: the only place YAML is parsed.
 
 A **run YAML** lists its jobs as paths of **job YAMLs** (relative to the run YAML's directory) and/or inline
-job mappings. Relative ``dataset.path`` / ``model.path`` / ``tokenizer.path`` are resolved against the
-directory of the YAML file that contains them and stored absolute.
+job mappings. Relative ``dataset.path`` / ``model.path`` / ``tokenizer.path`` / ``output_dir`` are resolved
+against the directory of the YAML file that contains them and stored absolute.
 
 Every problem is reported as one :class:`ConfigError` whose message names the file, the dotted field path
 and what was expected, e.g. ``configs/quickstart/reverse.yaml: lora.r: expected an integer > 0, got 0``
@@ -230,6 +230,8 @@ def _resolve_job_paths(job: Any, base: Path) -> None:
 
 
 def _resolve_run_paths(raw: dict, base: Path) -> None:
+    if isinstance(raw.get("output_dir"), str):  # the same rule as every other path in a YAML
+        raw["output_dir"] = _resolve_path(raw["output_dir"], base)
     for section in ("model", "tokenizer"):
         if isinstance(raw.get(section), dict) and "path" in raw[section]:
             raw[section]["path"] = _resolve_path(raw[section]["path"], base)

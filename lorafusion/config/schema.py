@@ -41,7 +41,8 @@ def _betas(v: Any) -> Any:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, validate_default=False)
+    # allow_inf_nan=False: .inf and .nan are rejected in every float field (a NaN lr or alpha trains nothing)
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=False, allow_inf_nan=False)
 
 
 class ModelConfig(_Strict):
@@ -144,6 +145,9 @@ class JobConfig(_Strict):
     num_epochs: int | None = Field(None, ge=1)
     save_every: int | None = Field(None, ge=1)
     priority: int = 0
+    # steps in a row whose loss or gradient norm is not finite (each one skipped) before the job is paused as
+    # diverged
+    max_nonfinite_steps: int = Field(3, ge=1)
 
     @field_validator("name")
     @classmethod
@@ -163,6 +167,15 @@ class LoggingConfig(_Strict):
     log_every: int = Field(1, ge=1)
 
 
+class CheckpointConfig(_Strict):
+    """When jobs without ``save_every`` are checkpointed: every ``every_minutes`` of training (all jobs at one
+    chunk boundary) and at the end; a stop signal (SIGTERM, SIGUSR1, SIGINT) checkpoints every job too.
+    ``keep_last``: complete checkpoints kept per job (older ones are removed)."""
+
+    every_minutes: float = Field(30.0, gt=0)
+    keep_last: int = Field(3, ge=1)
+
+
 class RunConfig(_Strict):
     model: ModelConfig
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
@@ -173,6 +186,7 @@ class RunConfig(_Strict):
     output_dir: str
     seed: int = Field(1234, ge=0)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
 
     @model_validator(mode="after")
     def _cross(self):
@@ -182,6 +196,17 @@ class RunConfig(_Strict):
                 raise ValueError(f"jobs: duplicate job name {job.name!r} (jobs {seen[job.name]} and {i}); "
                                  f"expected unique names")
             seen[job.name] = i
+        if "tokenizer" not in self.model_fields_set and self.model.path is not None:
+            # a real model without a tokenizer section: its own tokenizer files, never byte ids on its vocabulary
+            d = Path(self.model.path)
+            if (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file() or not d.is_dir():
+                self.tokenizer = TokenizerConfig(type="hf")
+            elif (d / "tokenizer.model").is_file():
+                self.tokenizer = TokenizerConfig(type="sentencepiece", path=str(d / "tokenizer.model"))
+            else:
+                raise ValueError(f"tokenizer: model.path {self.model.path} has no tokenizer files (tokenizer.json, "
+                                 f"tokenizer_config.json or tokenizer.model); add a tokenizer section (type hf "
+                                 f"with a path, or sentencepiece)")
         if self.tokenizer.type == "hf" and self.tokenizer.path is None and self.model.path is None:
             raise ValueError("tokenizer.path: expected a HF tokenizer directory (required when model.path "
                              "is not set)")

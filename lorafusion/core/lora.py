@@ -31,7 +31,7 @@ def check_adapter_name(name: Any, field: str | None = "adapter name") -> str:
 
 
 class LoRASpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_default=False)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_default=False, allow_inf_nan=False)
 
     r: int = Field(gt=0)
     lora_alpha: float = Field(gt=0)

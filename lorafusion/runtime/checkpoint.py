@@ -38,7 +38,7 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def save_job_checkpoint(job_dir: Path, step: int, *, adapter_params: dict[str, torch.Tensor], optimizer_state: dict,
-                        state: dict, write_adapter) -> Path | None:
+                        state: dict, write_adapter, keep_last: int | None = None) -> Path | None:
     """Collective over all ranks. ``write_adapter(dir)`` exports the PEFT adapter (collective, rank 0 writes)."""
     job_dir = Path(job_dir)
     final = job_dir / f"step_{step:06d}"
@@ -67,8 +67,21 @@ def save_job_checkpoint(job_dir: Path, step: int, *, adapter_params: dict[str, t
             shutil.rmtree(final)
         os.replace(tmp, final)
         write_text_atomic(job_dir / "latest", final.name + "\n")
+        if keep_last:
+            prune_checkpoints(job_dir, keep_last)
     _barrier()
     return final if rank0 else None
+
+
+def prune_checkpoints(job_dir: Path, keep_last: int) -> None:
+    """Remove all but the newest ``keep_last`` complete ``step_*`` directories (never the one ``latest`` names)."""
+    job_dir = Path(job_dir)
+    pointer = job_dir / "latest"
+    current = pointer.read_text().strip() if pointer.is_file() else None
+    steps = sorted(p for p in job_dir.glob("step_*") if p.is_dir() and (p / "state.json").is_file())
+    for p in steps[:-keep_last]:
+        if p.name != current:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def latest_checkpoint(job_dir: Path) -> Path | None:
@@ -81,12 +94,48 @@ def latest_checkpoint(job_dir: Path) -> Path | None:
     return path
 
 
+def load_newest_usable(job_dir: Path) -> tuple[Path | None, dict | None, dict | None, list[tuple[Path, str]]]:
+    """The newest checkpoint of a job that loads: ``latest`` first, then the ``step_*`` directories newest
+    first. Returns (path, state, tensors, [(skipped path, why)]); path None when there is no checkpoint."""
+    job_dir = Path(job_dir)
+    pointer = job_dir / "latest"
+    candidates: list[Path] = []
+    if pointer.is_file():
+        try:
+            candidates.append(job_dir / pointer.read_text().strip())
+        except (OSError, UnicodeDecodeError):
+            pass
+    candidates += [p for p in sorted(job_dir.glob("step_*"), reverse=True) if p not in candidates]
+    skipped = []
+    for path in candidates:
+        try:
+            if not (path / "state.json").is_file():
+                raise MissingFileError(f"{path / 'state.json'}: missing")
+            state, tensors = load_job_checkpoint(path)
+            return path, state, tensors, skipped
+        except (MissingFileError, OSError, ValueError, RuntimeError, EOFError, KeyError) as e:
+            skipped.append((path, str(e).splitlines()[0] if str(e) else type(e).__name__))
+    if skipped:
+        raise MissingFileError(f"{job_dir}: no usable checkpoint: " +
+                               "; ".join(f"{p.name}: {why}" for p, why in skipped))
+    return None, None, None, skipped
+
+
 def load_job_checkpoint(path: Path) -> tuple[dict, dict]:
     """(state.json contents, this rank's tensors: {"adapter": ..., "optimizer": ...})."""
     path = Path(path)
-    state = json.loads((path / "state.json").read_text())
+    try:
+        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MissingFileError(f"{path / 'state.json'}: not valid JSON ({e})") from None
     rank_file = path / _rank_file()
     if not rank_file.is_file():
-        raise MissingFileError(f"{rank_file}: missing — the checkpoint was written with a different "
-                                f"parallel layout ({state.get('layout')})")
-    return state, torch.load(rank_file, map_location="cpu", weights_only=False)
+        present = sorted(p.name for p in path.glob("rank_*.pt"))
+        why = (f"the checkpoint was written with another parallel layout ({state.get('layout')}; it has "
+               f"{', '.join(present)})" if present else "the checkpoint is incomplete")
+        raise MissingFileError(f"{rank_file}: missing — {why}")
+    try:
+        tensors = torch.load(rank_file, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - a truncated or garbled file, whatever torch raises for it
+        raise MissingFileError(f"{rank_file}: cannot be read ({type(e).__name__}: {e})") from None
+    return state, tensors

@@ -46,8 +46,10 @@ class JobState:
     optimizer: object = None
     steps: int = 0  # optimizer steps taken
     tokens: int = 0
-    last_loss: float = float("nan")
+    last_loss: float | None = None  # of the last finite step
     first_loss: float | None = None
+    status: str = "running"  # running | diverged (paused: no more batches, no more updates)
+    nonfinite: int = 0  # non-finite (skipped) steps in a row
 
 
 def load_jobs(cfg: RunConfig):
@@ -124,12 +126,24 @@ class Feed:
         self._ahead = _Ahead(self._prepare) if chunk is not None else None
         return chunk
 
+    def close(self) -> None:
+        """Wait for the chunk being prepared in the background (its plan broadcast is collective, so every
+        rank finishes it) and drop it. Call before stopping early."""
+        if self._ahead is not None:
+            try:
+                self._ahead.result()
+            except Exception:  # noqa: BLE001 - a chunk that will never run; its error does not matter
+                pass
+            self._ahead = None
+
     # ----------------------------------------------------------------------------------------- steps
     def _draw(self) -> dict[str, list[tuple[int, list[Sample]]]]:
         """The next ``lookahead_batches`` global batches of every unfinished job (advances the streams);
         the one place samples are looked up by id."""
         batches: dict[str, list[tuple[int, list[Sample]]]] = {}
         for name, js in self.jobs.items():
+            if js.status == "diverged":
+                continue
             for _ in range(self.sched.lookahead_batches):
                 index = js.stream.steps_done
                 ids = js.stream.next_global_batch()

@@ -72,6 +72,7 @@ class AdapterOptimizer:
             self.opt, lr_lambda(schedule, warmup_steps, total_steps, min_lr_ratio))
         self.max_grad_norm = max_grad_norm
         self._sq = self._work = None
+        self.paused = False  # a diverged job: its steps still take part in the collectives but change nothing
 
     @classmethod
     def from_config(cls, params, cfg, total_steps: int) -> "AdapterOptimizer":
@@ -113,16 +114,47 @@ class AdapterOptimizer:
             self._work.wait()
         norm = self._sq.sqrt()
         self._work = self._sq = None
+        lr = self.lr
+        if self.paused:
+            self.opt.zero_grad(set_to_none=True)
+            return norm, lr
         if self.max_grad_norm is not None and self.max_grad_norm > 0:
             coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
             grads = [p.grad for p in self.params if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, coef)
-        lr = self.lr
+        # A non-finite norm (NaN/inf gradients; a non-finite loss back-propagates into them) skips the update:
+        # the weights and Adam moments keep their values, decided on the device (no host synchronisation).
+        ok = torch.isfinite(norm)
+        before = self._flat_state()
         self.opt.step()
-        self.sched.step()
+        self._keep_unless(ok, before)
+        self.sched.step()  # the skipped batch is consumed: the schedule (and Adam's step count) moves on
         self.opt.zero_grad(set_to_none=True)
         return norm, lr
+
+    def _state_tensors(self) -> list[list[torch.Tensor]]:
+        """[params, exp_avg, exp_avg_sq] of the parameters that will step (moments absent before step 1)."""
+        ps = [p for p in self.params if p.grad is not None]
+        out = [ps]
+        for key in ("exp_avg", "exp_avg_sq"):
+            out.append([self.opt.state[p][key] for p in ps if key in self.opt.state.get(p, {})])
+        return out
+
+    def _flat_state(self) -> list[torch.Tensor | None]:
+        return [torch.cat([t.detach().reshape(-1) for t in ts]) if ts else None for ts in self._state_tensors()]
+
+    def _keep_unless(self, ok: torch.Tensor, before: list[torch.Tensor | None]) -> None:
+        """Where ``ok`` is false (a device bool), put back the state captured in ``before`` (moments that did
+        not exist yet go back to zero). A few kernels per state kind: one cat, one where, one multi-copy."""
+        for ts, old in zip(self._state_tensors(), before):
+            if not ts:
+                continue
+            new = torch.cat([t.detach().reshape(-1) for t in ts])
+            kept = torch.where(ok, new, old if old is not None else torch.zeros_like(new))
+            pieces = kept.split([t.numel() for t in ts])
+            with torch.no_grad():
+                torch._foreach_copy_([t.detach() for t in ts], [x.view_as(t) for x, t in zip(pieces, ts)])
 
     def step(self) -> tuple[float, float]:
         self.begin_step()

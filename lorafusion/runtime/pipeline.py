@@ -54,6 +54,11 @@ class StepTracker:
     def _begin(self, upto: int | None) -> None:
         for k in self.keys:
             if k not in self._begun and (upto is None or self._begin_at[k] <= upto):
+                # A DP rank that ran no microbatch of the job since its previous step began has not ended
+                # that step yet (it ends before the job's next forward on this rank): end it now, so its
+                # gradients (zeros, or this rank's share) join this step's reduction in lockstep with the
+                # ranks that did run the job.
+                self._end({k[0]})
                 self.optimizers[k[0]].begin_step()
                 self._begun.append(k)
 

@@ -11,7 +11,7 @@ from lorafusion.runtime.feed import Feed
 def write_plan_report(feed: Feed, out_dir: Path, max_chunks: int = 20) -> dict:
     """Plan up to ``max_chunks`` chunks; write ``plan.jsonl`` (one row per microbatch), ``windows.json``
     (one row per chunk: fill, imbalance, simulated bubble, planning time), ``gantt.png`` and
-    ``packing.png`` (chunk 0). Returns ``{"windows": [...], "dir": ...}``."""
+    ``packing.png`` (chunk 0). Returns ``{"windows": [...], "dir": ..., "files": [names written]}``."""
     from lorafusion.scheduler import render_gantt, render_packing, simulate_plan
     from lorafusion.scheduler.simulate import bubble_ratio
 
@@ -39,4 +39,5 @@ def write_plan_report(feed: Feed, out_dir: Path, max_chunks: int = 20) -> dict:
             render_packing(the_plan, str(out_dir / "packing.png"), title="chunk 0 packing")
     (out_dir / "plan.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (out_dir / "windows.json").write_text(json.dumps(stats, indent=2) + "\n")
-    return {"windows": stats, "dir": str(out_dir)}
+    files = [f for f in ("plan.jsonl", "windows.json", "gantt.png", "packing.png") if (out_dir / f).is_file()]
+    return {"windows": stats, "dir": str(out_dir), "files": files}

@@ -70,6 +70,28 @@ def _pack_chunk(entries: list[Entry], batcher: DataBatcher, group: int, budget: 
     return [PackedMicrobatch(tuple(entries[i] for i in b), group) for b in res.bins]
 
 
+def spread_over_ranks(chunk: list[PackedMicrobatch], dp_size: int) -> list[PackedMicrobatch]:
+    """Split microbatches of a chunk until it has at least ``dp_size`` of them (while any holds more than
+    one sample), so that every data-parallel rank gets work in a slot rather than a no-op: the largest
+    microbatch is cut into a prefix and a suffix of about equal tokens (each job's entries stay
+    contiguous). Splitting never breaks the dependency rule (the pieces hold the same global batches)."""
+    out = list(chunk)
+    while len(out) < dp_size:
+        cand = [k for k, mb in enumerate(out) if len(mb.entries) > 1]
+        if not cand:
+            break
+        k = max(cand, key=lambda i: (out[i].num_tokens, -i))
+        mb = out[k]
+        half, acc, cut = mb.num_tokens / 2, 0, 1
+        for i, e in enumerate(mb.entries[:-1], start=1):
+            acc += e.num_tokens
+            cut = i
+            if acc >= half:
+                break
+        out[k:k + 1] = [PackedMicrobatch(mb.entries[:cut], mb.group), PackedMicrobatch(mb.entries[cut:], mb.group)]
+    return out
+
+
 def _choose_groups(jobs, config: SchedulerConfig, capacity: int, groups) -> list[list[str]]:
     if groups is None:
         grouper = AdapterGrouper(config.pipeline_depth, config.dp_size, config.grouping)
@@ -123,7 +145,7 @@ def plan(
     deadline = t0 + config.milp_time_limit_s
     for k, (_, gi, ents) in enumerate(todo):
         budget = max(0.0, deadline - time.perf_counter()) / (len(todo) - k)
-        chunks.append(_pack_chunk(ents, batcher, gi, budget, stats))
+        chunks.append(spread_over_ranks(_pack_chunk(ents, batcher, gi, budget, stats), config.dp_size))
     if config.merge:
         count = noop_counter(config.pipeline_depth, config.dp_size, ready, config.sequencer_window)
         stream, stats.merges = merge_tails(chunks, capacity, count, rank, config.balance == "fill")

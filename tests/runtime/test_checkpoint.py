@@ -43,3 +43,74 @@ def test_checkpoint_resume_equals_uninterrupted_run(three_jobs, tmp_path, capsys
     capsys.readouterr()
     assert _export(str(tmp_path / "nothing"), "--job", "rev", "--out", str(tmp_path / "exp3")) == 2
     assert "no checkpoint or adapter of job 'rev'" in capsys.readouterr().err
+
+
+def test_export_returns_the_final_adapter_says_which_and_never_deletes(tmp_path, capsys, megatron_single):
+    from runtime_utils import job_dict, write_dataset
+
+    jobs = [job_dict("a", write_dataset(tmp_path / "a.jsonl", 1), r=4, steps=5, save_every=2),
+            job_dict("b", write_dataset(tmp_path / "b.jsonl", 2), r=4, steps=2)]
+    _, out = train_inprocess(write_run(tmp_path, jobs, out="run", capacity=1024))
+    final = (out / "adapters" / "a" / "adapter_model.safetensors").read_bytes()
+    step4 = (out / "checkpoints" / "a" / "step_000004" / "adapter" / "adapter_model.safetensors").read_bytes()
+    assert final != step4
+    capsys.readouterr()
+    assert _export(str(out), "--job", "a", "--out", str(tmp_path / "e1")) == 0
+    assert (tmp_path / "e1" / "adapter_model.safetensors").read_bytes() == final
+    assert "exported final adapter of job 'a'" in capsys.readouterr().err
+    # an unfinished job: its latest checkpoint, said so
+    summary = json.loads((out / "summary.json").read_text())
+    summary["jobs"]["a"]["status"] = "stopped"
+    (out / "summary.json").write_text(json.dumps(summary))
+    assert _export(str(out), "--job", "a", "--out", str(tmp_path / "e2")) == 0
+    assert (tmp_path / "e2" / "adapter_model.safetensors").read_bytes() == step4
+    assert "latest checkpoint, step 4" in capsys.readouterr().err
+    # an existing --out is refused and left as it was; --force replaces it
+    (tmp_path / "keep").mkdir()
+    (tmp_path / "keep" / "mine.txt").write_text("precious")
+    (tmp_path / "file.txt").write_text("precious")
+    for existing in ("keep", "file.txt"):
+        assert _export(str(out), "--job", "b", "--out", str(tmp_path / existing)) == 2
+        assert "already exists" in capsys.readouterr().err
+    assert (tmp_path / "keep" / "mine.txt").read_text() == "precious" and (tmp_path / "file.txt").is_file()
+    for existing in ("keep", "file.txt"):
+        assert _export(str(out), "--job", "b", "--out", str(tmp_path / existing), "--force") == 0
+        assert sorted(p.name for p in (tmp_path / existing).iterdir()) == ["adapter_config.json",
+                                                                          "adapter_model.safetensors"]
+    # a step directory of another job
+    capsys.readouterr()
+    assert _export(str(out / "checkpoints" / "a" / "step_000004"), "--job", "b", "--out", str(tmp_path / "e3")) == 2
+    assert "is a checkpoint of job 'a', not of --job 'b'" in capsys.readouterr().err
+    assert not (tmp_path / "e3").exists()
+
+
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys, megatron_single):
+    from runtime_utils import job_dict, write_dataset
+
+    jobs = [job_dict("a", write_dataset(tmp_path / "a.jsonl", 1), r=4, steps=6, save_every=2)]
+    _, full = train_inprocess(write_run(tmp_path, jobs, out="full", name="full.yaml", capacity=1024))
+    run = write_run(tmp_path, jobs, out="part", name="part.yaml", capacity=1024)
+    part = tmp_path / "part" / "checkpoints" / "a"
+    part.mkdir(parents=True)
+    for step in (2, 4):
+        shutil.copytree(full / "checkpoints" / "a" / f"step_00000{step}", part / f"step_00000{step}")
+    (part / "latest").write_text("step_000004\n")
+    pt = next((part / "step_000004").glob("rank_*.pt"))
+    pt.write_bytes(pt.read_bytes()[:100])  # truncated
+    capsys.readouterr()
+    s, _ = train_inprocess(run, resume=True)
+    out = capsys.readouterr().out
+    assert "step_000004 is not usable" in out and "cannot be read" in out and "resuming from" in out, out
+    assert s["jobs"]["a"]["steps"] == 6
+    assert_close(load_adapter(tmp_path / "part", "a"), load_adapter(full, "a"), rel=1e-6)
+    # a garbled state.json is named, and nothing usable at all is one clear error naming the files
+    (part / "step_000006" / "state.json").write_bytes(b"\xff{")
+    for p in part.glob("step_*/rank_*.pt"):
+        p.write_bytes(b"")
+    from lorafusion.core.errors import MissingFileError
+
+    try:
+        train_inprocess(run, resume=True)
+        raise AssertionError("expected an error")
+    except MissingFileError as e:
+        assert "no usable checkpoint" in str(e) and "state.json: not valid JSON" in str(e), str(e)

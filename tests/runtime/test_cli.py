@@ -1,6 +1,7 @@
 """The command line: user errors are one line (exit 2) and write nothing; bugs keep their traceback;
 `lorafusion plan` writes its tables and charts."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,15 @@ def test_plan_command_writes_tables_and_charts(three_jobs, tmp_path, capsys):
     assert _main("plan", str(tmp / "run.yaml"), "--out", str(tmp_path / "plan"), "--windows", "2") == 0
     for f in ("plan.jsonl", "windows.json", "gantt.png", "packing.png"):
         assert (tmp_path / "plan" / f).stat().st_size > 0
-    assert "tables and charts in" in capsys.readouterr().out
+    assert "gantt.png, packing.png" in capsys.readouterr().out
+
+
+def test_plan_windows_must_be_positive(three_jobs, tmp_path, capsys):
+    tmp, *_ = three_jobs
+    with pytest.raises(SystemExit) as e:
+        _main("plan", str(tmp / "run.yaml"), "--out", str(tmp_path / "plan"), "--windows", "0")
+    assert e.value.code == 2 and "--windows: expected a positive integer, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "plan").exists()
 
 
 def test_internal_errors_keep_their_traceback(monkeypatch, capsys):
@@ -108,3 +117,79 @@ def test_a_layout_the_model_cannot_take_is_a_user_error():
         transformer_config(preset("tiny-llama"), tp=3)
     with pytest.raises(UserError, match="parallelism.pp: 3 must divide num_layers=4"):
         transformer_config(preset("tiny-llama"), pp=3)
+
+
+def test_resume_flag_goes_anywhere_on_the_command_line(tmp_path, capsys, monkeypatch):
+    """`train RUN --resume key=value` parses (it used to be "unrecognized arguments", a SystemExit)."""
+    from runtime_utils import job_dict, write_dataset
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    run = write_run(tmp_path, [job_dict("a", write_dataset(tmp_path / "a.jsonl", 1), r=4)], out="never")
+    assert _main("train", str(run), "--resume", "parallelism.tp=2", "seed=3") == 2
+    assert "tp*pp*dp = 2*1*1 = 2" in capsys.readouterr().err
+
+
+def test_one_run_per_output_dir(tmp_path, capsys, megatron_single):
+    """While a run holds output_dir (its lock), a second one is refused with a clear error and touches nothing."""
+    import fcntl
+
+    from runtime_utils import job_dict, write_dataset
+
+    run = write_run(tmp_path, [job_dict("a", write_dataset(tmp_path / "a.jsonl", 1), r=4, steps=2)], out="o")
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / ".step_000001.tmp").mkdir()  # the holder's work in progress
+    with open(tmp_path / "o" / ".lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("4242\n")
+        held.flush()
+        assert _main("train", str(run), "--resume") == 2
+        assert "is in use by another lorafusion train (pid 4242)" in capsys.readouterr().err
+        assert (tmp_path / "o" / ".step_000001.tmp").is_dir()
+        assert not (tmp_path / "o" / "metrics.jsonl").exists()
+    from runtime_utils import train_inprocess  # (in-process: cmd_train would tear the session's process group down)
+
+    summary, _ = train_inprocess(run, resume=True)  # released: the run goes ahead
+    assert summary["jobs"]["a"]["status"] == "done"
+
+
+def test_a_run_that_failed_before_any_checkpoint_can_be_run_again(tmp_path, megatron_single):
+    from runtime_utils import job_dict, train_inprocess, write_dataset
+
+    run = write_run(tmp_path, [job_dict("a", write_dataset(tmp_path / "a.jsonl", 1), r=4, steps=2)], out="o")
+    (tmp_path / "o" / "checkpoints").mkdir(parents=True)  # what a failed run leaves behind
+    (tmp_path / "o" / "tensorboard").mkdir()
+    (tmp_path / "o" / "metrics.jsonl").write_text('{"job": "a", "step": 1, "loss": 9.0}\n')
+    summary, out = train_inprocess(run)
+    assert summary["jobs"]["a"]["status"] == "done"
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["loss"] != 9.0
+
+
+def test_filesystem_and_environment_errors_are_one_line(tmp_path, capsys, megatron_single, monkeypatch):
+    import errno
+
+    from runtime_utils import job_dict, write_dataset
+
+    run = write_run(tmp_path, [job_dict("a", write_dataset(tmp_path / "a.jsonl", 1), r=4, steps=2)], out="o")
+    (tmp_path / "afile").write_text("x")
+    assert _main("train", str(run), f"output_dir={tmp_path / 'afile'}") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot write {tmp_path / 'afile'}" in err and "Traceback" not in err, err
+    assert (tmp_path / "afile").read_text() == "x"
+    # a full disk while the run writes its metrics
+    from lorafusion.runtime import metrics
+
+    def full(self, record):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+
+    monkeypatch.setattr(metrics.MetricsWriter, "log_step", full)
+    assert _main("train", str(run)) == 2
+    err = capsys.readouterr().err
+    assert "metrics.jsonl: No space left on device (ENOSPC)" in err and err.count("\n") == 1, err
+    monkeypatch.undo()
+    import torch
+
+    if not torch.cuda.is_available():  # no GPU for the fused kernels
+        assert _main("train", str(run), "kernels=fused", f"output_dir={tmp_path / 'o2'}") == 2
+        assert "kernels: fused needs a CUDA GPU" in capsys.readouterr().err
+        assert not (tmp_path / "o2").exists()

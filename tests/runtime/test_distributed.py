@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime_utils import assert_close, load_adapter, write_run
+from runtime_utils import assert_close, job_dict, load_adapter, train_inprocess, write_dataset, write_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,6 +18,45 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _train_two_processes(run: Path) -> list[str]:
+    port = str(_free_port())
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port, OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-m", "lorafusion.cli", "train", str(run)], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, o in zip(procs, outs):
+        assert p.returncode == 0, o[-4000:]
+    return outs
+
+
+def _metrics(out: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return sorted(rows, key=lambda r: (r["job"], r["step"]))
+
+
+@pytest.mark.slow
+def test_dp2_with_whole_global_batches_in_one_microbatch_equals_dp1(tmp_path, megatron_single):
+    """The quickstart shape at dp=2: a large token capacity (a global batch fits one microbatch) and a job
+    of one sample per step (which one DP rank alone can hold). Both ranks step every job in lockstep
+    (the one without a microbatch of it reduces zero gradients) and the result equals dp=1 per step."""
+    jobs = [job_dict("a", write_dataset(tmp_path / "d" / "a.jsonl", 1), r=4, steps=5, gbs=8),
+            job_dict("b", write_dataset(tmp_path / "d" / "b.jsonl", 2, kind="upper"), r=8, steps=5, gbs=1),
+            job_dict("c", write_dataset(tmp_path / "d" / "c.jsonl", 3), r=4, steps=4, gbs=3)]
+    _, ref = train_inprocess(write_run(tmp_path, jobs, out="dp1", capacity=1024, name="dp1.yaml"))
+    run = write_run(tmp_path, jobs, out="dp2", dp=2, capacity=1024, name="dp2.yaml")
+    _train_two_processes(run)
+    ours, theirs = _metrics(tmp_path / "dp2"), _metrics(ref)
+    assert [(r["job"], r["step"]) for r in ours] == [(r["job"], r["step"]) for r in theirs]
+    for a, b in zip(ours, theirs):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6), (a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (a, b)
+    for job in ("a", "b", "c"):
+        assert_close(load_adapter(tmp_path / "dp2", job), load_adapter(ref, job), rel=1e-4)
 
 
 @pytest.mark.slow

@@ -14,7 +14,8 @@ def test_multi_adapter_run_equals_each_adapter_alone(three_jobs):
     assert all(j["steps"] == 4 for j in summary["jobs"].values())
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert {m["job"] for m in metrics} == {"rev", "up", "rev2"} and len(metrics) == 12
-    assert set(metrics[0]) == {"job", "step", "loss", "tokens", "lr", "grad_norm", "elapsed_s"}
+    assert set(metrics[0]) == {"job", "step", "loss", "tokens", "lr", "grad_norm", "skipped",
+                               "tokens_per_s", "max_memory_gib", "elapsed_s"}
     for job in jobs:
         alone = write_run(tmp, [job], out=f"alone_{job['name']}", name=f"alone_{job['name']}.yaml")
         s, out_alone = train_inprocess(alone)

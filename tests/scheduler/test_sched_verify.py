@@ -198,3 +198,17 @@ def test_planner_with_milp_verifies_and_grouping_avoids_noops():
     verify_plan(single, jobs, 4, 1)
     assert len(grouped.stats.groups) >= 2
     assert grouped.num_noops < single.num_noops
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_plan_spreads_small_global_batches_over_dp_ranks(dp):
+    """Each job's global batch fits one microbatch (the quickstart at dp>1): every DP rank still gets work
+    in every slot that has any, instead of one rank taking everything and the others only no-ops."""
+    jobs = [JobSpec(f"j{j}", [[(f"{j}-{g}-{i}", 20 + i) for i in range(8)] for g in range(2)], 8) for j in range(3)]
+    cfg = SchedulerConfig(pipeline_depth=1, dp_size=dp, token_capacity=1024, milp_time_limit_s=0.1)
+    p = plan(jobs, cfg)
+    verify_plan(p, jobs, 1, dp)
+    for slot in range(p.num_slots):
+        row = [mb for mb in p.microbatches if mb.slot == slot]
+        if any(not mb.is_noop for mb in row):
+            assert all(not mb.is_noop for mb in row), [(mb.dp_rank, mb.num_tokens) for mb in row]

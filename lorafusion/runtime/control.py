@@ -1,0 +1,53 @@
+"""Stop requests: SIGTERM, SIGUSR1 (Slurm's warning before a time limit or preemption) and SIGINT ask the
+run to stop at the next chunk boundary — the microbatches in flight finish, every job is checkpointed, the
+process exits 0. A second SIGINT stops at once (KeyboardInterrupt).
+
+Ranks agree through :meth:`StopSignals.poll` (one small all-reduce per chunk, every rank calls it), so a
+signal that reached only some ranks still stops all of them at the same chunk boundary.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+class StopSignals:
+    """Context manager installing the handlers (main thread only; elsewhere it is inert)."""
+
+    def __init__(self):
+        self.received: str | None = None  # name of the first stop signal
+        self._previous: dict = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without a checkpoint
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+
+    def poll(self, *flags: bool) -> list[bool]:
+        """``[stop requested on any rank, *flags or-ed over all ranks]`` (collective when distributed)."""
+        local = [self.received is not None, *flags]
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return local
+        t = torch.tensor([int(x) for x in local], dtype=torch.int32)
+        if dist.get_backend() == "nccl":
+            t = t.cuda()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [bool(x) for x in t.tolist()]
