@@ -1,4 +1,4 @@
-"""Two processes (PP=2, DP=2, TP=2, PP=2 with recompute) train exactly like one."""
+"""Two processes (PP=2, DP=2, TP=2, TP=2 with sequence parallelism, PP=2 with recompute) train exactly like one."""
 
 import json
 import os
@@ -21,10 +21,11 @@ def _free_port():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [dict(pp=2), dict(dp=2), dict(tp=2), dict(pp=2, recompute=True)])
+@pytest.mark.parametrize("layout", [dict(pp=2), dict(dp=2), dict(tp=2), dict(tp=2, sequence_parallel=True),
+                                    dict(pp=2, recompute=True)])
 def test_two_process_runs_equal_single_process(three_jobs, tmp_path, layout):
     tmp, jobs, summary, out = three_jobs
-    name = "_".join(f"{k}{v}" for k, v in layout.items())
+    name = "_".join(f"{k}{v}" for k, v in layout.items()).replace("sequence_parallelTrue", "sp")
     run = write_run(tmp_path, jobs, out=name, **layout)
     port = str(_free_port())
     procs = []
