@@ -100,7 +100,8 @@ class ParallelismConfig(_Strict):
         mp = self.tp * self.pp
         if world % mp:
             raise ValueError(f"dp: auto needs tp*pp = {self.tp}*{self.pp} = {mp} to divide the launch's "
-                             f"{world} process(es)")
+                             f"{world} process(es) (WORLD_SIZE; outside a launch, e.g. for "
+                             f"`lorafusion plan`, set parallelism.dp to the replica count)")
         return world // mp
 
 
