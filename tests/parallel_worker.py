@@ -77,6 +77,10 @@ def main():
                 per_token.append(loss.detach()[0, :n].clone())
         out["losses"] = losses
         out["per_token"] = per_token
+        if mode == "tpsp":  # the column-parallel LoRA inputs were saved as sequence shards, not gathered
+            from lorafusion.layers.lora_linear import SAVED_AS_SHARD
+
+            assert SAVED_AS_SHARD[0] > 0, SAVED_AS_SHARD
     else:
         it = iter(mbs)
 

@@ -18,6 +18,7 @@ compute casts them to the activation dtype.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -261,8 +262,47 @@ class _LoRAMixin:
 
         if self.s_comm_mode == "column":
             full = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=False)
-            return self._lora_delta(full, largs)
+            with _saved_as_shard(full, input_):
+                return self._lora_delta(full, largs)
         return scatter_to_sequence_parallel_region(self._lora_delta(input_, largs))
+
+
+_SHARD = object()  # tag of a saved tensor kept as this rank's sequence shard
+SAVED_AS_SHARD = [0]  # how many saved tensors were kept as shards (tests read it)
+
+
+def _saved_as_shard(full: torch.Tensor, shard: torch.Tensor):
+    """Autograd saved-tensor hooks for the column-parallel LoRA term under SP: a tensor the LoRA op saves for
+    backward that is a view of the all-gathered input (x itself or its 2-D view in the fused and torch
+    paths; segment slices in the CPU reference) is kept as this rank's sequence shard plus the view's
+    geometry, and all-gathered again in backward, as Megatron's SP linears do with their input, so SP's
+    activation saving holds for the LoRA branch too. Anything else is saved as is. (Backward runs the same
+    layers in the same order on every TP rank, so the re-gathers pair up.)"""
+    from megatron.core.tensor_parallel.mappings import _gather_along_first_dim
+
+    if not full.is_contiguous():
+        return contextlib.nullcontext()
+    # not the tensor itself (it must be freed after forward): its storage and where it starts in it
+    storage, base, dtype = full.untyped_storage().data_ptr(), full.storage_offset(), full.dtype
+    group = parallel_state.get_tensor_model_parallel_group()
+    # one re-gather per layer call however many views were saved; the cell lives as long as the saved views
+    cell: dict = {}
+
+    def pack(t):
+        if t.dtype == dtype and t.untyped_storage().data_ptr() == storage:
+            SAVED_AS_SHARD[0] += 1
+            return (_SHARD, cell, shard, t.size(), t.stride(), t.storage_offset() - base)
+        return t
+
+    def unpack(obj):
+        if isinstance(obj, tuple) and len(obj) == 6 and obj[0] is _SHARD:
+            _, c, sh, size, stride, offset = obj
+            if "full" not in c:
+                c["full"] = _gather_along_first_dim(sh, group)
+            return c["full"].as_strided(size, stride, offset)
+        return obj
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 class LoRAColumnParallelLinear(_LoRAMixin, ColumnParallelLinear):
