@@ -34,8 +34,9 @@ exit $rc
 """
 
 SCONTROL = """#!/usr/bin/env bash
-# scontrol shim: every node of the job is this machine
-if [[ "$1 $2" == "show hostnames" ]]; then echo 127.0.0.1; echo 127.0.0.1; exit 0; fi
+# scontrol shim: every node of the job is this machine. One write: the sbatch reads the first line through
+# `| head -n 1` under pipefail, and a second write after head has exited would die of SIGPIPE (exit 141)
+if [[ "$1 $2" == "show hostnames" ]]; then printf '127.0.0.1\n127.0.0.1\n'; exit 0; fi
 exit 0
 """
 
