@@ -5,6 +5,8 @@ same run.
     python scripts/bench_train.py --config configs/llama3.1-8b-4adapters.yaml --steps 6 --out results/
     python scripts/bench_train.py ... --ablate      # + fused kernels off, + scheduler off, in the same run
     python scripts/bench_train.py ... --profile     # + a torch.profiler summary of the first timed chunk
+    torchrun --nproc_per_node 2 scripts/bench_train.py --config configs/qwen2.5-32b-4adapters.yaml \
+        --steps 10 --warmup 2 --ablate --flush-per-batch --scale-json out/32b-pp2-2gpu.json parallelism.pp=2
 
 Both sides train every job for ``--steps`` optimizer steps on identical global batches (the job streams of
 the run config). Tokens/s counts real (unpadded) tokens and excludes the first ``--warmup`` steps of each
@@ -13,6 +15,16 @@ job. HF+PEFT pads each microbatch to its longest sample and packs samples into m
 LoRA path instead of the Triton kernels) and "scheduler off": one adapter job at a time through our own
 runtime (each job alone, its own planned chunks: the way a Megatron-LM user runs LoRA jobs one after the
 other). Prints a table and, as its last line, one JSON object.
+
+Under torchrun (WORLD_SIZE > 1) every rank runs the same trainer runs and rank 0 alone prints and writes:
+HF+PEFT is skipped (it is a one-GPU baseline), a failed run is not retried (the ranks would disagree),
+peak memory and the steady-state bubble ratio are gathered per rank, and ``--scale-json PATH`` writes the
+``docs/results/*-gpu.json`` shape: ``tokens_per_s``, ``bubble_ratio`` (steady state: the stage timers'
+per-chunk bubble averaged over the timed chunks only, then over ranks; per rank in ``bubble_ratio_per_rank``),
+``steps_per_job`` (timed optimizer steps per job, after warm-up), ``peak_mem_gib`` (per rank), ``device``,
+``commit``, ``command``, and the baselines of ``--ablate`` beside them. ``--flush-per-batch`` runs the
+"scheduler off" baseline with ``scheduler.lookahead_batches=1``: a pipeline flush per global batch, the
+Megatron-LM way.
 """
 
 from __future__ import annotations
@@ -30,6 +42,44 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+RANK = int(os.environ.get("RANK", "0"))
+DIST = WORLD > 1  # under torchrun: every rank runs, rank 0 reports
+
+
+def gather(obj) -> list:
+    """``obj`` of every rank (rank order); ``[obj]`` in one process."""
+    import torch.distributed as dist
+
+    if not (DIST and dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+class BubbleRecorder:
+    """The stage timers' bubble ratio of every chunk of this rank (the trainer computes one per chunk when
+    pp > 1; its summary keeps only their mean over all chunks, warm-up included)."""
+
+    def __enter__(self):
+        from lorafusion.runtime.timers import StageTimers
+
+        self.values, self._orig = [], StageTimers.__dict__["bubble"]
+        orig = self._orig.__func__
+
+        def bubble(totals):
+            b = orig(totals)
+            self.values.append(b)
+            return b
+
+        StageTimers.bubble = staticmethod(bubble)
+        return self
+
+    def __exit__(self, *exc):
+        from lorafusion.runtime.timers import StageTimers
+
+        StageTimers.bubble = self._orig
 
 
 def ensure_data(rows: int) -> None:
@@ -159,9 +209,19 @@ def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, o
         torch.cuda.reset_accumulated_memory_stats()
     trainer = Trainer(cfg, background_planning=background)
     try:
-        summary = trainer.run()
+        with BubbleRecorder() as rec:
+            summary = trainer.run()
     finally:
         pipeline.run_chunk = orig_run_chunk
+    first_timed = warmup // look  # chunks hold `look` global batches per job: chunks before this are warm-up
+    steady = [b for b in rec.values[first_timed:] if b is not None]
+    per_rank = gather({"peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+                       "bubble_steady": sum(steady) / len(steady) if steady else None,
+                       "bubble_per_chunk": rec.values})
+    if RANK != 0:  # metrics.jsonl and the report are rank 0's
+        del trainer
+        gc.collect()
+        return {}, {}, {}
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     warm = [r for r in rows if r["step"] <= warmup]
     timed = [r for r in rows if r["step"] > warmup]
@@ -175,7 +235,16 @@ def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, o
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
            "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries") if torch.cuda.is_available() else None,
            "reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else None,
-           "final_loss": {n: j["final_loss"] for n, j in summary["jobs"].items()}}
+           "final_loss": {n: j["final_loss"] for n, j in summary["jobs"].items()},
+           "steps_per_job": {n: j["steps"] for n, j in summary["jobs"].items()},
+           "timed_steps_per_job": {n: len([r for r in timed if r["job"] == n]) for n in summary["jobs"]},
+           "parallelism": summary["parallelism"]}
+    if DIST or any(r["bubble_per_chunk"] for r in per_rank):
+        res["peak_mem_gib_per_rank"] = [r["peak_mem_gib"] for r in per_rank]
+        res["bubble_ratio_per_rank"] = [r["bubble_steady"] for r in per_rank]
+        res["bubble_per_chunk_per_rank"] = [r["bubble_per_chunk"] for r in per_rank]
+        known = [b for b in res["bubble_ratio_per_rank"] if b is not None]
+        res["bubble_ratio_steady"] = sum(known) / len(known) if known else None
     batches = {n: [] for n in trainer.jobs}
     from lorafusion.data import JobStream
 
@@ -269,6 +338,42 @@ def run_hf_peft(info: dict, batches: dict, warmup: int) -> dict:
     return res
 
 
+def _reset_between_runs() -> None:
+    """Between two trainer runs of one bench: free the model; in one process also the process group (the
+    next Trainer starts its own). Under torchrun the group stays (its rendezvous is torchrun's) and the next
+    Trainer re-creates only Megatron's parallel state."""
+    from lorafusion.runtime.dist import destroy_distributed
+
+    if not DIST:
+        destroy_distributed()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def scale_record(result: dict, args) -> dict:
+    """The ``docs/results/*-gpu.json`` shape (see the module doc)."""
+    ours = result["lorafusion"]
+    rec = {"tokens_per_s": ours["tokens_per_s"], "bubble_ratio": ours.get("bubble_ratio_steady"),
+           "steps_per_job": min(ours["timed_steps_per_job"].values()),
+           "peak_mem_gib": ours.get("peak_mem_gib_per_rank", [ours["peak_mem_gib"]]),
+           "device": result["device"], "commit": result["commit"], "command": result["command"],
+           "world_size": WORLD, "parallelism": ours["parallelism"], "config": args.config,
+           "overrides": list(args.overrides), "warmup_steps": args.warmup, "total_steps_per_job": args.steps,
+           "kernels": ours["kernels"], "noop_microbatches": ours["noops"],
+           "bubble_ratio_per_rank": ours.get("bubble_ratio_per_rank"),
+           "bubble_ratio_all_chunks_rank0": ours["bubble_ratio"],
+           "bubble_per_chunk_per_rank": ours.get("bubble_per_chunk_per_rank"),
+           "timed_tokens": ours["timed_tokens"], "timed_s": ours["timed_s"]}
+    for key in ("scheduler_off", "reference"):
+        if key in result:
+            rec[key] = result[key]
+            rec[f"speedup_vs_{key}"] = ours["tokens_per_s"] / result[key]["tokens_per_s"]
+        elif f"{key}_error" in result:
+            rec[f"{key}_error"] = result[f"{key}_error"]
+    return rec
+
+
 def main() -> None:
     from lorafusion.cli import ALLOC_CONF
 
@@ -281,15 +386,30 @@ def main() -> None:
     ap.add_argument("--out", default="results/bench_train")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--ablate", action="store_true", help="also kernels=reference and one job at a time")
+    ap.add_argument("--flush-per-batch", action="store_true",
+                    help="one-job-at-a-time baseline with scheduler.lookahead_batches=1 (a flush per global batch)")
     ap.add_argument("--profile", action="store_true", help="profile the first timed chunk of our run")
     ap.add_argument("--no-background", action="store_true", help="plan each chunk when it is needed")
+    ap.add_argument("--scale-json", help="also write the docs/results scale record here (rank 0)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    ensure_data(args.rows)
+    if "data/bench" in Path(args.config).read_text():  # the shipped bench configs read data/bench
+        if RANK == 0:
+            ensure_data(args.rows)
+        if DIST:  # the other ranks wait for rank 0's files
+            deadline = time.time() + 600
+            while not all((ROOT / "data/bench" / f"{n}.jsonl").is_file() for n in ("short", "medium", "long", "mixed")):
+                if time.time() > deadline:
+                    raise SystemExit("data/bench was not written by rank 0")
+                time.sleep(1)
+            time.sleep(2)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    result = {"config": args.config, "device": device, "steps": args.steps, "warmup": args.warmup}
+    result = {"config": args.config, "device": f"{WORLD}x {device}" if DIST else device, "steps": args.steps,
+              "warmup": args.warmup, "world_size": WORLD,
+              "command": os.environ.get("BENCH_COMMAND") or " ".join(
+                  ([f"torchrun --nproc_per_node {WORLD}"] if DIST else ["python"]) + sys.argv)}
     try:
         import subprocess
 
@@ -314,23 +434,21 @@ def main() -> None:
                 result["profile"] = profiler.summary
             break
         except Exception:
+            if DIST:  # the ranks would not agree on a retry: fail the launch (torchrun stops the others)
+                raise
             traceback.print_exc()
             result[f"lorafusion_error_{attempt}"] = traceback.format_exc(limit=4)
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            from lorafusion.runtime.dist import destroy_distributed
-
-            destroy_distributed()
+            _reset_between_runs()
     if ours is None:
         print(json.dumps(result, default=str))
         return
     from lorafusion.runtime.dist import destroy_distributed
 
     if args.ablate:
-        destroy_distributed()
+        _reset_between_runs()
+        one_at_a_time = ["scheduler.lookahead_batches=1"] if args.flush_per_batch else []
         ablations = {"reference": dict(overrides=["kernels=reference"], jobs=[None]),
-                     "scheduler_off": dict(overrides=[], jobs=list(range(len(base_cfg.jobs))))}
+                     "scheduler_off": dict(overrides=one_at_a_time, jobs=list(range(len(base_cfg.jobs))))}
         for key, spec in ablations.items():
             try:
                 parts = []
@@ -339,18 +457,25 @@ def main() -> None:
                     r, _, _ = run_lorafusion(args.config, list(args.overrides) + spec["overrides"], args.steps,
                                              args.warmup, out / tag, only_job=j)
                     parts.append(r)
-                    destroy_distributed()
-                    gc.collect()
-                    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+                    _reset_between_runs()
+                if RANK != 0:
+                    continue
                 toks, secs = sum(p["timed_tokens"] for p in parts), sum(p["timed_s"] for p in parts)
                 result[key] = {"tokens_per_s": toks / secs, "timed_tokens": toks, "timed_s": secs,
                                "peak_mem_gib": max((p["peak_mem_gib"] or 0) for p in parts),
-                               "kernels": parts[0]["kernels"], "runs": len(parts)}
+                               "kernels": parts[0]["kernels"], "runs": len(parts), "overrides": spec["overrides"]}
+                if "peak_mem_gib_per_rank" in parts[0]:
+                    result[key]["peak_mem_gib_per_rank"] = [max(p["peak_mem_gib_per_rank"][r] or 0 for p in parts)
+                                                            for r in range(len(parts[0]["peak_mem_gib_per_rank"]))]
+                    steady = [p["bubble_ratio_steady"] for p in parts if p.get("bubble_ratio_steady") is not None]
+                    result[key]["bubble_ratio"] = sum(steady) / len(steady) if steady else None
             except Exception:
+                if DIST:
+                    raise
                 traceback.print_exc()
                 result[f"{key}_error"] = traceback.format_exc(limit=4)
                 destroy_distributed()
-    if not args.skip_hf:
+    if not args.skip_hf and not DIST:
         # HF+PEFT materialises the logits and pads: at our capacity it may not fit. Then it gets its best
         # chance: the largest capacity (halving from ours) that runs, recorded with the result.
         cap = info["capacity"]
@@ -372,12 +497,19 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
     destroy_distributed()  # before printing: the JSON must stay the last line
+    if RANK != 0:
+        return
     (out / "result.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(f"{'system':<22} {'tokens/s':>10} {'peak GiB':>9}")
+    if args.scale_json:
+        Path(args.scale_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.scale_json).write_text(json.dumps(scale_record(result, args), indent=2, default=str) + "\n")
+    print(f"{'system':<22} {'tokens/s':>10} {'peak GiB':>9} {'bubble':>7}")
     for key in ("lorafusion", "reference", "scheduler_off", "hf_peft"):
         if key in result:
             r = result[key]
-            print(f"{key:<22} {r['tokens_per_s']:>10,.0f} {r['peak_mem_gib'] or 0:>9.1f}")
+            bub = r.get("bubble_ratio_steady", r.get("bubble_ratio"))
+            print(f"{key:<22} {r['tokens_per_s']:>10,.0f} {r['peak_mem_gib'] or 0:>9.1f} "
+                  f"{'-' if bub is None else format(bub, '.3f'):>7}")
     if result.get("profile"):
         pr = result["profile"]
         print(f"profile: window {pr['window_ms']:.0f} ms, GPU busy {pr['gpu_busy_frac']:.3f}, "

@@ -1,7 +1,8 @@
 """Worker for multi-process (gloo) tests: ``python parallel_worker.py MODE WORKDIR [FUSED_OPS]`` under
 RANK/WORLD_SIZE env (FUSED_OPS: build_model's fused_ops, default "off"; results then carry its name).
 
-MODE "tp": TP=2 forward+backward of packed microbatches. MODE "pp": PP=2, 1F1B via Megatron's
+MODE "tp": TP=2 forward+backward of packed microbatches; "tpsp": the same with sequence parallelism
+(microbatches padded to an even token count; per-token losses saved too). MODE "pp": PP=2, 1F1B via Megatron's
 ``get_forward_backward_func``. MODE "dp"-free. Writes results of rank 0 (and the last stage) to WORKDIR.
 """
 
@@ -45,9 +46,9 @@ def main():
     from lorafusion.runtime.export import adapter_peft_state, import_peft_adapter
     from model_utils import adapter_seed
 
-    tp, pp = (2, 1) if mode == "tp" else (1, 2)
+    tp, pp = (2, 1) if mode in ("tp", "tpsp") else (1, 2)
     init_distributed(tp, pp)
-    model = build_model_from_hf(workdir / "base", fused_ops=fused)
+    model = build_model_from_hf(workdir / "base", fused_ops=fused, sequence_parallel=mode == "tpsp")
     for name in sorted(os.listdir(workdir / "adapters")):
         import_peft_adapter(model, name, workdir / "adapters" / name)
     model.train()
@@ -56,9 +57,14 @@ def main():
     rank = torch.distributed.get_rank()
     out = {}
 
-    if mode == "tp":
-        losses = []
+    if mode in ("tp", "tpsp"):
+        losses, per_token = [], []
         for b in mbs:
+            if mode == "tpsp":
+                from lorafusion.data import pad_to_multiple
+
+                n = b.num_tokens
+                b = pad_to_multiple(b, tp)
             seeds = [adapter_seed(7, n) for n in b.adapters]
             with lora_batch(model, b.routing, b.adapters, seeds):
                 loss = model(b.tokens, b.position_ids, attention_mask=None, labels=b.labels,
@@ -66,7 +72,15 @@ def main():
             total = loss_terms(loss, b, denom)
             total.backward()
             losses.append(total.item())
+            if mode == "tpsp":
+                assert loss.shape[-1] == b.num_tokens and b.num_tokens % tp == 0
+                per_token.append(loss.detach()[0, :n].clone())
         out["losses"] = losses
+        out["per_token"] = per_token
+        if mode == "tpsp":  # the column-parallel LoRA inputs were saved as sequence shards, not gathered
+            from lorafusion.layers.lora_linear import SAVED_AS_SHARD
+
+            assert SAVED_AS_SHARD[0] > 0, SAVED_AS_SHARD
     else:
         it = iter(mbs)
 

@@ -38,11 +38,11 @@ def job_dict(name: str, data: Path, r: int, *, steps: int = 4, gbs: int = 4, dro
 
 
 def write_run(tmp: Path, jobs: list[dict], *, out: str = "out", tp=1, pp=1, dp=1, capacity=96, name="run.yaml",
-              preset="tiny-llama", recompute=False) -> Path:
+              preset="tiny-llama", recompute=False, sequence_parallel=False) -> Path:
     run = {
         "model": {"preset": preset, "dtype": "float32", "recompute": recompute},
         "tokenizer": {"type": "byte"},
-        "parallelism": {"tp": tp, "pp": pp, "dp": dp},
+        "parallelism": {"tp": tp, "pp": pp, "dp": dp, **({"sequence_parallel": True} if sequence_parallel else {})},
         "scheduler": {"token_capacity": capacity, "milp_time_limit_s": 0.2},
         "kernels": "reference",
         "jobs": jobs,

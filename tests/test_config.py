@@ -107,6 +107,10 @@ BAD = [
     ("tp-zero", [("parallelism.tp", 0)], [], None, None, [], ["run.yaml: parallelism.tp: expected an integer >= 1, got 0"]),
     ("pp-neg", [("parallelism.pp", -2)], [], None, None, [], ["run.yaml: parallelism.pp: expected an integer >= 1"]),
     ("dp-zero", [("parallelism.dp", 0)], [], None, None, [], ["run.yaml: parallelism.dp:"]),
+    ("dp-word", [("parallelism.dp", "all")], [], None, None, [],
+     ["run.yaml: parallelism.dp: expected an integer >= 1 or 'auto', got 'all'"]),
+    ("sp-without-tp", [("parallelism.sequence_parallel", True)], [], None, None, [],
+     ["run.yaml: parallelism.sequence_parallel: true needs tp > 1"]),
     ("capacity", [("scheduler.token_capacity", "lots")], [], None, None, [],
      ["run.yaml: scheduler.token_capacity: expected a positive integer or 'auto'"]),
     ("seq-over-capacity", [("scheduler.token_capacity", 32)], [], None, None, [],
@@ -326,3 +330,38 @@ def test_relative_output_dir_resolves_against_the_yaml_and_overrides_against_the
     assert Path(load_run_config(in_tmp / "run.yaml").output_dir) == (in_tmp / "out").resolve()
     assert Path(load_run_config(in_tmp / "run.yaml", ["output_dir=o2"]).output_dir).resolve() == \
         (elsewhere / "o2").resolve()
+
+
+def test_dp_auto_is_the_launch_over_tp_times_pp(in_tmp, monkeypatch):
+    make_tree(in_tmp)
+    cfg = load_run_config("run.yaml", ["parallelism.dp=auto", "parallelism.pp=2", "parallelism.tp=2",
+                                       "parallelism.sequence_parallel=true"])
+    assert cfg.parallelism.dp == "auto" and cfg.parallelism.sequence_parallel
+    cfg.check_world_size(8)
+    assert cfg.parallelism.dp == 2 and cfg.parallelism.world_size == 8
+    cfg = load_run_config("run.yaml", ["parallelism.dp=auto", "parallelism.pp=4"])
+    with pytest.raises(ConfigError, match=r"^run.yaml: parallelism.dp: auto needs tp\*pp = 1\*4 = 4 to divide "
+                                          r"the launch's 6 process"):
+        cfg.check_world_size(6)
+    monkeypatch.setenv("WORLD_SIZE", "8")  # the plan command and the trainer read the launch the same way
+    from lorafusion.runtime.feed import scheduler_config
+
+    assert scheduler_config(cfg).dp_size == 2
+
+
+def test_shipped_configs_fit_their_readme_launch_lines():
+    """README: the 8B config on one 8-GPU node (scripts/train.sh), the 70B config on two (slurm, 16 GPUs);
+    the 32B config on the 2 GPUs of its benchmark."""
+    import yaml
+
+    from lorafusion.config.schema import ParallelismConfig
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    assert "scripts/train.sh configs/llama3.1-8b-4adapters.yaml" in readme
+    assert "--nodes=2 slurm/train.sbatch configs/llama3.1-70b-4adapters.yaml" in readme
+    for name, world in [("llama3.1-8b-4adapters", 8), ("llama3.1-70b-4adapters", 16), ("qwen2.5-32b-4adapters", 2),
+                        ("quickstart", 1)]:
+        # (the bench configs' data is made by scripts/make_bench_data.py, so only their layout is read here)
+        p = ParallelismConfig(**yaml.safe_load((root / "configs" / f"{name}.yaml").read_text())["parallelism"])
+        assert p.tp * p.pp * p.resolve_dp(world) == world, name

@@ -288,3 +288,17 @@ def test_stream_state_dict_resume():
     with pytest.raises(ConfigError, match="cannot resume the data stream: the checkpoint has num_samples = 17"):
         JobStream("j", 18, 4, seed=3, num_epochs=5).load_state_dict(state)
 
+
+
+def test_pad_to_multiple_adds_rows_of_no_adapter_no_loss_in_their_own_segment():
+    from lorafusion.data.packing import pack_microbatch, pad_to_multiple
+
+    b = pack_microbatch([("a", [5, 6, 7]), ("b", [8, 9])], prompt_lengths=[1, 0], row_ids=[3, 4])
+    assert pad_to_multiple(b, 1) is b and pad_to_multiple(pad_to_multiple(b, 2), 2).num_tokens == 6
+    p = pad_to_multiple(b, 4)
+    assert p.num_tokens == 8 and p.tokens[0, :5].tolist() == b.tokens[0].tolist()
+    assert p.cu_seqlens.tolist() == [0, 3, 5, 8] and p.position_ids[0, 5:].tolist() == [0, 1, 2]
+    assert p.loss_mask[0, 5:].tolist() == [0.0] * 3 and p.loss_mask[0, :5].tolist() == b.loss_mask[0].tolist()
+    assert p.routing.segments == b.routing.segments and p.routing.num_rows == 8
+    assert list(p.routing.row_ids[:5]) == list(b.routing.row_ids)
+    assert p.adapters == b.adapters and p.sample_adapter == b.sample_adapter

@@ -73,12 +73,15 @@ def workdir(tmp_path_factory, megatron_single):
     for n in SPECS:
         import_peft_adapter(ref, n, d / "adapters" / n)
     ref.train()
-    losses = []
+    losses, per_token = [], []
     for b in mbs:
-        total = loss_terms(per_token_loss(ref, b), b, denom)
+        loss = per_token_loss(ref, b)
+        total = loss_terms(loss, b, denom)
         total.backward()
         losses.append(total.item())
+        per_token.append(loss.detach()[0].clone())
     grads = {n: adapter_peft_state(ref, n, ARCH, grad=True) for n in SPECS}
+    torch.save(per_token, d / "ref_per_token.pt")  # for the sequence-parallel test
     return d, losses, grads
 
 
@@ -124,4 +127,19 @@ def test_pipeline_parallel_2_1f1b_equals_single_process(workdir, fused):
     tag = "" if fused == "off" else f"_{fused}"
     assert json.loads((d / f"pp{tag}_losses.json").read_text()) == pytest.approx(losses, rel=1e-5)
     res = torch.load(d / f"pp{tag}_result.pt")
+    _assert_grads_equal(res["grads"], grads)
+
+
+@pytest.mark.parametrize("fused", FUSED)
+def test_tensor_parallel_2_with_sequence_parallelism_equals_single_process(workdir, fused):
+    """TP=2 + SP: every microbatch has an odd token count (padded to even), several adapters, dropout on;
+    per-token losses of the real tokens and every LoRA gradient equal the single process."""
+    d, losses, grads = workdir
+    assert all(sum(len(s[1]) for s in mb["samples"]) % 2 for mb in MBS)  # the padding is exercised
+    _launch("tpsp", d, fused)
+    res = torch.load(d / ("tpsp_result.pt" if fused == "off" else f"tpsp_{fused}_result.pt"))
+    assert res["losses"] == pytest.approx(losses, rel=1e-5)
+    for got, want in zip(res["per_token"], torch.load(d / "ref_per_token.pt"), strict=True):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     _assert_grads_equal(res["grads"], grads)

@@ -65,14 +65,45 @@ class TokenizerConfig(_Strict):
     path: str | None = None
 
 
+def _dp(v: Any) -> Any:
+    if isinstance(v, str) and v == "auto":
+        return v
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"expected an integer >= 1 or 'auto', got {v!r}")
+    return v
+
+
 class ParallelismConfig(_Strict):
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
-    dp: int = Field(1, ge=1)
+    # "auto": every launched process not used by tp*pp is a data-parallel replica (world / (tp*pp))
+    dp: Annotated[int | Literal["auto"], BeforeValidator(_dp)] = 1
+    # Megatron sequence parallelism: activations between TP regions split along the sequence (needs tp > 1)
+    sequence_parallel: bool = False
+
+    @model_validator(mode="after")
+    def _sp_needs_tp(self) -> "ParallelismConfig":
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel: true needs tp > 1 (it splits activations over the TP group)")
+        return self
 
     @property
     def world_size(self) -> int:
+        if self.dp == "auto":
+            raise ValueError("parallelism.dp is 'auto': resolve it against the launch first (check_world_size)")
         return self.tp * self.pp * self.dp
+
+    def resolve_dp(self, world: int) -> int:
+        """dp for ``world`` processes: the given integer, or world / (tp*pp) for "auto" (ValueError when
+        tp*pp does not divide world)."""
+        if self.dp != "auto":
+            return self.dp
+        mp = self.tp * self.pp
+        if world % mp:
+            raise ValueError(f"dp: auto needs tp*pp = {self.tp}*{self.pp} = {mp} to divide the launch's "
+                             f"{world} process(es) (WORLD_SIZE; outside a launch, e.g. for "
+                             f"`lorafusion plan`, set parallelism.dp to the replica count)")
+        return world // mp
 
 
 def _capacity(v: Any) -> Any:
@@ -234,6 +265,12 @@ class RunConfig(_Strict):
         ``WORLD_SIZE`` torchrun/Slurm set, 1 without it)."""
         world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
         p = self.parallelism
+        if p.dp == "auto":  # resolved in place: everything downstream sees an integer
+            try:
+                p.dp = p.resolve_dp(world)
+            except ValueError as e:
+                raise ConfigError(f"{self.source}: parallelism.{e}") from None
+            return
         if p.world_size != world:
             raise ConfigError(f"{self.source}: parallelism: tp*pp*dp = {p.tp}*{p.pp}*{p.dp} = {p.world_size}, "
                               f"but the launch has {world} process(es)")

@@ -2,7 +2,7 @@
 planned microbatches into tensors."""
 
 from lorafusion.data.dataset import DataError, JobData, build_sample, load_job_samples, read_rows
-from lorafusion.data.packing import PackedBatch, pack_microbatch
+from lorafusion.data.packing import PackedBatch, pack_microbatch, pad_to_multiple
 from lorafusion.data.stream import JobStream, epoch_permutation
 from lorafusion.data.tokenizer import (
     SIMPLE_CHAT_TEMPLATE,
@@ -31,6 +31,7 @@ __all__ = [
     "epoch_permutation",
     "load_job_samples",
     "pack_microbatch",
+    "pad_to_multiple",
     "read_rows",
     "render_simple_chat",
 ]

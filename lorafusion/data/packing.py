@@ -108,6 +108,31 @@ def pack_microbatch(samples: Sequence[tuple[str, Sequence[int]]], prompt_lengths
     )
 
 
+def pad_to_multiple(batch: PackedBatch, multiple: int, token: int = 0) -> PackedBatch:
+    """``batch`` with its token count rounded up to a multiple of ``multiple`` (sequence parallelism splits
+    the sequence over the TP ranks). The padding rows come last and belong to no adapter (no routing
+    segment, so no LoRA term and no dropout), carry no loss, and form their own ``cu_seqlens`` segment
+    (positions from 0), so no sample attends to them. The real rows are unchanged."""
+    n = batch.num_tokens
+    pad = -n % int(multiple)
+    if pad == 0:
+        return batch
+
+    def cat(t, value):
+        return torch.cat([t, torch.full((1, pad), value, dtype=t.dtype, device=t.device)], dim=1)
+
+    r = batch.routing
+    ids = None
+    if r.row_ids is not None:
+        ids = np.concatenate([np.asarray(r.row_ids, dtype=np.int64), np.full(pad, -1, dtype=np.int64)])
+    cu = torch.cat([batch.cu_seqlens, batch.cu_seqlens.new_tensor([n + pad])])
+    positions = torch.cat([batch.position_ids, torch.arange(pad, dtype=batch.position_ids.dtype,
+                                                             device=batch.position_ids.device)[None]], dim=1)
+    return PackedBatch(cat(batch.tokens, int(token)), positions, cat(batch.labels, 0), cat(batch.loss_mask, 0.0), cu,
+                       max(batch.max_seqlen, pad), Routing(segments=r.segments, num_rows=n + pad, row_ids=ids),
+                       batch.adapters, batch.sample_adapter)
+
+
 def loss_token_count(num_tokens: int, prompt_len: int) -> int:
     """Number of positions of one packed sample whose label counts (see :func:`pack_microbatch`)."""
     return max(0, num_tokens - max(int(prompt_len), 1))

@@ -7,6 +7,9 @@ adapter ``a`` in the current packed microbatch, ``s_a·dropout_a(X)·A_aᵀ·B_a
   dS is all-reduced over TP in backward.
 - row-parallel (linear_proj, linear_fc2): A [r, in/tp] sharded like W, B [out, r] replicated;
   S is all-reduced over TP in forward, before B.
+- with sequence parallelism the LoRA term follows the base layer's layout: computed on the gathered full
+  sequence (column) or on the full sequence and scattered to this rank's shard (row); see
+  ``_LoRAMixin._sequence_parallel_delta``.
 
 Which rows belong to which adapter comes from the model's :class:`LoRAContext` (set per microbatch by
 :func:`lorafusion.layers.inject.lora_batch`). Adapter weights are fp32 (they are the master weights);
@@ -15,6 +18,7 @@ compute casts them to the activation dtype.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -221,8 +225,6 @@ class _LoRAMixin:
         """Base + LoRA. Without TP and with the fused kernels, one op does both (the low-rank term enters
         the base GEMM); otherwise Megatron's own forward (with its TP collectives) plus the LoRA term."""
         largs = self._lora_args(input_)
-        if largs is not None and self.config.sequence_parallel:
-            raise NotImplementedError("LoRA with sequence_parallel is not supported yet")
         if largs is None:
             return super().forward(input_, *args, **kwargs)
         if self._tp()[0] == 1 and not args and not kwargs and ops.resolve_impl(input_, self.lora_ctx.impl) == "fused":
@@ -233,7 +235,74 @@ class _LoRAMixin:
                                       cache=ctx.tables, seed_table=seed_table, main_gemm=ctx.main_gemm)
             return y, (self.bias if self.skip_bias_add else None)
         out, bias = super().forward(input_, *args, **kwargs)
+        if self.sequence_parallel:
+            return out + self._sequence_parallel_delta(input_, largs), bias
         return out + self._lora_delta(input_, largs), bias
+
+    def _sequence_parallel_delta(self, input_: torch.Tensor, largs) -> torch.Tensor:
+        """The LoRA term under Megatron's sequence parallelism, in the base output's layout.
+
+        The routing (segments, row ids, hence the dropout masks) describes the full sequence, so the LoRA
+        math runs on the full sequence exactly as without SP:
+
+        - column-parallel: the input is this rank's sequence shard; all-gather it (as the base does) and
+          compute the [s, out/tp] delta. Backward only *splits* the input gradient
+          (``tensor_parallel_output_grad=False``): the LoRA branch's dX = D ⊙ (dS·A)/(1-p) is already the
+          full, identical gradient on every rank, because dS is all-reduced over TP (``s_comm="column"``)
+          and A is replicated. (The base's own path reduce-scatters its partial dX as usual.) A
+          reduce-scatter here would count it tp times; the SP equality test catches that.
+        - row-parallel: the input is full-sequence (in-dim sharded); S is all-reduced, so the full [s, out]
+          delta is identical on every rank; hand back this rank's sequence shard, matching the base's
+          reduce-scattered output. Backward all-gathers dY, so dB = s·dYᵀ·S and dS see every row.
+        """
+        from megatron.core.tensor_parallel.mappings import (
+            gather_from_sequence_parallel_region,
+            scatter_to_sequence_parallel_region,
+        )
+
+        if self.s_comm_mode == "column":
+            full = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=False)
+            with _saved_as_shard(full, input_):
+                return self._lora_delta(full, largs)
+        return scatter_to_sequence_parallel_region(self._lora_delta(input_, largs))
+
+
+_SHARD = object()  # tag of a saved tensor kept as this rank's sequence shard
+SAVED_AS_SHARD = [0]  # how many saved tensors were kept as shards (tests read it)
+
+
+def _saved_as_shard(full: torch.Tensor, shard: torch.Tensor):
+    """Autograd saved-tensor hooks for the column-parallel LoRA term under SP: a tensor the LoRA op saves for
+    backward that is a view of the all-gathered input (x itself or its 2-D view in the fused and torch
+    paths; segment slices in the CPU reference) is kept as this rank's sequence shard plus the view's
+    geometry, and all-gathered again in backward, as Megatron's SP linears do with their input, so SP's
+    activation saving holds for the LoRA branch too. Anything else is saved as is. (Backward runs the same
+    layers in the same order on every TP rank, so the re-gathers pair up.)"""
+    from megatron.core.tensor_parallel.mappings import _gather_along_first_dim
+
+    if not full.is_contiguous():
+        return contextlib.nullcontext()
+    # not the tensor itself (it must be freed after forward): its storage and where it starts in it
+    storage, base, dtype = full.untyped_storage().data_ptr(), full.storage_offset(), full.dtype
+    group = parallel_state.get_tensor_model_parallel_group()
+    # one re-gather per layer call however many views were saved; the cell lives as long as the saved views
+    cell: dict = {}
+
+    def pack(t):
+        if t.dtype == dtype and t.untyped_storage().data_ptr() == storage:
+            SAVED_AS_SHARD[0] += 1
+            return (_SHARD, cell, shard, t.size(), t.stride(), t.storage_offset() - base)
+        return t
+
+    def unpack(obj):
+        if isinstance(obj, tuple) and len(obj) == 6 and obj[0] is _SHARD:
+            _, c, sh, size, stride, offset = obj
+            if "full" not in c:
+                c["full"] = _gather_along_first_dim(sh, group)
+            return c["full"].as_strided(size, stride, offset)
+        return obj
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 class LoRAColumnParallelLinear(_LoRAMixin, ColumnParallelLinear):

@@ -50,34 +50,43 @@ def lora_layer_spec(transformer_impl: str = "local", fused_ops: str = "off"):
 def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, pre_process: bool | None = None,
                 post_process: bool | None = None, recompute: bool = False, device: str | torch.device | None = None,
                 transformer_impl: str = "local", seed: int = 1234, fused_ops: str | None = None,
-                **config_overrides) -> GPTModel:
+                sequence_parallel: bool = False, **config_overrides) -> GPTModel:
     """Build this pipeline stage's ``GPTModel`` (requires ``parallel_state`` to be initialised).
 
     Base weights are frozen (``requires_grad=False``); initialise them with :mod:`lorafusion.models.hf_import`
     or :func:`init_random_weights`. ``fused_ops``: "off", "torch" or "triton" (see the module docstring);
     ``None`` = "triton" when ``device`` is CUDA, else "off". The choice is recorded as
-    ``model.lorafusion_fused_ops``.
+    ``model.lorafusion_fused_ops``. ``sequence_parallel`` (tp > 1): Megatron's sequence parallelism; the
+    norms are then :class:`~lorafusion.models.fused.rms_norm.RMSNorm` even with ``fused_ops="off"`` (its
+    "torch" implementation, ``F.rms_norm`` as ``torch.nn.RMSNorm``), since Megatron's ``WrappedTorchNorm``
+    refuses SP.
     """
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     mode = resolve_fused_ops(fused_ops, device)
     impl = None if mode == "off" else mode
     overrides = {**(fused_config_overrides(impl) if impl else {}), **config_overrides}
-    cfg = transformer_config(arch, params_dtype, tp=tp, pp=pp, recompute=recompute, **overrides)
+    cfg = transformer_config(arch, params_dtype, tp=tp, pp=pp, recompute=recompute,
+                             sequence_parallel=sequence_parallel, **overrides)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     layer_spec = lora_layer_spec(transformer_impl, fused_ops=mode)
+    norm_impl = impl or ("torch" if sequence_parallel else None)
+    if impl is None and norm_impl is not None:
+        layer_spec.submodules.input_layernorm = norm_spec(norm_impl)
+        layer_spec.submodules.pre_mlp_layernorm = norm_spec(norm_impl)
     if impl is not None:
-        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-
         from megatron_patches import apply_packed_rope_patch
 
         apply_packed_rope_patch()
         cfg.lorafusion_rope_impl = impl  # read by the packed-RoPE dispatcher (megatron_patches.rope)
+    if norm_impl is not None:
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
         layer_spec = TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(cfg),
-                                                layer_norm=norm_spec(impl))
+                                                layer_norm=norm_spec(norm_impl))
     model = FusedLossGPTModel(
         config=cfg, transformer_layer_spec=layer_spec, vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings, pre_process=pre_process, post_process=post_process,

@@ -9,15 +9,17 @@ from lorafusion.core.errors import ConfigError
 
 
 def transformer_config(arch: ModelArch, params_dtype: torch.dtype = torch.float32, *, tp: int = 1, pp: int = 1,
-                       recompute: bool = False, **overrides):
+                       recompute: bool = False, sequence_parallel: bool = False, **overrides):
     """The Megatron ``TransformerConfig`` for ``arch`` (no dropout in the frozen base; LoRA dropout is
-    per adapter)."""
+    per adapter). ``sequence_parallel`` needs tp > 1."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if arch.num_query_groups % tp:
         raise ConfigError(f"parallelism.tp: {tp} must divide num_query_groups={arch.num_query_groups}")
     if arch.num_layers % pp:
         raise ConfigError(f"parallelism.pp: {pp} must divide num_layers={arch.num_layers}")
+    if sequence_parallel and tp == 1:
+        raise ConfigError("parallelism.sequence_parallel: needs tp > 1")
     kw = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -41,7 +43,7 @@ def transformer_config(arch: ModelArch, params_dtype: torch.dtype = torch.float3
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        sequence_parallel=False,
+        sequence_parallel=sequence_parallel,
         use_cpu_initialization=True,
         perform_initialization=False,
         params_dtype=params_dtype,

@@ -34,6 +34,8 @@ Key = tuple[str, int]  # (job name, global batch index)
 
 def scheduler_config(cfg: RunConfig) -> SchedulerConfig:
     """The scheduler's config for a run: its ``parallelism`` depth/width and ``scheduler`` section."""
+    if cfg.parallelism.dp == "auto":
+        cfg.check_world_size()  # dp: auto → world / (tp*pp), or one clear error
     return SchedulerConfig(pipeline_depth=cfg.parallelism.pp, dp_size=cfg.parallelism.dp,
                            **cfg.scheduler.model_dump())
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from lorafusion.core.seeds import mix_seed, name_key
+from lorafusion.data.packing import pad_to_multiple
 from lorafusion.runtime.feed import Chunk, Key
 from lorafusion.scheduler import Plan
 
@@ -80,6 +81,8 @@ def run_chunk(model, chunk: Chunk, optimizers: dict, *, seed: int, device: torch
 
     from lorafusion.layers import set_batch
 
+    # sequence parallelism splits each microbatch's tokens over the TP ranks: pad them to a multiple of tp
+    pad = parallel_state.get_tensor_model_parallel_world_size() if model.config.sequence_parallel else 1
     num_stages = parallel_state.get_pipeline_model_parallel_world_size()
     stage = parallel_state.get_pipeline_model_parallel_rank()
     tracker = StepTracker(chunk.plan, optimizers, stage, num_stages)
@@ -90,7 +93,7 @@ def run_chunk(model, chunk: Chunk, optimizers: dict, *, seed: int, device: torch
     def forward_step(data_iterator, model_):
         batch, batch_of = next(data_iterator)
         tracker.before_forward(batch.adapters)
-        batch = batch.to(dev)
+        batch = pad_to_multiple(batch, pad).to(dev)
         set_batch(model_, batch.routing, batch.adapters, [dropout_seed(seed, n, batch_of[n]) for n in batch.adapters])
         output = model_(batch.tokens, batch.position_ids, attention_mask=None, labels=batch.labels,
                         packed_seq_params=batch.packed_seq_params())
@@ -116,7 +119,7 @@ def run_chunk(model, chunk: Chunk, optimizers: dict, *, seed: int, device: torch
     t0 = time.perf_counter()
     get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(chunk.packed), model=[model],
                                 num_microbatches=len(chunk.packed),
-                                seq_length=max(b.num_tokens for b, _ in chunk.packed),
+                                seq_length=max(-(-b.num_tokens // pad) * pad for b, _ in chunk.packed),
                                 micro_batch_size=1, forward_only=False)
     results = tracker.finish()
     compute_s = time.perf_counter() - t0

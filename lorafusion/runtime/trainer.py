@@ -124,7 +124,7 @@ class Trainer:
             raise ConfigError(f"{cfg.source}: tokenizer: vocab_size {self.tokenizer.vocab_size} exceeds the "
                               f"model's vocab_size {self.arch.vocab_size}")
         kw = dict(params_dtype=DTYPES[cfg.model.dtype], recompute=cfg.model.recompute, device=self.device,
-                  seed=cfg.seed)
+                  seed=cfg.seed, sequence_parallel=cfg.parallelism.sequence_parallel)
         self.model = build_model_from_hf(ckpt, **kw) if ckpt is not None else build_model(self.arch, **kw)
         get_lora_context(self.model).impl = None if cfg.kernels == "auto" else cfg.kernels
         self.timers = StageTimers()

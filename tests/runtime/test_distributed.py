@@ -1,4 +1,4 @@
-"""Two processes (PP=2, DP=2, TP=2, PP=2 with recompute) train exactly like one."""
+"""Two processes (PP=2, DP=2, TP=2, TP=2 with sequence parallelism, PP=2 with recompute) train exactly like one."""
 
 import json
 import os
@@ -60,10 +60,11 @@ def test_dp2_with_whole_global_batches_in_one_microbatch_equals_dp1(tmp_path, me
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [dict(pp=2), dict(dp=2), dict(tp=2), dict(pp=2, recompute=True)])
+@pytest.mark.parametrize("layout", [dict(pp=2), dict(dp=2), dict(tp=2), dict(tp=2, sequence_parallel=True),
+                                    dict(pp=2, recompute=True)])
 def test_two_process_runs_equal_single_process(three_jobs, tmp_path, layout):
     tmp, jobs, summary, out = three_jobs
-    name = "_".join(f"{k}{v}" for k, v in layout.items())
+    name = "_".join(f"{k}{v}" for k, v in layout.items()).replace("sequence_parallelTrue", "sp")
     run = write_run(tmp_path, jobs, out=name, **layout)
     port = str(_free_port())
     procs = []

@@ -120,8 +120,8 @@ class RMSNorm(torch.nn.Module):
         super().__init__()
         if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
             raise ValueError("lorafusion RMSNorm: only normalization='RMSNorm' without zero-centered gamma")
-        if config.sequence_parallel:
-            raise ValueError("lorafusion RMSNorm: sequence parallelism is not supported")
+        # Sequence parallelism needs nothing here: the norm is per row and its weight is frozen (no dW to
+        # all-reduce over the TP group, which is what Megatron's SP norms add).
         self.impl = check_impl(impl)
         self.eps = float(eps)
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))

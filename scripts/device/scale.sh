@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Issue 10's multi-GPU runs, each reproducible in one device call (same wheels as speed.sh, carry .whl):
+#   run (kind nvidia-h200-x2):  bash scripts/device/scale.sh                     # every run that fits the GPUs present
+#   run (kind nvidia-h200-x2):  bash scripts/device/scale.sh 32b-pp2             # chosen runs (one per call fits 10 min)
+#   run (kind nvidia-h200-x4):  bash scripts/device/scale.sh 70b-pp4 70b-tp2pp2
+# Runs (GPUs, config, layout; random bf16 weights, mixed-length data from scripts/make_bench_data.py):
+#   8b-pp2-recompute  2  llama3.1-8b   pp=2 + full activation recompute (the routing-restore path), a few steps
+#   32b-pp2           2  qwen2.5-32b   pp=2                     4 adapters r=16 all-linear
+#   32b-tp2sp         2  qwen2.5-32b   tp=2 + sequence parallel
+#   70b-pp4           4  llama3.1-70b  pp=4
+#   70b-tp2pp2        4  llama3.1-70b  tp=2 + sequence parallel, pp=2
+# Each 32B/70B run: STEPS (default 10) optimizer steps per job, the first WARMUP (2) untimed, so >= 8 timed;
+# then, unless BASELINES=0, the same data one adapter at a time through our runtime with a pipeline flush per
+# global batch (scheduler off, the Megatron-LM way) and with kernels=reference (fused kernels off).
+# Writes $OUT/<run>.json (the docs/results/32b-pp2-2gpu.json shape: tokens_per_s, bubble_ratio (steady state,
+# timed chunks only), steps_per_job, peak_mem_gib per rank, device, commit, command, baselines) and
+# $OUT/<run>.log; GPU tests first (GPU_TESTS=0 skips them) into $OUT/gpu_tests.log. At most 8 files come
+# back from $OUT: with the GPU tests that is 3 runs per call.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=$PWD:/tmp/site
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+NGPU=${NGPU:-$("$PY" -c 'import torch; print(torch.cuda.device_count())')}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
+COMMIT=${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export BENCH_COMMIT=$COMMIT
+STEPS=${STEPS:-10}; WARMUP=${WARMUP:-2}; ROWS=${ROWS:-256}
+
+if [ "${GPU_TESTS:-1}" = 1 ] && [ "$NGPU" -ge 1 ]; then
+  "$PY" -m pytest -q -m gpu -p no:cacheprovider ${GPU_TEST_PATHS:-tests/test_recompute.py tests/kernels} 2>&1 \
+    | tail -15 | tee "$OUT/gpu_tests.log"
+fi
+# (bench_train.py makes data/bench on rank 0 when a config reads it)
+
+# name -> "GPUS CONFIG STEPS WARMUP BASELINES OVERRIDES..."
+spec() {
+  case "$1" in
+    8b-pp2-recompute) echo "2 configs/llama3.1-8b-4adapters.yaml 4 2 0 parallelism.pp=2 model.recompute=true" ;;
+    32b-pp2)          echo "2 configs/qwen2.5-32b-4adapters.yaml $STEPS $WARMUP 1 parallelism.tp=1 parallelism.pp=2" ;;
+    32b-tp2sp)        echo "2 configs/qwen2.5-32b-4adapters.yaml $STEPS $WARMUP 1 parallelism.tp=2 parallelism.pp=1 parallelism.sequence_parallel=true" ;;
+    70b-pp4)          echo "4 configs/llama3.1-70b-4adapters.yaml $STEPS $WARMUP 1 parallelism.tp=1 parallelism.pp=4" ;;
+    70b-tp2pp2)       echo "4 configs/llama3.1-70b-4adapters.yaml $STEPS $WARMUP 1 parallelism.tp=2 parallelism.pp=2 parallelism.sequence_parallel=true" ;;
+    # the plumbing on CPU (tests/runtime/test_bench_scale.py: NGPU=2, gloo)
+    tiny-pp2)         echo "2 configs/quickstart.yaml 4 2 1 parallelism.pp=2" ;;
+    *) return 1 ;;
+  esac
+}
+ALL="8b-pp2-recompute 32b-pp2 32b-tp2sp 70b-pp4 70b-tp2pp2"
+RUNS=${*:-}
+if [ -z "$RUNS" ]; then  # every run whose GPU count is the machine's
+  for r in $ALL; do read -r g _ <<<"$(spec "$r")"; [ "$g" = "$NGPU" ] && RUNS="$RUNS $r"; done
+fi
+status=0
+for name in $RUNS; do
+  s=$(spec "$name") || { echo "unknown run $name (known: $ALL)"; status=2; continue; }
+  read -r gpus config steps warmup baselines overrides <<<"$s"
+  if [ "$gpus" -gt "$NGPU" ]; then echo "=== $name: needs $gpus GPUs, $NGPU here: skipped"; continue; fi
+  extra=""; [ "$baselines" = 1 ] && [ "${BASELINES:-1}" = 1 ] && extra="--ablate --flush-per-batch"
+  # shellcheck disable=SC2086
+  cmd="$PY -m torch.distributed.run --standalone --nproc_per_node $gpus scripts/bench_train.py --config $config \
+--rows $ROWS --steps $steps --warmup $warmup --out ${BENCH_TMP:-/tmp}/bench_$name $extra --scale-json $OUT/$name.json \
+$overrides"
+  echo "=== $name: $cmd"
+  rm -rf "${BENCH_TMP:-/tmp}/bench_$name"
+  BENCH_COMMAND="$cmd" timeout "${RUN_TIMEOUT:-560}" $cmd > "$OUT/$name.log" 2>&1
+  rc=$?; echo "rc=$rc"; [ $rc = 0 ] || status=1
+  grep -v "^{" "$OUT/$name.log" | tail -"${TAIL:-20}"
+done
+exit $status

@@ -1,0 +1,88 @@
+"""Full activation recomputation with LoRA routing, interleaved as 1F1B does it: forward of microbatch 1,
+forward of microbatch 2 (the model's routing is now 2's), then backward of 1 — whose recompute must run with
+1's routing, restored by the hook in ``megatron_patches.recompute``. On CUDA this is the path of the 70B PP=4
+crash: the fused kernels, their device tables and packer row ids (numpy) in the routing."""
+
+import pytest
+import torch
+
+from lorafusion.core.arch import preset
+from lorafusion.core.lora import LoRASpec
+from lorafusion.data import pack_microbatch
+from lorafusion.layers import add_adapter, lora_modules, set_batch
+from model_utils import adapter_seed, randomize_b
+
+SPECS = {
+    "a": LoRASpec(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=("all-linear",)),
+    "b": LoRASpec(r=8, lora_alpha=8, lora_dropout=0.2, target_modules=("q_proj", "k_proj", "v_proj", "down_proj")),
+}
+
+
+def _tok(seed, n, vocab):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _interleaved_grads(device, dtype, recompute: bool) -> tuple[list[float], dict]:
+    from lorafusion.models.provider import build_model
+
+    arch = preset("tiny-llama")
+    v = arch.vocab_size
+    model = build_model(arch, params_dtype=dtype, recompute=recompute, device=device, seed=3)
+    for i, (name, spec) in enumerate(SPECS.items()):
+        add_adapter(model, name, spec, seed=i)
+    randomize_b(model, seed=1)
+    model.train()
+    mbs = [pack_microbatch([("a", _tok(1, 37, v)), ("b", _tok(2, 21, v))], row_ids=[0, 1]),
+           pack_microbatch([("b", _tok(3, 15, v)), ("a", _tok(4, 9, v)), ("b", _tok(5, 30, v))], row_ids=[2, 3, 4])]
+    losses = []
+    for mb in mbs:
+        b = mb.to(device)
+        set_batch(model, b.routing, b.adapters, [adapter_seed(7, n) for n in b.adapters])
+        per_token = model(b.tokens, b.position_ids, attention_mask=None, labels=b.labels,
+                          packed_seq_params=b.packed_seq_params())
+        losses.append((per_token.float() * b.loss_mask).sum() / b.loss_mask.sum())
+    for loss in losses:  # backward of microbatch 1 while the routing in force is microbatch 2's
+        loss.backward()
+    set_batch(model, None, ())
+    grads = {f"{key}.{p}.{n}": getattr(mod, p)[n].grad.detach().float().cpu().clone()
+             for key, mod in lora_modules(model) for p in ("lora_A", "lora_B") for n in getattr(mod, p)}
+    return [x.item() for x in losses], grads
+
+
+def _check(device, dtype, tol):
+    want_losses, want = _interleaved_grads(device, dtype, recompute=False)
+    got_losses, got = _interleaved_grads(device, dtype, recompute=True)
+    assert got_losses == pytest.approx(want_losses, rel=tol)
+    assert got.keys() == want.keys() and len(want) > 0
+    for k in want:
+        assert torch.isfinite(got[k]).all(), k
+        err = ((got[k] - want[k]).norm() / want[k].norm().clamp_min(1e-12)).item()
+        assert err <= tol, (k, err)
+
+
+def test_recompute_interleaved_microbatches_equal_no_recompute_cpu(megatron_single):
+    _check("cpu", torch.float32, 1e-6)
+
+
+def test_recompute_without_the_routing_restore_is_caught(megatron_single, monkeypatch):
+    """The comparison above is sensitive: with the restore hook doing nothing, recompute of microbatch 1
+    runs with microbatch 2's routing and the test's check fails."""
+    import lorafusion.layers.lora_linear as ll
+
+    monkeypatch.setattr(ll, "restore_routing", lambda state: None)  # what build_model(recompute=True) installs
+    try:
+        with pytest.raises((AssertionError, RuntimeError, ValueError)):
+            _check("cpu", torch.float32, 1e-6)
+    finally:  # put the real hook back for models built before this test
+        from megatron_patches import apply_recompute_state_hook
+
+        monkeypatch.undo()
+        apply_recompute_state_hook(ll.capture_routing, ll.restore_routing)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_recompute_interleaved_microbatches_equal_no_recompute_gpu_bf16(megatron_single):
+    """bf16, fused Triton LoRA kernels and fused ops (the GPU defaults): recompute re-runs the same kernels
+    on the same inputs, so the two agree to bf16 rounding of the loss reduction order at most."""
+    _check("cuda", torch.bfloat16, 2e-2)
