@@ -120,3 +120,15 @@ def test_sharded_index_pointing_to_missing_file(tmp_path, megatron_single):
     shard.unlink()
     with pytest.raises(FileNotFoundError, match=shard.name):
         build_model_from_hf(tmp_path / "m")
+
+
+@pytest.mark.parametrize("key, value", [("hidden_size", "64"), ("num_hidden_layers", 2.5), ("vocab_size", True),
+                                        ("intermediate_size", -3), ("rms_norm_eps", "1e-6")])
+def test_bad_number_in_config_json_is_one_error_naming_the_field(key, value):
+    from lorafusion.core.arch import arch_to_hf_config
+    from lorafusion.core.errors import ConfigError
+
+    cfg = arch_to_hf_config(preset("tiny-llama"))
+    cfg[key] = value
+    with pytest.raises(ConfigError, match=rf"^m/config.json: {key}: expected a (positive integer|finite number)"):
+        arch_from_hf_config(cfg, source="m/config.json")

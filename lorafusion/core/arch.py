@@ -118,6 +118,17 @@ def arch_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArch:
     if mt not in ("llama", "qwen2"):
         raise ConfigError(f"{source}: model_type: expected 'llama' or 'qwen2', got {mt!r}")
 
+    _ints = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "intermediate_size", "max_position_embeddings", "head_dim")
+    for key in _ints:  # e.g. "hidden_size": "64" would otherwise fail deep inside the model build
+        v = cfg.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise ConfigError(f"{source}: {key}: expected a positive integer, got {v!r}")
+    for key in ("rope_theta", "rms_norm_eps"):
+        v = cfg.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)):
+            raise ConfigError(f"{source}: {key}: expected a finite number, got {v!r}")
+
     def need(key):
         if key not in cfg:
             raise ConfigError(f"{source}: missing field {key!r}")
