@@ -59,7 +59,7 @@ TINY = [([3, 3, 3, 3, 4, 4], 10), ([6, 5, 5, 4], 10), ([7, 6, 5, 4, 3, 2, 2], 12
 
 @pytest.mark.parametrize("w,cap", TINY)
 def test_milp_matches_brute_force(w, cap):
-    res = DataBatcher(cap, time_limit_s=5.0, solver="cbc", gap=0.0).pack(w)
+    res = DataBatcher(cap, time_limit_s=60.0, solver="cbc", gap=0.0).pack(w)
     assert _bins_valid(res.bins, w, cap)
     assert res.objective == brute_force(w, cap)
     assert lower_bound(w, cap) <= res.num_bins
@@ -69,7 +69,7 @@ def test_milp_beats_greedy_where_greedy_is_suboptimal():
     w, cap = [3, 3, 3, 3, 4, 4], 10  # FFD: [4,4] [3,3,3] [3] -> 3 bins; optimum [4,3,3] x 2
     greedy = greedy_pack(w, cap)
     assert len(greedy) == 3
-    res = DataBatcher(cap, time_limit_s=5.0).pack(w)
+    res = DataBatcher(cap, time_limit_s=60.0).pack(w)  # generous: a loaded CI machine slows CBC, not the answer
     assert res.num_bins == 2 and res.source == "milp" and res.count_optimal
 
 
@@ -107,7 +107,7 @@ def test_solver_timeout_without_solution_returns_greedy(monkeypatch):
 
     monkeypatch.setattr(milp_mod, "_solve", no_solution)
     w, cap = [3, 3, 3, 3, 4, 4], 10
-    res = DataBatcher(cap, time_limit_s=5.0).pack(w)
+    res = DataBatcher(cap, time_limit_s=60.0).pack(w)  # generous: a loaded CI machine slows CBC, not the answer
     assert calls, "the MILP path was not taken"
     assert res.source == "greedy" and res.timed_out
     assert _canon(res.bins) == _canon(greedy_pack(w, cap))
