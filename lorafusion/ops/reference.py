@@ -21,18 +21,14 @@ import torch
 import functools
 
 from lorafusion.core.routing import Routing
+from lorafusion.kernels.tables import TableCache
 from lorafusion.ops.comm import apply_s_comm
 from lorafusion.ops.dropout import keep_mask
 
 
 def row_ids(routing: Routing, device, cache=None) -> torch.Tensor:
-    """The routing's dropout row ids as an int64 tensor on ``device`` (through ``cache`` when given)."""
-    if cache is not None:
-        return cache.row_ids(routing, device)
-    ids = routing.row_ids
-    if ids is None:
-        return torch.arange(routing.num_rows, dtype=torch.int64, device=device)
-    return torch.as_tensor(ids, dtype=torch.int64).to(device)
+    """The routing's dropout row ids as an int64 tensor on ``device`` (kept in ``cache`` when given)."""
+    return (cache if cache is not None else TableCache()).row_ids(routing, device)
 
 
 def dropout_rows(x: torch.Tensor, seed: int, row_ids: torch.Tensor, p: float, k_offset: int = 0,
