@@ -170,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         # a flag between the overrides would end them (argparse: "unrecognized arguments"); it may go anywhere
         argv = [a for a in argv if a != "--resume"] + ["--resume"]
     args = build_parser().parse_args(argv)
+    from lorafusion.runtime.control import install_stack_dump
+
+    install_stack_dump()  # kill -USR2 <pid>: every thread's stack on stderr (a hung multi-GPU run)
     handler = {"train": cmd_train, "plan": cmd_plan, "export": cmd_export}[args.cmd]
     from lorafusion.core.errors import UserError
 

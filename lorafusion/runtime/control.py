@@ -8,7 +8,9 @@ signal that reached only some ranks still stops all of them at the same chunk bo
 
 from __future__ import annotations
 
+import faulthandler
 import signal
+import sys
 import threading
 
 import torch
@@ -51,3 +53,10 @@ class StopSignals:
             t = t.cuda()
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return [bool(x) for x in t.tolist()]
+
+
+def install_stack_dump(sig: int = signal.SIGUSR2) -> None:
+    """``kill -USR2 <pid>`` prints every thread's Python stack to stderr and the run goes on: what a user (or
+    ``scripts/device/watch.sh``) needs to see where a distributed run waits. Main thread only; idempotent."""
+    if threading.current_thread() is threading.main_thread():
+        faulthandler.register(sig, file=sys.stderr, all_threads=True, chain=False)
