@@ -351,6 +351,16 @@ def _reset_between_runs() -> None:
         torch.cuda.empty_cache()
 
 
+def write_results(result: dict, args, out: Path) -> None:
+    """Rank 0: ``OUT/result.json`` and, with ``--scale-json``, the scale record (rewritten as results come)."""
+    if RANK != 0:
+        return
+    (out / "result.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    if args.scale_json:
+        Path(args.scale_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.scale_json).write_text(json.dumps(scale_record(result, args), indent=2, default=str) + "\n")
+
+
 def scale_record(result: dict, args) -> dict:
     """The ``docs/results/*-gpu.json`` shape (see the module doc)."""
     ours = result["lorafusion"]
@@ -365,6 +375,8 @@ def scale_record(result: dict, args) -> dict:
            "bubble_ratio_all_chunks_rank0": ours["bubble_ratio"],
            "bubble_per_chunk_per_rank": ours.get("bubble_per_chunk_per_rank"),
            "timed_tokens": ours["timed_tokens"], "timed_s": ours["timed_s"]}
+    if "baseline_steps" in result:
+        rec["baseline_steps_per_job"] = result["baseline_steps"]  # {baseline: {steps, warmup}}
     for key in ("scheduler_off", "reference"):
         if key in result:
             rec[key] = result[key]
@@ -391,6 +403,11 @@ def main() -> None:
     ap.add_argument("--flush-per-batch", action="store_true",
                     help="one-job-at-a-time baseline with scheduler.lookahead_batches=1 (a flush per global batch)")
     ap.add_argument("--profile", action="store_true", help="profile the first timed chunk of our run")
+    ap.add_argument("--baselines", default="reference,scheduler_off",
+                    help="with --ablate: which ones, in this order (comma-separated)")
+    ap.add_argument("--baseline-timed-steps", type=int,
+                    help="with --ablate: timed steps per job of each baseline, after one untimed chunk (default: "
+                         "--steps and --warmup as ours)")
     ap.add_argument("--no-background", action="store_true", help="plan each chunk when it is needed")
     ap.add_argument("--scale-json", help="also write the docs/results scale record here (rank 0)")
     ap.add_argument("overrides", nargs="*")
@@ -446,18 +463,29 @@ def main() -> None:
         return
     from lorafusion.runtime.dist import destroy_distributed
 
+    write_results(result, args, out)  # now and after each baseline: a run cut short keeps what it measured
     if args.ablate:
         _reset_between_runs()
         one_at_a_time = ["scheduler.lookahead_batches=1"] if args.flush_per_batch else []
-        ablations = {"reference": dict(overrides=["kernels=reference"], jobs=[None]),
-                     "scheduler_off": dict(overrides=one_at_a_time, jobs=list(range(len(base_cfg.jobs))))}
-        for key, spec in ablations.items():
+        known = {"reference": dict(overrides=["kernels=reference"], jobs=[None]),
+                 "scheduler_off": dict(overrides=one_at_a_time, jobs=list(range(len(base_cfg.jobs))))}
+        chosen = [k for k in args.baselines.split(",") if k]
+        if unknown := [k for k in chosen if k not in known]:
+            raise SystemExit(f"--baselines: unknown {unknown}; expected some of {sorted(known)}")
+        for key in chosen:
+            spec = known[key]
+            b_steps, b_warm = args.steps, args.warmup
+            if args.baseline_timed_steps:  # one chunk (of this baseline's lookahead) of warm-up, then whole chunks
+                look_b = 1 if "scheduler.lookahead_batches=1" in spec["overrides"] else look
+                b_warm = look_b
+                b_steps = b_warm + -(-args.baseline_timed_steps // look_b) * look_b
+            result.setdefault("baseline_steps", {})[key] = {"steps": b_steps, "warmup": b_warm}
             try:
                 parts = []
                 for j in spec["jobs"]:
                     tag = key if j is None else f"{key}_{j}"
-                    r, _, _ = run_lorafusion(args.config, list(args.overrides) + spec["overrides"], args.steps,
-                                             args.warmup, out / tag, only_job=j)
+                    r, _, _ = run_lorafusion(args.config, list(args.overrides) + spec["overrides"], b_steps,
+                                             b_warm, out / tag, only_job=j)
                     parts.append(r)
                     _reset_between_runs()
                 if RANK != 0:
@@ -471,6 +499,7 @@ def main() -> None:
                                                             for r in range(len(parts[0]["peak_mem_gib_per_rank"]))]
                     steady = [p["bubble_ratio_steady"] for p in parts if p.get("bubble_ratio_steady") is not None]
                     result[key]["bubble_ratio"] = sum(steady) / len(steady) if steady else None
+                write_results(result, args, out)
             except Exception:
                 if DIST:
                     raise
@@ -501,10 +530,7 @@ def main() -> None:
     destroy_distributed()  # before printing: the JSON must stay the last line
     if RANK != 0:
         return
-    (out / "result.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    if args.scale_json:
-        Path(args.scale_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.scale_json).write_text(json.dumps(scale_record(result, args), indent=2, default=str) + "\n")
+    write_results(result, args, out)
     print(f"{'system':<22} {'tokens/s':>10} {'peak GiB':>9} {'bubble':>7}")
     for key in ("lorafusion", "reference", "scheduler_off", "hf_peft"):
         if key in result:

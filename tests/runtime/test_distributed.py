@@ -20,13 +20,17 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _train_two_processes(run: Path) -> list[str]:
+def _train_two_processes(run: Path, guard: bool = False) -> list[str]:
+    """Both ranks of ``lorafusion train RUN``; ``guard``: through tests/runtime/sync_guard.py (a device-wide
+    synchronise while a gradient-norm all-reduce is pending fails the run)."""
     port = str(_free_port())
+    entry = [str(Path(__file__).with_name("sync_guard.py"))] if guard else ["-m", "lorafusion.cli"]
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=port, OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-m", "lorafusion.cli", "train", str(run)], cwd=ROOT, env=env,
+        procs.append(subprocess.Popen([sys.executable, *entry, "train", str(run)], cwd=ROOT,
+                                      env=dict(env, PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])),
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=600)[0] for p in procs]
     for p, o in zip(procs, outs):
@@ -66,7 +70,7 @@ def test_two_process_runs_equal_single_process(three_jobs, tmp_path, layout):
     tmp, jobs, summary, out = three_jobs
     name = "_".join(f"{k}{v}" for k, v in layout.items()).replace("sequence_parallelTrue", "sp")
     run = write_run(tmp_path, jobs, out=name, **layout)
-    _train_two_processes(run)
+    _train_two_processes(run, guard=bool(layout.get("pp")))
     # Same training: per-step losses and full-adapter gradient norms (clipping input) agree to fp32
     # noise; final weights agree tensor-wise to 1e-4 (AdamW scales gradient noise of ~eps-sized elements
     # by lr/eps, and TP/PP sum partial products in another order than one process).
