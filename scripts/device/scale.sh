@@ -2,14 +2,15 @@
 # Issue 10's multi-GPU runs, each reproducible in one device call (same wheels as speed.sh, carry .whl):
 #   run (kind nvidia-h200-x2):  bash scripts/device/scale.sh                     # every run that fits the GPUs present
 #   run (kind nvidia-h200-x2):  bash scripts/device/scale.sh 32b-pp2             # chosen runs (one per call fits 10 min)
-#   run (kind nvidia-h200-x4):  bash scripts/device/scale.sh 70b-pp4 70b-tp2pp2
+#   run (kind nvidia-h200-x4):  bash scripts/device/scale.sh 70b-pp4       # then 70b-tp2pp2 in a second call
 # Runs (GPUs, config, layout; random bf16 weights, mixed-length data from scripts/make_bench_data.py):
 #   8b-pp2-recompute  2  llama3.1-8b   pp=2 + full activation recompute (the routing-restore path), a few steps
 #   32b-pp2           2  qwen2.5-32b   pp=2                     4 adapters r=16 all-linear
 #   32b-tp2sp         2  qwen2.5-32b   tp=2 + sequence parallel
 #   70b-pp4           4  llama3.1-70b  pp=4
 #   70b-tp2pp2        4  llama3.1-70b  tp=2 + sequence parallel, pp=2
-# Each 32B/70B run: STEPS (default 10) optimizer steps per job, the first WARMUP (2) untimed, so >= 8 timed;
+# Each 32B run: STEPS (default 10) optimizer steps per job, the first WARMUP (2) untimed, so >= 8 timed (70B: see
+# its spec);
 # then, unless BASELINES=0, the same data one adapter at a time through our runtime with a pipeline flush per
 # global batch (scheduler off, the Megatron-LM way) and with kernels=reference (fused kernels off).
 # Writes $OUT/<run>.json (the docs/results/32b-pp2-2gpu.json shape: tokens_per_s, bubble_ratio (steady state,
@@ -46,8 +47,9 @@ spec() {
     8b-pp2-recompute) echo "2 configs/llama3.1-8b-4adapters.yaml 4 2 0 parallelism.pp=2 model.recompute=true" ;;
     32b-pp2)          echo "2 configs/qwen2.5-32b-4adapters.yaml $STEPS $WARMUP 1 parallelism.tp=1 parallelism.pp=2" ;;
     32b-tp2sp)        echo "2 configs/qwen2.5-32b-4adapters.yaml $STEPS $WARMUP 1 parallelism.tp=2 parallelism.pp=1 parallelism.sequence_parallel=true" ;;
-    70b-pp4)          echo "4 configs/llama3.1-70b-4adapters.yaml $STEPS $WARMUP 1 parallelism.tp=1 parallelism.pp=4" ;;
-    70b-tp2pp2)       echo "4 configs/llama3.1-70b-4adapters.yaml $STEPS $WARMUP 1 parallelism.tp=2 parallelism.pp=2 parallelism.sequence_parallel=true" ;;
+    # (the config's lookahead_batches is 8: 16 steps = one warm-up chunk + one timed chunk of 8 steps)
+    70b-pp4)          echo "4 configs/llama3.1-70b-4adapters.yaml 16 8 1 parallelism.tp=1 parallelism.pp=4" ;;
+    70b-tp2pp2)       echo "4 configs/llama3.1-70b-4adapters.yaml 12 4 1 parallelism.tp=2 parallelism.pp=2 parallelism.sequence_parallel=true scheduler.lookahead_batches=4" ;;
     # the plumbing on CPU (tests/runtime/test_bench_scale.py: NGPU=2, gloo)
     tiny-pp2)         echo "2 configs/quickstart.yaml 4 2 1 parallelism.pp=2" ;;
     *) return 1 ;;
@@ -63,14 +65,17 @@ for name in $RUNS; do
   s=$(spec "$name") || { echo "unknown run $name (known: $ALL)"; status=2; continue; }
   read -r gpus config steps warmup baselines overrides <<<"$s"
   if [ "$gpus" -gt "$NGPU" ]; then echo "=== $name: needs $gpus GPUs, $NGPU here: skipped"; continue; fi
-  extra=""; [ "$baselines" = 1 ] && [ "${BASELINES:-1}" = 1 ] && extra="--ablate --flush-per-batch"
+  # baselines: scheduler off (one job at a time, a flush per global batch) first, then fused kernels off; one
+  # warm-up chunk and BASELINE_TIMED (2) timed steps per job each, so a 70B run and its baselines fit one call
+  extra=""; [ "$baselines" = 1 ] && [ "${BASELINES:-1}" = 1 ] && \
+    extra="--ablate --flush-per-batch --baselines scheduler_off,reference --baseline-timed-steps ${BASELINE_TIMED:-2}"
   # shellcheck disable=SC2086
   cmd="$PY -m torch.distributed.run --standalone --nproc_per_node $gpus scripts/bench_train.py --config $config \
 --rows $ROWS --steps $steps --warmup $warmup --out ${BENCH_TMP:-/tmp}/bench_$name $extra --scale-json $OUT/$name.json \
 $overrides"
   echo "=== $name: $cmd"
   rm -rf "${BENCH_TMP:-/tmp}/bench_$name"
-  BENCH_COMMAND="$cmd" timeout "${RUN_TIMEOUT:-560}" $cmd > "$OUT/$name.log" 2>&1
+  BENCH_COMMAND="$cmd" bash scripts/device/watch.sh "${RUN_TIMEOUT:-560}" $cmd > "$OUT/$name.log" 2>&1  # a hang: stacks, then 124
   rc=$?; echo "rc=$rc"; [ $rc = 0 ] || status=1
   grep -v "^{" "$OUT/$name.log" | tail -"${TAIL:-20}"
 done
