@@ -1,4 +1,4 @@
-"""``lorafusion`` command line: train | plan | export.
+"""``lorafusion`` command line: train | plan | export | status.
 
 A :class:`lorafusion.core.errors.UserError` (bad config, data, files or launch) prints one line and exits 2;
 any other exception is a bug and shows its traceback."""
@@ -77,6 +77,14 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_status(args) -> int:
+    from lorafusion.runtime.status import format_status, read_status
+
+    status = read_status(Path(args.run_dir))
+    print(json.dumps(status, indent=2) if args.json else format_status(status, Path(args.run_dir)))
+    return 0
+
+
 def cmd_export(args) -> int:
     """Copy a job's PEFT adapter out of a run directory or one checkpoint, atomically."""
     from lorafusion.core.errors import MissingFileError
@@ -149,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--windows", type=_positive_int, default=20,
                     help="how many windows (chunks of scheduler.lookahead_batches global batches per job) to plan")
     pl.add_argument("--out", help="directory for tables and charts (default OUTPUT_DIR/plan)")
+    st = sub.add_parser("status", help="where every job of a run stands (running or finished)")
+    st.add_argument("run_dir", help="the run's output_dir")
+    st.add_argument("--json", action="store_true", help="the status as JSON (as in RUN_DIR/status.json)")
     e = sub.add_parser("export", help="export one job's adapter (PEFT format) from a run or checkpoint")
     e.add_argument("checkpoint")
     e.add_argument("--job", required=True)
@@ -173,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     from lorafusion.runtime.control import install_stack_dump
 
     install_stack_dump()  # kill -USR2 <pid>: every thread's stack on stderr (a hung multi-GPU run)
-    handler = {"train": cmd_train, "plan": cmd_plan, "export": cmd_export}[args.cmd]
+    handler = {"train": cmd_train, "plan": cmd_plan, "export": cmd_export, "status": cmd_status}[args.cmd]
     from lorafusion.core.errors import UserError
 
     try:

@@ -58,5 +58,11 @@ class StopSignals:
 def install_stack_dump(sig: int = signal.SIGUSR2) -> None:
     """``kill -USR2 <pid>`` prints every thread's Python stack to stderr and the run goes on: what a user (or
     ``scripts/device/watch.sh``) needs to see where a distributed run waits. Main thread only; idempotent."""
-    if threading.current_thread() is threading.main_thread():
-        faulthandler.register(sig, file=sys.stderr, all_threads=True, chain=False)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    # the process's own stderr (a caller may have replaced sys.stderr with an object that has no file)
+    stream = sys.__stderr__ if sys.__stderr__ is not None else sys.stderr
+    try:
+        faulthandler.register(sig, file=stream, all_threads=True, chain=False)
+    except (AttributeError, ValueError, OSError):  # no file descriptor to write to: nothing to install
+        pass

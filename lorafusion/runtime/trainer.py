@@ -152,10 +152,11 @@ class Trainer:
     def _run(self, stops) -> dict:
         from lorafusion.runtime.metrics import MetricsWriter, Progress, cut_metrics, max_memory_gib
         from lorafusion.runtime.pipeline import run_chunk
+        from lorafusion.runtime.status import StatusWriter
 
         self._setup()
         cfg = self.cfg
-        metrics = progress = None
+        metrics = progress = status = None
         if self.is_logger:
             self.out.mkdir(parents=True, exist_ok=True)
             if self.resume:  # rows after each job's checkpoint are trained again: drop them, never repeat them
@@ -165,6 +166,7 @@ class Trainer:
             metrics = MetricsWriter(self.out, tensorboard=cfg.logging.tensorboard)
             progress = Progress({n: js.stream.total_steps for n, js in self.jobs.items()},
                                 enabled=cfg.logging.progress, log_every=cfg.logging.log_every)
+            status = StatusWriter(self.out, self.jobs)  # OUTPUT_DIR/status.json (lorafusion status)
         optimizers = {n: js.optimizer for n, js in self.jobs.items()}
         order = list(self.jobs)
         t_start = time.perf_counter()
@@ -217,6 +219,8 @@ class Trainer:
                     if js.nonfinite >= js.cfg.max_nonfinite_steps:
                         self._pause_diverged(name, progress)
                 self._save_due_checkpoints(chunk)
+                if status is not None:
+                    status.write()
                 # ranks agree (one tiny collective per chunk) on a stop signal and on a timed checkpoint
                 stop, timed = stops.poll(time.monotonic() - last_timed_save >= every_s)
                 if stop or timed:
@@ -252,6 +256,7 @@ class Trainer:
         }
         if self.is_logger:
             write_text_atomic(self.out / "summary.json", json.dumps(summary, indent=2) + "\n")
+            status.write(summary["status"], {n: j["status"] for n, j in summary["jobs"].items()})
         return summary
 
     @staticmethod

@@ -1,0 +1,57 @@
+"""``lorafusion status RUN_DIR [--json]``: every job's state from ``status.json`` (written by the trainer)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from lorafusion.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_status_of_a_finished_run(three_jobs, capsys):
+    _, jobs, summary, out = three_jobs
+    assert main(["status", str(out), "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["run"]["state"] == "done"
+    assert set(status["jobs"]) == {j["name"] for j in jobs}
+    for name, row in status["jobs"].items():
+        s = summary["jobs"][name]
+        assert row["state"] == "done" and row["step"] == row["max_steps"] == s["total_steps"]
+        assert row["tokens"] == s["tokens"] and row["last_loss"] == s["final_loss"] and row["eta_s"] == 0
+        assert row["tokens_per_s"] > 0
+    assert main(["status", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert all(f"{j['name']}" in table for j in jobs) and "done" in table
+
+
+def test_status_of_a_killed_run_says_stopped(three_jobs, tmp_path, capsys):
+    """A status left at "running" with nobody holding the lock: the run was killed."""
+    out = three_jobs[3]
+    status = json.loads((out / "status.json").read_text())
+    status["run"]["state"] = "running"
+    first = next(iter(status["jobs"]))
+    status["jobs"][first].update(state="running", step=1, eta_s=12.0)
+    run = tmp_path / "killed"
+    run.mkdir()
+    (run / "status.json").write_text(json.dumps(status))
+    (run / ".lock").write_text("12345\n")
+    assert main(["status", str(run), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["run"]["state"] == "stopped" and "lock" in got["run"]["note"]
+    assert got["jobs"][first]["state"] == "stopped" and got["jobs"][first]["eta_s"] is None
+
+
+def test_status_bad_input(tmp_path):
+    """A missing directory, one without a status and a garbled status: one line each, exit 2."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "garbled").mkdir()
+    (tmp_path / "garbled" / "status.json").write_text("{not json")
+    for run, words in ((tmp_path / "nope", "no such run directory"), (tmp_path / "empty", "no status.json"),
+                       (tmp_path / "garbled", "not a readable run status")):
+        p = subprocess.run([sys.executable, "-m", "lorafusion.cli", "status", str(run)], cwd=ROOT,
+                           env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True)
+        assert p.returncode == 2 and words in p.stderr and str(run) in p.stderr, p.stderr
+        assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
