@@ -33,6 +33,8 @@ def cmd_train(args) -> int:
     from lorafusion.runtime.trainer import Trainer, remove_partial_outputs
 
     cfg = _load(args)
+    if args.serve:
+        cfg.serve = True
     trainer = Trainer(cfg, resume=args.resume)
     try:
         summary = trainer.run()
@@ -74,6 +76,35 @@ def cmd_plan(args) -> int:
               f"{w['imbalance'] or 0:>6.3f} {w['simulated_bubble']:>7.3f} {w['plan_s']:>7.3f}")
     charts = "" if any(f.endswith(".png") for f in res["files"]) else " (no chunk planned: no charts)"
     print(f"written to {res['dir']}: {', '.join(res['files'])}{charts}")
+    return 0
+
+
+def cmd_submit(args) -> int:
+    """Validate the job now (one clear error, the run untouched), then queue it for the run."""
+    from lorafusion.config.load import load_job_config
+    from lorafusion.runtime.requests import check_submission, require_run_dir, write_request
+
+    job = load_job_config(args.job, args.overrides, check_files=True)
+    run = Path(args.run_dir)
+    require_run_dir(run)
+    check_submission(run, job.name)
+    write_request(run, "submit", {"name": job.name, "job": job.model_dump(mode="json")})
+    print(f"submitted job {job.name!r} to {run}: it joins at the next chunk boundary "
+          f"(a stopped run takes it when resumed); watch it with: lorafusion status {run}")
+    return 0
+
+
+def cmd_cancel(args) -> int:
+    from lorafusion.core.errors import ConfigError
+    from lorafusion.runtime.requests import known_job_names, require_run_dir, write_request
+
+    run = Path(args.run_dir)
+    require_run_dir(run)
+    names = known_job_names(run)
+    if args.job not in names:
+        raise ConfigError(f"{run}: --job: no job {args.job!r} in this run (jobs: {', '.join(sorted(names)) or 'none'})")
+    write_request(run, "cancel", {"job": args.job})
+    print(f"cancel of job {args.job!r} queued: it leaves {run} at the next chunk boundary, checkpointed and exported")
     return 0
 
 
@@ -151,12 +182,21 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("config")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. scheduler.token_capacity=8192")
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint of each job")
+    t.add_argument("--serve", action="store_true", help="after the last job ends, keep waiting for "
+                   "`lorafusion submit` (serve: true; ends after serve_idle_minutes without jobs)")
     pl = sub.add_parser("plan", help="schedule a run's data and draw the plan (no model)")
     pl.add_argument("config")
     pl.add_argument("overrides", nargs="*")
     pl.add_argument("--windows", type=_positive_int, default=20,
                     help="how many windows (chunks of scheduler.lookahead_batches global batches per job) to plan")
     pl.add_argument("--out", help="directory for tables and charts (default OUTPUT_DIR/plan)")
+    sb = sub.add_parser("submit", help="add a job to a running (or stopped, before --resume) run")
+    sb.add_argument("run_dir", help="the run's output_dir")
+    sb.add_argument("job", help="the job's YAML (paths in it are relative to it)")
+    sb.add_argument("overrides", nargs="*", help="key=value overrides of the job's keys, e.g. optimizer.lr=1e-4")
+    cn = sub.add_parser("cancel", help="end a job of a run at the next chunk boundary (checkpointed, exported)")
+    cn.add_argument("run_dir", help="the run's output_dir")
+    cn.add_argument("--job", required=True)
     st = sub.add_parser("status", help="where every job of a run stands (running or finished)")
     st.add_argument("run_dir", help="the run's output_dir")
     st.add_argument("--json", action="store_true", help="the status as JSON (as in RUN_DIR/status.json)")
@@ -177,14 +217,16 @@ ALLOC_CONF = "expandable_segments:True"
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["train"] and "--resume" in argv:
-        # a flag between the overrides would end them (argparse: "unrecognized arguments"); it may go anywhere
-        argv = [a for a in argv if a != "--resume"] + ["--resume"]
+    if argv[:1] == ["train"]:
+        # a flag between the overrides would end them (argparse: "unrecognized arguments"); they may go anywhere
+        flags = [a for a in ("--resume", "--serve") if a in argv]
+        argv = [a for a in argv if a not in flags] + flags
     args = build_parser().parse_args(argv)
     from lorafusion.runtime.control import install_stack_dump
 
     install_stack_dump()  # kill -USR2 <pid>: every thread's stack on stderr (a hung multi-GPU run)
-    handler = {"train": cmd_train, "plan": cmd_plan, "export": cmd_export, "status": cmd_status}[args.cmd]
+    handler = {"train": cmd_train, "plan": cmd_plan, "export": cmd_export, "status": cmd_status,
+               "submit": cmd_submit, "cancel": cmd_cancel}[args.cmd]
     from lorafusion.core.errors import UserError
 
     try:

@@ -430,14 +430,22 @@ def _check_files(cfg: RunConfig, run_shown: str, sources, locate) -> None:
                               f"{'not found' if not p.exists() else 'is not a file'}: {_display(p)}{note}")
 
 
-def load_job_config(path: str | os.PathLike) -> JobConfig:
-    """Read and validate one job YAML on its own (relative dataset path resolved against its directory)."""
+def load_job_config(path: str | os.PathLike, overrides: Sequence[str] = (), *,
+                    check_files: bool = False) -> JobConfig:
+    """Read and validate one job YAML on its own (relative dataset path resolved against its directory),
+    with ``key=value`` overrides of its keys (e.g. ``optimizer.lr=1e-4``); ``check_files``: its dataset file
+    must exist."""
     jpath = Path(path)
     shown = _display(jpath)
     raw = _read_yaml(jpath, "an adapter job")
     _resolve_job_paths(raw, jpath.resolve().parent)
+    wrapped = {"jobs": [raw]}
+    for item in overrides:
+        _apply_override(wrapped, f"jobs.0.{item}", [raw.get("name")])
     try:
         job = JobConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(_format_errors(e, lambda loc: (shown, loc, ""))) from None
+    if check_files and not Path(job.dataset.path).is_file():
+        raise ConfigError(f"{shown}: dataset.path: dataset file not found: {_display(Path(job.dataset.path))}")
     return job

@@ -218,6 +218,8 @@ class RunConfig(_Strict):
     seed: int = Field(1234, ge=0)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    serve: bool = False  # after the last job ends, keep waiting for `lorafusion submit` (until serve_idle_minutes)
+    serve_idle_minutes: float = Field(30.0, gt=0)
 
     @model_validator(mode="after")
     def _cross(self):

@@ -50,7 +50,8 @@ class JobState:
     tokens: int = 0
     last_loss: float | None = None  # of the last finite step
     first_loss: float | None = None
-    status: str = "running"  # running | diverged (paused: no more batches, no more updates)
+    status: str = "running"  # running | queued (submitted, waiting for room) | cancelling (no more batches; ends
+    # once its planned ones ran) | cancelled | diverged (paused: no more batches, no more updates)
     nonfinite: int = 0  # non-finite (skipped) steps in a row
 
 
@@ -128,6 +129,25 @@ class Feed:
         self._ahead = _Ahead(self._prepare) if chunk is not None else None
         return chunk
 
+    def update_jobs(self, change: Callable[[dict], None]) -> set[str]:
+        """Apply ``change(jobs)`` (add a job, change a status) between two preparations: waits for the chunk
+        being prepared in the background, which keeps what it drew. Returns the jobs that chunk holds (they
+        still get its batches); a job added now is drawn from the chunk after it."""
+        prepared: set[str] = set()
+        if self._ahead is not None:
+            try:
+                chunk = self._ahead.result()
+            except Exception:  # noqa: BLE001 - raised again by next()
+                chunk = None
+                change(self.jobs)
+                return prepared
+            if chunk is None:  # prepared before the change, when nothing was left: prepare again
+                self._ahead = None
+            else:
+                prepared = set(chunk.batches)
+        change(self.jobs)
+        return prepared
+
     def close(self) -> None:
         """Wait for the chunk being prepared in the background (its plan broadcast is collective, so every
         rank finishes it) and drop it. Call before stopping early."""
@@ -144,7 +164,7 @@ class Feed:
         the one place samples are looked up by id."""
         batches: dict[str, list[tuple[int, list[Sample]]]] = {}
         for name, js in self.jobs.items():
-            if js.status == "diverged":
+            if js.status != "running":
                 continue
             for _ in range(self.sched.lookahead_batches):
                 index = js.stream.steps_done

@@ -1,9 +1,9 @@
 """``OUTPUT_DIR/status.json``: where every job of a run stands, rewritten (atomically) by global rank 0 at each
 chunk boundary and at the end; ``lorafusion status RUN_DIR [--json]`` reads it.
 
-Per job: ``state`` (running | done | stopped | diverged), ``step`` / ``max_steps``, ``tokens``, ``last_loss``,
+Per job: ``state`` (queued | running | cancelling | done | cancelled | stopped | diverged), ``step`` / ``max_steps``, ``tokens``, ``last_loss``,
 ``tokens_per_s`` (this session's tokens of the job over the session's wall time) and ``eta_s`` (its remaining
-steps at its rate this session). The run: ``state`` (running | done | stopped), ``elapsed_s``, ``tokens_per_s``,
+steps at its rate this session). The run: ``state`` (starting | running | serving | done | stopped), ``elapsed_s``, ``tokens_per_s``,
 ``updated`` (UTC). A run whose status says running but whose output-dir lock nobody holds has ended without
 writing its end (killed): the reader reports it as ``stopped``.
 """
@@ -23,31 +23,36 @@ STATUS_FILE = "status.json"
 
 class StatusWriter:
     """Rank 0's writer. ``jobs``: name → JobState (``steps``, ``tokens``, ``last_loss``, ``status``,
-    ``stream.total_steps``); the counts at construction are this session's start (a resumed run)."""
+    ``stream.total_steps``); a job's counts when first seen are its start in this session (a resumed run, a
+    job that joined later), from which its tokens/s and ETA are taken."""
 
     def __init__(self, out: Path, jobs: dict):
         self.path = Path(out) / STATUS_FILE
         self.jobs = jobs
         self._t0 = time.perf_counter()
-        self._start = {n: (js.steps, js.tokens) for n, js in jobs.items()}
+        self._start: dict[str, tuple[int, int, float]] = {}  # job -> (steps, tokens, time) when first seen
+        self.write("starting")
 
     def write(self, run_state: str = "running", job_states: dict[str, str] | None = None) -> dict:
         from lorafusion.runtime.checkpoint import write_text_atomic
 
-        elapsed = max(1e-9, time.perf_counter() - self._t0)
+        now = time.perf_counter()
+        elapsed = max(1e-9, now - self._t0)
         rows, session_tokens = {}, 0
         for n, js in self.jobs.items():
-            steps0, tokens0 = self._start[n]
+            steps0, tokens0, t_join = self._start.setdefault(n, (js.steps, js.tokens, now))  # a job may join later
+            job_elapsed = max(1e-9, now - t_join)
             done_steps, done_tokens = js.steps - steps0, js.tokens - tokens0
             session_tokens += done_tokens
             total = js.stream.total_steps
-            state = (job_states or {}).get(n) or ("diverged" if js.status == "diverged" else
-                                                  "done" if js.steps >= total else run_state)
+            state = (job_states or {}).get(n) or (
+                js.status if js.status != "running" else "done" if js.steps >= total else
+                "stopped" if run_state == "stopped" else "running")
             remaining = max(0, total - js.steps)
-            eta = (remaining * elapsed / done_steps) if done_steps and state == "running" else (
+            eta = (remaining * job_elapsed / done_steps) if done_steps and state == "running" else (
                 0.0 if state == "done" else None)
             rows[n] = {"state": state, "step": js.steps, "max_steps": total, "tokens": js.tokens,
-                       "last_loss": js.last_loss, "tokens_per_s": round(done_tokens / elapsed, 1),
+                       "last_loss": js.last_loss, "tokens_per_s": round(done_tokens / job_elapsed, 1),
                        "eta_s": None if eta is None else round(eta, 1)}
         status = {"run": {"state": run_state, "elapsed_s": round(elapsed, 3),
                           "tokens_per_s": round(session_tokens / elapsed, 1),
@@ -85,11 +90,11 @@ def read_status(run_dir: Path) -> dict:
         status["run"], status["jobs"]  # noqa: B018 - the two keys every reader needs
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise MissingFileError(f"{path}: not a readable run status ({e})") from None
-    if status["run"].get("state") == "running" and not _lock_held(run_dir):
+    if status["run"].get("state") in ("starting", "running", "serving") and not _lock_held(run_dir):
         status["run"]["state"] = "stopped"  # killed: nobody holds the lock and the end was never written
         status["run"]["note"] = "no process holds the run's lock: it ended without writing its end (killed?)"
         for row in status["jobs"].values():
-            if row.get("state") == "running":
+            if row.get("state") in ("running", "cancelling"):
                 row["state"], row["eta_s"] = "stopped", None
     return status
 

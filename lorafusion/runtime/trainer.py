@@ -26,8 +26,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class Trainer:
     """``Trainer(cfg).run()`` checks the launch and output directory, loads the data, builds the model with
-    one adapter and optimizer per job, trains every job to its end, exports the adapters and writes
-    ``summary.json``. ``resume=True`` continues each job from its latest checkpoint."""
+    one adapter and optimizer per job, trains every job to its end (taking ``lorafusion submit`` / ``cancel``
+    requests at chunk boundaries, see :mod:`.live`), exports the adapters and writes ``summary.json``.
+    ``resume=True`` continues each job from its latest checkpoint."""
+
+    SERVE_POLL_S = 2.0  # serving (no job left): how often the run looks for submissions
 
     def __init__(self, cfg: RunConfig, *, resume: bool = False, background_planning: bool = True):
         self.cfg = cfg
@@ -130,14 +133,38 @@ class Trainer:
         self.timers = StageTimers()
         self.model.config.timers = self.timers  # Megatron's schedules time their stages through this hook
         for name, js in self.jobs.items():
-            add_adapter(self.model, name, js.cfg.lora, seed=cfg.seed)
-            params = list(adapter_parameters(self.model, name).values())
-            js.optimizer = AdapterOptimizer.from_config(params, js.cfg.optimizer, js.stream.total_steps)
-        if self.resume:
+            self._attach(js)
+        if self.resume:  # jobs added by `lorafusion submit` are not in the YAML: they come back from the run dir
+            from lorafusion.runtime.live import submitted_jobs
+
+            for job in submitted_jobs(self.out):
+                if job.name not in self.jobs:
+                    cfg.jobs.append(job)
+                    self.jobs[job.name] = self._new_job(job)
             self._load_checkpoints()
         # after resuming: the feed continues every job's stream where its checkpoint left it
         self.feed = Feed(self.jobs, scheduler_config(cfg), dp_rank=dp_rank, eos_id=self.tokenizer.eos_id,
                          background=self.background_planning)
+
+    def _new_job(self, job) -> "JobState":
+        """A job joining the run (resumed submission or ``lorafusion submit``): data, stream, adapter, optimizer."""
+        from lorafusion.data import JobStream, load_job_samples
+        from lorafusion.runtime.feed import JobState
+
+        data = load_job_samples(job, self.tokenizer)
+        js = JobState(job, data.samples, JobStream(job.name, len(data.samples), job.global_batch_size, self.cfg.seed,
+                                                   max_steps=job.max_steps, num_epochs=job.num_epochs))
+        self._attach(js)
+        return js
+
+    def _attach(self, js) -> None:
+        """Put the job's adapter on the model and give it its optimizer."""
+        from lorafusion.layers import adapter_parameters, add_adapter
+        from lorafusion.runtime.optim import AdapterOptimizer
+
+        add_adapter(self.model, js.cfg.name, js.cfg.lora, seed=self.cfg.seed)
+        params = list(adapter_parameters(self.model, js.cfg.name).values())
+        js.optimizer = AdapterOptimizer.from_config(params, js.cfg.optimizer, js.stream.total_steps)
 
     # -------------------------------------------------------------------------------------------- loop
     def run(self) -> dict:
@@ -152,6 +179,7 @@ class Trainer:
     def _run(self, stops) -> dict:
         from lorafusion.runtime.metrics import MetricsWriter, Progress, cut_metrics, max_memory_gib
         from lorafusion.runtime.pipeline import run_chunk
+        from lorafusion.runtime.live import LiveJobs
         from lorafusion.runtime.status import StatusWriter
 
         self._setup()
@@ -176,7 +204,31 @@ class Trainer:
         last_timed_save = time.monotonic()
         every_s = cfg.checkpoint.every_minutes * 60.0
         try:
-            while (chunk := self.feed.next()) is not None:
+            live = LiveJobs(cfg, self.out, self.model, self.feed, self.jobs, is_logger=self.is_logger,
+                            add_job=self._new_job, finish=self._finish_job,
+                            log=progress.log if progress is not None else (lambda _m: None))
+            live.poll()  # requests that came while the run was stopped
+            idle_since = None
+            while True:
+                chunk = self.feed.next()
+                if chunk is None:  # every job has ended: wait for submissions if serving, else the run is over
+                    stop, = stops.poll()
+                    if stop:
+                        stopped = stops.received or "signal"
+                        break
+                    if live.poll() or live.busy:
+                        idle_since = None
+                        continue
+                    if not cfg.serve:
+                        break
+                    idle_since = idle_since or time.monotonic()
+                    if time.monotonic() - idle_since > cfg.serve_idle_minutes * 60:
+                        break
+                    if status is not None:
+                        status.write("serving")
+                    time.sleep(self.SERVE_POLL_S)
+                    continue
+                idle_since = None
                 res = run_chunk(self.model, chunk, optimizers, seed=cfg.seed, device=self.device)
                 windows += 1
                 plan_s += chunk.plan_s
@@ -219,6 +271,7 @@ class Trainer:
                     if js.nonfinite >= js.cfg.max_nonfinite_steps:
                         self._pause_diverged(name, progress)
                 self._save_due_checkpoints(chunk)
+                live.poll()  # lorafusion submit / cancel (collective)
                 if status is not None:
                     status.write()
                 # ranks agree (one tiny collective per chunk) on a stop signal and on a timed checkpoint
@@ -234,7 +287,7 @@ class Trainer:
             if stopped is None:
                 self._save_all(only_default_policy=True)  # the end of the run: every job's final state
             for name, js in self.jobs.items():
-                if js.steps >= js.stream.total_steps or js.status == "diverged":
+                if js.status != "cancelled" and (js.steps >= js.stream.total_steps or js.status == "diverged"):
                     self.export(name, self.out / "adapters" / name)
         finally:
             if progress is not None:
@@ -261,8 +314,8 @@ class Trainer:
 
     @staticmethod
     def _job_status(js) -> str:
-        if js.status == "diverged":
-            return "diverged"
+        if js.status in ("diverged", "cancelled", "queued"):
+            return js.status
         return "done" if js.steps >= js.stream.total_steps else "stopped"
 
     # ------------------------------------------------------------------------------- export / checkpoint
@@ -270,6 +323,13 @@ class Trainer:
         from lorafusion.runtime.export import export_peft_adapter
 
         export_peft_adapter(self.model, name, out_dir, self.arch, base_model=self.cfg.model.path or self.cfg.model.preset)
+
+    def _finish_job(self, name: str) -> None:
+        """A job that leaves before its end (cancelled): checkpoint (its stream as of its last chunk) and export."""
+        js = self.jobs[name]
+        self._saved_step.pop(name, None)
+        self.save_checkpoint(name, self._stream_states.get(name, js.stream.state_dict()))
+        self.export(name, self.out / "adapters" / name)
 
     def _pause_diverged(self, name: str, progress) -> None:
         """Stop a job whose last ``max_nonfinite_steps`` steps were all non-finite: no more batches (from the
