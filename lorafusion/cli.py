@@ -30,7 +30,8 @@ def _load(args):
 
 
 def cmd_train(args) -> int:
-    from lorafusion.runtime.trainer import Trainer, remove_partial_outputs
+    from lorafusion.runtime.outdir import remove_partial_outputs
+    from lorafusion.runtime.trainer import Trainer
 
     cfg = _load(args)
     if args.serve:

@@ -19,3 +19,9 @@ def megatron_single():
             parallel_state.get_tensor_model_parallel_world_size() != 1:
         init_distributed(1, 1)
     yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow (multi-process) tests first, in file order: under ``-n 2`` both workers start on the long runs
+    and end on the many short tests, instead of one worker finishing a long run alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: order kept within each part

@@ -55,18 +55,20 @@ class JobState:
     nonfinite: int = 0  # non-finite (skipped) steps in a row
 
 
+def job_state(job: JobConfig, tokenizer, seed: int) -> JobState:
+    """A job's samples and data stream (its optimizer comes with its adapter, on the model)."""
+    data = load_job_samples(job, tokenizer)
+    stream = JobStream(job.name, len(data.samples), job.global_batch_size, seed,
+                       max_steps=job.max_steps, num_epochs=job.num_epochs)
+    return JobState(job, data.samples, stream)
+
+
 def load_jobs(cfg: RunConfig):
     """(tokenizer, {job name: JobState}) — every job's samples and stream. Bad data fails here, before any
     model is built or anything is written. (Config validation keeps ``dataset.max_seq_len`` within the
     token capacity and the loader keeps samples within ``max_seq_len``, so every sample fits.)"""
     tokenizer = build_tokenizer(cfg.tokenizer, cfg.model.path)
-    jobs = {}
-    for job in cfg.jobs:
-        data = load_job_samples(job, tokenizer)
-        stream = JobStream(job.name, len(data.samples), job.global_batch_size, cfg.seed,
-                           max_steps=job.max_steps, num_epochs=job.num_epochs)
-        jobs[job.name] = JobState(job, data.samples, stream)
-    return tokenizer, jobs
+    return tokenizer, {job.name: job_state(job, tokenizer, cfg.seed) for job in cfg.jobs}
 
 
 @dataclass(frozen=True)

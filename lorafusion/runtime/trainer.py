@@ -1,5 +1,6 @@
 """Multi-adapter training: composes the feed (jobs, data, planned chunks), the pipeline (one chunk through
-Megatron's schedule with in-pipeline optimizer steps), metrics, checkpoints and export.
+Megatron's schedule with in-pipeline optimizer steps), metrics, the output directory's lock (:mod:`.outdir`),
+per-job checkpoints (:mod:`.resume`) and export.
 
 The feed prepares chunk k+1 on a background thread while chunk k trains (see :mod:`.feed`); a job's
 checkpoint after chunk k records its data stream as of the end of chunk k (``Chunk.stream_states``).
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import time
 from pathlib import Path
 
@@ -19,7 +19,8 @@ from lorafusion import ops
 from lorafusion.config.schema import RunConfig
 from lorafusion.core.errors import ConfigError
 from lorafusion.runtime.checkpoint import write_text_atomic
-from lorafusion.runtime.feed import Chunk, Feed, load_jobs, scheduler_config
+from lorafusion.runtime.feed import Feed, job_state, load_jobs, scheduler_config
+from lorafusion.runtime.outdir import OutputDirLock, check_output_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,70 +38,26 @@ class Trainer:
         self.resume = resume
         self.background_planning = background_planning
         self.out = Path(cfg.output_dir)
-        self.owns_output_dir = False  # this process holds output_dir's lock (so may clean it up after a failure)
-        self._fingerprints: dict[str, dict] = {}
-        self._saved_step: dict[str, int] = {}  # job -> step of its newest checkpoint
-        self._stream_states: dict[str, dict] = {}  # job -> stream state at the newest chunk boundary
+        self._lock = OutputDirLock(self.out, cfg.source)
 
-    # ------------------------------------------------------------------------------------------- set-up
-    def _check_output_dir(self) -> None:
-        if self.resume or not self.out.exists():
-            return
-        # what a failed run leaves before its first checkpoint (metrics rows, tensorboard, the lock) holds nothing
-        # to keep: such a directory may be trained again from scratch
-        taken = [n for n in ("checkpoints", "adapters", "summary.json")
-                 if (self.out / n).exists() and not ((self.out / n).is_dir() and not any((self.out / n).iterdir()))]
-        if taken:
-            raise ConfigError(f"{self.cfg.source}: output_dir: {self.out} already holds a run ({', '.join(taken)}); "
-                              f"choose another output_dir or resume it with --resume")
-
-    def _lock_output_dir(self) -> None:
-        """One run per output_dir: global rank 0 holds an exclusive ``flock`` on ``OUTPUT_DIR/.lock`` until the
-        process ends (released by the OS even after a crash); every rank learns whether it got it."""
-        import fcntl
-        import os
-
-        import torch.distributed as dist
-
-        holder = ""
-        if self.is_logger:
-            self.out.mkdir(parents=True, exist_ok=True)
-            path = self.out / ".lock"
-            self._lock = path.open("a+")
-            try:
-                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                self.owns_output_dir = True
-                self._lock.seek(0)
-                self._lock.truncate()
-                self._lock.write(f"{os.getpid()}\n")
-                self._lock.flush()
-            except BlockingIOError:
-                self._lock.seek(0)
-                holder = self._lock.read().strip() or "?"
-                self._lock.close()
-                self._lock = None
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            box = [holder]
-            dist.broadcast_object_list(box, src=0)
-            holder = box[0]
-        if holder:
-            raise ConfigError(f"{self.cfg.source}: output_dir: {self.out} is in use by another lorafusion train "
-                              f"(pid {holder}); wait for it to end or choose another output_dir")
+    @property
+    def owns_output_dir(self) -> bool:
+        """This process holds output_dir's lock (so may clean it up after a failure)."""
+        return self._lock.owned
 
     def release(self) -> None:
         """Release the output_dir lock (the end of the process releases it too)."""
-        if getattr(self, "_lock", None) is not None:
-            self._lock.close()
-            self._lock = None
+        self._lock.release()
 
+    # ------------------------------------------------------------------------------------------- set-up
     def _setup(self) -> None:
         from megatron.core import parallel_state
 
         from lorafusion.core.arch import preset
-        from lorafusion.layers import adapter_parameters, add_adapter, get_lora_context
+        from lorafusion.layers import get_lora_context
         from lorafusion.models.provider import build_model
         from lorafusion.runtime.dist import init_distributed
-        from lorafusion.runtime.optim import AdapterOptimizer
+        from lorafusion.runtime.resume import JobCheckpoints
         from lorafusion.runtime.timers import StageTimers
 
         cfg = self.cfg
@@ -108,11 +65,11 @@ class Trainer:
         if cfg.kernels == "fused" and not torch.cuda.is_available():
             raise ConfigError(f"{cfg.source}: kernels: fused needs a CUDA GPU (Triton kernels); this machine has "
                               f"none — use auto (fused on CUDA, reference elsewhere) or reference")
-        self._check_output_dir()
+        check_output_dir(self.out, cfg.source, resume=self.resume)
         self.tokenizer, self.jobs = load_jobs(cfg)
         info = init_distributed(cfg.parallelism.tp, cfg.parallelism.pp, seed=cfg.seed)
         self.is_logger = info["rank"] == 0
-        self._lock_output_dir()
+        self._lock.acquire(self.is_logger)
         dp_rank = parallel_state.get_data_parallel_rank()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         ckpt = None
@@ -134,6 +91,7 @@ class Trainer:
         self.model.config.timers = self.timers  # Megatron's schedules time their stages through this hook
         for name, js in self.jobs.items():
             self._attach(js)
+        self.checkpoints = JobCheckpoints(cfg, self.jobs, self.model, self.export, is_logger=self.is_logger)
         if self.resume:  # jobs added by `lorafusion submit` are not in the YAML: they come back from the run dir
             from lorafusion.runtime.live import submitted_jobs
 
@@ -141,19 +99,14 @@ class Trainer:
                 if job.name not in self.jobs:
                     cfg.jobs.append(job)
                     self.jobs[job.name] = self._new_job(job)
-            self._load_checkpoints()
+            self.checkpoints.load()
         # after resuming: the feed continues every job's stream where its checkpoint left it
         self.feed = Feed(self.jobs, scheduler_config(cfg), dp_rank=dp_rank, eos_id=self.tokenizer.eos_id,
                          background=self.background_planning)
 
-    def _new_job(self, job) -> "JobState":
+    def _new_job(self, job):
         """A job joining the run (resumed submission or ``lorafusion submit``): data, stream, adapter, optimizer."""
-        from lorafusion.data import JobStream, load_job_samples
-        from lorafusion.runtime.feed import JobState
-
-        data = load_job_samples(job, self.tokenizer)
-        js = JobState(job, data.samples, JobStream(job.name, len(data.samples), job.global_batch_size, self.cfg.seed,
-                                                   max_steps=job.max_steps, num_epochs=job.num_epochs))
+        js = job_state(job, self.tokenizer, self.cfg.seed)
         self._attach(js)
         return js
 
@@ -189,7 +142,7 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             if self.resume:  # rows after each job's checkpoint are trained again: drop them, never repeat them
                 cut_metrics(self.out / "metrics.jsonl", {n: js.steps for n, js in self.jobs.items()})
-            else:  # a fresh run (the directory held at most a failed run's rows, see _check_output_dir)
+            else:  # a fresh run (the directory held at most a failed run's rows, see check_output_dir)
                 (self.out / "metrics.jsonl").unlink(missing_ok=True)
             metrics = MetricsWriter(self.out, tensorboard=cfg.logging.tensorboard)
             progress = Progress({n: js.stream.total_steps for n, js in self.jobs.items()},
@@ -237,8 +190,7 @@ class Trainer:
                 if cfg.parallelism.pp > 1 and (b := self.timers.bubble(totals)) is not None:
                     bubbles.append(b)
                 mem_gib = max_memory_gib()
-                self._stream_states.update({n: s for n, s in chunk.stream_states.items()
-                                            if self.jobs[n].status != "diverged"})
+                self.checkpoints.chunk_done(chunk)
                 for st in sorted(res["steps"], key=lambda r: (r["key"][1], order.index(r["key"][0]))):
                     name = st["key"][0]
                     js = self.jobs[name]
@@ -270,14 +222,14 @@ class Trainer:
                                          f"{js.nonfinite} in a row, paused at {js.cfg.max_nonfinite_steps}")
                     if js.nonfinite >= js.cfg.max_nonfinite_steps:
                         self._pause_diverged(name, progress)
-                self._save_due_checkpoints(chunk)
+                self.checkpoints.save_due(chunk)
                 live.poll()  # lorafusion submit / cancel (collective)
                 if status is not None:
                     status.write()
                 # ranks agree (one tiny collective per chunk) on a stop signal and on a timed checkpoint
                 stop, timed = stops.poll(time.monotonic() - last_timed_save >= every_s)
                 if stop or timed:
-                    self._save_all(only_default_policy=not stop)
+                    self.checkpoints.save_all(only_default_policy=not stop)
                     last_timed_save = time.monotonic()
                 if stop:
                     stopped = stops.received or "signal"
@@ -285,7 +237,7 @@ class Trainer:
                     break
             elapsed = time.perf_counter() - t_start
             if stopped is None:
-                self._save_all(only_default_policy=True)  # the end of the run: every job's final state
+                self.checkpoints.save_all(only_default_policy=True)  # the end of the run: every job's final state
             for name, js in self.jobs.items():
                 if js.status != "cancelled" and (js.steps >= js.stream.total_steps or js.status == "diverged"):
                     self.export(name, self.out / "adapters" / name)
@@ -326,9 +278,7 @@ class Trainer:
 
     def _finish_job(self, name: str) -> None:
         """A job that leaves before its end (cancelled): checkpoint (its stream as of its last chunk) and export."""
-        js = self.jobs[name]
-        self._saved_step.pop(name, None)
-        self.save_checkpoint(name, self._stream_states.get(name, js.stream.state_dict()))
+        self.checkpoints.save_now(name)
         self.export(name, self.out / "adapters" / name)
 
     def _pause_diverged(self, name: str, progress) -> None:
@@ -341,140 +291,6 @@ class Trainer:
         if progress is not None:
             progress.log(f"job {name}: diverged ({js.nonfinite} non-finite steps in a row) — paused at step "
                          f"{js.steps}; its adapter is its last finite state; the other jobs continue")
-        self._saved_step.pop(name, None)
-        self.save_checkpoint(name, self._stream_states[name])
-
-    def _save_due_checkpoints(self, chunk: Chunk) -> None:
-        """Checkpoint every job of ``chunk`` whose ``save_every`` divides a step the chunk took."""
-        for name, batches in chunk.batches.items():
-            js = self.jobs[name]
-            every = js.cfg.save_every
-            if every and js.status != "diverged" and any(s % every == 0 for s in range(js.steps - len(batches) + 1, js.steps + 1)):
-                self.save_checkpoint(name, chunk.stream_states[name])
-
-    def _save_all(self, *, only_default_policy: bool) -> None:
-        """Checkpoint every job not yet saved at its current step (``only_default_policy``: only jobs without
-        ``save_every``, whose policy is time-based and at the end; a stop signal saves every job)."""
-        for name, js in self.jobs.items():
-            if only_default_policy and js.cfg.save_every:
-                continue
-            if self._saved_step.get(name) != js.steps and name in self._stream_states:
-                self.save_checkpoint(name, self._stream_states[name])
-
-    def save_checkpoint(self, name: str, stream_state: dict) -> None:
-        """``stream_state``: the job's data stream as of the chunk boundary being saved (the feed's live
-        stream is already a chunk further)."""
-        from lorafusion.layers import adapter_parameters
-        from lorafusion.runtime.checkpoint import save_job_checkpoint
-
-        js = self.jobs[name]
-        state = {"job": name, "step": js.steps, "tokens": js.tokens, "stream": stream_state,
-                 "first_loss": js.first_loss, "last_loss": js.last_loss, "status": js.status,
-                 "nonfinite": js.nonfinite,
-                 "seed": self.cfg.seed, "layout": self.cfg.parallelism.model_dump(),
-                 "settings": self._settings(name)}
-        save_job_checkpoint(self.out / "checkpoints" / name, js.steps,
-                            adapter_params=adapter_parameters(self.model, name),
-                            optimizer_state=js.optimizer.state_dict(), state=state,
-                            write_adapter=lambda d: self.export(name, d), keep_last=self.cfg.checkpoint.keep_last)
-        self._saved_step[name] = js.steps
-
-    def _settings(self, name: str) -> dict:
-        """What a resume must find unchanged for job ``name`` (flat dotted keys as in the YAML): everything that
-        changes its result except ``max_steps`` / ``num_epochs`` (raising them continues the job; its lr
-        schedule then spans the new total) and ``save_every``."""
-        if name not in self._fingerprints:
-            cfg, job = self.cfg, self.jobs[name].cfg
-            ds = job.dataset.model_dump(exclude={"path"})
-            ds["sha256"] = file_sha256(Path(job.dataset.path))
-            tree = {"lora": job.lora.model_dump(mode="json"), "optimizer": job.optimizer.model_dump(mode="json"),
-                    "global_batch_size": job.global_batch_size, "dataset": ds}
-            flat = _flatten(tree)
-            # (paths by name only: a run directory that moved with its data still resumes)
-            flat.update({"(run) seed": cfg.seed, "(run) model.dtype": cfg.model.dtype,
-                         "(run) model": Path(cfg.model.path).name if cfg.model.path else cfg.model.preset,
-                         "(run) tokenizer.type": cfg.tokenizer.type})
-            self._fingerprints[name] = flat
-        return self._fingerprints[name]
-
-    def _check_settings(self, name: str, path: Path, saved: dict | None) -> None:
-        if saved is None:  # a checkpoint written before settings were recorded
-            return
-        index = next(i for i, j in enumerate(self.cfg.jobs) if j.name == name)
-        now = self._settings(name)
-        for key in sorted(set(saved) | set(now)):
-            if saved.get(key) != now.get(key):
-                field = key.replace("(run) ", "") if key.startswith("(run) ") else \
-                    f"jobs.{index}.{key.replace('dataset.sha256', 'dataset.path')}"
-                what = "the data file's contents changed" if key == "dataset.sha256" else \
-                    f"the checkpoint has {saved.get(key)!r}, the config {now.get(key)!r}"
-                raise ConfigError(f"{self.cfg.source}: {field}: cannot resume job {name!r} from {path}: {what}; "
-                                  f"resuming would change its result (raising max_steps/num_epochs is allowed; "
-                                  f"otherwise use a new output_dir)")
-
-    def _load_checkpoints(self) -> None:
-        from lorafusion.layers import adapter_parameters
-        import torch.distributed as dist
-
-        from lorafusion.core.errors import MissingFileError
-        from lorafusion.runtime.checkpoint import load_newest_usable
-
-        for name, js in self.jobs.items():
-            path, state, tensors, skipped = load_newest_usable(self.out / "checkpoints" / name)
-            if dist.is_initialized() and dist.get_world_size() > 1:  # every rank must resume the same step
-                steps = [None] * dist.get_world_size()
-                dist.all_gather_object(steps, None if path is None else path.name)
-                if len(set(steps)) > 1:
-                    raise MissingFileError(f"{self.out / 'checkpoints' / name}: ranks found different usable "
-                                           f"checkpoints ({sorted(set(map(str, steps)))}); a checkpoint is damaged")
-            if path is None:
-                continue
-            if skipped and self.is_logger:
-                for bad, why in skipped:
-                    print(f"job {name}: checkpoint {bad} is not usable ({why}); falling back", flush=True)
-                print(f"job {name}: resuming from {path}", flush=True)
-            self._check_settings(name, path, state.get("settings"))
-            params = adapter_parameters(self.model, name)
-            with torch.no_grad():
-                for k, p in params.items():
-                    if k not in tensors["adapter"] or tensors["adapter"][k].shape != p.shape:
-                        raise ConfigError(f"{path}: adapter tensor {k} is missing or has another shape; "
-                                          f"the checkpoint does not match job {name!r}'s lora settings")
-                    p.copy_(tensors["adapter"][k])
-            js.optimizer.load_state_dict(tensors["optimizer"])
-            js.stream.load_state_dict(state["stream"])
-            js.steps, js.tokens = state["step"], state.get("tokens", 0)
-            js.first_loss, js.last_loss = state.get("first_loss"), state.get("last_loss")
-            js.status, js.nonfinite = state.get("status", "running"), state.get("nonfinite", 0)
-            js.optimizer.paused = js.status == "diverged"
-            self._saved_step[name] = js.steps
-            self._stream_states[name] = state["stream"]
+        self.checkpoints.save_now(name)
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
-    return out
-
-
-def file_sha256(path: Path) -> str:
-    """SHA-256 of a file's bytes (1 MiB reads)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
-def remove_partial_outputs(out: Path) -> None:
-    """Remove temporary files a failed run left behind (never complete checkpoints or exports)."""
-    if not out.exists():
-        return
-    for p in list(out.rglob(".*.tmp*")):
-        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
