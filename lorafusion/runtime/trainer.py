@@ -148,8 +148,6 @@ class Trainer:
             progress = Progress({n: js.stream.total_steps for n, js in self.jobs.items()},
                                 enabled=cfg.logging.progress, log_every=cfg.logging.log_every)
             status = StatusWriter(self.out, self.jobs)  # OUTPUT_DIR/status.json (lorafusion status)
-        optimizers = {n: js.optimizer for n, js in self.jobs.items()}
-        order = list(self.jobs)
         t_start = time.perf_counter()
         windows = plan_s = noops = total_tokens = 0
         bubbles = []
@@ -182,7 +180,10 @@ class Trainer:
                     time.sleep(self.SERVE_POLL_S)
                     continue
                 idle_since = None
-                res = run_chunk(self.model, chunk, optimizers, seed=cfg.seed, device=self.device)
+                # (jobs may have joined at the last boundary: the optimizers and the log order are the current ones)
+                res = run_chunk(self.model, chunk, {n: js.optimizer for n, js in self.jobs.items()}, seed=cfg.seed,
+                                device=self.device)
+                order = list(self.jobs)
                 windows += 1
                 plan_s += chunk.plan_s
                 noops += chunk.plan.num_noops
