@@ -259,7 +259,7 @@ def poisson_trace(n_jobs: int = 12, seed: int = 0, rate_per_s: float = 1.0, pref
     jobs = []
     for i in range(n_jobs):
         jobs.append(TraceJob(
-            name=f"{prefix}{i:02d}", arrival_s=round(float(arrivals[i]), 3),
+            name=f"{prefix}{i:02d}", arrival_s=round(float(arrivals[i]), 6),
             global_batch_size=int(jr.choice(GEN_BATCH_SIZES)), max_steps=int(jr.choice(GEN_STEPS)),
             r=int(jr.choice(GEN_RANKS)), profile=str(jr.choice(GEN_PROFILES)),
             seed=int(jr.integers(0, 2**31 - 1)),
