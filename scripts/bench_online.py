@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -244,7 +245,7 @@ def main() -> None:
         "date": "2026-11-22",
         "what": "simulated job completion time (1F1B simulator, cost model fitted to GPU measurements); "
                 "not a GPU run",
-        "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
+        "command": "python " + shlex.join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
         "commit": commit,
         "rho": args.rho,
         "load_rule": "offered load rho = arrival rate x mean job time alone (sequential FIFO service time "
