@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import sys
 from pathlib import Path
 
 import numpy as np
 
-DISTS = {"short": (300, 0.5), "medium": (800, 0.5), "long": (1600, 0.4), "mixed": (700, 0.9)}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lorafusion.core.lengths import LENGTH_PROFILES as DISTS  # noqa: E402  (median, sigma) per profile
+from lorafusion.core.lengths import profile_lengths  # noqa: E402
 
 
 def main() -> None:
@@ -29,8 +31,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(args.seed)
     letters = np.array(list("abcdefghijklmnopqrstuvwxyz      "))
-    for name, (median, sigma) in DISTS.items():
-        lengths = np.clip(rng.lognormal(math.log(median), sigma, args.rows).astype(int), 16, args.max_len - 2)
+    for name in DISTS:
+        lengths = profile_lengths(name, args.rows, rng, args.max_len)
         with (out / f"{name}.jsonl").open("w") as f:
             for n in lengths:
                 p = int(n) // 3

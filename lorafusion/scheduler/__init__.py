@@ -39,7 +39,9 @@ Output: ``plan(jobs, config) -> Plan``
 Pieces: ``AdapterGrouper`` (grouper), ``DataBatcher`` (batcher: PuLP MILP, greedy FFD warm start and
 fallback), ``merge_tails`` (merge), ``sequence``/``verify_plan`` (verify), ``simulate_1f1b`` /
 ``simulate_plan`` / ``render_gantt`` / ``render_packing`` (simulate), ``CostModel`` /
-``fit_cost_model`` / ``auto_token_capacity`` (costmodel), ``OnlineScheduler`` (online).
+``fit_cost_model`` / ``auto_token_capacity`` (costmodel), ``OnlineScheduler`` (online); for evaluation,
+``lorafusion.scheduler.trace`` (arrival traces of jobs: read, validate, generate) and
+``lorafusion.scheduler.replay`` (a trace under sequential FIFO, static batching and online policies).
 """
 
 from .batcher import DataBatcher, PackResult, first_fit_decreasing, greedy_pack, lower_bound, pack_objective
