@@ -59,4 +59,9 @@ def install_stack_dump(sig: int = signal.SIGUSR2) -> None:
     """``kill -USR2 <pid>`` prints every thread's Python stack to stderr and the run goes on: what a user (or
     ``scripts/device/watch.sh``) needs to see where a distributed run waits. Main thread only; idempotent."""
     if threading.current_thread() is threading.main_thread():
-        faulthandler.register(sig, file=sys.stderr, all_threads=True, chain=False)
+        try:  # faulthandler writes to a file descriptor; a captured stderr (pytest's capsys) has none
+            sys.stderr.fileno()
+            out = sys.stderr
+        except (AttributeError, OSError, ValueError):
+            out = sys.__stderr__
+        faulthandler.register(sig, file=out, all_threads=True, chain=False)
