@@ -263,8 +263,9 @@ class Trainer:
     # ------------------------------------------------------------------------------- export / checkpoint
     def export(self, name: str, out_dir: Path) -> None:
         from lorafusion.runtime.export import export_peft_adapter
+        from lorafusion.runtime.export_models import base_reference
 
-        export_peft_adapter(self.model, name, out_dir, self.arch, base_model=self.cfg.model.path or self.cfg.model.preset)
+        export_peft_adapter(self.model, name, out_dir, self.arch, base_model=base_reference(self.cfg, self.out, self.arch, self.device))
 
     def _pause_diverged(self, name: str, progress) -> None:
         """Stop a job whose last ``max_nonfinite_steps`` steps were all non-finite: no more batches (from the
