@@ -97,8 +97,8 @@ def _find_adapter(src: Path, job: str) -> tuple[Path, str]:
     from lorafusion.runtime.checkpoint import latest_checkpoint
 
     if not src.is_dir():
-        raise MissingFileError(f"{src}: no such directory (expected a run output_dir or a checkpoints/<job>/step_N "
-                               f"directory)")
+        raise MissingFileError(f"{src}: no checkpoint or adapter of job {job!r}: no such directory (expected a run "
+                               f"output_dir or a checkpoints/<job>/step_N directory)")
     final = src / "adapters" / job
     status = None
     if (src / "summary.json").is_file():
