@@ -57,6 +57,9 @@ def cmd_train(args) -> int:
                      else f"{j['status']} at step {j['steps']}/{j['total_steps']}")
             print(f"  {name:<16} steps {j['steps']:>5}  loss {fmt(j['first_loss'])} -> {fmt(j['final_loss'])}  "
                   f"{where}")
+        if cfg.model.preset:  # the adapters name RUN_DIR/base as their base model
+            out = Path(cfg.output_dir)
+            print(f"  base model (HF format, for peft/transformers): lorafusion export {out} --base --out {out / 'base'}")
     from lorafusion.runtime.dist import destroy_distributed
 
     destroy_distributed()
@@ -117,52 +120,108 @@ def cmd_status(args) -> int:
     return 0
 
 
-def cmd_export(args) -> int:
-    """Copy a job's PEFT adapter out of a run directory or one checkpoint, atomically."""
-    from lorafusion.core.errors import MissingFileError
+def _run_jobs(src: Path) -> list[str]:
+    """The jobs a run directory knows of (its adapters, checkpoints and summary)."""
+    names = {p.name for d in ("adapters", "checkpoints") if (src / d).is_dir() for p in (src / d).iterdir()
+             if p.is_dir() and not p.name.startswith(".")}
+    try:
+        names |= set(json.loads((src / "summary.json").read_text()).get("jobs", {}))
+    except (OSError, json.JSONDecodeError, AttributeError):
+        pass
+    return sorted(names)
+
+
+def _find_adapter(src: Path, job: str) -> tuple[Path, str]:
+    """(PEFT adapter directory, what it is) of ``job`` in a run directory or one checkpoint step directory."""
+    from lorafusion.core.errors import ConfigError, MissingFileError
     from lorafusion.runtime.checkpoint import latest_checkpoint
-    from lorafusion.runtime.export import write_dir_atomically
 
-    from lorafusion.core.errors import ConfigError
-
-    src = Path(args.checkpoint)
-    out = Path(args.out)
-    if (out.exists() or out.is_symlink()) and not args.force:
-        raise ConfigError(f"{out}: --out already exists; choose another path or pass --force to replace it "
-                          f"(atomically, once the new export is complete)")
-    final = src / "adapters" / args.job
+    if not src.is_dir():
+        raise MissingFileError(f"{src}: no checkpoint or adapter of job {job!r}: no such directory (expected a run "
+                               f"output_dir or a checkpoints/<job>/step_N directory)")
+    final = src / "adapters" / job
     status = None
     if (src / "summary.json").is_file():
         try:
-            status = json.loads((src / "summary.json").read_text()).get("jobs", {}).get(args.job, {}).get("status")
+            status = json.loads((src / "summary.json").read_text()).get("jobs", {}).get(job, {}).get("status")
         except (json.JSONDecodeError, AttributeError):
             status = None
     if (src / "adapter" / "adapter_config.json").is_file():  # one checkpoint step directory
         state = json.loads((src / "state.json").read_text()) if (src / "state.json").is_file() else {}
-        if state.get("job", args.job) != args.job:
-            raise ConfigError(f"{src}: is a checkpoint of job {state['job']!r}, not of --job {args.job!r}")
-        adapter, what = src / "adapter", f"checkpoint at step {state.get('step', '?')}"
-    elif (final / "adapter_config.json").is_file() and status in (None, "done", "diverged"):
-        adapter = final
-        what = "final adapter" if status != "diverged" else "last finite state (the job diverged)"
-    elif (src / "checkpoints" / args.job).is_dir():
-        ckpt = latest_checkpoint(src / "checkpoints" / args.job)
+        if state.get("job", job) != job:
+            raise ConfigError(f"{src}: is a checkpoint of job {state['job']!r}, not of --job {job!r}")
+        return src / "adapter", f"checkpoint at step {state.get('step', '?')}"
+    if (final / "adapter_config.json").is_file() and status in (None, "done", "diverged"):
+        return final, "final adapter" if status != "diverged" else "last finite state (the job diverged)"
+    if (src / "checkpoints" / job).is_dir():
+        ckpt = latest_checkpoint(src / "checkpoints" / job)
         if ckpt is None:
-            raise MissingFileError(f"{src / 'checkpoints' / args.job}: no complete checkpoint")
-        adapter, what = ckpt / "adapter", f"latest checkpoint, step {int(ckpt.name.split('_')[-1])} (the job has " \
-                                          f"not finished)"
+            raise MissingFileError(f"{src / 'checkpoints' / job}: no complete checkpoint")
+        return ckpt / "adapter", (f"latest checkpoint, step {int(ckpt.name.split('_')[-1])} (the job has not "
+                                  f"finished)")
+    known = _run_jobs(src)
+    if known:
+        raise ConfigError(f"{src}: unknown job {job!r}; the run's jobs: {', '.join(known)}")
+    raise MissingFileError(f"{src}: no checkpoint or adapter of job {job!r} (expected a run output_dir "
+                           f"or a checkpoints/<job>/step_N directory)")
+
+
+def _run_dir_of(src: Path) -> Path:
+    """The run directory of ``src``: itself, or the run a checkpoints/<job>/step_N directory belongs to."""
+    from lorafusion.runtime.export_models import RECORD
+
+    if not (src / RECORD).is_file() and (src / "state.json").is_file() and (src.parents[2] / RECORD).is_file():
+        return src.parents[2]
+    return src
+
+
+def cmd_export(args) -> int:
+    """Copy a job's PEFT adapter out of a run directory or one checkpoint, or write the run's base model or
+    a job's adapter merged into it (HF format); atomically, never over an existing --out without --force."""
+    from lorafusion.core.errors import ConfigError
+    from lorafusion.runtime.export import fill_dir_atomically
+
+    src = Path(args.checkpoint)
+    out = Path(args.out)
+    if args.base and (args.job or args.merged):
+        raise ConfigError("--base exports the base model alone; it takes no --job or --merged")
+    if args.merged and not args.job:
+        raise ConfigError("--merged needs --job J (the adapter to merge into the base)")
+    if not args.base and not args.job:
+        raise ConfigError("expected --job J (its adapter; with --merged, merged into the base) or --base")
+    if (out.exists() or out.is_symlink()) and not args.force:
+        raise ConfigError(f"{out}: --out already exists; choose another path or pass --force to replace it "
+                          f"(atomically, once the new export is complete)")
+    if args.base:
+        from lorafusion.runtime.export_models import write_base
+
+        fill, what = write_base(src, out)
+        adapter, kind = None, "base"
     else:
-        raise MissingFileError(f"{src}: no checkpoint or adapter of job {args.job!r} (expected a run output_dir "
-                                f"or a checkpoints/<job>/step_N directory)")
-    files = {p.name: (lambda dst, p=p: shutil.copyfile(p, dst)) for p in adapter.iterdir() if p.is_file()}
+        adapter, what = _find_adapter(src, args.job)
+        if args.merged:
+            from lorafusion.runtime.export_models import write_merged
+
+            fill, _ = write_merged(_run_dir_of(src), adapter)
+            kind = "merged"
+        else:
+            files = [p for p in adapter.iterdir() if p.is_file()]
+
+            def fill(tmp: Path) -> None:
+                for p in files:
+                    shutil.copyfile(p, tmp / p.name)
+            kind = "adapter"
     if out.is_file() or out.is_symlink():  # --force over a file: the complete new directory, then the swap
-        new = write_dir_atomically(out.parent / f".{out.name}.new", files)
+        new = fill_dir_atomically(out.parent / f".{out.name}.new", fill)
         out.unlink()
         os.replace(new, out)
     else:
-        out = write_dir_atomically(out, files)
-    print(f"exported {what} of job {args.job!r} to {out}", file=sys.stderr)
-    print(json.dumps({"job": args.job, "exported": what, "from": str(adapter), "to": str(out)}))
+        out = fill_dir_atomically(out, fill)
+    job = f" of job {args.job!r}" if args.job else ""
+    what = f"{what}{job}{' merged into the base' if kind == 'merged' else ''}"
+    print(f"exported {what} to {out}", file=sys.stderr)
+    print(json.dumps({"job": args.job, "kind": kind, "exported": what,
+                      "from": str(adapter) if adapter else str(src), "to": str(out)}))
     return 0
 
 
@@ -201,9 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="where every job of a run stands (running or finished)")
     st.add_argument("run_dir", help="the run's output_dir")
     st.add_argument("--json", action="store_true", help="the status as JSON (as in RUN_DIR/status.json)")
-    e = sub.add_parser("export", help="export one job's adapter (PEFT format) from a run or checkpoint")
-    e.add_argument("checkpoint")
-    e.add_argument("--job", required=True)
+    e = sub.add_parser("export", help="export one job's adapter (PEFT format) from a run or checkpoint, the "
+                                      "run's base model (--base) or a job's merged model (--job J --merged)")
+    e.add_argument("checkpoint", metavar="RUN_DIR", help="a run output_dir (or one checkpoints/<job>/step_N)")
+    e.add_argument("--job", help="the job whose adapter to export")
+    e.add_argument("--base", action="store_true", help="the base model in HF format (config.json, safetensors, "
+                                                       "tokenizer); the adapters of a preset run point at RUN_DIR/base")
+    e.add_argument("--merged", action="store_true", help="with --job: base + adapter merged, in HF format")
     e.add_argument("--out", required=True, help="a new directory (an existing one is refused unless --force)")
     e.add_argument("--force", action="store_true", help="replace an existing --out once the export is complete")
     return p

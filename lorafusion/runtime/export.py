@@ -110,13 +110,22 @@ def peft_adapter_config(spec: LoRASpec, base_model: str | None = None) -> dict:
 def write_dir_atomically(out_dir: str | Path, files: dict[str, callable]) -> Path:
     """Write ``files`` ({filename: writer(path)}) into a temporary sibling directory, then rename it to
     ``out_dir``; an existing ``out_dir`` is replaced only after the new one is complete."""
+    def fill(tmp: Path) -> None:
+        for fname, writer in files.items():
+            writer(tmp / fname)
+
+    return fill_dir_atomically(out_dir, fill)
+
+
+def fill_dir_atomically(out_dir: str | Path, fill) -> Path:
+    """``fill(tmp_dir)`` writes into a temporary sibling directory, which is then renamed to ``out_dir``;
+    an existing ``out_dir`` is replaced only after the new one is complete."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        for fname, writer in files.items():
-            writer(tmp / fname)
+        fill(tmp)
         old = None
         if out.exists():
             old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
@@ -254,5 +263,5 @@ def import_peft_adapter(model, name: str, path: str | Path, arch: ModelArch | No
     return spec
 
 
-__all__ = ["adapter_peft_state", "export_peft_adapter", "import_peft_adapter", "read_peft_adapter",
-           "peft_adapter_config", "write_dir_atomically", "resolve_target_modules"]
+__all__ = ["adapter_peft_state", "export_peft_adapter", "fill_dir_atomically", "import_peft_adapter",
+           "read_peft_adapter", "peft_adapter_config", "write_dir_atomically", "resolve_target_modules"]

@@ -274,8 +274,9 @@ class Trainer:
     # ------------------------------------------------------------------------------- export / checkpoint
     def export(self, name: str, out_dir: Path) -> None:
         from lorafusion.runtime.export import export_peft_adapter
+        from lorafusion.runtime.export_models import base_reference
 
-        export_peft_adapter(self.model, name, out_dir, self.arch, base_model=self.cfg.model.path or self.cfg.model.preset)
+        export_peft_adapter(self.model, name, out_dir, self.arch, base_model=base_reference(self.cfg, self.out, self.arch, self.device))
 
     def _finish_job(self, name: str) -> None:
         """A job that leaves before its end (cancelled): checkpoint (its stream as of its last chunk) and export."""
