@@ -1,4 +1,4 @@
-"""``lorafusion`` command line: train | plan | export | status.
+"""``lorafusion`` command line: train | plan | export | status | generate.
 
 A :class:`lorafusion.core.errors.UserError` (bad config, data, files or launch) prints one line and exits 2;
 any other exception is a bug and shows its traceback."""
@@ -134,6 +134,17 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    from lorafusion.runtime.generate import generate_file
+
+    res = generate_file(args.run_dir, args.prompts, args.out, max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,
+                        force=args.force)
+    print(f"generated {res['new_tokens']:,} tokens for {res['rows']} prompts ({', '.join(res['jobs']) or 'base only'}) "
+          f"in {res['generate_s']:.1f}s ({res['tokens_per_s']:,.0f} tokens/s); written to {res['out']}", file=sys.stderr)
+    return 0
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -165,6 +176,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--job", required=True)
     e.add_argument("--out", required=True, help="a new directory (an existing one is refused unless --force)")
     e.add_argument("--force", action="store_true", help="replace an existing --out once the export is complete")
+    g = sub.add_parser("generate", help="decode prompts with a run's adapters (and base), batched together")
+    g.add_argument("run_dir", help="the run's output_dir")
+    g.add_argument("--prompts", required=True, help="JSONL: one {\"prompt\": ..., \"job\": NAME or null} per line")
+    g.add_argument("--out", required=True, help="JSONL written atomically: the input rows plus prompt_ids, "
+                   "output_ids and output (an existing file is refused unless --force)")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (each row: its own generator)")
+    g.add_argument("--batch-size", type=_positive_int, default=64, help="prompts decoded together")
+    g.add_argument("--force", action="store_true", help="replace an existing --out")
     return p
 
 
@@ -184,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     from lorafusion.runtime.control import install_stack_dump
 
     install_stack_dump()  # kill -USR2 <pid>: every thread's stack on stderr (a hung multi-GPU run)
-    handler = {"train": cmd_train, "plan": cmd_plan, "export": cmd_export, "status": cmd_status}[args.cmd]
+    handler = {"train": cmd_train, "plan": cmd_plan, "export": cmd_export, "status": cmd_status,
+               "generate": cmd_generate}[args.cmd]
     from lorafusion.core.errors import UserError
 
     try:
