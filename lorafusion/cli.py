@@ -54,6 +54,8 @@ def cmd_train(args) -> int:
                      else f"{j['status']} at step {j['steps']}/{j['total_steps']}")
             print(f"  {name:<16} steps {j['steps']:>5}  loss {fmt(j['first_loss'])} -> {fmt(j['final_loss'])}  "
                   f"{where}")
+        print(f"try them: lorafusion generate {cfg.output_dir} --prompts FILE.jsonl --out OUT.jsonl  "
+              f"(one {{\"prompt\": ..., \"job\": NAME}} per line)")
     from lorafusion.runtime.dist import destroy_distributed
 
     destroy_distributed()
