@@ -73,15 +73,20 @@ def load_run(run_dir: str | Path) -> RunInfo:
     states: list[dict] = []
     names = {p.name for d in ("adapters", "checkpoints") if (run / d).is_dir() for p in (run / d).iterdir()
              if p.is_dir() and not p.name.startswith(".")}
+    summary = _read_json(run / "summary.json").get("jobs", {}) if (run / "summary.json").is_file() else {}
     for name in sorted(names):
         final = run / "adapters" / name
         ckpt = _latest_checkpoint_dir(run / "checkpoints" / name)
         if ckpt is not None and (ckpt / "state.json").is_file():
             states.append(_read_json(ckpt / "state.json"))
-        if (final / "adapter_config.json").is_file():
+        # as `lorafusion export` picks: the final adapter of a finished job, else its latest checkpoint
+        if (final / "adapter_config.json").is_file() and summary.get(name, {}).get("status") in (None, "done",
+                                                                                                  "diverged"):
             adapters[name] = final
         elif ckpt is not None and (ckpt / "adapter" / "adapter_config.json").is_file():
             adapters[name] = ckpt / "adapter"
+        elif (final / "adapter_config.json").is_file():
+            adapters[name] = final
     if not adapters:
         raise MissingFileError(f"{run}: no adapter under adapters/ or checkpoints/ (expected the output_dir of "
                                f"lorafusion train)")
@@ -253,9 +258,18 @@ def _forward(model, jobs, seqs: Sequence[Sequence[int]], positions: torch.Tensor
                           max_seqlen_q=rope_len, max_seqlen_kv=rope_len)
     tokens = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=device)[None]
     routing, names = _routing(jobs, counts)
-    with lora_batch(model, routing, names):
-        logits = model(tokens, positions.to(device)[None], attention_mask=None, packed_seq_params=psp)
-    return logits[0, (cu[1:] - 1).to(device)].float()
+    last = (cu[1:] - 1).to(device, torch.long)
+
+    def last_rows_only(_module, args, kwargs):  # the output layer sees each sequence's last row, not [T, V]
+        return (args[0].index_select(0, last), *args[1:]), kwargs
+
+    hook = model.output_layer.register_forward_pre_hook(last_rows_only, with_kwargs=True)
+    try:
+        with lora_batch(model, routing, names):
+            logits = model(tokens, positions.to(device)[None], attention_mask=None, packed_seq_params=psp)
+    finally:
+        hook.remove()
+    return logits[0].float()
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, gens: Sequence) -> list[int]:

@@ -164,6 +164,26 @@ def test_kv_cache_equals_full_recompute_and_leaves_training_untouched(preset_run
     torch.testing.assert_close(logits(model, "beta"), before, rtol=0, atol=0)
 
 
+def test_run_record_and_adapter_choice(preset_run, tmp_path):
+    """RUN_DIR/base_model.json (a run's record of its base), when present, is what rebuilds the base; a job
+    that did not finish decodes with its latest checkpoint's adapter, as `lorafusion export` picks."""
+    import shutil
+
+    from lorafusion.runtime.generate import load_run
+
+    _, d = preset_run
+    run = tmp_path / "run"
+    shutil.copytree(d / "run", run)
+    (run / "base_model.json").write_text(json.dumps({"preset": "tiny-llama", "path": None, "seed": 99,
+                                                     "dtype": "bfloat16", "init_device": "cpu",
+                                                     "tokenizer": {"type": "byte", "path": None}}))
+    (run / "summary.json").write_text(json.dumps({"jobs": {"alpha": {"status": "stopped"}, "beta": {"status": "done"}}}))
+    info = load_run(run)
+    assert (info.preset, info.seed, info.dtype, info.init_device) == ("tiny-llama", 99, "bfloat16", "cpu")
+    assert info.adapters == {"alpha": run / "checkpoints" / "alpha" / "step_000003" / "adapter",
+                             "beta": run / "adapters" / "beta"}
+
+
 @pytest.mark.parametrize("case", ["unknown_job", "empty_prompt", "too_long", "missing_run", "malformed", "out_exists"])
 def test_bad_input_is_one_error_line_and_exit_2(preset_run, tmp_path, capsys, case):
     _, d = preset_run
