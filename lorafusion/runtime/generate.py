@@ -63,7 +63,7 @@ def _latest_checkpoint_dir(job_dir: Path) -> Path | None:
 
 
 def load_run(run_dir: str | Path) -> RunInfo:
-    """What :func:`build_generator` needs from a ``lorafusion train`` output directory."""
+    """What :func:`build_run_model` and :func:`run_tokenizer` need, from a ``lorafusion train`` output directory."""
     from lorafusion.core.arch import PRESETS
 
     run = Path(run_dir)
@@ -93,8 +93,10 @@ def load_run(run_dir: str | Path) -> RunInfo:
     record = run / "base_model.json"
     if record.is_file():  # the run's own record of its base
         r = _read_json(record)
+        if not isinstance(r.get("seed"), int) or (r.get("preset") is None) == (r.get("path") is None):
+            raise ConfigError(f"{record}: expected an integer 'seed' and exactly one of 'preset' or 'path'")
         tok = r.get("tokenizer") or {"type": "byte", "path": None}
-        return RunInfo(run, r.get("preset"), r.get("path"), int(r["seed"]), r.get("dtype", "float32"), tok, adapters,
+        return RunInfo(run, r.get("preset"), r.get("path"), r["seed"], r.get("dtype", "float32"), tok, adapters,
                        r.get("init_device"))
     if not states:
         raise MissingFileError(f"{run}: no checkpoint state.json (it records the run's seed, which rebuilds the "
@@ -166,7 +168,7 @@ class Request:
     row: dict  # the input row, kept as is
     job: str | None  # adapter, or None for the base
     prompt_ids: list[int]
-    where: str  # "FILE:LINE" (for messages)
+    where: str  # "FILE:LINE" of the row
     output_ids: list[int] = field(default_factory=list)
 
 
