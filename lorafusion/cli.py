@@ -1,4 +1,4 @@
-"""``lorafusion`` command line: train | plan | export | status.
+"""``lorafusion`` command line: train | plan | export | status | generate.
 
 A :class:`lorafusion.core.errors.UserError` (bad config, data, files or launch) prints one line and exits 2;
 any other exception is a bug and shows its traceback."""
@@ -60,6 +60,8 @@ def cmd_train(args) -> int:
         if cfg.model.preset:  # the adapters name RUN_DIR/base as their base model
             out = Path(cfg.output_dir)
             print(f"  base model (HF format, for peft/transformers): lorafusion export {out} --base --out {out / 'base'}")
+        print(f"try them: lorafusion generate {cfg.output_dir} --prompts FILE.jsonl --out OUT.jsonl  "
+              f"(one {{\"prompt\": ..., \"job\": NAME}} per line)")
     from lorafusion.runtime.dist import destroy_distributed
 
     destroy_distributed()
@@ -225,6 +227,17 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    from lorafusion.runtime.generate import generate_file
+
+    res = generate_file(args.run_dir, args.prompts, args.out, max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,
+                        force=args.force)
+    print(f"generated {res['new_tokens']:,} tokens for {res['rows']} prompts ({', '.join(res['jobs']) or 'base only'}) "
+          f"in {res['generate_s']:.1f}s ({res['tokens_per_s']:,.0f} tokens/s); written to {res['out']}", file=sys.stderr)
+    return 0
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -269,6 +282,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--merged", action="store_true", help="with --job: base + adapter merged, in HF format")
     e.add_argument("--out", required=True, help="a new directory (an existing one is refused unless --force)")
     e.add_argument("--force", action="store_true", help="replace an existing --out once the export is complete")
+    g = sub.add_parser("generate", help="decode prompts with a run's adapters (and base), batched together")
+    g.add_argument("run_dir", help="the run's output_dir")
+    g.add_argument("--prompts", required=True, help="JSONL: one {\"prompt\": ..., \"job\": NAME or null} per line")
+    g.add_argument("--out", required=True, help="JSONL written atomically: the input rows plus prompt_ids, "
+                   "output_ids and output (an existing file is refused unless --force)")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (each row: its own generator)")
+    g.add_argument("--batch-size", type=_positive_int, default=64, help="prompts decoded together")
+    g.add_argument("--force", action="store_true", help="replace an existing --out")
     return p
 
 
@@ -290,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
 
     install_stack_dump()  # kill -USR2 <pid>: every thread's stack on stderr (a hung multi-GPU run)
     handler = {"train": cmd_train, "plan": cmd_plan, "export": cmd_export, "status": cmd_status,
-               "submit": cmd_submit, "cancel": cmd_cancel}[args.cmd]
+               "submit": cmd_submit, "cancel": cmd_cancel, "generate": cmd_generate}[args.cmd]
     from lorafusion.core.errors import UserError
 
     try:

@@ -43,3 +43,41 @@ def apply_packed_rope_patch() -> None:
     apply_rotary_pos_emb.__wrapped__ = original
     attention.apply_rotary_pos_emb = apply_rotary_pos_emb
     _ORIGINAL = original
+
+
+def rope_positions_patch_applied() -> bool:
+    from megatron.core.transformer import attention
+
+    return getattr(attention.apply_rotary_pos_emb, "_lorafusion_positions", False)
+
+
+def apply_rope_positions_patch() -> None:
+    """RoPE at explicit per-token positions for packed (thd) decoding with a KV cache.
+
+    Megatron's packed RoPE restarts positions at every ``cu_seqlens`` boundary, which is right for training
+    (each sample starts at 0) but not for a decoding step whose rows continue cached sequences. While a
+    model's ``TransformerConfig`` carries ``lorafusion_rope_positions`` (a [t] long tensor, set only inside
+    :func:`lorafusion.models.kv_cache.decoding`), a packed call rotates row ``i`` by ``freqs[positions[i]]``
+    with Megatron's own math (what its thd path does per sample: the bshd rotation on gathered freqs);
+    without the attribute every call goes to the function it wraps, unchanged. Idempotent; re-wraps when
+    something else was installed over it since (e.g. :func:`apply_packed_rope_patch` by a later model build),
+    so call it right before decoding."""
+    from megatron.core.transformer import attention
+
+    current = attention.apply_rotary_pos_emb
+    if getattr(current, "_lorafusion_positions", False):
+        return
+
+    def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None):
+        positions = getattr(config, "lorafusion_rope_positions", None)
+        if positions is None or cu_seqlens is None or t.dim() != 3:
+            return current(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
+        from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+        return _apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[positions], rotary_interleaved=config.rotary_interleaved,
+                                          multi_latent_attention=config.multi_latent_attention,
+                                          mscale=mscale).squeeze(1)
+
+    apply_rotary_pos_emb.__wrapped__ = current
+    apply_rotary_pos_emb._lorafusion_positions = True
+    attention.apply_rotary_pos_emb = apply_rotary_pos_emb

@@ -85,7 +85,12 @@ def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
 
 
 class PackedDotProductAttention(MegatronModule):
-    """Drop-in for Megatron's ``DotProductAttention`` that also takes ``packed_seq_params`` (thd)."""
+    """Drop-in for Megatron's ``DotProductAttention`` that also takes ``packed_seq_params`` (thd).
+
+    ``kv_cache``: None except while decoding (:func:`lorafusion.models.kv_cache.decoding`), when packed
+    rows attend through the cache instead."""
+
+    kv_cache = None
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
@@ -102,6 +107,8 @@ class PackedDotProductAttention(MegatronModule):
             raise ValueError("attention_bias is not supported")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             # query [t, np, hn], key/value [t, ng, hn]
+            if self.kv_cache is not None:
+                return self.kv_cache.attend(self.layer_number, query, key, value, self.softmax_scale)
             cu = packed_seq_params.cu_seqlens_q
             return varlen_attention(query, key, value, cu, int(packed_seq_params.max_seqlen_q or 0),
                                     self.softmax_scale)
