@@ -33,12 +33,16 @@ def cmd_train(args) -> int:
     from lorafusion.runtime.trainer import Trainer, remove_partial_outputs
 
     cfg = _load(args)
+    out = Path(cfg.output_dir)
+    created = not out.exists()
     trainer = Trainer(cfg, resume=args.resume)
     try:
         summary = trainer.run()
     except BaseException:
         if trainer.owns_output_dir:  # never touch the files of another run that holds the directory
-            remove_partial_outputs(Path(cfg.output_dir))
+            remove_partial_outputs(out)
+            if created and _holds_only_our_lock(out):  # failed before writing anything: leave no trace
+                shutil.rmtree(out, ignore_errors=True)
         raise
     if trainer.is_logger:
         if summary["status"] == "stopped":
@@ -58,6 +62,14 @@ def cmd_train(args) -> int:
 
     destroy_distributed()
     return 0
+
+
+def _holds_only_our_lock(out: Path) -> bool:
+    try:
+        return {p.name for p in out.iterdir()} <= {".lock"} and \
+            (out / ".lock").read_text().strip() in ("", str(os.getpid()))
+    except OSError:
+        return False
 
 
 def cmd_plan(args) -> int:
@@ -80,10 +92,9 @@ def cmd_plan(args) -> int:
 def cmd_export(args) -> int:
     """Copy a job's PEFT adapter out of a run directory or one checkpoint, atomically."""
     from lorafusion.core.errors import MissingFileError
-    from lorafusion.runtime.checkpoint import latest_checkpoint
-    from lorafusion.runtime.export import write_dir_atomically
-
     from lorafusion.core.errors import ConfigError
+    from lorafusion.runtime.checkpoint import latest_checkpoint, read_state
+    from lorafusion.runtime.export import write_dir_atomically
 
     src = Path(args.checkpoint)
     out = Path(args.out)
@@ -98,7 +109,7 @@ def cmd_export(args) -> int:
         except (json.JSONDecodeError, AttributeError):
             status = None
     if (src / "adapter" / "adapter_config.json").is_file():  # one checkpoint step directory
-        state = json.loads((src / "state.json").read_text()) if (src / "state.json").is_file() else {}
+        state = read_state(src) if (src / "state.json").is_file() else {}
         if state.get("job", args.job) != args.job:
             raise ConfigError(f"{src}: is a checkpoint of job {state['job']!r}, not of --job {args.job!r}")
         adapter, what = src / "adapter", f"checkpoint at step {state.get('step', '?')}"
