@@ -59,4 +59,7 @@ def install_stack_dump(sig: int = signal.SIGUSR2) -> None:
     """``kill -USR2 <pid>`` prints every thread's Python stack to stderr and the run goes on: what a user (or
     ``scripts/device/watch.sh``) needs to see where a distributed run waits. Main thread only; idempotent."""
     if threading.current_thread() is threading.main_thread():
-        faulthandler.register(sig, file=sys.stderr, all_threads=True, chain=False)
+        try:
+            faulthandler.register(sig, file=sys.stderr, all_threads=True, chain=False)
+        except (OSError, ValueError, AttributeError):  # stderr is no file (captured, redirected in-process)
+            pass
