@@ -67,6 +67,10 @@ def save_job_checkpoint(job_dir: Path, step: int, *, adapter_params: dict[str, t
     except BaseException:
         if rank0:
             shutil.rmtree(tmp, ignore_errors=True)
+            try:  # the job's first checkpoint failed: an empty job_dir would mark output_dir as holding a run
+                job_dir.rmdir()
+            except OSError:
+                pass
         raise
     if rank0:
         if final.exists():
