@@ -36,12 +36,16 @@ def cmd_train(args) -> int:
     cfg = _load(args)
     if args.serve:
         cfg.serve = True
+    out = Path(cfg.output_dir)
+    created = not out.exists()
     trainer = Trainer(cfg, resume=args.resume)
     try:
         summary = trainer.run()
     except BaseException:
         if trainer.owns_output_dir:  # never touch the files of another run that holds the directory
-            remove_partial_outputs(Path(cfg.output_dir))
+            remove_partial_outputs(out)
+            if created and _holds_only_our_lock(out):  # failed before writing anything: leave no trace
+                shutil.rmtree(out, ignore_errors=True)
         raise
     if trainer.is_logger:
         if summary["status"] == "stopped":
@@ -66,6 +70,14 @@ def cmd_train(args) -> int:
 
     destroy_distributed()
     return 0
+
+
+def _holds_only_our_lock(out: Path) -> bool:
+    try:
+        return {p.name for p in out.iterdir()} <= {".lock"} and \
+            (out / ".lock").read_text().strip() in ("", str(os.getpid()))
+    except OSError:
+        return False
 
 
 def cmd_plan(args) -> int:
@@ -136,7 +148,7 @@ def _run_jobs(src: Path) -> list[str]:
 def _find_adapter(src: Path, job: str) -> tuple[Path, str]:
     """(PEFT adapter directory, what it is) of ``job`` in a run directory or one checkpoint step directory."""
     from lorafusion.core.errors import ConfigError, MissingFileError
-    from lorafusion.runtime.checkpoint import latest_checkpoint
+    from lorafusion.runtime.checkpoint import latest_checkpoint, read_state
 
     if not src.is_dir():
         raise MissingFileError(f"{src}: no checkpoint or adapter of job {job!r}: no such directory (expected a run "
@@ -149,12 +161,13 @@ def _find_adapter(src: Path, job: str) -> tuple[Path, str]:
         except (json.JSONDecodeError, AttributeError):
             status = None
     if (src / "adapter" / "adapter_config.json").is_file():  # one checkpoint step directory
-        state = json.loads((src / "state.json").read_text()) if (src / "state.json").is_file() else {}
+        state = read_state(src) if (src / "state.json").is_file() else {}
         if state.get("job", job) != job:
             raise ConfigError(f"{src}: is a checkpoint of job {state['job']!r}, not of --job {job!r}")
         return src / "adapter", f"checkpoint at step {state.get('step', '?')}"
-    if (final / "adapter_config.json").is_file() and status in (None, "done", "diverged"):
-        return final, "final adapter" if status != "diverged" else "last finite state (the job diverged)"
+    if (final / "adapter_config.json").is_file() and status in (None, "done", "diverged", "cancelled"):
+        return final, {"diverged": "last finite state (the job diverged)",
+                       "cancelled": "adapter at its cancellation"}.get(status, "final adapter")
     if (src / "checkpoints" / job).is_dir():
         ckpt = latest_checkpoint(src / "checkpoints" / job)
         if ckpt is None:

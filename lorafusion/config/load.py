@@ -422,6 +422,10 @@ def _check_files(cfg: RunConfig, run_shown: str, sources, locate) -> None:
         if not (p.is_file() or (p / "tokenizer.model").is_file()):
             raise ConfigError(f"{run_shown}: tokenizer.path: expected a sentencepiece model file (or a "
                               f"directory with tokenizer.model), not found: {_display(p)}")
+    out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{run_shown}: output_dir: expected a directory (or a path to create), "
+                          f"but {_display(out)} is a file{locate(['output_dir'])[2]}")
     for i, job in enumerate(cfg.jobs):
         p = Path(job.dataset.path)
         if not p.is_file():

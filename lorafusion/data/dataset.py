@@ -103,6 +103,8 @@ def read_rows(job: JobConfig) -> Any:
     if path.stat().st_size == 0:
         raise DataError(f"{where}: empty dataset (the file is empty)")
     builder = ds_cfg.builder
+    if builder in ("json", "csv"):
+        _check_utf8(path, where)
     kwargs: dict[str, Any] = {}
     if builder == "csv":
         # every column as a string (pandas would turn "42" into an int): read the header first
@@ -129,6 +131,29 @@ def read_rows(job: JobConfig) -> Any:
     if ds.num_rows == 0:
         raise DataError(f"{where}: empty dataset (0 rows)")
     return ds
+
+
+def _check_utf8(path: Path, where: str) -> None:
+    """Text data must be UTF-8 (the reader would accept the bytes and fail later, naming no file)."""
+    import codecs
+
+    dec = codecs.getincrementaldecoder("utf-8")()
+    line, offset = 1, 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(1 << 20)
+            try:
+                dec.decode(block, final=not block)
+            except UnicodeDecodeError as e:
+                start = max(0, e.start)
+                bad = block[start:start + 1]  # (at a block boundary the first bad byte is near enough)
+                line += block[:start].count(b"\n")
+                raise DataError(f"{where}: line {line}: not valid UTF-8 (byte {bad.hex() and '0x' + bad.hex()} "
+                                f"at offset {offset + start}); save the file as UTF-8") from None
+            if not block:
+                return
+            line += block.count(b"\n")
+            offset += len(block)
 
 
 def _diagnose_json(path: Path) -> str | None:

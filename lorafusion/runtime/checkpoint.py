@@ -8,6 +8,7 @@ seed, parallel layout). ``OUTPUT_DIR/checkpoints/<job>/latest`` names the newest
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from lorafusion.core.errors import MissingFileError
+from lorafusion.runtime.export import write_bytes
 
 
 def _barrier():
@@ -53,14 +55,22 @@ def save_job_checkpoint(job_dir: Path, step: int, *, adapter_params: dict[str, t
     try:
         write_adapter(tmp / "adapter")
         if parallel_state.get_data_parallel_rank() == 0:
+            # serialised in memory, written by Python: a full disk or ``ulimit -f`` is an OSError naming the
+            # file (torch's own file writer raises an anonymous RuntimeError)
+            buf = io.BytesIO()
             torch.save({"adapter": {k: v.detach().cpu() for k, v in adapter_params.items()},
-                        "optimizer": optimizer_state}, tmp / _rank_file())
+                        "optimizer": optimizer_state}, buf)
+            write_bytes(tmp / _rank_file(), buf.getbuffer())
         if rank0:
             (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
         _barrier()
     except BaseException:
         if rank0:
             shutil.rmtree(tmp, ignore_errors=True)
+            try:  # the job's first checkpoint failed: an empty job_dir would mark output_dir as holding a run
+                job_dir.rmdir()
+            except OSError:
+                pass
         raise
     if rank0:
         if final.exists():
@@ -121,13 +131,30 @@ def load_newest_usable(job_dir: Path) -> tuple[Path | None, dict | None, dict | 
     return None, None, None, skipped
 
 
+def read_state(path: Path) -> dict:
+    """A checkpoint's ``state.json``: a JSON object with at least ``job``, ``step`` and ``stream``, else a
+    :class:`MissingFileError` naming the file."""
+    file = Path(path) / "state.json"
+    try:
+        state = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MissingFileError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(state, dict):
+        raise MissingFileError(f"{file}: expected a JSON object, got {type(state).__name__}")
+    missing = [k for k in ("job", "step", "stream") if k not in state]
+    if missing:
+        raise MissingFileError(f"{file}: no {', '.join(missing)} (expected a lorafusion checkpoint state)")
+    if not isinstance(state["step"], int) or isinstance(state["step"], bool) or state["step"] < 0 \
+            or not isinstance(state["stream"], dict):
+        raise MissingFileError(f"{file}: step: expected an integer >= 0 and stream an object, got "
+                               f"{state['step']!r} and {type(state['stream']).__name__}")
+    return state
+
+
 def load_job_checkpoint(path: Path) -> tuple[dict, dict]:
     """(state.json contents, this rank's tensors: {"adapter": ..., "optimizer": ...})."""
     path = Path(path)
-    try:
-        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise MissingFileError(f"{path / 'state.json'}: not valid JSON ({e})") from None
+    state = read_state(path)
     rank_file = path / _rank_file()
     if not rank_file.is_file():
         present = sorted(p.name for p in path.glob("rank_*.pt"))

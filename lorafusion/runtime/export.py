@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_bytes
 
 from lorafusion.core.errors import ConfigError, MissingFileError
 from lorafusion.core.lora import LoRASpec
@@ -107,6 +107,17 @@ def peft_adapter_config(spec: LoRASpec, base_model: str | None = None) -> dict:
     }
 
 
+def write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path``; an OSError (full disk, ``ulimit -f``: EFBIG) names the file."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
+
+
 def write_dir_atomically(out_dir: str | Path, files: dict[str, callable]) -> Path:
     """Write ``files`` ({filename: writer(path)}) into a temporary sibling directory, then rename it to
     ``out_dir``; an existing ``out_dir`` is replaced only after the new one is complete."""
@@ -150,7 +161,9 @@ def export_peft_adapter(model, name: str, out_dir: str | Path, arch: ModelArch |
     config = peft_adapter_config(spec, base_model)
     return write_dir_atomically(out_dir, {
         "adapter_config.json": lambda p: p.write_text(json.dumps(config, indent=2) + "\n"),
-        "adapter_model.safetensors": lambda p: save_file(state, str(p), metadata={"format": "pt"}),
+        # serialised here, written by Python: a full disk or a file size limit is then an OSError naming the
+        # file (safetensors' own writer raises SafetensorError, which the CLI cannot tell from a bug)
+        "adapter_model.safetensors": lambda p: write_bytes(p, safetensors_bytes(state, metadata={"format": "pt"})),
     })
 
 

@@ -174,7 +174,7 @@ def test_filesystem_and_environment_errors_are_one_line(tmp_path, capsys, megatr
     (tmp_path / "afile").write_text("x")
     assert _main("train", str(run), f"output_dir={tmp_path / 'afile'}") == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"cannot write {tmp_path / 'afile'}" in err and "Traceback" not in err, err
+    assert err.count("\n") == 1 and "output_dir: expected a directory" in err and "Traceback" not in err, err
     assert (tmp_path / "afile").read_text() == "x"
     # a full disk while the run writes its metrics
     from lorafusion.runtime import metrics
