@@ -8,11 +8,9 @@ Every problem is reported as one :class:`ConfigError` whose message names the fi
 and what was expected, e.g. ``configs/quickstart/reverse.yaml: lora.r: expected an integer > 0, got 0``
 (several problems: one line each, still one exception).
 
-``key=value`` overrides (``scheduler.token_capacity=8192``, ``seed=3``, ``jobs.0.optimizer.lr=1e-4``;
-``jobs.<name>.…`` works too) are applied to the loaded YAML before validation; values are parsed as YAML
-scalars / flow collections; a key the schema does not have is an error. A relative path given by an
-override is resolved against the current directory. (OmegaConf's dotlist merge was considered: it would
-need the same schema walk to name jobs by name, resolve override paths and word its errors as these do.)
+``key=value`` overrides (``seed=3``, ``jobs.0.optimizer.lr=1e-4``, ``jobs.<name>.…``) are applied before
+validation, values parsed as YAML; an unknown key is an error; a relative path in one is resolved against the
+current directory. (OmegaConf's dotlist merge would need the same schema walk for job names, paths, errors.)
 """
 
 from __future__ import annotations
@@ -436,16 +434,14 @@ def _check_files(cfg: RunConfig, run_shown: str, sources, locate) -> None:
 
 def load_job_config(path: str | os.PathLike, overrides: Sequence[str] = (), *,
                     check_files: bool = False) -> JobConfig:
-    """Read and validate one job YAML on its own (relative dataset path resolved against its directory),
-    with ``key=value`` overrides of its keys (e.g. ``optimizer.lr=1e-4``); ``check_files``: its dataset file
-    must exist."""
+    """One job YAML on its own (dataset path relative to it), with ``key=value`` overrides of its keys (e.g.
+    ``optimizer.lr=1e-4``); ``check_files``: its dataset file must exist."""
     jpath = Path(path)
     shown = _display(jpath)
     raw = _read_yaml(jpath, "an adapter job")
     _resolve_job_paths(raw, jpath.resolve().parent)
-    wrapped = {"jobs": [raw]}
     for item in overrides:
-        _apply_override(wrapped, f"jobs.0.{item}", [raw.get("name")])
+        _apply_override({"jobs": [raw]}, f"jobs.0.{item}", [raw.get("name")])
     try:
         job = JobConfig.model_validate(raw)
     except ValidationError as e:
