@@ -56,10 +56,8 @@ class _UniqueKeyLoader:
             def construct_mapping(loader, node, deep=False):
                 keys = set()
                 for key_node, _ in node.value:
-                    key = loader.construct_object(key_node, deep=deep)
-                    if key in keys:
-                        raise yaml.constructor.ConstructorError(
-                            None, None, f"duplicate key {key!r}", key_node.start_mark)
+                    if (key := loader.construct_object(key_node, deep=deep)) in keys:
+                        raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
                     keys.add(key)
                 return yaml.SafeLoader.construct_mapping(loader, node, deep)
 
