@@ -1,14 +1,8 @@
 """``lorafusion status RUN_DIR [--json]``: every job's state from ``status.json`` (written by the trainer)."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 from lorafusion.cli import main
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_status_of_a_finished_run(three_jobs, capsys):
@@ -44,14 +38,13 @@ def test_status_of_a_killed_run_says_stopped(three_jobs, tmp_path, capsys):
     assert got["jobs"][first]["state"] == "stopped" and got["jobs"][first]["eta_s"] is None
 
 
-def test_status_bad_input(tmp_path):
+def test_status_bad_input(tmp_path, capsys):
     """A missing directory, one without a status and a garbled status: one line each, exit 2."""
     (tmp_path / "empty").mkdir()
     (tmp_path / "garbled").mkdir()
     (tmp_path / "garbled" / "status.json").write_text("{not json")
     for run, words in ((tmp_path / "nope", "no such run directory"), (tmp_path / "empty", "no status.json"),
                        (tmp_path / "garbled", "not a readable run status")):
-        p = subprocess.run([sys.executable, "-m", "lorafusion.cli", "status", str(run)], cwd=ROOT,
-                           env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True)
-        assert p.returncode == 2 and words in p.stderr and str(run) in p.stderr, p.stderr
-        assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
+        assert main(["status", str(run)]) == 2
+        err = capsys.readouterr().err
+        assert words in err and str(run) in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
