@@ -265,11 +265,10 @@ class RunConfig(_Strict):
         cap = self.scheduler.token_capacity
         if cap != "auto":
             for i, job in enumerate(self.jobs):
-                for key, ds in (("dataset", job.dataset), ("eval_dataset", job.eval_dataset)):
-                    if ds is not None and ds.max_seq_len > cap:
-                        raise ValueError(
-                            f"jobs.{i}.{key}.max_seq_len: expected at most scheduler.token_capacity ({cap}) "
-                            f"so every sample fits one microbatch, got {ds.max_seq_len}")
+                if job.dataset.max_seq_len > cap:  # (an eval sample over the capacity is evaluated alone)
+                    raise ValueError(
+                        f"jobs.{i}.dataset.max_seq_len: expected at most scheduler.token_capacity ({cap}) "
+                        f"so every sample fits one microbatch, got {job.dataset.max_seq_len}")
         return self
 
     # the run YAML this came from (set by load_run_config), for errors raised after loading
