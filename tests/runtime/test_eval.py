@@ -150,6 +150,28 @@ def test_early_stopping_best_checkpoint_survives_pruning_and_export_best(tmp_pat
     assert cli.main(["export", str(out), "--job", "b", "--best", "--out", str(tmp_path / "nob")]) == 2
     err = capsys.readouterr().err
     assert "no best-eval checkpoint of job 'b'" in err and "no eval set" in err
+    # a resume keeps the job early-stopped, with its best (no more evaluations, no more steps)
+    summary, _ = train_inprocess(write_run(tmp_path, [a, b]), ["scheduler.lookahead_batches=1",
+                                                               "checkpoint.keep_last=1"], resume=True)
+    assert summary["jobs"]["a"] == ja
+    assert [r["eval_loss"] for r in _rows(out) if "eval_loss" in r] == [3.0, 2.0, 2.5, 2.1]
+
+
+def test_eval_rows_are_strict_json_with_a_tensorboard_scalar(tmp_path):
+    from lorafusion.runtime.metrics import MetricsWriter
+
+    w = MetricsWriter(tmp_path, tensorboard=True)
+    w.log_eval({"job": "a", "step": 3, "eval_loss": 1.5, "eval_tokens": 10, "best_eval_loss": 1.5, "best_step": 3})
+    w.log_eval({"job": "a", "step": 6, "eval_loss": float("nan"), "eval_tokens": 10, "best_eval_loss": 1.5,
+                "best_step": 3})
+    w.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["eval_loss"] == 1.5 and rows[1]["eval_loss"] is None
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("a/eval_loss")] == [(3, 1.5)]
 
 
 def test_best_pointer_survives_pruning(tmp_path):
@@ -206,14 +228,17 @@ def test_an_empty_eval_set_is_one_clear_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_pp2_eval_losses_equal_single_process(trained, tmp_path):
+@pytest.mark.parametrize("layout", [dict(pp=2), dict(dp=2)])
+def test_two_process_eval_losses_equal_single_process(trained, tmp_path, layout):
+    """PP=2 (Megatron's forward-only pipeline schedule) and DP=2 (the eval microbatches split over the
+    replicas, one padded with a no-op) give the single-process eval rows."""
     sys.path.insert(0, str(Path(__file__).parent))
     from test_distributed import _train_two_processes
 
     _, _, out, tmp = trained
-    run = write_run(tmp_path, _eval_jobs(tmp), out="pp2", pp=2)
+    run = write_run(tmp_path, _eval_jobs(tmp), out="two", **layout)
     _train_two_processes(run)
-    ours = [r for r in _rows(tmp_path / "pp2") if "eval_loss" in r]
+    ours = [r for r in _rows(tmp_path / "two") if "eval_loss" in r]
     ref = [r for r in _rows(out) if "eval_loss" in r]
     assert [(r["job"], r["step"], r["eval_tokens"]) for r in ours] == [(r["job"], r["step"], r["eval_tokens"])
                                                                        for r in ref]
