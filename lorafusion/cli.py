@@ -145,14 +145,27 @@ def _run_jobs(src: Path) -> list[str]:
     return sorted(names)
 
 
-def _find_adapter(src: Path, job: str) -> tuple[Path, str]:
-    """(PEFT adapter directory, what it is) of ``job`` in a run directory or one checkpoint step directory."""
+def _find_adapter(src: Path, job: str, best: bool = False) -> tuple[Path, str]:
+    """(PEFT adapter directory, what it is) of ``job`` in a run directory or one checkpoint step directory;
+    ``best``: its best-eval checkpoint's (a run directory only)."""
     from lorafusion.core.errors import ConfigError, MissingFileError
-    from lorafusion.runtime.checkpoint import latest_checkpoint, read_state
+    from lorafusion.runtime.checkpoint import best_checkpoint, latest_checkpoint, read_state
 
     if not src.is_dir():
         raise MissingFileError(f"{src}: no checkpoint or adapter of job {job!r}: no such directory (expected a run "
                                f"output_dir or a checkpoints/<job>/step_N directory)")
+    if best:
+        if (src / "state.json").is_file():
+            raise ConfigError(f"{src}: --best takes a run output_dir, not one checkpoint directory")
+        ckpt = best_checkpoint(src / "checkpoints" / job)
+        if ckpt is None:
+            known = _run_jobs(src)
+            raise MissingFileError(f"{src}: no best-eval checkpoint of job {job!r} " + (
+                "(the job has no eval set — eval_dataset or eval_split — or was not evaluated yet)"
+                if job in known else f"(unknown job; the run's jobs: {', '.join(known) or 'none'})"))
+        state = json.loads((ckpt / "state.json").read_text())
+        return ckpt / "adapter", (f"best-eval checkpoint, step {state.get('step')} (eval loss "
+                                  f"{(state.get('eval') or {}).get('best')})")
     final = src / "adapters" / job
     status = None
     if (src / "summary.json").is_file():
@@ -165,9 +178,10 @@ def _find_adapter(src: Path, job: str) -> tuple[Path, str]:
         if state.get("job", job) != job:
             raise ConfigError(f"{src}: is a checkpoint of job {state['job']!r}, not of --job {job!r}")
         return src / "adapter", f"checkpoint at step {state.get('step', '?')}"
-    if (final / "adapter_config.json").is_file() and status in (None, "done", "diverged", "cancelled"):
-        return final, {"diverged": "last finite state (the job diverged)",
-                       "cancelled": "adapter at its cancellation"}.get(status, "final adapter")
+    if (final / "adapter_config.json").is_file() and status in (None, "done", "diverged", "cancelled",
+                                                                 "early_stopped"):
+        return final, {"diverged": "last finite state (the job diverged)", "cancelled": "adapter at its cancellation",
+                       "early_stopped": "adapter at its early stop"}.get(status, "final adapter")
     if (src / "checkpoints" / job).is_dir():
         ckpt = latest_checkpoint(src / "checkpoints" / job)
         if ckpt is None:
@@ -198,8 +212,8 @@ def cmd_export(args) -> int:
 
     src = Path(args.checkpoint)
     out = Path(args.out)
-    if args.base and (args.job or args.merged):
-        raise ConfigError("--base exports the base model alone; it takes no --job or --merged")
+    if args.base and (args.job or args.merged or args.best):
+        raise ConfigError("--base exports the base model alone; it takes no --job, --merged or --best")
     if args.merged and not args.job:
         raise ConfigError("--merged needs --job J (the adapter to merge into the base)")
     if not args.base and not args.job:
@@ -213,7 +227,7 @@ def cmd_export(args) -> int:
         fill, what = write_base(src, out)
         adapter, kind = None, "base"
     else:
-        adapter, what = _find_adapter(src, args.job)
+        adapter, what = _find_adapter(src, args.job, best=args.best)
         if args.merged:
             from lorafusion.runtime.export_models import write_merged
 
@@ -293,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--base", action="store_true", help="the base model in HF format (config.json, safetensors, "
                                                        "tokenizer); the adapters of a preset run point at RUN_DIR/base")
     e.add_argument("--merged", action="store_true", help="with --job: base + adapter merged, in HF format")
+    e.add_argument("--best", action="store_true", help="with --job: the job's best-eval checkpoint (jobs with "
+                   "eval_dataset/eval_split), not its final adapter")
     e.add_argument("--out", required=True, help="a new directory (an existing one is refused unless --force)")
     e.add_argument("--force", action="store_true", help="replace an existing --out once the export is complete")
     g = sub.add_parser("generate", help="decode prompts with a run's adapters (and base), batched together")

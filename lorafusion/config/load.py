@@ -191,9 +191,7 @@ def _model_at(loc: Sequence[Any]) -> type[BaseModel] | None:
 def _unwrap(ann: Any) -> Any:
     """Strip Optional/list/Annotated to the inner model type, if any."""
     origin = get_origin(ann)
-    if origin is Annotated:
-        return _unwrap(get_args(ann)[0])
-    if origin in (list, tuple):
+    if origin is Annotated or origin in (list, tuple):
         return _unwrap(get_args(ann)[0])
     if origin is not None:  # Union
         for a in get_args(ann):
@@ -206,9 +204,7 @@ def _unwrap(ann: Any) -> Any:
 
 def _allowed(loc: Sequence[Any]) -> str:
     m = _model_at(loc)
-    if m is None:
-        return ""
-    return f"; expected one of: {', '.join(m.model_fields)}"
+    return "" if m is None else f"; expected one of: {', '.join(m.model_fields)}"
 
 
 # ----------------------------------------------------------------------------------------------- paths
@@ -221,8 +217,9 @@ def _resolve_path(value: Any, base: Path) -> Any:
 
 
 def _resolve_job_paths(job: Any, base: Path) -> None:
-    if isinstance(job, dict) and isinstance(job.get("dataset"), dict) and "path" in job["dataset"]:
-        job["dataset"]["path"] = _resolve_path(job["dataset"]["path"], base)
+    for key in ("dataset", "eval_dataset"):
+        if isinstance(job, dict) and isinstance(job.get(key), dict) and "path" in job[key]:
+            job[key]["path"] = _resolve_path(job[key]["path"], base)
 
 
 def _resolve_run_paths(raw: dict, base: Path) -> None:
@@ -312,7 +309,7 @@ def _select_job(raw: dict, parts: list[str], i: int, item: str, job_names: list[
 
 
 def _maybe_path(parts: list[str], value: Any) -> Any:
-    if parts[-1] == "path" and len(parts) >= 2 and parts[-2] in ("dataset", "model", "tokenizer"):
+    if parts[-1] == "path" and len(parts) >= 2 and parts[-2] in ("dataset", "eval_dataset", "model", "tokenizer"):
         return _resolve_path(value, Path.cwd())
     return value
 
@@ -423,11 +420,11 @@ def _check_files(cfg: RunConfig, run_shown: str, sources, locate) -> None:
         raise ConfigError(f"{run_shown}: output_dir: expected a directory (or a path to create), "
                           f"but {_display(out)} is a file{locate(['output_dir'])[2]}")
     for i, job in enumerate(cfg.jobs):
-        p = Path(job.dataset.path)
-        if not p.is_file():
-            file, inner, note = locate(["jobs", i, "dataset", "path"])
-            raise ConfigError(f"{file}: {_loc(inner)}: dataset file "
-                              f"{'not found' if not p.exists() else 'is not a file'}: {_display(p)}{note}")
+        for key, ds in (("dataset", job.dataset), ("eval_dataset", job.eval_dataset)):
+            if ds is not None and not (p := Path(ds.path)).is_file():
+                file, inner, note = locate(["jobs", i, key, "path"])
+                raise ConfigError(f"{file}: {_loc(inner)}: dataset file "
+                                  f"{'not found' if not p.exists() else 'is not a file'}: {_display(p)}{note}")
 
 
 def load_job_config(path: str | os.PathLike, overrides: Sequence[str] = (), *,
@@ -444,6 +441,7 @@ def load_job_config(path: str | os.PathLike, overrides: Sequence[str] = (), *,
         job = JobConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(_format_errors(e, lambda loc: (shown, loc, ""))) from None
-    if check_files and not Path(job.dataset.path).is_file():
-        raise ConfigError(f"{shown}: dataset.path: dataset file not found: {_display(Path(job.dataset.path))}")
+    for key, ds in (("dataset", job.dataset), ("eval_dataset", job.eval_dataset)):
+        if check_files and ds is not None and not Path(ds.path).is_file():
+            raise ConfigError(f"{shown}: {key}.path: dataset file not found: {_display(Path(ds.path))}")
     return job

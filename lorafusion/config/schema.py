@@ -179,6 +179,12 @@ class JobConfig(_Strict):
     # steps in a row whose loss or gradient norm is not finite (each one skipped) before the job is paused as
     # diverged
     max_nonfinite_steps: int = Field(3, ge=1)
+    # evaluation (runtime/evaluate.py): a held-out set — its own file, or a share of the training file drawn
+    # by the run seed and removed from training — scored every eval_every steps and at the job's end
+    eval_dataset: DatasetConfig | None = None
+    eval_split: float | None = Field(None, gt=0, lt=1)
+    eval_every: int | None = Field(None, ge=1)
+    early_stopping_patience: int | None = Field(None, ge=1)  # evaluations without a better best eval loss
 
     @field_validator("name")
     @classmethod
@@ -189,7 +195,18 @@ class JobConfig(_Strict):
     def _stop_rule(self):
         if self.max_steps is None and self.num_epochs is None:
             raise ValueError("max_steps: expected max_steps or num_epochs (at least one), got neither")
+        if self.eval_dataset is not None and self.eval_split is not None:
+            raise ValueError("eval_split: expected eval_dataset (a file) or eval_split (a share of the training "
+                             "file), not both")
+        if self.eval_every is not None and not self.has_eval:
+            raise ValueError("eval_every: needs an eval set (eval_dataset or eval_split)")
+        if self.early_stopping_patience is not None and self.eval_every is None:
+            raise ValueError("early_stopping_patience: needs eval_every (and an eval set) to count evaluations")
         return self
+
+    @property
+    def has_eval(self) -> bool:
+        return self.eval_dataset is not None or self.eval_split is not None
 
 
 class LoggingConfig(_Strict):
@@ -248,7 +265,7 @@ class RunConfig(_Strict):
         cap = self.scheduler.token_capacity
         if cap != "auto":
             for i, job in enumerate(self.jobs):
-                if job.dataset.max_seq_len > cap:
+                if job.dataset.max_seq_len > cap:  # (an eval sample over the capacity is evaluated alone)
                     raise ValueError(
                         f"jobs.{i}.dataset.max_seq_len: expected at most scheduler.token_capacity ({cap}) "
                         f"so every sample fits one microbatch, got {job.dataset.max_seq_len}")

@@ -91,11 +91,12 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
-def read_rows(job: JobConfig) -> Any:
-    """The job's file as a ``datasets.Dataset`` (errors name the job and the file)."""
-    ds_cfg = job.dataset
+def read_rows(job: JobConfig, section: str = "dataset") -> Any:
+    """The job's file (``job.<section>``: ``dataset`` or ``eval_dataset``) as a ``datasets.Dataset`` (errors name
+    the job and the file)."""
+    ds_cfg = getattr(job, section)
     path = Path(ds_cfg.path)
-    where = f"job {job.name!r}: dataset {path}"
+    where = f"job {job.name!r}: {section} {path}"
     if not path.exists():
         raise DataError(f"{where}: file not found")
     if not path.is_file():
@@ -198,11 +199,12 @@ def build_sample(prompt_ids: list[int], response_ids: list[int], tokenizer, mask
     return ids, (len(head) + len(prompt_ids) if mask_prompt else 0)
 
 
-def load_job_samples(job: JobConfig, tokenizer) -> JobData:
-    """Read and tokenize ``job.dataset``; one :class:`DataError` (job, file, row) on any problem."""
-    cfg = job.dataset
-    ds = read_rows(job)
-    where = f"job {job.name!r}: dataset {cfg.path}"
+def load_job_samples(job: JobConfig, tokenizer, section: str = "dataset") -> JobData:
+    """Read and tokenize ``job.dataset`` (or ``job.eval_dataset``: ``section``); one :class:`DataError` (job,
+    file, row) on any problem."""
+    cfg = getattr(job, section)
+    ds = read_rows(job, section)
+    where = f"job {job.name!r}: {section} {cfg.path}"
     columns = list(ds.column_names)
     needed = {"prompt_response": [cfg.prompt_field, cfg.response_field], "chat": [cfg.messages_field],
               "text": [cfg.text_field]}[cfg.format]
@@ -210,7 +212,7 @@ def load_job_samples(job: JobConfig, tokenizer) -> JobData:
         if f not in columns:
             key = {cfg.prompt_field: "prompt_field", cfg.response_field: "response_field",
                    cfg.messages_field: "messages_field", cfg.text_field: "text_field"}[f]
-            raise DataError(f"{where}: no field {f!r} in the rows (format {cfg.format}, dataset.{key}); "
+            raise DataError(f"{where}: no field {f!r} in the rows (format {cfg.format}, {section}.{key}); "
                             f"the rows have {columns}")
     cols = {f: ds[f] for f in needed}
     samples: list[tuple[list[int], int]] = []
@@ -245,13 +247,13 @@ def load_job_samples(job: JobConfig, tokenizer) -> JobData:
         if len(ids) > cfg.max_seq_len:
             if not cfg.truncate:
                 raise DataError(f"{where}: sample {i} (row {i}) is {len(ids)} tokens, longer than "
-                                f"dataset.max_seq_len = {cfg.max_seq_len}; raise max_seq_len or set "
-                                f"dataset.truncate: true")
+                                f"{section}.max_seq_len = {cfg.max_seq_len}; raise max_seq_len or set "
+                                f"{section}.truncate: true")
             ids = ids[:cfg.max_seq_len]
             truncated += 1
             if plen >= len(ids):
                 raise DataError(f"{where}: sample {i} (row {i}): its prompt ({plen} tokens) fills "
-                                f"dataset.max_seq_len = {cfg.max_seq_len}; no response tokens are left "
+                                f"{section}.max_seq_len = {cfg.max_seq_len}; no response tokens are left "
                                 f"after truncation")
         samples.append((ids, plen))
     return JobData(job_name=job.name, path=cfg.path, samples=samples, num_truncated=truncated)

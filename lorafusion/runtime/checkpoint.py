@@ -3,7 +3,8 @@
 Layout: ``OUTPUT_DIR/checkpoints/<job>/step_<NNNNNN>/`` with
 ``adapter/`` (PEFT export of the adapter at that step), ``rank_tp<T>_pp<P>.pt`` (this model-parallel
 rank's adapter tensors, optimizer and lr-scheduler state) and ``state.json`` (step, data position,
-seed, parallel layout). ``OUTPUT_DIR/checkpoints/<job>/latest`` names the newest complete one.
+seed, parallel layout). ``OUTPUT_DIR/checkpoints/<job>/latest`` names the newest complete one, ``best`` (jobs
+with an eval set) the one of the best eval loss so far; pruning never removes either.
 """
 
 from __future__ import annotations
@@ -84,14 +85,30 @@ def save_job_checkpoint(job_dir: Path, step: int, *, adapter_params: dict[str, t
 
 
 def prune_checkpoints(job_dir: Path, keep_last: int) -> None:
-    """Remove all but the newest ``keep_last`` complete ``step_*`` directories (never the one ``latest`` names)."""
+    """Remove all but the newest ``keep_last`` complete ``step_*`` directories (never the ones ``latest`` and
+    ``best`` name)."""
     job_dir = Path(job_dir)
-    pointer = job_dir / "latest"
-    current = pointer.read_text().strip() if pointer.is_file() else None
+    kept = {(job_dir / n).read_text().strip() for n in ("latest", "best") if (job_dir / n).is_file()}
     steps = sorted(p for p in job_dir.glob("step_*") if p.is_dir() and (p / "state.json").is_file())
     for p in steps[:-keep_last]:
-        if p.name != current:
+        if p.name not in kept:
             shutil.rmtree(p, ignore_errors=True)
+
+
+def mark_best(job_dir: Path, step: int) -> None:
+    """Name checkpoint ``step_<step>`` (complete) as the job's best-eval checkpoint (``job_dir/best``)."""
+    write_text_atomic(Path(job_dir) / "best", f"step_{step:06d}\n")
+
+
+def best_checkpoint(job_dir: Path) -> Path | None:
+    """The checkpoint ``job_dir/best`` names (None when the job has none)."""
+    pointer = Path(job_dir) / "best"
+    if not pointer.is_file():
+        return None
+    path = Path(job_dir) / pointer.read_text().strip()
+    if not (path / "state.json").is_file():
+        raise MissingFileError(f"{pointer}: names {path.name}, which is not a complete checkpoint")
+    return path
 
 
 def latest_checkpoint(job_dir: Path) -> Path | None:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from lorafusion.config.schema import JobConfig, RunConfig
 from lorafusion.data import JobStream, build_tokenizer, load_job_samples
+from lorafusion.data.evalset import split_job_samples
 from lorafusion.data.packing import PackedBatch, loss_token_count, noop_microbatch, pack_microbatch
 from lorafusion.scheduler import JobSpec, Microbatch, Plan, SchedulerConfig, plan, verify_plan
 
@@ -51,16 +52,36 @@ class JobState:
     last_loss: float | None = None  # of the last finite step
     first_loss: float | None = None
     status: str = "running"  # running | queued (submitted, waiting for room) | cancelling (no more batches; ends
-    # once its planned ones ran) | cancelled | diverged (paused: no more batches, no more updates)
+    # once its planned ones ran) | cancelled | diverged (paused: no more batches, no more updates) | early_stopped
     nonfinite: int = 0  # non-finite (skipped) steps in a row
+    # evaluation (runtime/evaluate.py); status early_stopped: no more batches, no more updates
+    eval_samples: list[tuple[list[int], int]] | None = None  # None: the job has no eval set
+    last_eval: float | None = None
+    best_eval: float | None = None
+    best_step: int | None = None
+    evals_since_best: int = 0
+
+    @property
+    def halted(self) -> bool:
+        """Paused for good (diverged or early-stopped): batches planned before still run, changing nothing."""
+        return self.status in ("diverged", "early_stopped")
+
+    @property
+    def final_status(self) -> str:
+        """The job's status in the run's summary: done | stopped (not finished) | diverged | early_stopped |
+        cancelled | queued."""
+        if self.status in ("diverged", "early_stopped", "cancelled", "queued"):
+            return self.status
+        return "done" if self.steps >= self.stream.total_steps else "stopped"
 
 
 def job_state(job: JobConfig, tokenizer, seed: int) -> JobState:
-    """A job's samples and data stream (its optimizer comes with its adapter, on the model)."""
-    data = load_job_samples(job, tokenizer)
-    stream = JobStream(job.name, len(data.samples), job.global_batch_size, seed,
+    """A job's samples (without its held-out eval share), eval samples and data stream (its optimizer comes
+    with its adapter, on the model)."""
+    samples, eval_samples = split_job_samples(job, load_job_samples(job, tokenizer).samples, tokenizer, seed)
+    stream = JobStream(job.name, len(samples), job.global_batch_size, seed,
                        max_steps=job.max_steps, num_epochs=job.num_epochs)
-    return JobState(job, data.samples, stream)
+    return JobState(job, samples, stream, eval_samples=eval_samples)
 
 
 def load_jobs(cfg: RunConfig):

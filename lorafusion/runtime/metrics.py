@@ -1,4 +1,5 @@
-"""Per-adapter metrics: ``metrics.jsonl`` (one object per optimizer step), tensorboard scalars, live progress."""
+"""Per-adapter metrics: ``metrics.jsonl`` (one object per optimizer step, one ``eval_loss`` object per
+evaluation), tensorboard scalars, live progress."""
 
 from __future__ import annotations
 
@@ -60,6 +61,13 @@ class MetricsWriter:
                 if record.get(key) is not None:
                     self._tb.add_scalar(f"run/{key}", record[key], self._rows)
         self._rows += 1
+
+    def log_eval(self, record: dict) -> None:
+        """record: {"job", "step", "eval_loss", "eval_tokens", "best_eval_loss", "best_step"} (an ``eval_loss``
+        row; step rows have ``loss`` instead); tensorboard scalar ``<job>/eval_loss``."""
+        self._f.write(json.dumps({k: _finite_or_none(v) for k, v in record.items()}, allow_nan=False) + "\n")
+        if self._tb is not None and record.get("eval_loss") is not None and math.isfinite(record["eval_loss"]):
+            self._tb.add_scalar(f"{record['job']}/eval_loss", record["eval_loss"], record["step"])
 
     def close(self) -> None:
         self._f.close()

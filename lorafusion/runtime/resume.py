@@ -27,14 +27,16 @@ class JobCheckpoints:
     def chunk_done(self, chunk) -> None:
         """Note the stream states at the end of ``chunk`` (a feed ``Chunk``) of the jobs still training."""
         self._stream_states.update({n: s for n, s in chunk.stream_states.items()
-                                    if self.jobs[n].status != "diverged"})
+                                    if not self.jobs[n].halted})
 
     def save_due(self, chunk) -> None:
-        """Checkpoint every job of ``chunk`` whose ``save_every`` divides a step the chunk took."""
+        """Checkpoint every job of ``chunk`` whose ``save_every`` divides a step the chunk took (unless it was
+        saved at its current step already: a best-eval checkpoint)."""
         for name, batches in chunk.batches.items():
             js = self.jobs[name]
             every = js.cfg.save_every
-            if every and js.status != "diverged" and any(s % every == 0 for s in range(js.steps - len(batches) + 1, js.steps + 1)):
+            took = range(js.steps - len(batches) + 1, js.steps + 1)
+            if every and not js.halted and self._saved_step.get(name) != js.steps and any(s % every == 0 for s in took):
                 self.save(name, chunk.stream_states[name])
 
     def save_all(self, *, only_default_policy: bool) -> None:
@@ -61,7 +63,8 @@ class JobCheckpoints:
         js = self.jobs[name]
         state = {"job": name, "step": js.steps, "tokens": js.tokens, "stream": stream_state,
                  "first_loss": js.first_loss, "last_loss": js.last_loss, "status": js.status,
-                 "nonfinite": js.nonfinite,
+                 "nonfinite": js.nonfinite, "eval": {"last": js.last_eval, "best": js.best_eval,
+                                                     "best_step": js.best_step, "since_best": js.evals_since_best},
                  "seed": self.cfg.seed, "layout": self.cfg.parallelism.model_dump(),
                  "settings": self._settings(name)}
         save_job_checkpoint(self.root / name, js.steps,
@@ -69,6 +72,16 @@ class JobCheckpoints:
                             optimizer_state=js.optimizer.state_dict(), state=state,
                             write_adapter=lambda d: self.export(name, d), keep_last=self.cfg.checkpoint.keep_last)
         self._saved_step[name] = js.steps
+
+    def save_best(self, name: str) -> None:
+        """Checkpoint job ``name`` at its current step (unless saved at it already) and mark that checkpoint
+        as its best-eval one: ``checkpoints/<job>/best`` names it and pruning keeps it."""
+        from lorafusion.runtime.checkpoint import mark_best
+
+        if self._saved_step.get(name) != self.jobs[name].steps:
+            self.save_now(name)
+        if self.is_logger:
+            mark_best(self.root / name, self.jobs[name].steps)
 
     def _settings(self, name: str) -> dict:
         """What a resume must find unchanged for job ``name`` (flat dotted keys as in the YAML): everything that
@@ -78,7 +91,8 @@ class JobCheckpoints:
             cfg, job = self.cfg, self.jobs[name].cfg
             ds = job.dataset.model_dump(exclude={"path"})
             ds["sha256"] = file_sha256(Path(job.dataset.path))
-            tree = {"lora": job.lora.model_dump(mode="json"), "optimizer": job.optimizer.model_dump(mode="json"),
+            tree = {"eval_split": job.eval_split,  # the held-out share changes the training samples
+                    "lora": job.lora.model_dump(mode="json"), "optimizer": job.optimizer.model_dump(mode="json"),
                     "global_batch_size": job.global_batch_size, "dataset": ds}
             flat = _flatten(tree)
             # (paths by name only: a run directory that moved with its data still resumes)
@@ -137,7 +151,10 @@ class JobCheckpoints:
             js.steps, js.tokens = state["step"], state.get("tokens", 0)
             js.first_loss, js.last_loss = state.get("first_loss"), state.get("last_loss")
             js.status, js.nonfinite = state.get("status", "running"), state.get("nonfinite", 0)
-            js.optimizer.paused = js.status == "diverged"
+            js.optimizer.paused = js.halted
+            ev = state.get("eval") or {}
+            js.last_eval, js.best_eval, js.best_step = ev.get("last"), ev.get("best"), ev.get("best_step")
+            js.evals_since_best = ev.get("since_best", 0)
             self._saved_step[name] = js.steps
             self._stream_states[name] = state["stream"]
 

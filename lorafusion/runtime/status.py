@@ -1,7 +1,9 @@
 """``OUTPUT_DIR/status.json``: where every job of a run stands, rewritten (atomically) by global rank 0 at each
 chunk boundary and at the end; ``lorafusion status RUN_DIR [--json]`` reads it.
 
-Per job: ``state`` (queued | running | cancelling | done | cancelled | stopped | diverged), ``step`` / ``max_steps``, ``tokens``, ``last_loss``,
+Per job: ``state`` (queued | running | cancelling | done | cancelled | stopped | diverged |
+early_stopped), ``step`` / ``max_steps``, ``tokens``, ``last_loss``, (jobs with an eval set) ``eval_loss``,
+``best_eval_loss``, ``best_step``,
 ``tokens_per_s`` (this session's tokens of the job over the session's wall time) and ``eta_s`` (its remaining
 steps at its rate this session). The run: ``state`` (starting | running | serving | done | stopped), ``elapsed_s``, ``tokens_per_s``,
 ``updated`` (UTC). A run whose status says running but whose output-dir lock nobody holds has ended without
@@ -53,13 +55,20 @@ class StatusWriter:
                 0.0 if state == "done" else None)
             rows[n] = {"state": state, "step": js.steps, "max_steps": total, "tokens": js.tokens,
                        "last_loss": js.last_loss, "tokens_per_s": round(done_tokens / job_elapsed, 1),
-                       "eta_s": None if eta is None else round(eta, 1)}
+                       "eta_s": None if eta is None else round(eta, 1), **eval_fields(js)}
         status = {"run": {"state": run_state, "elapsed_s": round(elapsed, 3),
                           "tokens_per_s": round(session_tokens / elapsed, 1),
                           "updated": datetime.now(timezone.utc).isoformat(timespec="seconds")},
                   "jobs": rows}
         write_text_atomic(self.path, json.dumps(status, indent=2) + "\n")
         return status
+
+
+def eval_fields(js) -> dict:
+    """A job with an eval set: its last and best eval loss and the best's step."""
+    if getattr(js, "eval_samples", None) is None:
+        return {}
+    return {"eval_loss": js.last_eval, "best_eval_loss": js.best_eval, "best_step": js.best_step}
 
 
 def _lock_held(run_dir: Path) -> bool:

@@ -55,6 +55,7 @@ class Trainer:
 
         from lorafusion.core.arch import preset
         from lorafusion.layers import get_lora_context
+        from lorafusion.runtime.evaluate import Evaluator
         from lorafusion.models.provider import build_model
         from lorafusion.runtime.dist import init_distributed
         from lorafusion.runtime.resume import JobCheckpoints
@@ -92,6 +93,7 @@ class Trainer:
         for name, js in self.jobs.items():
             self._attach(js)
         self.checkpoints = JobCheckpoints(cfg, self.jobs, self.model, self.export, is_logger=self.is_logger)
+        self.evaluator = Evaluator(self.model, self.jobs, self.checkpoints, self.device, self.tokenizer.eos_id)
         if self.resume:  # jobs added by `lorafusion submit` are not in the YAML: they come back from the run dir
             from lorafusion.runtime.live import submitted_jobs
 
@@ -195,7 +197,7 @@ class Trainer:
                 for st in sorted(res["steps"], key=lambda r: (r["key"][1], order.index(r["key"][0]))):
                     name = st["key"][0]
                     js = self.jobs[name]
-                    if js.status == "diverged":  # paused in an earlier chunk; this one was planned before that
+                    if js.halted:  # diverged/early-stopped in an earlier chunk; this one was planned before that
                         continue
                     js.steps += 1
                     js.tokens += st["tokens"]
@@ -223,6 +225,7 @@ class Trainer:
                                          f"{js.nonfinite} in a row, paused at {js.cfg.max_nonfinite_steps}")
                     if js.nonfinite >= js.cfg.max_nonfinite_steps:
                         self._pause_diverged(name, progress)
+                self.evaluator.after_chunk(chunk, metrics, progress)  # eval_loss rows, best checkpoint, early stop
                 self.checkpoints.save_due(chunk)
                 live.poll()  # lorafusion submit / cancel (collective)
                 if status is not None:
@@ -240,7 +243,7 @@ class Trainer:
             if stopped is None:
                 self.checkpoints.save_all(only_default_policy=True)  # the end of the run: every job's final state
             for name, js in self.jobs.items():
-                if js.status != "cancelled" and (js.steps >= js.stream.total_steps or js.status == "diverged"):
+                if js.status != "cancelled" and (js.steps >= js.stream.total_steps or js.halted):
                     self.export(name, self.out / "adapters" / name)
         finally:
             if progress is not None:
@@ -256,20 +259,15 @@ class Trainer:
             "noop_microbatches": noops, "bubble_ratio": (sum(bubbles) / len(bubbles)) if bubbles else None,
             "parallelism": cfg.parallelism.model_dump(), "kernels": ops.resolve_impl(
                 torch.empty(0, device=self.device or "cpu"), None if cfg.kernels == "auto" else cfg.kernels),
-            "jobs": {n: {"status": self._job_status(js),
+            "jobs": {n: {"status": js.final_status,
                          "steps": js.steps, "total_steps": js.stream.total_steps, "tokens": js.tokens,
-                         "final_loss": js.last_loss, "first_loss": js.first_loss} for n, js in self.jobs.items()},
+                         "final_loss": js.last_loss, "first_loss": js.first_loss, **self.evaluator.summary(js)}
+                     for n, js in self.jobs.items()},
         }
         if self.is_logger:
             write_text_atomic(self.out / "summary.json", json.dumps(summary, indent=2) + "\n")
             status.write(summary["status"], {n: j["status"] for n, j in summary["jobs"].items()})
         return summary
-
-    @staticmethod
-    def _job_status(js) -> str:
-        if js.status in ("diverged", "cancelled", "queued"):
-            return js.status
-        return "done" if js.steps >= js.stream.total_steps else "stopped"
 
     # ------------------------------------------------------------------------------- export / checkpoint
     def export(self, name: str, out_dir: Path) -> None:
