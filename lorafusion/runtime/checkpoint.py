@@ -100,25 +100,25 @@ def mark_best(job_dir: Path, step: int) -> None:
     write_text_atomic(Path(job_dir) / "best", f"step_{step:06d}\n")
 
 
-def best_checkpoint(job_dir: Path) -> Path | None:
-    """The checkpoint ``job_dir/best`` names (None when the job has none)."""
-    pointer = Path(job_dir) / "best"
+def _named_checkpoint(job_dir: Path, pointer_name: str) -> Path | None:
+    """The checkpoint the pointer file ``job_dir/<pointer_name>`` names (None without the pointer)."""
+    pointer = Path(job_dir) / pointer_name
     if not pointer.is_file():
         return None
     path = Path(job_dir) / pointer.read_text().strip()
     if not (path / "state.json").is_file():
         raise MissingFileError(f"{pointer}: names {path.name}, which is not a complete checkpoint")
     return path
+
+
+def best_checkpoint(job_dir: Path) -> Path | None:
+    """The checkpoint ``job_dir/best`` names (None when the job has none)."""
+    return _named_checkpoint(job_dir, "best")
 
 
 def latest_checkpoint(job_dir: Path) -> Path | None:
-    pointer = Path(job_dir) / "latest"
-    if not pointer.is_file():
-        return None
-    path = Path(job_dir) / pointer.read_text().strip()
-    if not (path / "state.json").is_file():
-        raise MissingFileError(f"{pointer}: names {path.name}, which is not a complete checkpoint")
-    return path
+    """The checkpoint ``job_dir/latest`` names (None when the job has none)."""
+    return _named_checkpoint(job_dir, "latest")
 
 
 def load_newest_usable(job_dir: Path) -> tuple[Path | None, dict | None, dict | None, list[tuple[Path, str]]]:
