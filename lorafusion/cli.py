@@ -100,12 +100,11 @@ def cmd_plan(args) -> int:
 def cmd_submit(args) -> int:
     """Validate the job now (one clear error, the run untouched), then queue it for the run."""
     from lorafusion.config.load import load_job_config
-    from lorafusion.runtime.requests import check_submission, require_run_dir, write_request
+    from lorafusion.runtime.requests import check_submission, write_request
 
     job = load_job_config(args.job, args.overrides, check_files=True)
     run = Path(args.run_dir)
-    require_run_dir(run)
-    check_submission(run, job.name)
+    check_submission(run, job.name)  # (write_request refuses a directory that is not a run's)
     write_request(run, "submit", {"name": job.name, "job": job.model_dump(mode="json")})
     print(f"submitted job {job.name!r} to {run}: it joins at the next chunk boundary "
           f"(a stopped run takes it when resumed); watch it with: lorafusion status {run}")

@@ -9,11 +9,11 @@ to ``requests/done/`` (with the run's answer) once applied; every rank receives 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 from lorafusion.core.errors import ConfigError, MissingFileError
+from lorafusion.runtime.checkpoint import write_text_atomic
 
 REQUESTS = "requests"
 
@@ -34,27 +34,37 @@ def write_request(run_dir: Path, kind: str, payload: dict) -> Path:
     d.mkdir(exist_ok=True)
     stamp = f"{time.time_ns():020d}"
     path = d / f"{stamp}-{kind}-{payload.get('name', payload.get('job', ''))}.json"
-    tmp = d / f".{path.name}.tmp"
-    tmp.write_text(json.dumps({"kind": kind, **payload}, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps({"kind": kind, **payload}, indent=2) + "\n")
     return path
+
+
+def _listed(run_dir: Path) -> list[tuple[Path, dict | Exception]]:
+    """Every request file in arrival order, with its request or why it cannot be read."""
+    d = Path(run_dir) / REQUESTS
+    out: list[tuple[Path, dict | Exception]] = []
+    for path in sorted(p for p in d.glob("*.json") if not p.name.startswith(".")) if d.is_dir() else []:
+        try:
+            text = path.read_text()
+        except FileNotFoundError:  # taken by the run while the CLI was looking
+            continue
+        try:
+            req = json.loads(text)
+            if not isinstance(req, dict) or req.get("kind") not in ("submit", "cancel"):
+                raise ValueError(f"unknown kind {req.get('kind') if isinstance(req, dict) else req!r}")
+            out.append((path, req))
+        except (ValueError, UnicodeDecodeError) as e:
+            out.append((path, e))
+    return out
 
 
 def pending_requests(run_dir: Path) -> list[tuple[Path, dict]]:
     """The queued requests in arrival order (unreadable files are answered with an error and set aside)."""
-    d = Path(run_dir) / REQUESTS
-    if not d.is_dir():
-        return []
     out = []
-    for path in sorted(p for p in d.glob("*.json") if not p.name.startswith(".")):
-        try:
-            req = json.loads(path.read_text())
-            if req.get("kind") not in ("submit", "cancel"):
-                raise ValueError(f"unknown kind {req.get('kind')!r}")
-        except (ValueError, UnicodeDecodeError) as e:
-            answer_request(path, {"kind": "?"}, f"refused: unreadable request ({e})")
-            continue
-        out.append((path, req))
+    for path, req in _listed(run_dir):
+        if isinstance(req, Exception):
+            answer_request(path, {"kind": "?"}, f"refused: unreadable request ({req})")
+        else:
+            out.append((path, req))
     return out
 
 
@@ -62,9 +72,7 @@ def answer_request(path: Path, req: dict, answer: str) -> None:
     """Move a taken request to ``requests/done/`` with the run's answer."""
     done = path.parent / "done"
     done.mkdir(exist_ok=True)
-    tmp = done / f".{path.name}.tmp"
-    tmp.write_text(json.dumps({**req, "answer": answer}, indent=2) + "\n")
-    os.replace(tmp, done / path.name)
+    write_text_atomic(done / path.name, json.dumps({**req, "answer": answer}, indent=2) + "\n")
     path.unlink(missing_ok=True)
 
 
@@ -77,20 +85,9 @@ def known_job_names(run_dir: Path) -> set[str]:
             names |= set(json.loads(status.read_text()).get("jobs", {}))
         except (ValueError, UnicodeDecodeError):
             pass
-    names |= {r.get("name") for _, r in pending_requests_peek(run_dir) if r.get("kind") == "submit"}
+    # (the CLI only looks: the run takes the requests and answers unreadable ones)
+    names |= {r.get("name") for _, r in _listed(run_dir) if isinstance(r, dict) and r["kind"] == "submit"}
     return names
-
-
-def pending_requests_peek(run_dir: Path) -> list[tuple[Path, dict]]:
-    """Like :func:`pending_requests` but never moves a file (for the CLI, which is not the run)."""
-    d = Path(run_dir) / REQUESTS
-    out = []
-    for path in sorted(d.glob("*.json")) if d.is_dir() else []:
-        try:
-            out.append((path, json.loads(path.read_text())))
-        except (ValueError, UnicodeDecodeError, OSError):
-            continue
-    return out
 
 
 def check_submission(run_dir: Path, job_name: str) -> None:
