@@ -70,6 +70,22 @@ class OutputDirLock:
             self._file = None
 
 
+def lock_held(out: Path) -> bool:
+    """Whether a process (a ``lorafusion train``) holds ``out``'s lock now (a probe: taken and released at once)."""
+    import fcntl
+
+    path = Path(out) / ".lock"
+    if not path.is_file():
+        return False
+    with path.open("a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return False
+
+
 def remove_partial_outputs(out: Path) -> None:
     """Remove temporary files a failed run left behind (never complete checkpoints or exports)."""
     if not out.exists():

@@ -12,13 +12,13 @@ writing its end (killed): the reader reports it as ``stopped``.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 from lorafusion.core.errors import MissingFileError
+from lorafusion.runtime.outdir import lock_held
 
 STATUS_FILE = "status.json"
 
@@ -71,20 +71,6 @@ def eval_fields(js) -> dict:
     return {"eval_loss": js.last_eval, "best_eval_loss": js.best_eval, "best_step": js.best_step}
 
 
-def _lock_held(run_dir: Path) -> bool:
-    """Whether a ``lorafusion train`` process holds ``RUN_DIR/.lock`` now."""
-    path = run_dir / ".lock"
-    if not path.is_file():
-        return False
-    with path.open("a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(f, fcntl.LOCK_UN)
-        return False
-
-
 def read_status(run_dir: Path) -> dict:
     """The status of the run in ``run_dir`` (see the module doc); one clear error if there is none."""
     run_dir = Path(run_dir)
@@ -99,7 +85,7 @@ def read_status(run_dir: Path) -> dict:
         status["run"], status["jobs"]  # noqa: B018 - the two keys every reader needs
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise MissingFileError(f"{path}: not a readable run status ({e})") from None
-    if status["run"].get("state") in ("starting", "running", "serving") and not _lock_held(run_dir):
+    if status["run"].get("state") in ("starting", "running", "serving") and not lock_held(run_dir):
         status["run"]["state"] = "stopped"  # killed: nobody holds the lock and the end was never written
         status["run"]["note"] = "no process holds the run's lock: it ended without writing its end (killed?)"
         for row in status["jobs"].values():
