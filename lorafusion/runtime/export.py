@@ -278,3 +278,63 @@ def import_peft_adapter(model, name: str, path: str | Path, arch: ModelArch | No
 
 __all__ = ["adapter_peft_state", "export_peft_adapter", "fill_dir_atomically", "import_peft_adapter",
            "read_peft_adapter", "peft_adapter_config", "write_dir_atomically", "resolve_target_modules"]
+
+
+def run_jobs(src: Path) -> list[str]:
+    """The jobs a run directory knows of (its adapters, checkpoints and summary)."""
+    names = {p.name for d in ("adapters", "checkpoints") if (src / d).is_dir() for p in (src / d).iterdir()
+             if p.is_dir() and not p.name.startswith(".")}
+    try:
+        names |= set(json.loads((src / "summary.json").read_text()).get("jobs", {}))
+    except (OSError, json.JSONDecodeError, AttributeError):
+        pass
+    return sorted(names)
+
+
+def find_adapter(src: Path, job: str, best: bool = False) -> tuple[Path, str]:
+    """(PEFT adapter directory, what it is) of ``job`` in a run directory or one checkpoint step directory;
+    ``best``: its best-eval checkpoint's (a run directory only)."""
+    from lorafusion.runtime.checkpoint import best_checkpoint, latest_checkpoint, read_state
+
+    if not src.is_dir():
+        raise MissingFileError(f"{src}: no checkpoint or adapter of job {job!r}: no such directory (expected a run "
+                               f"output_dir or a checkpoints/<job>/step_N directory)")
+    if best:
+        if (src / "state.json").is_file():
+            raise ConfigError(f"{src}: --best takes a run output_dir, not one checkpoint directory")
+        ckpt = best_checkpoint(src / "checkpoints" / job)
+        if ckpt is None:
+            known = run_jobs(src)
+            raise MissingFileError(f"{src}: no best-eval checkpoint of job {job!r} " + (
+                "(the job has no eval set — eval_dataset or eval_split — or was not evaluated yet)"
+                if job in known else f"(unknown job; the run's jobs: {', '.join(known) or 'none'})"))
+        state = json.loads((ckpt / "state.json").read_text())
+        return ckpt / "adapter", (f"best-eval checkpoint, step {state.get('step')} (eval loss "
+                                  f"{(state.get('eval') or {}).get('best')})")
+    final = src / "adapters" / job
+    status = None
+    if (src / "summary.json").is_file():
+        try:
+            status = json.loads((src / "summary.json").read_text()).get("jobs", {}).get(job, {}).get("status")
+        except (json.JSONDecodeError, AttributeError):
+            status = None
+    if (src / "adapter" / "adapter_config.json").is_file():  # one checkpoint step directory
+        state = read_state(src) if (src / "state.json").is_file() else {}
+        if state.get("job", job) != job:
+            raise ConfigError(f"{src}: is a checkpoint of job {state['job']!r}, not of --job {job!r}")
+        return src / "adapter", f"checkpoint at step {state.get('step', '?')}"
+    if (final / "adapter_config.json").is_file() and status in (None, "done", "diverged", "cancelled",
+                                                                 "early_stopped"):
+        return final, {"diverged": "last finite state (the job diverged)", "cancelled": "adapter at its cancellation",
+                       "early_stopped": "adapter at its early stop"}.get(status, "final adapter")
+    if (src / "checkpoints" / job).is_dir():
+        ckpt = latest_checkpoint(src / "checkpoints" / job)
+        if ckpt is None:
+            raise MissingFileError(f"{src / 'checkpoints' / job}: no complete checkpoint")
+        return ckpt / "adapter", (f"latest checkpoint, step {int(ckpt.name.split('_')[-1])} (the job has not "
+                                  f"finished)")
+    known = run_jobs(src)
+    if known:
+        raise ConfigError(f"{src}: unknown job {job!r}; the run's jobs: {', '.join(known)}")
+    raise MissingFileError(f"{src}: no checkpoint or adapter of job {job!r} (expected a run output_dir "
+                           f"or a checkpoints/<job>/step_N directory)")

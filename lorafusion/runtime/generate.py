@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from lorafusion.core.errors import ConfigError, MissingFileError
+from lorafusion.core.errors import ConfigError, MissingFileError, UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,6 +65,7 @@ def _latest_checkpoint_dir(job_dir: Path) -> Path | None:
 def load_run(run_dir: str | Path) -> RunInfo:
     """What :func:`build_run_model` and :func:`run_tokenizer` need, from a ``lorafusion train`` output directory."""
     from lorafusion.core.arch import PRESETS
+    from lorafusion.runtime.export import find_adapter
 
     run = Path(run_dir)
     if not run.is_dir():
@@ -73,20 +74,18 @@ def load_run(run_dir: str | Path) -> RunInfo:
     states: list[dict] = []
     names = {p.name for d in ("adapters", "checkpoints") if (run / d).is_dir() for p in (run / d).iterdir()
              if p.is_dir() and not p.name.startswith(".")}
-    summary = _read_json(run / "summary.json").get("jobs", {}) if (run / "summary.json").is_file() else {}
+    if (run / "summary.json").is_file():
+        _read_json(run / "summary.json")  # a garbled summary is one error here (find_adapter passes over it)
     for name in sorted(names):
         final = run / "adapters" / name
         ckpt = _latest_checkpoint_dir(run / "checkpoints" / name)
         if ckpt is not None and (ckpt / "state.json").is_file():
             states.append(_read_json(ckpt / "state.json"))
-        # as `lorafusion export` picks: the final adapter of a finished job, else its latest checkpoint
-        if (final / "adapter_config.json").is_file() and summary.get(name, {}).get("status") in (None, "done",
-                                                                                                  "diverged"):
-            adapters[name] = final
-        elif ckpt is not None and (ckpt / "adapter" / "adapter_config.json").is_file():
-            adapters[name] = ckpt / "adapter"
-        elif (final / "adapter_config.json").is_file():
-            adapters[name] = final
+        try:  # as `lorafusion export` picks: the final adapter of a job that ended, else its latest checkpoint
+            adapters[name] = find_adapter(run, name)[0]
+        except UserError:  # no usable checkpoint: its final adapter if it has one
+            if (final / "adapter_config.json").is_file():
+                adapters[name] = final
     if not adapters:
         raise MissingFileError(f"{run}: no adapter under adapters/ or checkpoints/ (expected the output_dir of "
                                f"lorafusion train)")

@@ -182,6 +182,14 @@ def test_run_record_and_adapter_choice(preset_run, tmp_path):
     assert (info.preset, info.seed, info.dtype, info.init_device) == ("tiny-llama", 99, "bfloat16", "cpu")
     assert info.adapters == {"alpha": run / "checkpoints" / "alpha" / "step_000003" / "adapter",
                              "beta": run / "adapters" / "beta"}
+    # every job that ended early decodes with the adapter it ended with, as export picks it (one rule for both)
+    from lorafusion.runtime.export import find_adapter
+
+    if not (run / "adapters" / "alpha").is_dir():  # the adapter it ended with (any adapter files serve here)
+        shutil.copytree(run / "adapters" / "beta", run / "adapters" / "alpha")
+    for status in ("early_stopped", "cancelled", "diverged"):
+        (run / "summary.json").write_text(json.dumps({"jobs": {"alpha": {"status": status}}}))
+        assert load_run(run).adapters["alpha"] == find_adapter(run, "alpha")[0] == run / "adapters" / "alpha"
 
 
 @pytest.mark.parametrize("case", ["unknown_job", "empty_prompt", "too_long", "missing_run", "malformed", "out_exists"])
