@@ -121,6 +121,9 @@ class SchedulerSection(_Strict):
 
     token_capacity: Annotated[int | Literal["auto"], BeforeValidator(_capacity)] = 4096
     milp_time_limit_s: float = Field(1.0, gt=0)
+    # "greedy" packs without the MILP: plans that do not depend on the machine's load (a time-limited
+    # MILP can stop at different points in two runs), at some cost in padding and balance
+    solver: Literal["auto", "cbc", "highs", "greedy"] = "auto"
     grouping: bool = True
     lookahead_batches: int = Field(2, ge=1)  # global batches of every job per planned chunk
 

@@ -8,14 +8,14 @@ import torch
 from runtime_utils import three_job_dicts, write_run
 
 
-def _feed(tmp_path, background: bool, out: str, overrides=("scheduler.milp_time_limit_s=30",)):
+def _feed(tmp_path, background: bool, out: str, overrides=("scheduler.solver=greedy",)):
     from lorafusion.config import load_run_config
     from lorafusion.runtime.feed import Feed, load_jobs, scheduler_config
 
     jobs = three_job_dicts(tmp_path)
     for j in jobs:
         j["max_steps"] = 5  # 5 steps in chunks of 2: the last chunk is short
-    # by default a time limit the tiny MILPs never reach, so planning is deterministic on a loaded machine
+    # by default plans that do not depend on time (greedy), so planning is deterministic on a loaded machine
     cfg = load_run_config(write_run(tmp_path, jobs, out=out), list(overrides))
     tokenizer, state = load_jobs(cfg)
     return Feed(state, scheduler_config(cfg), dp_rank=0, eos_id=tokenizer.eos_id, background=background)
