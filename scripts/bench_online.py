@@ -56,9 +56,11 @@ MEASURED = {
     "pp4": {"file": "docs/results/70b-pp4-4gpu.json", "device": "4x NVIDIA H200", "model": "LLaMA-3.1-70B shape",
             "sequential_tps": 4602.86, "together_tps": 6836.26},
 }
-SETTINGS = {
-    "pp1": SchedulerConfig(pipeline_depth=1, token_capacity=16384, lookahead_batches=2, solver="greedy"),
-    "pp4": SchedulerConfig(pipeline_depth=4, token_capacity=4096, lookahead_batches=8, solver="greedy"),
+SETTINGS = {  # "online" is shortest_first; online_together is reported beside it
+    "pp1": SchedulerConfig(pipeline_depth=1, token_capacity=16384, lookahead_batches=2, solver="greedy",
+                           policy="shortest_first"),
+    "pp4": SchedulerConfig(pipeline_depth=4, token_capacity=4096, lookahead_batches=8, solver="greedy",
+                           policy="shortest_first"),
 }
 
 
@@ -115,7 +117,7 @@ def run_setting(name: str, trace, cost: SimCost, rho_list: list[float], rho: flo
     mean_alone = float(np.mean(list(alone.values())))
     unit = trace.meta.get("rate_per_s", 1.0) if scale else None
     out = {"config": {"pipeline_depth": cfg.pipeline_depth, "token_capacity": cfg.token_capacity,
-                      "lookahead_batches": cfg.lookahead_batches, "solver": cfg.solver},
+                      "lookahead_batches": cfg.lookahead_batches, "solver": cfg.solver, "policy": cfg.policy},
            "alone_s": {k: round(v, 3) for k, v in alone.items()}, "mean_alone_s": mean_alone, "loads": []}
     loads = sorted(set(rho_list) | {rho}) if unit else [None]
     for r in loads:
@@ -124,7 +126,7 @@ def run_setting(name: str, trace, cost: SimCost, rho_list: list[float], rho: flo
         t0 = time.perf_counter()
         res = run_policies(specs, arrival, cfg, cost)
         s = {k: v.summary() for k, v in res.items()}
-        seq, on, st = s["sequential"], s["online"], s["static"]
+        seq, on, st, tog = s["sequential"], s["online"], s["static"], s["online_together"]
         row = {
             "rho": r, "arrival_rate_per_s": (r / mean_alone) if r else None,
             "arrivals_s": {k: round(v, 3) for k, v in arrival.items()},
@@ -135,16 +137,36 @@ def run_setting(name: str, trace, cost: SimCost, rho_list: list[float], rho: flo
             "p90_jct_speedup_vs_static": st["p90_jct_s"] / on["p90_jct_s"],
             "makespan_ratio": on["makespan_s"] / seq["makespan_s"],
             "makespan_ratio_vs_static": on["makespan_s"] / st["makespan_s"],
+            "together_mean_jct_speedup_vs_sequential": seq["mean_jct_s"] / tog["mean_jct_s"],
+            "together_p90_jct_speedup_vs_sequential": seq["p90_jct_s"] / tog["p90_jct_s"],
             "min_jct_over_alone": min(res["online"].jct[n] / alone[n] for n in alone),
         }
         row["target_met"] = row["mean_jct_speedup_vs_sequential"] >= 2.0 and row["mean_jct_speedup_vs_static"] > 1.0
         out["loads"].append(row)
         print(f"{name} rho={r}: " + "  ".join(
             f"{k}: mean {v['mean_jct_s']:.1f}s p90 {v['p90_jct_s']:.1f}s makespan {v['makespan_s']:.1f}s "
-            f"busy {v['gpu_busy_fraction']:.3f}" for k, v in s.items())
+            f"busy {v['gpu_busy_fraction']:.3f}" for k, v in s.items() if k != "online")
             + f"  | mean x{row['mean_jct_speedup_vs_sequential']:.2f} p90 x{row['p90_jct_speedup_vs_sequential']:.2f}"
               f" vs static x{row['mean_jct_speedup_vs_static']:.2f}", flush=True)
     out["headline"] = next(x for x in out["loads"] if x["rho"] in (rho, None))
+    return out
+
+
+def over_traces(args, costs: dict, head: dict) -> dict:
+    """The headline's speedups on more traces of the same generator (other seeds), at ``--rho``."""
+    seeds = [args.seed] + [int(x) for x in args.seeds.split(",") if x.strip()]
+    keys = ("mean_jct_speedup_vs_sequential", "p90_jct_speedup_vs_sequential", "mean_jct_speedup_vs_static",
+            "together_mean_jct_speedup_vs_sequential", "makespan_ratio")
+    out: dict = {"seeds": seeds, "rho": args.rho, "n_jobs": args.jobs}
+    for name in args.settings.split(","):
+        rows = [head[name]] + [run_setting(name, poisson_trace(args.jobs, s, rate_per_s=1.0), costs[name], [],
+                                           args.rho, scale=True)["headline"] for s in seeds[1:]]
+        per = {k: [r[k] for r in rows] for k in keys}
+        out[name] = {"per_seed": per,
+                     "median": {k: float(np.median(v)) for k, v in per.items()},
+                     "geomean": {k: float(np.exp(np.mean(np.log(v)))) for k, v in per.items()},
+                     "min": {k: float(min(v)) for k, v in per.items()},
+                     "traces_meeting_target": sum(r["target_met"] for r in rows)}
     return out
 
 
@@ -156,7 +178,9 @@ def chart(results: dict, path: Path, rho: float) -> None:
 
     names = list(results)
     fig, axes = plt.subplots(2, len(names), figsize=(6.5 * len(names), 8.5), squeeze=False)
-    colors = {"sequential": "tab:gray", "static": "tab:orange", "online": "tab:blue"}
+    colors = {"sequential": "tab:gray", "static": "tab:orange", "online_together": "tab:green",
+              "online": "tab:blue"}
+    label = {"online": "online, shortest first (ours)", "online_together": "online, every job each chunk"}
     for c, name in enumerate(names):
         res = results[name]
         h = res["headline"]
@@ -164,8 +188,8 @@ def chart(results: dict, path: Path, rho: float) -> None:
         x = np.arange(len(jobs))
         ax = axes[0][c]
         for k, pol in enumerate(colors):
-            ax.bar(x + (k - 1) * 0.27, [h["policies"][pol]["jct_s"][j] for j in jobs], 0.27,
-                   color=colors[pol], label=f"{pol} (mean {h['policies'][pol]['mean_jct_s']:.0f} s)")
+            ax.bar(x + (k - 1.5) * 0.2, [h["policies"][pol]["jct_s"][j] for j in jobs], 0.2,
+                   color=colors[pol], label=f"{label.get(pol, pol)} (mean {h['policies'][pol]['mean_jct_s']:.0f} s)")
         ax.scatter(x, [res["alone_s"][j] for j in jobs], marker="_", color="black", s=120, zorder=3, label="alone")
         ax.set_xticks(x, jobs, rotation=60, fontsize=7)
         ax.set_yscale("log")
@@ -178,7 +202,7 @@ def chart(results: dict, path: Path, rho: float) -> None:
         loads = [row for row in res["loads"] if row["rho"] is not None]
         for pol in colors:
             ax.plot([row["rho"] for row in loads], [row["policies"][pol]["mean_jct_s"] for row in loads], "o-",
-                    color=colors[pol], label=pol)
+                    color=colors[pol], label=label.get(pol, pol))
         ax.axvline(rho, color="black", linestyle=":", linewidth=0.8)
         ax.set_yscale("log")
         ax.set_xlabel("offered load rho (arrival rate x mean alone time)")
@@ -195,7 +219,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", help="replay this trace file as is (arrival times as written; no load scaling)")
     ap.add_argument("--jobs", type=int, default=12)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the headline trace (load sweep, chart, trace file)")
+    ap.add_argument("--seeds", default="1,2,3,4,5,6,7",
+                    help="more traces (same generator, other seeds) replayed at --rho only: the spread of the "
+                         "speedups over traces ('' for none)")
     ap.add_argument("--rho", type=float, default=0.8)
     ap.add_argument("--sweep", default="0.4,0.6,0.8,1.0,1.2", help="loads to run as well ('' for none)")
     ap.add_argument("--settings", default="pp1,pp4")
@@ -239,6 +266,7 @@ def main() -> None:
     for name in args.settings.split(","):
         results[name] = run_setting(name, trace, costs[name], sweep, args.rho, scale=not args.trace)
     head = {n: r["headline"] for n, r in results.items()}
+    over = over_traces(args, costs, head) if (args.seeds.strip() and not args.trace) else None
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     doc = {
@@ -258,6 +286,7 @@ def main() -> None:
         "target_met": {n: h["target_met"] for n, h in head.items()},
         "makespan_ratio_note": "online makespan / sequential makespan (< 1: online finishes the trace sooner)",
         "sensitivity_overrides": overrides,
+        "over_traces": over,
         "cost_fit": fit,
         "trace": trace_ref | {"jobs": trace_dict(trace)["jobs"]},
         "settings": results,

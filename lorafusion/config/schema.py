@@ -126,6 +126,10 @@ class SchedulerSection(_Strict):
     solver: Literal["auto", "cbc", "highs", "greedy"] = "auto"
     grouping: bool = True
     lookahead_batches: int = Field(2, ge=1)  # global batches of every job per planned chunk
+    # whose batches a chunk holds: every running job's ("together"), or the job with the least work left
+    # (priority first) with the others filling the pipeline's idle slots ("shortest_first": the lowest mean
+    # job completion time when jobs come and go; see lorafusion/scheduler/policy.py)
+    policy: Literal["together", "shortest_first"] = "together"
 
 
 class DatasetConfig(_Strict):

@@ -28,7 +28,7 @@ from lorafusion.config.schema import JobConfig, RunConfig
 from lorafusion.data import JobStream, build_tokenizer, load_job_samples
 from lorafusion.data.evalset import split_job_samples
 from lorafusion.data.packing import PackedBatch, loss_token_count, noop_microbatch, pack_microbatch
-from lorafusion.scheduler import JobSpec, Microbatch, Plan, SchedulerConfig, plan, verify_plan
+from lorafusion.scheduler import JobSpec, Microbatch, Plan, SchedulerConfig, plan, policy, resolve_capacity, verify_plan
 
 Key = tuple[str, int]  # (job name, global batch index)
 
@@ -60,6 +60,7 @@ class JobState:
     best_eval: float | None = None
     best_step: int | None = None
     evals_since_best: int = 0
+    mean_len: float | None = None  # mean sample length (scheduler.policy shortest_first)
 
     @property
     def halted(self) -> bool:
@@ -182,21 +183,55 @@ class Feed:
             self._ahead = None
 
     # ----------------------------------------------------------------------------------------- steps
-    def _draw(self) -> dict[str, list[tuple[int, list[Sample]]]]:
-        """The next ``lookahead_batches`` global batches of every unfinished job (advances the streams);
-        the one place samples are looked up by id."""
+    def _draw(self) -> tuple[dict[str, list[tuple[int, list[Sample]]]], set[str]]:
+        """The chunk's global batches (advances the streams) and which of its jobs only fill idle slots;
+        the one place samples are looked up by id. ``scheduler.policy`` "together": the next
+        ``lookahead_batches`` of every running job; "shortest_first": those of the first job in
+        :func:`policy.order`, and as fill as many of the others' as its idle slots take."""
         batches: dict[str, list[tuple[int, list[Sample]]]] = {}
-        for name, js in self.jobs.items():
-            if js.status != "running":
-                continue
-            for _ in range(self.sched.lookahead_batches):
-                index = js.stream.steps_done
-                ids = js.stream.next_global_batch()
-                if ids is None:
-                    break
-                batches.setdefault(name, []).append(
-                    (index, [Sample(i, *js.samples[i]) for i in ids]))
-        return batches
+
+        def draw(name: str) -> list[Sample] | None:
+            js = self.jobs[name]
+            index = js.stream.steps_done
+            ids = js.stream.next_global_batch()
+            if ids is None:
+                return None
+            samples = [Sample(i, *js.samples[i]) for i in ids]
+            batches.setdefault(name, []).append((index, samples))
+            return samples
+
+        running = [n for n, js in self.jobs.items() if js.status == "running" and not js.stream.finished]
+        if self.sched.policy == "together":
+            for name in running:
+                for _ in range(self.sched.lookahead_batches):
+                    if draw(name) is None:
+                        break
+            return batches, set()
+        order = policy.order([policy.JobWork(n, self.jobs[n].cfg.priority, self._remaining_tokens(n))
+                              for n in running])
+        if not order:
+            return batches, set()
+        for _ in range(self.sched.lookahead_batches):
+            if draw(order[0]) is None:
+                break
+        room = policy.idle_slots(self.sched.pipeline_depth, self.sched.dp_size, len(batches.get(order[0], ())))
+        capacity = self._capacity(batches)
+        policy.take_fill(order[1:], lambda n: (None if (got := draw(n)) is None else [len(s.tokens) for s in got]),
+                         capacity, room)
+        return batches, set(batches) - {order[0]}
+
+    def _remaining_tokens(self, name: str) -> int:
+        """Tokens a job has left to train: global batches left × its batch size × its mean sample length."""
+        js = self.jobs[name]
+        if js.mean_len is None:
+            js.mean_len = sum(len(t) for t, _ in js.samples) / max(1, len(js.samples))
+        left = max(0, js.stream.total_steps - js.stream.steps_done)
+        return round(left * js.cfg.global_batch_size * js.mean_len)
+
+    def _capacity(self, batches) -> int:
+        if self.sched.token_capacity != "auto":
+            return int(self.sched.token_capacity)
+        return resolve_capacity(self.sched, self._specs(batches))
 
     def _specs(self, batches) -> list[JobSpec]:
         specs = []
@@ -208,14 +243,14 @@ class Feed:
                                  truncate=job.dataset.truncate, first_batch_index=bs[0][0]))
         return specs
 
-    def _share(self, specs: list[JobSpec]) -> Plan:
+    def _share(self, specs: list[JobSpec], fill: list[JobSpec]) -> Plan:
         """Global rank 0's plan, on every rank. A planning error on rank 0 is raised on every rank."""
         if not self._multi:
-            return plan(specs, self.sched)
+            return plan(specs, self.sched, fill=fill)
         box: list = [None]
         if dist.get_rank() == 0:
             try:
-                box[0] = plan(specs, self.sched)
+                box[0] = plan(specs, self.sched, fill=fill)
             except Exception as e:  # every rank must leave the broadcast, then raise the same error
                 box[0] = e
         dist.broadcast_object_list(box, src=0, group=self._group)
@@ -236,13 +271,13 @@ class Feed:
         return pack_microbatch(samples, prompt_lengths=prompts, row_ids=rows), batch_of
 
     def _prepare(self) -> Chunk | None:
-        batches = self._draw()
+        batches, fill = self._draw()
         if not batches:
             return None
         states = {name: js.stream.state_dict() for name, js in self.jobs.items()}
         t0 = time.perf_counter()
         specs = self._specs(batches)
-        the_plan = self._share(specs)
+        the_plan = self._share([s for s in specs if s.name not in fill], [s for s in specs if s.name in fill])
         verify_plan(the_plan, specs, self.sched.pipeline_depth, self.sched.dp_size)
         chunk = Chunk(batches, the_plan, time.perf_counter() - t0, states)
         if self.dp_rank is not None:

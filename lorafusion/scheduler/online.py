@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from . import policy
 from .costmodel import CostModel
 from .planner import plan as make_plan
 from .simulate import job_spans, simulate_plan
@@ -91,16 +92,42 @@ class OnlineScheduler:
             return None
         return replace(job, global_batches=batches, first_batch_index=job.first_batch_index + k)
 
+    def remaining_tokens(self, name: str) -> int:
+        """Tokens of the job's global batches not planned yet."""
+        job = self.specs[name]
+        return sum(n for b in job.global_batches[self.cursor[name]:] for _, n in b)
+
     def plan_next(self, rounds: int = 1) -> Plan | None:
-        """Plan the next ``rounds`` global batches of every active job (None when nothing is left)."""
-        windows = [w for n in self.active if (w := self._window(n, rounds)) is not None]
-        if not windows:
+        """Plan the next chunk (None when nothing is left): ``rounds`` global batches of every active job
+        (``config.policy == "together"``), or of the first job in :func:`policy.order` with the others
+        filling its idle slots (``"shortest_first"``)."""
+        if self.config.policy == "shortest_first":
+            names = policy.order([policy.JobWork(n, self.specs[n].priority, self.remaining_tokens(n))
+                                  for n in self.active])
+            main = [w for w in [self._window(names[0], rounds)] if w is not None] if names else []
+            seen = dict.fromkeys(names[1:], 0)
+
+            def next_batch(name: str):  # looks at the job's next unplanned batch
+                k = self.cursor[name] + seen[name]
+                if k >= len(self.specs[name].global_batches):
+                    return None
+                seen[name] += 1
+                return [n for _, n in self.specs[name].global_batches[k]]
+
+            room = policy.idle_slots(self.config.pipeline_depth, self.config.dp_size, rounds)
+            taken = policy.take_fill(names[1:], next_batch, int(self.config.token_capacity), room)
+            fill = [w for n, k in taken.items() if (w := self._window(n, k)) is not None]
+        else:
+            main = [w for n in self.active if (w := self._window(n, rounds)) is not None]
+            fill = []
+        if not main:
             return None
+        windows = main + fill
         ready = {w.name: max(0, self.ready.get(w.name, 0) - self.slots) for w in windows}
-        if self.groups is None or {n for g in self.groups for n in g} != {w.name for w in windows}:
+        if fill or self.groups is None or {n for g in self.groups for n in g} != {w.name for w in main}:
             self.groups = None
-        p = make_plan(windows, self.config, self.cost_model, ready, self.groups)
-        self.groups = self.groups or p.stats.groups
+        p = make_plan(main, self.config, self.cost_model, ready, self.groups, fill)
+        self.groups = None if fill else (self.groups or p.stats.groups)
         for (job, _), idx in sorted(p.last_microbatch.items(), key=lambda kv: kv[1]):
             self.ready[job] = self.slots + p.microbatches[idx].slot + self.config.pipeline_depth
         for w in windows:

@@ -113,45 +113,62 @@ def plan(
     cost_model: CostModel | None = None,
     initial_ready: Mapping[str, int] | None = None,
     groups: Sequence[Sequence[str]] | None = None,
+    fill: Sequence[JobSpec] = (),
 ) -> Plan:
     """Plan all global batches of ``jobs``; ``initial_ready`` carries constraints from an earlier plan.
 
     ``groups`` fixes the grouping (jobs absent from ``jobs`` are ignored; jobs missing from it form
     their own groups), else the AdapterGrouper chooses. Groups whose jobs become ready earliest go
     first. ``config.milp_time_limit_s`` is the MILP budget of the whole call, shared by its packings.
+
+    ``fill`` jobs are planned the same way into a second stream that only takes the slots the first
+    would leave idle (and follows it): ``jobs`` run as fast as without them (see :func:`sequence`).
     """
     t0 = time.perf_counter()
-    names = [j.name for j in jobs]
+    names = [j.name for j in (*jobs, *fill)]
     if len(set(names)) != len(names):
         raise PlanError(f"job names must be unique, got {names}")
-    capacity = resolve_capacity(config, jobs, cost_model)
-    entries = {j.name: job_entries(j, capacity) for j in jobs}
-    rank = _job_rank(jobs)
+    capacity = resolve_capacity(config, [*jobs, *fill], cost_model)
     stats = PlanStats()
     ready = dict(initial_ready or {})
-    stats.groups = _order_groups(_choose_groups(jobs, config, capacity, groups), ready)
+    deadline = t0 + config.milp_time_limit_s
+    stream = _stream(jobs, config, capacity, ready, groups, stats, deadline if not fill else (t0 + deadline) / 2)
+    fill_stream = _stream(fill, config, capacity, ready, None, stats, deadline) if fill else []
+    mbs, last = sequence(stream, config.pipeline_depth, config.dp_size, ready, config.sequencer_window,
+                         fill_stream)
+    stats.num_noops = sum(mb.is_noop for mb in mbs)
+    stats.plan_s = time.perf_counter() - t0
+    return Plan(mbs, config.pipeline_depth, config.dp_size, capacity, last, ready, stats)
+
+
+def _stream(jobs: Sequence[JobSpec], config: SchedulerConfig, capacity: int, ready: Mapping[str, int],
+            groups, stats: PlanStats, deadline: float) -> list[PackedMicrobatch]:
+    """The packed, merged microbatch stream of ``jobs`` (groups → rounds → packings → MergePass)."""
+    if not jobs:
+        return []
+    entries = {j.name: job_entries(j, capacity) for j in jobs}
+    rank = _job_rank(jobs)
+    chosen = _order_groups(_choose_groups(jobs, config, capacity, groups), ready)
+    base = len(stats.groups)  # group numbers run on over the main and the fill stream
+    stats.groups += chosen
     batcher = DataBatcher(
         capacity, config.milp_time_limit_s, config.solver, config.max_milp_vars, config.balance,
         config.milp_gap,
     )
     rounds = max((len(b) for b in entries.values()), default=0)
     todo = [
-        (r, gi, [e for name in sorted(g, key=rank.__getitem__) if r < len(entries[name])
+        (r, base + gi, [e for name in sorted(g, key=rank.__getitem__) if r < len(entries[name])
                  for e in entries[name][r]])
-        for r in range(rounds) for gi, g in enumerate(stats.groups)
+        for r in range(rounds) for gi, g in enumerate(chosen)
     ]
     todo = [t for t in todo if t[2]]
     chunks = []
-    deadline = t0 + config.milp_time_limit_s
     for k, (_, gi, ents) in enumerate(todo):
         budget = max(0.0, deadline - time.perf_counter()) / (len(todo) - k)
         chunks.append(spread_over_ranks(_pack_chunk(ents, batcher, gi, budget, stats), config.dp_size))
     if config.merge:
         count = noop_counter(config.pipeline_depth, config.dp_size, ready, config.sequencer_window)
-        stream, stats.merges = merge_tails(chunks, capacity, count, rank, config.balance == "fill")
-    else:
-        stream = [mb for c in orient(chunks) for mb in c]
-    mbs, last = sequence(stream, config.pipeline_depth, config.dp_size, ready, config.sequencer_window)
-    stats.num_noops = sum(mb.is_noop for mb in mbs)
-    stats.plan_s = time.perf_counter() - t0
-    return Plan(mbs, config.pipeline_depth, config.dp_size, capacity, last, ready, stats)
+        stream, merges = merge_tails(chunks, capacity, count, rank, config.balance == "fill")
+        stats.merges += merges
+        return stream
+    return [mb for c in orient(chunks) for mb in c]

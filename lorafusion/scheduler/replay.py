@@ -4,9 +4,10 @@
   batch (a pipeline flush before every optimizer step: Megatron's loop, today's practice).
 * ``static``: wait until every job of the trace has arrived, then train them all together.
 * ``online``: a job joins the shared run at the next chunk boundary after it arrives; a finished job
-  leaves; every chunk (``rounds`` global batches of each active job) is planned by
-  :class:`OnlineScheduler` (the grouper regroups whenever the set of jobs changes) and run as one 1F1B
-  schedule (the pipeline fills and drains once per chunk, as the runtime does).
+  leaves; every chunk is planned by :class:`OnlineScheduler` under the config's chunk policy
+  (:mod:`.policy`: ``together``, ``rounds`` global batches of each active job, the grouper regrouping
+  whenever the set of jobs changes; or ``shortest_first``, the job with the least work left and fill)
+  and run as one 1F1B schedule (the pipeline fills and drains once per chunk, as the runtime does).
 
 Time comes from :class:`SimCost`: the cost model's whole-model forward time per microbatch, times
 ``mixed_penalty`` when the microbatch holds more than one adapter (the multi-adapter kernel overhead),
@@ -25,6 +26,7 @@ import numpy as np
 from .costmodel import CostModel
 from .online import OnlineScheduler
 from .planner import plan as make_plan
+from .policy import POLICIES
 from .simulate import Timeline, job_spans, simulate_1f1b
 from .spec import JobSpec, Plan, PlanError, SchedulerConfig
 
@@ -177,15 +179,23 @@ def shared(jobs: Sequence[JobSpec], arrival: Mapping[str, float], config: Schedu
 
 def run_policies(jobs: Sequence[JobSpec], arrival: Mapping[str, float], config: SchedulerConfig,
                  cost: SimCost, rounds: int | None = None) -> dict[str, PolicyResult]:
-    return {"sequential": sequential(jobs, arrival, config, cost),
-            "static": shared(jobs, arrival, config, cost, rounds, static=True),
-            "online": shared(jobs, arrival, config, cost, rounds)}
+    """Sequential FIFO, static batching (every job each chunk), online under ``config.policy``; and
+    ``online_together`` / ``online_shortest_first``: online under each chunk policy."""
+    out = {"sequential": sequential(jobs, arrival, config, cost),
+           "static": shared(jobs, arrival, replace(config, policy="together"), cost, rounds, static=True)}
+    for name in POLICIES:
+        res = shared(jobs, arrival, replace(config, policy=name), cost, rounds)
+        out[f"online_{name}"] = replace(res, policy=f"online_{name}")
+    out["online"] = replace(out[f"online_{config.policy}"], policy="online")
+    return out
 
 
 def together_plans(jobs: Sequence[JobSpec], config: SchedulerConfig, rounds: int | None = None) -> list[Plan]:
-    """The chunk plans of ``jobs`` all present at t = 0 and trained together (independent of the cost)."""
+    """The chunk plans of ``jobs`` all present at t = 0 and trained together (policy "together", whatever
+    ``config.policy`` says; independent of the cost)."""
     plans: list[Plan] = []
-    shared(jobs, {j.name: 0.0 for j in jobs}, config, SimCost(), rounds, on_chunk=lambda t, p, tl: plans.append(p))
+    shared(jobs, {j.name: 0.0 for j in jobs}, replace(config, policy="together"), SimCost(), rounds,
+           on_chunk=lambda t, p, tl: plans.append(p))
     return plans
 
 

@@ -96,32 +96,43 @@ def sequence(
     dp_size: int = 1,
     initial_ready: Mapping[str, int] | None = None,
     window: int | None = None,
+    fill: Sequence[PackedMicrobatch] = (),
 ) -> tuple[list[Microbatch], dict[tuple[str, int], int]]:
     """Place ``stream`` into slots of ``dp_size`` microbatches, obeying the dependency rule.
 
     Each slot's ranks take, in stream order, the first microbatch within ``window`` pending ones
-    that is ready; a rank with none gets a no-op. Returns the microbatches (sorted by slot, rank) and
-    ``last_microbatch[(job, batch)]``. Raises PlanError when the stream can never become ready (one
-    microbatch holding two batches of a job, or batch g+1 before batch g).
+    that is ready; a rank with none takes the first ready one of the ``fill`` stream (same window), and
+    gets a no-op when neither has one. So ``fill`` only runs where ``stream`` would leave the pipeline
+    idle (and after ``stream`` ends): ``stream`` is placed exactly as without it. Returns the
+    microbatches (sorted by slot, rank) and ``last_microbatch[(job, batch)]``. Raises PlanError when
+    the streams can never become ready (one microbatch holding two batches of a job, or batch g+1 before
+    batch g) or share a global batch.
     """
     initial_ready = dict(initial_ready or {})
     window = window or 2 * pipeline_depth * dp_size + 4
+    main_keys = {k for mb in stream for k in mb.keys}
+    if shared := main_keys & {k for mb in fill for k in mb.keys}:
+        raise PlanError(f"the fill stream holds global batches of the main stream: {sorted(shared)[:3]}")
     state = _State(
-        remaining=Counter(k for mb in stream for k in mb.keys),
+        remaining=Counter(k for mb in (*stream, *fill) for k in mb.keys),
         last_slot={},
-        prev=_predecessors(stream),
+        prev=_predecessors([*stream, *fill]),
         initial_ready=initial_ready,
         gap=dependency_distance(pipeline_depth),
     )
-    pending = list(stream)
+    queues = (list(stream), list(fill))
     out: list[Microbatch] = []
     last_mb: dict[tuple[str, int], int] = {}
     slot, idle = 0, 0
     max_idle = pipeline_depth + max([0, *initial_ready.values()]) + 1
-    while pending:
+    while any(queues):
         placed = 0
         for rank in range(dp_size):
-            pick = next((k for k, mb in enumerate(pending[:window]) if state.ready(mb, slot)), None)
+            pending = pick = None
+            for pending in queues:
+                pick = next((k for k, mb in enumerate(pending[:window]) if state.ready(mb, slot)), None)
+                if pick is not None:
+                    break
             if pick is None:
                 out.append(Microbatch(len(out), slot, rank, (), is_noop=True, group=-1))
                 continue
@@ -134,8 +145,9 @@ def sequence(
             placed += 1
         idle = 0 if placed else idle + 1
         if idle > max_idle:
+            stuck = next(q for q in queues if q)[0]
             raise PlanError(
-                f"stream cannot be sequenced: microbatch with {pending[0].keys} can never become ready "
+                f"stream cannot be sequenced: microbatch with {stuck.keys} can never become ready "
                 "(a microbatch mixes two global batches of one job, or batch g+1 precedes batch g)"
             )
         slot += 1

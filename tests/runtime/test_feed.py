@@ -59,9 +59,37 @@ def test_a_planning_error_on_the_background_thread_reaches_the_caller(tmp_path, 
     import lorafusion.runtime.feed as feed_mod
     from lorafusion.scheduler import PlanError
 
-    def broken(specs, config):
+    def broken(specs, config, fill=()):
         raise PlanError("planner broke")
 
     monkeypatch.setattr(feed_mod, "plan", broken)
     with pytest.raises(PlanError, match="planner broke"):
         _feed(tmp_path, True, "d").next()
+
+
+def test_shortest_first_chunks_train_the_least_work_first_and_fill_its_idle_slots(tmp_path):
+    """``scheduler.policy=shortest_first`` at pp=2: each chunk's main job is the running job with the fewest
+    tokens left (its ``lookahead_batches`` batches), the others fill the slot left idle between its two
+    batches; over the run every job's batches are drawn once, in order; the plans verify (in the feed)."""
+    feed = _feed(tmp_path, False, "sf", overrides=("scheduler.solver=greedy", "scheduler.policy=shortest_first",
+                                                   "parallelism.pp=2"))
+    drawn = {name: 0 for name in feed.jobs}
+    mains, filled = [], 0
+    while True:
+        left = {n: feed._remaining_tokens(n) for n in feed.jobs if not feed.jobs[n].stream.finished}
+        chunk = feed.next()
+        if chunk is None:
+            break
+        main = min(left, key=lambda n: (left[n], list(feed.jobs).index(n)))
+        mains.append(main)
+        assert len(chunk.batches[main]) == min(2, 5 - drawn[main])
+        others = set(chunk.batches) - {main}
+        if len(chunk.batches[main]) == 2 and len(left) > 1:  # one idle slot between its two batches: filled
+            last_main = max(mb.slot for mb in chunk.plan.microbatches if main in mb.jobs)
+            assert others and not any(mb.is_noop for mb in chunk.plan.microbatches if mb.slot < last_main)
+            filled += 1
+        for name, batches in chunk.batches.items():
+            assert [b for b, _ in batches] == list(range(drawn[name], drawn[name] + len(batches)))
+            drawn[name] += len(batches)
+    assert drawn == {"rev": 5, "up": 5, "rev2": 5} and filled >= 1
+    assert mains[0] == "up"  # 5 steps × 3 samples: the least work
