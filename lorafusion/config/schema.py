@@ -128,8 +128,9 @@ class SchedulerSection(_Strict):
     lookahead_batches: int = Field(2, ge=1)  # global batches of every job per planned chunk
     # whose batches a chunk holds: every running job's ("together"), or the job with the least work left
     # (priority first) with the others filling the pipeline's idle slots ("shortest_first": the lowest mean
-    # job completion time when jobs come and go; see lorafusion/scheduler/policy.py)
-    policy: Literal["together", "shortest_first"] = "together"
+    # job completion time when jobs come and go), or one job at a time in arrival order ("fifo"); see
+    # lorafusion/scheduler/policy.py
+    policy: Literal["together", "shortest_first", "fifo"] = "together"
 
 
 class DatasetConfig(_Strict):

@@ -185,9 +185,9 @@ class Feed:
     # ----------------------------------------------------------------------------------------- steps
     def _draw(self) -> tuple[dict[str, list[tuple[int, list[Sample]]]], set[str]]:
         """The chunk's global batches (advances the streams) and which of its jobs only fill idle slots;
-        the one place samples are looked up by id. ``scheduler.policy`` "together": the next
-        ``lookahead_batches`` of every running job; "shortest_first": those of the first job in
-        :func:`policy.order`, and as fill as many of the others' as its idle slots take."""
+        the one place samples are looked up by id. The next ``lookahead_batches`` of each job that
+        :func:`policy.chunk_jobs` names under ``scheduler.policy`` (every running job, or one), and as fill as
+        many of its fill jobs' batches as the idle slots take."""
         batches: dict[str, list[tuple[int, list[Sample]]]] = {}
 
         def draw(name: str) -> list[Sample] | None:
@@ -201,24 +201,18 @@ class Feed:
             return samples
 
         running = [n for n, js in self.jobs.items() if js.status == "running" and not js.stream.finished]
-        if self.sched.policy == "together":
-            for name in running:
-                for _ in range(self.sched.lookahead_batches):
-                    if draw(name) is None:
-                        break
-            return batches, set()
-        order = policy.order([policy.JobWork(n, self.jobs[n].cfg.priority, self._remaining_tokens(n))
-                              for n in running])
-        if not order:
-            return batches, set()
-        for _ in range(self.sched.lookahead_batches):
-            if draw(order[0]) is None:
-                break
-        room = policy.idle_slots(self.sched.pipeline_depth, self.sched.dp_size, len(batches.get(order[0], ())))
-        capacity = self._capacity(batches)
-        policy.take_fill(order[1:], lambda n: (None if (got := draw(n)) is None else [len(s.tokens) for s in got]),
-                         capacity, room)
-        return batches, set(batches) - {order[0]}
+        main, fill_order = policy.chunk_jobs(self.sched.policy, [
+            policy.JobWork(n, self.jobs[n].cfg.priority, self._remaining_tokens(n)) for n in running])
+        for name in main:
+            for _ in range(self.sched.lookahead_batches):
+                if draw(name) is None:
+                    break
+        if fill_order:
+            room = policy.idle_slots(self.sched.pipeline_depth, self.sched.dp_size,
+                                     max((len(batches.get(n, ())) for n in main), default=0))
+            policy.take_fill(fill_order, lambda n: None if (got := draw(n)) is None else [len(s.tokens) for s in got],
+                             self._capacity(batches), room)
+        return batches, set(batches) - set(main)
 
     def _remaining_tokens(self, name: str) -> int:
         """Tokens a job has left to train: global batches left × its batch size × its mean sample length."""

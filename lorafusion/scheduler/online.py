@@ -98,28 +98,23 @@ class OnlineScheduler:
         return sum(n for b in job.global_batches[self.cursor[name]:] for _, n in b)
 
     def plan_next(self, rounds: int = 1) -> Plan | None:
-        """Plan the next chunk (None when nothing is left): ``rounds`` global batches of every active job
-        (``config.policy == "together"``), or of the first job in :func:`policy.order` with the others
-        filling its idle slots (``"shortest_first"``)."""
-        if self.config.policy == "shortest_first":
-            names = policy.order([policy.JobWork(n, self.specs[n].priority, self.remaining_tokens(n))
-                                  for n in self.active])
-            main = [w for w in [self._window(names[0], rounds)] if w is not None] if names else []
-            seen = dict.fromkeys(names[1:], 0)
+        """Plan the next chunk (None when nothing is left): the jobs :func:`policy.chunk_jobs` names under
+        ``config.policy`` get ``rounds`` global batches each, its fill jobs the idle slots."""
+        works = [policy.JobWork(n, self.specs[n].priority, self.remaining_tokens(n)) for n in self.active]
+        names, fill_order = policy.chunk_jobs(self.config.policy, [w for w in works if w.remaining_tokens > 0])
+        main = [w for n in names if (w := self._window(n, rounds)) is not None]
+        seen = dict.fromkeys(fill_order, 0)
 
-            def next_batch(name: str):  # looks at the job's next unplanned batch
-                k = self.cursor[name] + seen[name]
-                if k >= len(self.specs[name].global_batches):
-                    return None
-                seen[name] += 1
-                return [n for _, n in self.specs[name].global_batches[k]]
+        def next_batch(name: str):  # looks at the job's next unplanned batch
+            k = self.cursor[name] + seen[name]
+            if k >= len(self.specs[name].global_batches):
+                return None
+            seen[name] += 1
+            return [n for _, n in self.specs[name].global_batches[k]]
 
-            room = policy.idle_slots(self.config.pipeline_depth, self.config.dp_size, rounds)
-            taken = policy.take_fill(names[1:], next_batch, int(self.config.token_capacity), room)
-            fill = [w for n, k in taken.items() if (w := self._window(n, k)) is not None]
-        else:
-            main = [w for n in self.active if (w := self._window(n, rounds)) is not None]
-            fill = []
+        room = policy.idle_slots(self.config.pipeline_depth, self.config.dp_size, rounds)
+        taken = policy.take_fill(fill_order, next_batch, int(self.config.token_capacity), room) if fill_order else {}
+        fill = [w for n, k in taken.items() if (w := self._window(n, k)) is not None]
         if not main:
             return None
         windows = main + fill

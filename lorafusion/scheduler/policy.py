@@ -1,4 +1,4 @@
-"""Which jobs a planned chunk trains: every active job alike, or the shortest first (torch-free).
+"""Which jobs a planned chunk trains: every active job alike, the shortest first, or the first come (torch-free).
 
 A chunk is ``rounds`` global batches; :data:`Policy` says whose.
 
@@ -12,8 +12,11 @@ A chunk is ``rounds`` global batches; :data:`Policy` says whose.
   about as many microbatches as there are idle slots (:func:`idle_slots`). The main job runs as fast
   as alone; the fill is nearly free work for the others. With ``S == 1`` nothing is idle: one job at a
   time, pre-empted at chunk boundaries when a shorter (or higher-priority) one arrives.
+* ``"fifo"``: one job at a time, in arrival order (priority first), nothing filled: today's practice of
+  running LoRA jobs one after another (each global batch followed by a pipeline flush), inside one run.
+  The baseline of the online benchmark; a run that must finish jobs in submission order.
 
-:func:`order` and :func:`take_fill` are shared by the runtime's feed (which draws real batches) and
+:func:`chunk_jobs` and :func:`take_fill` are shared by the runtime's feed (which draws real batches) and
 :class:`~lorafusion.scheduler.online.OnlineScheduler` (which the trace replay drives).
 """
 
@@ -24,8 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-Policy = Literal["together", "shortest_first"]
-POLICIES: tuple[str, ...] = ("together", "shortest_first")
+Policy = Literal["together", "shortest_first", "fifo"]
+POLICIES: tuple[str, ...] = ("together", "shortest_first", "fifo")
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,23 @@ def order(jobs: Sequence[JobWork]) -> list[str]:
     """Higher priority first, then fewer remaining tokens, then the given order."""
     ranked = sorted(range(len(jobs)), key=lambda k: (-jobs[k].priority, jobs[k].remaining_tokens, k))
     return [jobs[k].name for k in ranked]
+
+
+def chunk_jobs(policy: str, jobs: Sequence[JobWork]) -> tuple[list[str], list[str]]:
+    """``(main, fill)`` of the next chunk among the active ``jobs`` (given in arrival order, each with batches
+    left): the jobs that get the chunk's ``rounds`` global batches, and the jobs that may fill idle slots, in
+    the order they are offered (see :func:`take_fill`)."""
+    if not jobs:
+        return [], []
+    if policy == "together":
+        return [j.name for j in jobs], []
+    if policy == "fifo":
+        first = min(range(len(jobs)), key=lambda k: (-jobs[k].priority, k))
+        return [jobs[first].name], []
+    if policy == "shortest_first":
+        ranked = order(jobs)
+        return ranked[:1], ranked[1:]
+    raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
 
 
 def idle_slots(pipeline_depth: int, dp_size: int, rounds: int) -> int:

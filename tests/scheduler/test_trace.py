@@ -159,9 +159,10 @@ def test_policies_conserve_work_and_respect_alone_times(pp):
     for r in res.values():
         assert 0 < r.busy_fraction <= 1
         for n, jct in r.jct.items():
-            # alone = the job's batches with a flush each; at PP > 1 the online stream packs a job's
-            # batches into one schedule (microbatch order may differ), hence the small tolerance
-            assert jct >= alone[n] * (1 - 1e-2), (r.policy, n, jct, alone[n])
+            # alone = the job's batches with a flush each; at PP > 1 the online stream runs a job's
+            # batches in one schedule (S - 1 idle slots between them instead of a full drain, and the
+            # microbatch order may differ), hence the small tolerance
+            assert jct >= alone[n] * (1 - 2.5e-2), (r.policy, n, jct, alone[n])
     seq = res["sequential"]
     assert seq.finish["job0"] == pytest.approx(alone["job0"])  # first job alone from t = 0
     assert res["static"].makespan >= max(arrival.values())
