@@ -1,0 +1,57 @@
+"""scripts/replay_online.py: a trace replayed for real (a serving run, jobs submitted at their arrival times)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+TRACE = """\
+jobs:
+  - {name: a, arrival_s: 0.0, dataset: {profile: short}, lora: {r: 4}, global_batch_size: 2, max_steps: 3, seed: 1}
+  - {name: b, arrival_s: 0.4, dataset: {profile: mixed}, lora: {r: 8}, global_batch_size: 2, max_steps: 2, seed: 2}
+"""
+
+
+def test_job_files_hold_the_traces_lengths(tmp_path):
+    """A profile job's data file has the trace's sample lengths in tokens (byte tokenizer), cut to the capacity."""
+    import replay_online
+
+    from lorafusion.config.load import load_job_config
+    from lorafusion.config.schema import TokenizerConfig
+    from lorafusion.data import build_tokenizer, load_job_samples
+    from lorafusion.scheduler.trace import dataset_lengths, load_trace
+
+    (tmp_path / "t.yaml").write_text(TRACE)
+    trace = load_trace(tmp_path / "t.yaml")
+    for tj in trace.jobs:
+        job = load_job_config(replay_online.job_yaml(trace, tj, tmp_path / "w", 256), check_files=True)
+        got = [len(t) for t, _ in load_job_samples(job, build_tokenizer(TokenizerConfig(type="byte"))).samples]
+        want = [min(n, 256) for n in dataset_lengths(tj, trace.base_dir, 2 * tj.max_steps, 0)]
+        assert got == want and job.lora.r == tj.r and job.max_steps == tj.max_steps
+
+
+@pytest.mark.slow
+def test_replay_submits_at_arrival_times_and_measures_every_jobs_completion(tmp_path):
+    (tmp_path / "t.yaml").write_text(TRACE)
+    out = tmp_path / "r.json"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "replay_online.py"), "--config",
+                    str(ROOT / "configs" / "quickstart.yaml"), "--trace", str(tmp_path / "t.yaml"), "--out", str(out),
+                    "--policies", "shortest_first", "--poll-s", "0.05", "scheduler.token_capacity=512",
+                    "scheduler.lookahead_batches=1"], check=True, cwd=ROOT, capture_output=True, timeout=600)
+    res = json.loads(out.read_text())["policies"]["shortest_first"]
+    assert res["exit_code"] == 0 and set(res["finish_s"]) == {"a", "b"}
+    assert res["arrival_s"]["a"] == 0 and 0.4 <= res["arrival_s"]["b"] < 5
+    for n, jct in res["jct_s"].items():
+        assert jct == pytest.approx(res["finish_s"][n] - res["arrival_s"][n], abs=2e-3) and jct > 0
+    rows = [json.loads(x) for x in (tmp_path / "r.work" / "shortest_first" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert sorted((r["job"], r["step"]) for r in rows) == [("a", 1), ("a", 2), ("a", 3), ("b", 1), ("b", 2)]
+    assert res["tokens"] == sum(r["tokens"] for r in rows)
+    with pytest.raises(subprocess.CalledProcessError):  # nothing is overwritten: the work directory exists now
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "replay_online.py"), "--config",
+                        str(ROOT / "configs" / "quickstart.yaml"), "--trace", str(tmp_path / "t.yaml"), "--out",
+                        str(out)], check=True, cwd=ROOT, capture_output=True, timeout=120)
