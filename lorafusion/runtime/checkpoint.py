@@ -21,6 +21,7 @@ from megatron.core import parallel_state
 
 from lorafusion.core.errors import MissingFileError
 from lorafusion.runtime.export import write_bytes
+from lorafusion.runtime.outdir import write_text_atomic
 
 
 def _barrier():
@@ -31,13 +32,6 @@ def _barrier():
 def _rank_file() -> str:
     return (f"rank_tp{parallel_state.get_tensor_model_parallel_rank()}"
             f"_pp{parallel_state.get_pipeline_model_parallel_rank()}.pt")
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary sibling, then rename it over ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def save_job_checkpoint(job_dir: Path, step: int, *, adapter_params: dict[str, torch.Tensor], optimizer_state: dict,

@@ -13,9 +13,6 @@ import signal
 import sys
 import threading
 
-import torch
-import torch.distributed as dist
-
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
@@ -45,6 +42,11 @@ class StopSignals:
 
     def poll(self, *flags: bool) -> list[bool]:
         """``[stop requested on any rank, *flags or-ed over all ranks]`` (collective when distributed)."""
+        # (torch imported here: every command installs the stack dump below, and submit / cancel / status need
+        # no torch — they start beside a busy run)
+        import torch
+        import torch.distributed as dist
+
         local = [self.received is not None, *flags]
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return local

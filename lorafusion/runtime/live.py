@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from lorafusion.config.schema import JobConfig, RunConfig
 from lorafusion.core.errors import UserError
-from lorafusion.runtime.checkpoint import write_text_atomic
+from lorafusion.runtime.outdir import write_text_atomic
 from lorafusion.runtime.feed import Feed, JobState
 from lorafusion.runtime.requests import answer_request, pending_requests
 

@@ -1,8 +1,10 @@
-"""A run's output directory: whether a fresh run may use it, one run at a time (a lock), and removing the
-temporary files a failed run left."""
+"""A run's output directory: whether a fresh run may use it, one run at a time (a lock), writing its small
+files atomically, and removing the temporary files a failed run left. (No torch here: ``lorafusion submit``,
+``cancel`` and ``status`` import this beside a busy run, and must start quickly.)"""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -84,6 +86,14 @@ def lock_held(out: Path) -> bool:
             return True
         fcntl.flock(f, fcntl.LOCK_UN)
         return False
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary sibling (``.NAME.tmp``, which :func:`remove_partial_outputs` removes),
+    then rename it over ``path``: a reader sees the old file or the new one, never a part."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def remove_partial_outputs(out: Path) -> None:

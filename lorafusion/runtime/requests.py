@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from lorafusion.core.errors import ConfigError, MissingFileError
-from lorafusion.runtime.checkpoint import write_text_atomic
+from lorafusion.runtime.outdir import write_text_atomic
 
 REQUESTS = "requests"
 

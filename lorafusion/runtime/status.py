@@ -36,7 +36,7 @@ class StatusWriter:
         self.write("starting")
 
     def write(self, run_state: str = "running", job_states: dict[str, str] | None = None) -> dict:
-        from lorafusion.runtime.checkpoint import write_text_atomic
+        from lorafusion.runtime.outdir import write_text_atomic
 
         now = time.perf_counter()
         elapsed = max(1e-9, now - self._t0)

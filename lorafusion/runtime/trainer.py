@@ -165,18 +165,19 @@ class Trainer:
             while True:
                 chunk = self.feed.next()
                 if chunk is None:  # every job has ended: wait for submissions if serving, else the run is over
-                    stop, = stops.poll()
+                    # the idle timeout is read on each rank's clock: the ranks agree on it through the poll (a
+                    # rank that ended alone would leave the others waiting in the next poll's collective)
+                    idle = idle_since is not None and time.monotonic() - idle_since > cfg.serve_idle_minutes * 60
+                    stop, idle = stops.poll(idle)
                     if stop:
                         stopped = stops.received or "signal"
                         break
                     if live.poll() or live.busy:
                         idle_since = None
                         continue
-                    if not cfg.serve:
+                    if not cfg.serve or idle:
                         break
                     idle_since = idle_since or time.monotonic()
-                    if time.monotonic() - idle_since > cfg.serve_idle_minutes * 60:
-                        break
                     if status is not None:
                         status.write("serving")
                     time.sleep(self.SERVE_POLL_S)
