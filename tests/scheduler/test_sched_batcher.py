@@ -118,7 +118,8 @@ def test_large_instance_respects_time_limit_and_neighbourhood():
     w = [min(4096, int(rng.lognormvariate(7.3, 0.6))) for _ in range(200)]
     res = DataBatcher(4096, time_limit_s=0.3, max_vars=3000).pack(w)
     assert _bins_valid(res.bins, w, 4096)
-    assert res.solve_s < 0.3 + 0.5
+    # (unbounded it runs on: 15 s with a 30 s limit; the margin covers a loaded machine delaying the solver)
+    assert res.solve_s < 0.3 + 1.5
     assert res.objective <= pack_objective([sum(w[i] for i in b) for b in greedy_pack(w, 4096)])
 
 
