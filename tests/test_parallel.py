@@ -18,7 +18,8 @@ from lorafusion.core.arch import ModelArch
 from lorafusion.runtime.export import adapter_peft_state, export_peft_adapter
 from model_utils import randomize_b
 
-pytestmark = pytest.mark.slow
+# one launch serves every test here (the fixture `launched`): under xdist they stay on one worker
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("parallel")]
 ARCH = ModelArch(family="qwen2", vocab_size=128, hidden_size=48, num_layers=4, num_attention_heads=4,
                  num_query_groups=2, ffn_hidden_size=96, qkv_bias=True, max_position_embeddings=256)
 SPECS = {
@@ -85,17 +86,41 @@ def workdir(tmp_path_factory, megatron_single):
     return d, losses, grads
 
 
-def _launch(mode, d, fused="off"):
+# fused ops ("torch": fused RMSNorm / SwiGLU / packed RoPE; at TP=2 Megatron's vocab-parallel loss, at PP=2
+# the fused loss on the last stage) against the same single-process model with Megatron's ops
+FUSED = ["off", "torch"]
+MODES = ["tp", "tpsp", "pp"]
+
+
+@pytest.fixture(scope="module")
+def launched(workdir):
+    """One two-process launch of parallel_worker.py runs every configuration (mode × fused ops) in turn; each
+    test below checks its own. (One launch, not six: starting a process pair costs more than the model runs.)"""
+    d, *_ = workdir
     port = str(_free_port())
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=port, OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).parent / "parallel_worker.py"), mode, str(d), fused],
+        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).parent / "parallel_worker.py"), str(d),
+                                       *[f"{m}:{f}" for m in MODES for f in FUSED]],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    for p, o in zip(procs, outs):
-        assert p.returncode == 0, o[-4000:]
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return d, [p.returncode for p in procs], outs
+
+
+def _result(launched, mode, fused, name):
+    """WORKDIR/name written by the configuration ``mode:fused``, or the failure of that configuration."""
+    d, codes, outs = launched
+    tag = "" if fused == "off" else f"_{fused}"
+    err = d / f"{mode}{tag}_error.txt"
+    assert not err.exists(), err.read_text()[-4000:]
+    assert (d / name).exists(), f"{name} missing; exit codes {codes}\n" + "\n".join(o[-3000:] for o in outs)
+    return d / name
 
 
 def _assert_grads_equal(got, want):
@@ -106,38 +131,31 @@ def _assert_grads_equal(got, want):
             assert (got[n][k] - want[n][k]).abs().max() / scale <= 1e-5, (n, k)
 
 
-# fused ops ("torch": fused RMSNorm / SwiGLU / packed RoPE; at TP=2 Megatron's vocab-parallel loss, at PP=2
-# the fused loss on the last stage) against the same single-process model with Megatron's ops
-FUSED = ["off", "torch"]
-
-
 @pytest.mark.parametrize("fused", FUSED)
-def test_tensor_parallel_2_equals_single_process(workdir, fused):
+def test_tensor_parallel_2_equals_single_process(workdir, launched, fused):
     d, losses, grads = workdir
-    _launch("tp", d, fused)
-    res = torch.load(d / ("tp_result.pt" if fused == "off" else f"tp_{fused}_result.pt"))
+    res = torch.load(_result(launched, "tp", fused, "tp_result.pt" if fused == "off" else f"tp_{fused}_result.pt"))
     assert res["losses"] == pytest.approx(losses, rel=1e-5)
     _assert_grads_equal(res["grads"], grads)
 
 
 @pytest.mark.parametrize("fused", FUSED)
-def test_pipeline_parallel_2_1f1b_equals_single_process(workdir, fused):
+def test_pipeline_parallel_2_1f1b_equals_single_process(workdir, launched, fused):
     d, losses, grads = workdir
-    _launch("pp", d, fused)
     tag = "" if fused == "off" else f"_{fused}"
-    assert json.loads((d / f"pp{tag}_losses.json").read_text()) == pytest.approx(losses, rel=1e-5)
-    res = torch.load(d / f"pp{tag}_result.pt")
+    assert json.loads(_result(launched, "pp", fused, f"pp{tag}_losses.json").read_text()) == \
+        pytest.approx(losses, rel=1e-5)
+    res = torch.load(_result(launched, "pp", fused, f"pp{tag}_result.pt"))
     _assert_grads_equal(res["grads"], grads)
 
 
 @pytest.mark.parametrize("fused", FUSED)
-def test_tensor_parallel_2_with_sequence_parallelism_equals_single_process(workdir, fused):
+def test_tensor_parallel_2_with_sequence_parallelism_equals_single_process(workdir, launched, fused):
     """TP=2 + SP: every microbatch has an odd token count (padded to even), several adapters, dropout on;
     per-token losses of the real tokens and every LoRA gradient equal the single process."""
     d, losses, grads = workdir
     assert all(sum(len(s[1]) for s in mb["samples"]) % 2 for mb in MBS)  # the padding is exercised
-    _launch("tpsp", d, fused)
-    res = torch.load(d / ("tpsp_result.pt" if fused == "off" else f"tpsp_{fused}_result.pt"))
+    res = torch.load(_result(launched, "tpsp", fused, "tpsp_result.pt" if fused == "off" else f"tpsp_{fused}_result.pt"))
     assert res["losses"] == pytest.approx(losses, rel=1e-5)
     for got, want in zip(res["per_token"], torch.load(d / "ref_per_token.pt"), strict=True):
         assert got.shape == want.shape
