@@ -26,11 +26,10 @@ demo: $(STAMP)
 
 # two workers: the runtime tests wait on subprocesses and solver runs, so two cores overlap them
 # (measured on the 2-core machine, whole suite: 2m45s -> 2m32s when it was idle, 3m42s -> 2m30s when other
-# jobs loaded it); `pytest -m "not slow"` skips the multi-process and demo runs. --maxschedchunk 1: each test
-# goes to whichever worker is free (by default each worker first takes an eighth of the list in one block, and
-# the slow tests, which come first, all went to one worker: the other one idled for ~2 minutes at the end)
+# jobs loaded it); `pytest -m "not slow"` skips the multi-process and demo runs. tests/conftest.py hands the
+# tests out one at a time (slow ones first) to whichever worker is free
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --maxschedchunk 1
+	$(PY) -m pytest -q -n 2
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check lorafusion megatron_patches tests scripts

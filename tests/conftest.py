@@ -21,6 +21,14 @@ def megatron_single():
     yield
 
 
+def pytest_configure(config):
+    """Under ``-n`` (pytest-xdist, --dist load) each test goes to whichever worker is free: --maxschedchunk 1
+    unless given. By default each worker first takes a block of an eighth of the list, and the slow tests, which
+    come first, all went to one worker (``make test`` on 2 cores: the other one idled for ~2 minutes at the end)."""
+    if getattr(config.option, "maxschedchunk", 0) is None:  # xdist installed, option not given
+        config.option.maxschedchunk = 1
+
+
 def pytest_collection_modifyitems(config, items):
     """Slow (multi-process) tests first, in file order: under ``-n 2`` both workers start on the long runs
     and end on the many short tests, instead of one worker finishing a long run alone at the end."""
