@@ -6,8 +6,9 @@ MODE "tp": TP=2 forward+backward of packed microbatches; "tpsp": the same with s
 (microbatches padded to an even token count; per-token losses saved too). MODE "pp": PP=2, 1F1B via Megatron's
 ``get_forward_backward_func``. Every configuration builds its model afresh from WORKDIR; Megatron's parallel
 state is set up again when the layout changes (tp/tpsp: TP=2; pp: PP=2). Writes the results of rank 0 (and the
-last stage) to WORKDIR; a configuration that raises writes ``MODE[_FUSED]_error.txt`` on that rank instead, and
-the next one runs (the exit status is then 1).
+last stage) to WORKDIR. Prints ``=== MODE:FUSED`` before and ``=== MODE:FUSED done`` after each configuration; one
+that raises writes ``MODE[_FUSED]_error.txt`` and ends the process (exit status 1; the test relaunches the
+configurations after it).
 """
 
 import json
@@ -112,26 +113,25 @@ def run_one(mode: str, fused: str, workdir: Path) -> None:
 
 
 def main():
-    workdir, configs = Path(sys.argv[1]), [c.split(":") for c in sys.argv[2:]]
+    workdir, configs = Path(sys.argv[1]), sys.argv[2:]
     torch.set_num_threads(1)
     import traceback
 
     from lorafusion.runtime.dist import destroy_distributed
 
-    failed = False
-    for mode, fused in configs:
-        print(f"=== {mode}:{fused}", flush=True)
+    for config in configs:
+        mode, fused = config.split(":")
+        print(f"=== {config}", flush=True)
         try:
             run_one(mode, fused, workdir)
         except Exception:
-            failed = True
             text = traceback.format_exc()
-            print(text, flush=True)
-            rank = os.environ.get("RANK", "0")
+            print(f"{text}\n=== {config} failed", flush=True)
             tag = "" if fused == "off" else f"_{fused}"
-            (workdir / f"{mode}{tag}_error.txt").write_text(f"rank {rank}:\n{text}")
+            (workdir / f"{mode}{tag}_error.txt").write_text(f"rank {os.environ.get('RANK', '0')}:\n{text}")
+            sys.exit(1)  # the peer may be waiting in a collective of this configuration
+        print(f"=== {config} done", flush=True)
     destroy_distributed()
-    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

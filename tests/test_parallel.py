@@ -14,7 +14,7 @@ from lorafusion.models.hf_import import build_model_from_hf
 from lorafusion.core.arch import ModelArch
 from lorafusion.runtime.export import adapter_peft_state, export_peft_adapter
 from model_utils import randomize_b
-from session_shared import launch_two_ranks, shared_dir
+from session_shared import launch_in_turn, shared_dir
 
 pytestmark = pytest.mark.slow
 ARCH = ModelArch(family="qwen2", vocab_size=128, hidden_size=48, num_layers=4, num_attention_heads=4,
@@ -47,8 +47,8 @@ MODES = ["tp", "tpsp", "pp"]
 def _build_and_launch(d: Path) -> None:
     """The base checkpoint, the adapters and the microbatches (with each adapter's token count over all of
     them) in ``d``; then one two-process launch of parallel_worker.py runs every configuration (mode × fused
-    ops) in turn, and each test below checks its own. (One launch, not six: starting a process pair costs
-    more than the model runs.)"""
+    ops) in turn (after one that fails, a new launch runs the rest), and each test below checks its own.
+    (One launch, not six: starting a process pair costs more than the model runs.)"""
     write_hf_checkpoint(ARCH, d / "base")
     model = build_model_from_hf(d / "base")
     for i, (n, s) in enumerate(SPECS.items()):
@@ -65,10 +65,8 @@ def _build_and_launch(d: Path) -> None:
         for n in b.adapters:
             denom[n] += float((b.adapter_token_mask(n).float() * b.loss_mask).sum())
     (d / "batches.json").write_text(json.dumps({"mbs": MBS, "denom": denom}))
-    codes = launch_two_ranks([sys.executable, str(Path(__file__).parent / "parallel_worker.py"), str(d),
-                              *[f"{m}:{f}" for m in MODES for f in FUSED]],
-                             [d / f"rank{rank}.log" for rank in range(2)], timeout=300)
-    (d / "exit_status.json").write_text(json.dumps(codes))
+    launch_in_turn([sys.executable, str(Path(__file__).parent / "parallel_worker.py"), str(d)],
+                   [f"{m}:{f}" for m in MODES for f in FUSED], d, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +99,9 @@ def _result(d: Path, mode: str, fused: str, name: str) -> Path:
     tag = "" if fused == "off" else f"_{fused}"
     err = d / f"{mode}{tag}_error.txt"
     assert not err.exists(), err.read_text()[-4000:]
-    assert (d / name).exists(), f"{name} missing; exit status {(d / 'exit_status.json').read_text()}\n" + \
-        "\n".join((d / f"rank{r}.log").read_text()[-3000:] for r in range(2))
+    assert (d / name).exists(), f"{name} missing\n" + "\n".join(
+        f"--- rank {r}:\n" + (d / f"rank{r}.log").read_text().partition(f"=== {mode}:{fused}\n")[2][-3000:]
+        for r in range(2))
     return d / name
 
 

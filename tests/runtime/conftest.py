@@ -3,14 +3,13 @@ launch of two processes for every two-process run the selected tests ask for."""
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 
 from runtime_utils import three_job_dicts, train_inprocess, write_run
-from session_shared import launch_two_ranks, shared_dir
+from session_shared import launch_in_turn, shared_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,24 +22,14 @@ def three_jobs(tmp_path_factory, megatron_single):
     return tmp, jobs, summary, out
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]  # all open at once: n different ports
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 @pytest.fixture(scope="session")
 def two_process(request, tmp_path_factory):
     """``lorafusion train`` on two processes (RANK/WORLD_SIZE env, gloo) for every run that a selected test names
     with ``@pytest.mark.two_process(NAME, jobs=FN, guard=False, **write_run_kwargs)``: ``FN(dir)`` writes the
     jobs' data and returns the job dicts. All those runs share one launch (tests/runtime/train_many.py: both
-    ranks train them one after another, each through the CLI), once per session for all xdist workers
-    (tests/session_shared.py). Returns ``out(NAME)``: that run's output directory, once both ranks finished it."""
+    ranks train them one after another, each through the CLI; a run that fails ends it, and the runs after it
+    get a new launch), once per session for all xdist workers (tests/session_shared.py). Returns ``out(NAME)``:
+    that run's output directory, once both ranks finished it."""
     runs = {}
     for item in request.session.items:
         for m in item.iter_markers("two_process"):
@@ -48,28 +37,33 @@ def two_process(request, tmp_path_factory):
 
     def launch(tmp: Path) -> None:
         spec = []
-        for (name, kw), port in zip(runs.items(), _free_ports(len(runs))):
+        for name, kw in runs.items():
             kw = dict(kw)
             jobs, guard = kw.pop("jobs"), kw.pop("guard", False)
             run = write_run(tmp / name, jobs(tmp / name), out="out", **kw)
-            spec.append({"name": name, "run": str(run), "port": port, "guard": guard})
+            spec.append({"name": name, "run": str(run), "guard": guard})
         (tmp / "spec.json").write_text(json.dumps(spec, indent=1))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        codes = launch_two_ranks([sys.executable, str(Path(__file__).with_name("train_many.py")), str(tmp / "spec.json")],
-                                 [tmp / f"rank{rank}.log" for rank in range(2)], cwd=ROOT, env=env)
-        (tmp / "exit_status.json").write_text(json.dumps(codes))
+        launch_in_turn([sys.executable, str(Path(__file__).with_name("train_many.py")), str(tmp / "spec.json")],
+                       [s["name"] for s in spec], tmp, cwd=ROOT, env=env)
 
     tmp = shared_dir(tmp_path_factory, "two_process", launch)
     logs = [(tmp / f"rank{rank}.log").read_text() for rank in range(2)]
 
     def out(name: str) -> Path:
-        if not all(f"=== {name} done" in log for log in logs):
-            sections = [log.partition(f"=== {name}\n")[2].partition("\n=== ")[0] for log in logs]
-            why = "\n".join(f"--- rank {r}:\n{s[-3000:]}" for r, s in enumerate(sections))
-            order = [s["name"] for s in json.loads((tmp / "spec.json").read_text())]
-            pytest.fail(f"two-process run {name} did not finish on both ranks (exit status "
-                        f"{(tmp / 'exit_status.json').read_text()}; runs in order {order}):\n{why}\n"
-                        f"--- rank 0, end:\n{logs[0][-1500:]}")
+        if not all(f"=== {name} done\n" in log for log in logs):
+            why = "\n".join(f"--- rank {r}:\n{_section(log, name)[-3000:]}" for r, log in enumerate(logs))
+            pytest.fail(f"two-process run {name} did not finish on both ranks:\n{why}")
         return tmp / name / "out"
 
     return out
+
+
+def _section(log: str, name: str) -> str:
+    """What a rank printed for run ``name``, up to its last line (``=== NAME done``, ``failed`` or ``not done``)."""
+    rest = log.partition(f"=== {name}\n")[2]
+    last = rest.find("\n=== ")
+    if last < 0:
+        return rest
+    end = rest.find("\n", last + 1)
+    return rest if end < 0 else rest[:end]
