@@ -5,7 +5,13 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Threads: under `-n N` the N workers, and the processes they start, share the cores. More threads than cores
+# make torch's threads wait for each other at every op of these tiny models (2 cores, 2 workers of 2 threads:
+# an in-process training test ran 5-8x slower than alone, all of it CPU time). So each worker gets its share,
+# and so do the processes it starts unless they set their own.
+_THREADS = max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+torch.set_num_threads(_THREADS)
 
 
 @pytest.fixture(scope="session")
