@@ -26,7 +26,8 @@ demo: $(STAMP)
 
 # two workers: the runtime tests wait on subprocesses and solver runs, so two cores overlap them
 # (measured on the 2-core machine, whole suite: 2m45s -> 2m32s when it was idle, 3m42s -> 2m30s when other
-# jobs loaded it); `pytest -m "not slow"` skips the multi-process and demo runs
+# jobs loaded it); `pytest -m "not slow"` skips the multi-process and demo runs. tests/conftest.py hands the
+# tests out one at a time (slow ones first) to whichever worker is free
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2
 

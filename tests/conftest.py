@@ -5,7 +5,13 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Threads: under `-n N` the N workers, and the processes they start, share the cores. More threads than cores
+# make torch's threads wait for each other at every op of these tiny models (2 cores, 2 workers of 2 threads:
+# an in-process training test ran 5-8x slower than alone, all of it CPU time). So each worker gets its share,
+# and so do the processes it starts unless they set their own.
+_THREADS = max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+torch.set_num_threads(_THREADS)
 
 
 @pytest.fixture(scope="session")
@@ -19,6 +25,14 @@ def megatron_single():
             parallel_state.get_tensor_model_parallel_world_size() != 1:
         init_distributed(1, 1)
     yield
+
+
+def pytest_configure(config):
+    """Under ``-n`` (pytest-xdist, --dist load) each test goes to whichever worker is free: --maxschedchunk 1
+    unless given. By default each worker first takes a block of an eighth of the list, and the slow tests, which
+    come first, all went to one worker (``make test`` on 2 cores: the other one idled for ~2 minutes at the end)."""
+    if getattr(config.option, "maxschedchunk", 0) is None:  # xdist installed, option not given
+        config.option.maxschedchunk = 1
 
 
 def pytest_collection_modifyitems(config, items):

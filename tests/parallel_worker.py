@@ -1,9 +1,14 @@
-"""Worker for multi-process (gloo) tests: ``python parallel_worker.py MODE WORKDIR [FUSED_OPS]`` under
-RANK/WORLD_SIZE env (FUSED_OPS: build_model's fused_ops, default "off"; results then carry its name).
+"""Worker for multi-process (gloo) tests: ``python parallel_worker.py WORKDIR MODE:FUSED [MODE:FUSED ...]``
+under RANK/WORLD_SIZE env: each configuration in turn, in this one process (one launch serves several tests).
+FUSED is build_model's fused_ops ("off", "torch", ...; results of another than "off" carry its name).
 
 MODE "tp": TP=2 forward+backward of packed microbatches; "tpsp": the same with sequence parallelism
 (microbatches padded to an even token count; per-token losses saved too). MODE "pp": PP=2, 1F1B via Megatron's
-``get_forward_backward_func``. MODE "dp"-free. Writes results of rank 0 (and the last stage) to WORKDIR.
+``get_forward_backward_func``. Every configuration builds its model afresh from WORKDIR; Megatron's parallel
+state is set up again when the layout changes (tp/tpsp: TP=2; pp: PP=2). Writes the results of rank 0 (and the
+last stage) to WORKDIR. Prints ``=== MODE:FUSED`` before and ``=== MODE:FUSED done`` after each configuration; one
+that raises writes ``MODE[_FUSED]_error.txt`` and ends the process (exit status 1; the test relaunches the
+configurations after it).
 """
 
 import json
@@ -32,20 +37,18 @@ def loss_terms(loss, batch, denom):
     return total
 
 
-def main():
-    mode, workdir = sys.argv[1], Path(sys.argv[2])
-    fused = sys.argv[3] if len(sys.argv) > 3 else "off"
-    tag = "" if fused == "off" else f"_{fused}"
-    torch.set_num_threads(1)
+def run_one(mode: str, fused: str, workdir: Path) -> None:
+    """One configuration: build the model, import the adapters, forward+backward every microbatch, save."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from lorafusion.layers import lora_batch
     from lorafusion.models.hf_import import build_model_from_hf
-    from lorafusion.runtime.dist import destroy_distributed, init_distributed
+    from lorafusion.runtime.dist import init_distributed
     from lorafusion.runtime.export import adapter_peft_state, import_peft_adapter
     from model_utils import adapter_seed
 
+    tag = "" if fused == "off" else f"_{fused}"
     tp, pp = (2, 1) if mode in ("tp", "tpsp") else (1, 2)
     init_distributed(tp, pp)
     model = build_model_from_hf(workdir / "base", fused_ops=fused, sequence_parallel=mode == "tpsp")
@@ -58,6 +61,9 @@ def main():
     out = {}
 
     if mode in ("tp", "tpsp"):
+        from lorafusion.layers.lora_linear import SAVED_AS_SHARD
+
+        SAVED_AS_SHARD[0] = 0  # counted for this configuration alone
         losses, per_token = [], []
         for b in mbs:
             if mode == "tpsp":
@@ -78,8 +84,6 @@ def main():
         out["losses"] = losses
         out["per_token"] = per_token
         if mode == "tpsp":  # the column-parallel LoRA inputs were saved as sequence shards, not gathered
-            from lorafusion.layers.lora_linear import SAVED_AS_SHARD
-
             assert SAVED_AS_SHARD[0] > 0, SAVED_AS_SHARD
     else:
         it = iter(mbs)
@@ -106,6 +110,27 @@ def main():
     if rank == 0:
         out["grads"] = grads
         torch.save(out, workdir / f"{mode}{tag}_result.pt")
+
+
+def main():
+    workdir, configs = Path(sys.argv[1]), sys.argv[2:]
+    torch.set_num_threads(1)
+    import traceback
+
+    from lorafusion.runtime.dist import destroy_distributed
+
+    for config in configs:
+        mode, fused = config.split(":")
+        print(f"=== {config}", flush=True)
+        try:
+            run_one(mode, fused, workdir)
+        except Exception:
+            text = traceback.format_exc()
+            print(f"{text}\n=== {config} failed", flush=True)
+            tag = "" if fused == "off" else f"_{fused}"
+            (workdir / f"{mode}{tag}_error.txt").write_text(f"rank {os.environ.get('RANK', '0')}:\n{text}")
+            sys.exit(1)  # the peer may be waiting in a collective of this configuration
+        print(f"=== {config} done", flush=True)
     destroy_distributed()
 
 

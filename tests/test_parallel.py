@@ -1,9 +1,6 @@
 """TP=2 and PP=2 (two gloo processes, 1F1B) equal the single-process model: losses and every LoRA grad."""
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +14,7 @@ from lorafusion.models.hf_import import build_model_from_hf
 from lorafusion.core.arch import ModelArch
 from lorafusion.runtime.export import adapter_peft_state, export_peft_adapter
 from model_utils import randomize_b
+from session_shared import launch_in_turn, shared_dir
 
 pytestmark = pytest.mark.slow
 ARCH = ModelArch(family="qwen2", vocab_size=128, hidden_size=48, num_layers=4, num_attention_heads=4,
@@ -40,15 +38,17 @@ MBS = [
 ]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# fused ops ("torch": fused RMSNorm / SwiGLU / packed RoPE; at TP=2 Megatron's vocab-parallel loss, at PP=2
+# the fused loss on the last stage) against the same single-process model with Megatron's ops
+FUSED = ["off", "torch"]
+MODES = ["tp", "tpsp", "pp"]
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory, megatron_single):
-    d = tmp_path_factory.mktemp("parallel")
+def _build_and_launch(d: Path) -> None:
+    """The base checkpoint, the adapters and the microbatches (with each adapter's token count over all of
+    them) in ``d``; then one two-process launch of parallel_worker.py runs every configuration (mode × fused
+    ops) in turn (after one that fails, a new launch runs the rest), and each test below checks its own.
+    (One launch, not six: starting a process pair costs more than the model runs.)"""
     write_hf_checkpoint(ARCH, d / "base")
     model = build_model_from_hf(d / "base")
     for i, (n, s) in enumerate(SPECS.items()):
@@ -57,7 +57,7 @@ def workdir(tmp_path_factory, megatron_single):
     for n in SPECS:
         export_peft_adapter(model, n, d / "adapters" / n)
     denom = {n: 0 for n in SPECS}
-    from parallel_worker import loss_terms, microbatches
+    from parallel_worker import microbatches
 
     (d / "batches.json").write_text(json.dumps({"mbs": MBS, "denom": {}}))
     mbs, _ = microbatches(d)
@@ -65,10 +65,20 @@ def workdir(tmp_path_factory, megatron_single):
         for n in b.adapters:
             denom[n] += float((b.adapter_token_mask(n).float() * b.loss_mask).sum())
     (d / "batches.json").write_text(json.dumps({"mbs": MBS, "denom": denom}))
-    # single-process reference from the same exported adapters
+    launch_in_turn([sys.executable, str(Path(__file__).parent / "parallel_worker.py"), str(d)],
+                   [f"{m}:{f}" for m in MODES for f in FUSED], d, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, megatron_single):
+    """(the launch's directory, once per session for all xdist workers; single-process losses, LoRA grads and
+    per-token losses of the same exported adapters and microbatches)"""
+    d = shared_dir(tmp_path_factory, "parallel", _build_and_launch)
     from lorafusion.runtime.export import import_peft_adapter
     from model_utils import per_token_loss
+    from parallel_worker import loss_terms, microbatches
 
+    mbs, spec = microbatches(d)
     ref = build_model_from_hf(d / "base")
     for n in SPECS:
         import_peft_adapter(ref, n, d / "adapters" / n)
@@ -76,26 +86,23 @@ def workdir(tmp_path_factory, megatron_single):
     losses, per_token = [], []
     for b in mbs:
         loss = per_token_loss(ref, b)
-        total = loss_terms(loss, b, denom)
+        total = loss_terms(loss, b, spec["denom"])
         total.backward()
         losses.append(total.item())
         per_token.append(loss.detach()[0].clone())
     grads = {n: adapter_peft_state(ref, n, ARCH, grad=True) for n in SPECS}
-    torch.save(per_token, d / "ref_per_token.pt")  # for the sequence-parallel test
-    return d, losses, grads
+    return d, losses, grads, per_token
 
 
-def _launch(mode, d, fused="off"):
-    port = str(_free_port())
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port, OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).parent / "parallel_worker.py"), mode, str(d), fused],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    for p, o in zip(procs, outs):
-        assert p.returncode == 0, o[-4000:]
+def _result(d: Path, mode: str, fused: str, name: str) -> Path:
+    """d/name written by the configuration ``mode:fused`` of the launch, or the failure of that configuration."""
+    tag = "" if fused == "off" else f"_{fused}"
+    err = d / f"{mode}{tag}_error.txt"
+    assert not err.exists(), err.read_text()[-4000:]
+    assert (d / name).exists(), f"{name} missing\n" + "\n".join(
+        f"--- rank {r}:\n" + (d / f"rank{r}.log").read_text().partition(f"=== {mode}:{fused}\n")[2][-3000:]
+        for r in range(2))
+    return d / name
 
 
 def _assert_grads_equal(got, want):
@@ -106,27 +113,21 @@ def _assert_grads_equal(got, want):
             assert (got[n][k] - want[n][k]).abs().max() / scale <= 1e-5, (n, k)
 
 
-# fused ops ("torch": fused RMSNorm / SwiGLU / packed RoPE; at TP=2 Megatron's vocab-parallel loss, at PP=2
-# the fused loss on the last stage) against the same single-process model with Megatron's ops
-FUSED = ["off", "torch"]
-
-
 @pytest.mark.parametrize("fused", FUSED)
 def test_tensor_parallel_2_equals_single_process(workdir, fused):
-    d, losses, grads = workdir
-    _launch("tp", d, fused)
-    res = torch.load(d / ("tp_result.pt" if fused == "off" else f"tp_{fused}_result.pt"))
+    d, losses, grads, _ = workdir
+    res = torch.load(_result(d, "tp", fused, "tp_result.pt" if fused == "off" else f"tp_{fused}_result.pt"))
     assert res["losses"] == pytest.approx(losses, rel=1e-5)
     _assert_grads_equal(res["grads"], grads)
 
 
 @pytest.mark.parametrize("fused", FUSED)
 def test_pipeline_parallel_2_1f1b_equals_single_process(workdir, fused):
-    d, losses, grads = workdir
-    _launch("pp", d, fused)
+    d, losses, grads, _ = workdir
     tag = "" if fused == "off" else f"_{fused}"
-    assert json.loads((d / f"pp{tag}_losses.json").read_text()) == pytest.approx(losses, rel=1e-5)
-    res = torch.load(d / f"pp{tag}_result.pt")
+    assert json.loads(_result(d, "pp", fused, f"pp{tag}_losses.json").read_text()) == \
+        pytest.approx(losses, rel=1e-5)
+    res = torch.load(_result(d, "pp", fused, f"pp{tag}_result.pt"))
     _assert_grads_equal(res["grads"], grads)
 
 
@@ -134,12 +135,11 @@ def test_pipeline_parallel_2_1f1b_equals_single_process(workdir, fused):
 def test_tensor_parallel_2_with_sequence_parallelism_equals_single_process(workdir, fused):
     """TP=2 + SP: every microbatch has an odd token count (padded to even), several adapters, dropout on;
     per-token losses of the real tokens and every LoRA gradient equal the single process."""
-    d, losses, grads = workdir
+    d, losses, grads, ref_per_token = workdir
     assert all(sum(len(s[1]) for s in mb["samples"]) % 2 for mb in MBS)  # the padding is exercised
-    _launch("tpsp", d, fused)
-    res = torch.load(d / ("tpsp_result.pt" if fused == "off" else f"tpsp_{fused}_result.pt"))
+    res = torch.load(_result(d, "tpsp", fused, "tpsp_result.pt" if fused == "off" else f"tpsp_{fused}_result.pt"))
     assert res["losses"] == pytest.approx(losses, rel=1e-5)
-    for got, want in zip(res["per_token"], torch.load(d / "ref_per_token.pt"), strict=True):
+    for got, want in zip(res["per_token"], ref_per_token, strict=True):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     _assert_grads_equal(res["grads"], grads)

@@ -4,7 +4,6 @@ disjoint from training; early stopping, the best-eval checkpoint (kept by prunin
 errors; PP=2 gives the single-process eval losses."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -228,17 +227,15 @@ def test_an_empty_eval_set_is_one_clear_error(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [dict(pp=2), dict(dp=2)])
-def test_two_process_eval_losses_equal_single_process(trained, tmp_path, layout):
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.two_process(name, jobs=_eval_jobs, **layout))
+    for name, layout in {"eval_pp2": dict(pp=2), "eval_dp2": dict(dp=2)}.items()])
+def test_two_process_eval_losses_equal_single_process(trained, two_process, name):
     """PP=2 (Megatron's forward-only pipeline schedule) and DP=2 (the eval microbatches split over the
-    replicas, one padded with a no-op) give the single-process eval rows."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_distributed import _train_two_processes
-
-    _, _, out, tmp = trained
-    run = write_run(tmp_path, _eval_jobs(tmp), out="two", **layout)
-    _train_two_processes(run)
-    ours = [r for r in _rows(tmp_path / "two") if "eval_loss" in r]
+    replicas, one padded with a no-op) give the single-process eval rows. (Both ranks of ``lorafusion train``
+    from the shared two-process launch, tests/runtime/conftest.py.)"""
+    _, _, out, _ = trained
+    ours = [r for r in _rows(two_process(name)) if "eval_loss" in r]
     ref = [r for r in _rows(out) if "eval_loss" in r]
     assert [(r["job"], r["step"], r["eval_tokens"]) for r in ours] == [(r["job"], r["step"], r["eval_tokens"])
                                                                        for r in ref]
