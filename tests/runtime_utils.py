@@ -38,7 +38,7 @@ def job_dict(name: str, data: Path, r: int, *, steps: int = 4, gbs: int = 4, dro
 
 
 def write_run(tmp: Path, jobs: list[dict], *, out: str = "out", tp=1, pp=1, dp=1, capacity=96, name="run.yaml",
-              preset="tiny-llama", recompute=False, sequence_parallel=False, solver="greedy") -> Path:
+              preset="tiny-llama", recompute=False, sequence_parallel=False, solver="greedy", policy="together") -> Path:
     """A run YAML of ``jobs``. Plans are greedy by default: they do not depend on the machine's load (a
     time-limited MILP can stop at different points in two runs on a busy CI machine), so two runs compared
     by a test get the same packing; the MILP in a real run is covered by tests/runtime/test_demo.py and
@@ -47,7 +47,8 @@ def write_run(tmp: Path, jobs: list[dict], *, out: str = "out", tp=1, pp=1, dp=1
         "model": {"preset": preset, "dtype": "float32", "recompute": recompute},
         "tokenizer": {"type": "byte"},
         "parallelism": {"tp": tp, "pp": pp, "dp": dp, **({"sequence_parallel": True} if sequence_parallel else {})},
-        "scheduler": {"token_capacity": capacity, "milp_time_limit_s": 0.2, "solver": solver},
+        "scheduler": {"token_capacity": capacity, "milp_time_limit_s": 0.2, "solver": solver,
+                      "policy": policy},
         "kernels": "reference",
         "jobs": jobs,
         "output_dir": str(tmp / out),
