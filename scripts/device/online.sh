@@ -5,16 +5,7 @@
 #   run (kind nvidia-h200 or nvidia-h100-x1):  BENCH_COMMIT=<hash> bash scripts/device/online.sh
 # Writes $OUT/online-jct-gpu.json and $OUT/online.log (copy the JSON to docs/results/).
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-if command -v nvidia-smi >/dev/null 2>&1 && ls .whl/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-  export PYTHONPATH=$PWD:/tmp/site
-else
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
+. "$(dirname "$0")/setup.sh"  # $OUT, $PY, the carried wheels
 DEVICE=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 "$PY" scripts/replay_online.py --config "${CONFIG:-configs/llama3.1-8b-4adapters.yaml}" \
   --trace "${TRACE:-docs/results/online-trace-gpu.yaml}" --out "$OUT/online-jct-gpu.json" --work /tmp/online-work \

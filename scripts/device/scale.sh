@@ -18,17 +18,8 @@
 # $OUT/<run>.log; GPU tests first (GPU_TESTS=0 skips them) into $OUT/gpu_tests.log. At most 8 files come
 # back from $OUT: with the GPU tests that is 3 runs per call.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-# the carried wheels are for the GPU machine's image (Python 3.12): install them only there
-if command -v nvidia-smi >/dev/null 2>&1 && ls .whl/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-  export PYTHONPATH=$PWD:/tmp/site
-else
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. "$(dirname "$0")/setup.sh"  # $OUT, $PY, the carried wheels
 NGPU=${NGPU:-$("$PY" -c 'import torch; print(torch.cuda.device_count())')}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
 COMMIT=${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}

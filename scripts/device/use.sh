@@ -6,16 +6,7 @@
 #   run (kind nvidia-h100-x1 or nvidia-h200):  bash scripts/device/use.sh
 # Writes $OUT/use.log, $OUT/generated.jsonl, $OUT/check.json.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-if command -v nvidia-smi >/dev/null 2>&1 && ls .whl/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-  export PYTHONPATH=$PWD:/tmp/site
-else
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
+. "$(dirname "$0")/setup.sh"  # $OUT, $PY, the carried wheels
 RUN=/tmp/use-run
 {
   rm -rf "$RUN" /tmp/use-base /tmp/use-merged

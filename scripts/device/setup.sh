@@ -1,0 +1,12 @@
+# Sourced by the device scripts (scale.sh, online.sh, use.sh): $OUT and $PY, and on the GPU machine the carried
+# wheels (.whl/, built for its Python 3.12 image) installed under /tmp/site; elsewhere the checkout's own env.
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+if command -v nvidia-smi >/dev/null 2>&1 && ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=$PWD:/tmp/site
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
