@@ -27,6 +27,7 @@ from lorafusion.scheduler import (
 )
 from lorafusion.scheduler.grouper import stagger_ok
 from lorafusion.scheduler.merge import fill_pair
+from lorafusion.scheduler.policy import POLICIES
 
 
 def make_job(name, gbs, nb, lo, hi, seed, **kw):
@@ -154,17 +155,20 @@ def test_even_balance_mode():
         SchedulerConfig(balance="tight")
 
 
+@pytest.mark.parametrize("policy", POLICIES)
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     events=st.lists(st.sampled_from(["plan", "plan", "add", "remove"]), min_size=1, max_size=10),
     S=st.integers(1, 4),
     dp=st.integers(1, 2),
-    rounds=st.integers(1, 2),
+    rounds=st.integers(1, 3),
     seed=st.integers(0, 1000),
 )
-def test_random_join_leave_sequences_verify_and_keep_order(events, S, dp, rounds, seed):
+def test_random_join_leave_sequences_verify_and_keep_order(policy, events, S, dp, rounds, seed):
+    """Under every chunk policy (scheduler/policy.py): plans already returned never change, the concatenated
+    stream verifies, every job's batches keep their order and steps."""
     rng = random.Random(seed)
-    online = OnlineScheduler(SchedulerConfig(S, dp, 1024, milp_time_limit_s=0.0))
+    online = OnlineScheduler(SchedulerConfig(S, dp, 1024, milp_time_limit_s=0.0, policy=policy))
     made = 0
 
     def new_job():

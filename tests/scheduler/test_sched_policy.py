@@ -1,10 +1,9 @@
 """policy.py (shortest first, fill of idle slots), the fill stream of ``sequence``/``plan``, and
-``OnlineScheduler`` under ``policy="shortest_first"``."""
+``OnlineScheduler`` under ``policy="shortest_first"`` (its random join/leave property test, over every policy,
+is in test_sched_online.py)."""
 
 from __future__ import annotations
 
-import copy
-import itertools
 import random
 
 import pytest
@@ -24,7 +23,7 @@ from lorafusion.scheduler import (
 from lorafusion.scheduler import policy
 from lorafusion.scheduler.replay import SimCost, run_policies
 
-from test_sched_online import job_order, make_job
+from test_sched_online import make_job
 
 
 def test_order_is_priority_then_least_remaining_work_then_given_order():
@@ -86,49 +85,6 @@ def test_plan_with_fill_verifies_and_the_main_jobs_keep_their_slots(S, dp, n_fil
     verify_plan(both, main + fill, S, dp)
     where = lambda p: [(mb.slot, mb.entries) for mb in p.microbatches if mb.entries and mb.entries[0].job == "main"]  # noqa: E731
     assert where(both) == where(alone)
-
-
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    events=st.lists(st.sampled_from(["plan", "plan", "add", "remove"]), min_size=1, max_size=10),
-    S=st.integers(1, 4),
-    dp=st.integers(1, 2),
-    rounds=st.integers(1, 3),
-    seed=st.integers(0, 1000),
-)
-def test_shortest_first_join_leave_sequences_verify_and_keep_order(events, S, dp, rounds, seed):
-    """The property test of online.py's join/leave, under the shortest-first policy: plans already returned
-    never change, the concatenated stream verifies, every job's batches keep their order and steps."""
-    rng = random.Random(seed)
-    online = OnlineScheduler(SchedulerConfig(S, dp, 1024, milp_time_limit_s=0.0, policy="shortest_first"))
-    made = 0
-
-    def new_job():
-        nonlocal made
-        made += 1
-        return make_job(f"j{made}", rng.randint(1, 6), rng.randint(1, 4), 20, 600, rng.randint(0, 10**6),
-                        priority=rng.randint(0, 2), rank=rng.choice([8, 16, 64]))
-
-    online.add_job(new_job())
-    for ev in events:
-        if ev == "add":
-            online.add_job(new_job())
-        elif ev == "remove" and online.active:
-            online.remove_job(rng.choice(online.active))
-        else:
-            before = copy.deepcopy(online.plans)
-            online.plan_next(rounds)
-            assert online.plans[: len(before)] == before
-    if not online.plans:
-        return
-    combined = online.combined()
-    planned = online.planned_jobs()
-    verify_plan(combined, planned, S, dp)
-    for job in planned:
-        batches = [g for g, _ in job_order(combined, job.name)]
-        assert batches == sorted(batches)
-        steps = [combined.step_slot(job.name, g) for g in range(len(job.global_batches))]
-        assert all(b - a >= S for a, b in itertools.pairwise(steps))
 
 
 def test_shortest_first_trains_the_job_with_least_work_and_fills_its_idle_slots():
