@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch.distributed as dist
 
@@ -60,7 +61,11 @@ class JobState:
     best_eval: float | None = None
     best_step: int | None = None
     evals_since_best: int = 0
-    mean_len: float | None = None  # mean sample length (scheduler.policy shortest_first)
+
+    @cached_property
+    def mean_len(self) -> float:
+        """Mean sample length in tokens (the samples never change)."""
+        return sum(len(t) for t, _ in self.samples) / max(1, len(self.samples))
 
     @property
     def halted(self) -> bool:
@@ -217,8 +222,6 @@ class Feed:
     def _remaining_tokens(self, name: str) -> int:
         """Tokens a job has left to train: global batches left × its batch size × its mean sample length."""
         js = self.jobs[name]
-        if js.mean_len is None:
-            js.mean_len = sum(len(t) for t, _ in js.samples) / max(1, len(js.samples))
         left = max(0, js.stream.total_steps - js.stream.steps_done)
         return round(left * js.cfg.global_batch_size * js.mean_len)
 

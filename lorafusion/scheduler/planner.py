@@ -132,7 +132,9 @@ def plan(
     stats = PlanStats()
     ready = dict(initial_ready or {})
     deadline = t0 + config.milp_time_limit_s
-    stream = _stream(jobs, config, capacity, ready, groups, stats, deadline if not fill else (t0 + deadline) / 2)
+    # with fill jobs, the main stream's packings get the first half of the MILP budget
+    main_deadline = t0 + config.milp_time_limit_s / 2 if fill else deadline
+    stream = _stream(jobs, config, capacity, ready, groups, stats, main_deadline)
     fill_stream = _stream(fill, config, capacity, ready, None, stats, deadline) if fill else []
     mbs, last = sequence(stream, config.pipeline_depth, config.dp_size, ready, config.sequencer_window,
                          fill_stream)
