@@ -84,10 +84,12 @@ def read_config(path: str) -> dict:
     return base
 
 
-def capacity_of(base: dict, overrides: list[str]) -> int:
-    cap = next((o.split("=", 1)[1] for o in overrides if o.startswith("scheduler.token_capacity=")), None)
-    cap = cap or (base.get("scheduler") or {}).get("token_capacity", 4096)
-    return int(cap) if str(cap).isdigit() else 4096
+def scheduler_int(base: dict, overrides: list[str], key: str, default: int) -> int:
+    """``scheduler.KEY`` of the run as launched: the last ``scheduler.KEY=`` override, else the YAML's, else
+    ``default`` (also for "auto")."""
+    value = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith(f"scheduler.{key}=")), None)
+    value = value or (base.get("scheduler") or {}).get(key, default)
+    return int(value) if str(value).isdigit() else default
 
 
 def run_policy(policy: str, trace: Trace, args, overrides: list[str], work: Path) -> dict:
@@ -95,7 +97,7 @@ def run_policy(policy: str, trace: Trace, args, overrides: list[str], work: Path
     from lorafusion.runtime.requests import write_request
 
     base = read_config(args.config)
-    max_len = capacity_of(base, overrides)
+    max_len = scheduler_int(base, overrides, "token_capacity", 4096)
     yamls = {tj.name: job_yaml(trace, tj, work, max_len) for tj in trace.jobs}
     first = min(tj.arrival_s for tj in trace.jobs)
     at_start = [tj.name for tj in trace.jobs if tj.arrival_s == first]
@@ -185,8 +187,8 @@ def simulate(trace: Trace, policies: list[str], time_scale: float, base: dict, o
 
     bench_online.measured_from_files()
     costs, _ = bench_online.fit_costs()
-    cfg = replace(bench_online.SETTINGS["pp1"], token_capacity=capacity_of(base, overrides),
-                  lookahead_batches=int((base.get("scheduler") or {}).get("lookahead_batches", 2)))
+    cfg = replace(bench_online.SETTINGS["pp1"], token_capacity=scheduler_int(base, overrides, "token_capacity", 4096),
+                  lookahead_batches=scheduler_int(base, overrides, "lookahead_batches", 2))
     scaled = trace.scaled(time_scale)
     res = run_policies(trace_specs(scaled), {j.name: j.arrival_s for j in scaled.jobs}, cfg, costs["pp1"])
     return {p: res[f"online_{p}"].summary() for p in policies}

@@ -55,3 +55,14 @@ def test_replay_submits_at_arrival_times_and_measures_every_jobs_completion(tmp_
         subprocess.run([sys.executable, str(ROOT / "scripts" / "replay_online.py"), "--config",
                         str(ROOT / "configs" / "quickstart.yaml"), "--trace", str(tmp_path / "t.yaml"), "--out",
                         str(out)], check=True, cwd=ROOT, capture_output=True, timeout=120)
+
+
+def test_scheduler_settings_of_the_run_come_from_the_last_override_then_the_yaml():
+    """The simulated side must see the run as launched (online.sh overrides lookahead_batches to 1)."""
+    import replay_online
+
+    base = {"scheduler": {"token_capacity": 1024, "lookahead_batches": 2}}
+    over = ["scheduler.lookahead_batches=4", "scheduler.lookahead_batches=1"]
+    assert replay_online.scheduler_int(base, over, "lookahead_batches", 2) == 1
+    assert replay_online.scheduler_int(base, over, "token_capacity", 4096) == 1024
+    assert replay_online.scheduler_int({"scheduler": {"token_capacity": "auto"}}, [], "token_capacity", 4096) == 4096
