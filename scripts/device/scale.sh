@@ -9,8 +9,8 @@
 #   32b-tp2sp         2  qwen2.5-32b   tp=2 + sequence parallel
 #   70b-pp4           4  llama3.1-70b  pp=4
 #   70b-tp2pp2        4  llama3.1-70b  tp=2 + sequence parallel, pp=2
-# Each 32B run: STEPS (default 10) optimizer steps per job, the first WARMUP (2) untimed, so >= 8 timed (70B: see
-# its spec);
+# Each 32B run: STEPS (default 12) optimizer steps per job, the first WARMUP (4) untimed, so >= 8 timed (the config's
+# lookahead_batches is 4: one warm-up chunk, two timed chunks; 70B: see its spec);
 # then, unless BASELINES=0, the same data one adapter at a time through our runtime with a pipeline flush per
 # global batch (scheduler off, the Megatron-LM way) and with kernels=reference (fused kernels off).
 # Writes $OUT/<run>.json (the docs/results/32b-pp2-2gpu.json shape: tokens_per_s, bubble_ratio (steady state,
@@ -24,7 +24,7 @@ NGPU=${NGPU:-$("$PY" -c 'import torch; print(torch.cuda.device_count())')}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
 COMMIT=${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export BENCH_COMMIT=$COMMIT
-STEPS=${STEPS:-10}; WARMUP=${WARMUP:-2}; ROWS=${ROWS:-256}
+STEPS=${STEPS:-12}; WARMUP=${WARMUP:-4}; ROWS=${ROWS:-256}
 
 if [ "${GPU_TESTS:-1}" = 1 ] && [ "$NGPU" -ge 1 ]; then
   "$PY" -m pytest -q -m gpu -p no:cacheprovider ${GPU_TEST_PATHS:-tests/test_recompute.py tests/kernels} 2>&1 \
