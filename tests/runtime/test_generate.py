@@ -28,6 +28,9 @@ ARCH = preset("tiny-llama")
 SPECS = {"alpha": LoRASpec(r=4, lora_alpha=8, target_modules=("all-linear",)),
          "beta": LoRASpec(r=8, lora_alpha=8, target_modules=("q_proj", "k_proj", "v_proj", "down_proj"))}
 EOS = 257  # the byte tokenizer's
+# where `lorafusion generate` builds its model (the GPU when there is one): a preset base drawn there is the one a
+# run drawn there trained against (CPU and CUDA draw different numbers from one seed)
+DEV = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -79,7 +82,7 @@ def preset_run(tmp_path_factory, megatron_single):
     from lorafusion.models.provider import build_model
 
     d = tmp_path_factory.mktemp("gen_preset")
-    model = build_model(ARCH, seed=1234)
+    model = build_model(ARCH, seed=1234, device=DEV)
     for i, (name, spec) in enumerate(SPECS.items()):
         add_adapter(model, name, spec, seed=i)
     _randomize(model, seed=1)
@@ -136,8 +139,9 @@ def test_kv_cache_equals_full_recompute_and_leaves_training_untouched(preset_run
     def logits(m, name):
         from lorafusion.core.routing import Routing
 
+        dev = next(m.parameters()).device
         with lora_batch(m, Routing.single(9), [name]):
-            return m(ids, pos, attention_mask=None)
+            return m(ids.to(dev), pos.to(dev), attention_mask=None)
 
     # the base rebuilt from the run's seed and the imported adapter are the trained model
     torch.testing.assert_close(logits(model, "alpha"), logits(trained, "alpha"), rtol=0, atol=1e-5)
