@@ -10,6 +10,10 @@ Adapter weights of all slots are concatenated along the rank: ``A_cat`` [R_tot, 
 slot ``a`` owns rank rows/columns ``roff[a] .. roff[a]+r[a]``. Loads are masked to ``r[a]`` inside a
 power-of-two block ``RB`` >= 16, which pads any rank 1..256 for ``tl.dot`` without copying.
 
+Every ``tl.dot`` takes ``PREC`` (constexpr): "ieee" for float32 operands while PyTorch's float32 matmul
+precision is "highest" (its default: no TF32), else "tf32" (Triton's default; for 16-bit operands it changes
+nothing), so a float32 model's LoRA terms are as exact as its base matmuls (see ``dot_precision``).
+
 Kernels
 - ``_lora_gemm_kernel``: ``C = X·W' (+bias) + Σ_seg coef_a · keep_a ⊙ (S_seg · L_a)``. Forward:
   ``Y = X·Wᵀ + s·S·Bᵀ`` (L = Bᵀ, no mask); backward: ``dX = dY·W + keep ⊙ (dS·A)/(1-p)`` (L = A, mask
@@ -55,6 +59,7 @@ def _lora_gemm_kernel(
     k_total, k_offset,
     HAS_MAIN: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, ALIGNED: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RK: tl.constexpr, GROUP_M: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BM)
@@ -91,7 +96,7 @@ def _lora_gemm_kernel(
                           mask=rowm[:, None] & rmask[None, :], other=0.0)
             l_t = tl.load(l_ptr + (roff + rr)[:, None] * stride_lr + offs_n[None, :] * stride_ln,
                           mask=rmask[:, None] & nmask[None, :], other=0.0)
-            acc = tl.dot(s_t, l_t, acc)
+            acc = tl.dot(s_t, l_t, acc, input_precision=PREC)
         coef_row = tl.where(rowm, tl.load(coef_ptr + sc), coef_row)
         if DROPOUT:
             seed_row = tl.where(rowm, tl.load(seed_ptr + sc), seed_row)
@@ -113,7 +118,7 @@ def _lora_gemm_kernel(
             kmask = offs_k < K - kk * BK
             a = tl.load(x_ptrs, mask=kmask[None, :], other=0.0)
             b = tl.load(w_ptrs, mask=kmask[:, None], other=0.0)
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, b, acc, input_precision=PREC)
             x_ptrs += BK * stride_xk
             w_ptrs += BK * stride_wk
 
@@ -131,7 +136,7 @@ def _shrink_kernel(
     K, R_OUT,
     stride_xm, stride_xk, stride_ar, stride_ak, stride_sm, stride_sr,
     k_total, k_offset,
-    DROPOUT: tl.constexpr, ALIGNED: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr,
+    DROPOUT: tl.constexpr, ALIGNED: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr,
 ):
     c = tl.program_id(0)
     slot = tl.load(chunk_ptr + 3 * c)
@@ -159,7 +164,7 @@ def _shrink_kernel(
         if DROPOUT:
             x = tl.where(keep_tile(seed, thr, row_base, k_offset + kk * BK, BK, ALIGNED), x, 0.0)
         a = tl.load(a_ptrs, mask=kmask[:, None] & rmask[None, :], other=0.0)
-        acc = tl.dot(x, a, acc)
+        acc = tl.dot(x, a, acc, input_precision=PREC)
         x_ptrs += BK * stride_xk
         a_ptrs += BK * stride_ak
     acc = acc * tl.load(inv_ptr + sc)
@@ -173,7 +178,7 @@ def _ds_db_kernel(
     coef_ptr, r_ptr, roff_ptr,
     M, N,
     stride_dym, stride_dyn, stride_bn, stride_br, stride_sm, stride_sr,
-    BM: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (n-blocks, chunks). dsp: fp32 [n_blocks, M, RB]; dbp: fp32 [chunks, N, RB]."""
     nb = tl.program_id(0)
@@ -198,9 +203,9 @@ def _ds_db_kernel(
                      mask=rowm[:, None] & nmask[None, :], other=0.0)
         s = tl.load(s_ptr + rows[:, None] * stride_sm + offs_r[None, :] * stride_sr,
                     mask=rowm[:, None] & rmask[None, :], other=0.0)
-        ds = tl.dot(dy, b) * coef
+        ds = tl.dot(dy, b, input_precision=PREC) * coef
         tl.store(dsp_ptr + nb * M * RB + rows[:, None] * RB + offs_r[None, :], ds, mask=rowm[:, None])
-        db = tl.dot(tl.trans(dy), s, db)
+        db = tl.dot(tl.trans(dy), s, db, input_precision=PREC)
     tl.store(dbp_ptr + c * N * RB + offs_n[:, None] * RB + offs_r[None, :], db * coef, mask=nmask[:, None])
 
 
@@ -211,7 +216,7 @@ def _da_kernel(
     K,
     stride_xm, stride_xk, stride_dsm, stride_dsr,
     k_total, k_offset,
-    DROPOUT: tl.constexpr, ALIGNED: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr,
+    DROPOUT: tl.constexpr, ALIGNED: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (k-blocks, chunks). dap: fp32 [chunks, RB, K]."""
     kb = tl.program_id(0)
@@ -241,7 +246,7 @@ def _da_kernel(
             x = tl.where(keep, x, 0.0)
         ds = tl.load(ds_ptr + rows[:, None] * stride_dsm + offs_r[None, :] * stride_dsr,
                      mask=rowm[:, None] & rmask[None, :], other=0.0)
-        acc = tl.dot(tl.trans(ds), x, acc)
+        acc = tl.dot(tl.trans(ds), x, acc, input_precision=PREC)
     acc = acc * tl.load(inv_ptr + sc)
     tl.store(dap_ptr + c * RB * K + offs_r[:, None] * K + offs_k[None, :], acc, mask=kmask[None, :])
 
@@ -254,7 +259,7 @@ def _da_dx_kernel(
     stride_xm, stride_xk, stride_dsm, stride_dsr, stride_ar, stride_ak, stride_dxm, stride_dxk,
     k_total, k_offset,
     ACC: tl.constexpr, DROPOUT: tl.constexpr, ALIGNED: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr,
 ):
     """One pass over (X, dX) tiles with one mask per tile: dA partial = dSᵀ·keep⊙X/(1-p) (fp32 [chunks, RB, K])
     and dX (+)= keep⊙(dS·A)/(1-p). ``ACC``: add into dX (it holds dY·W from cuBLAS); else write dX."""
@@ -287,13 +292,13 @@ def _da_dx_kernel(
         x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=m2, other=0.0)
         ds = tl.load(ds_ptr + rows[:, None] * stride_dsm + offs_r[None, :] * stride_dsr,
                      mask=rowm[:, None] & rmask[None, :], other=0.0)
-        t = tl.dot(ds, a) * inv
+        t = tl.dot(ds, a, input_precision=PREC) * inv
         if DROPOUT:
             rid = tl.load(rowid_ptr + rows, mask=rowm, other=0)
             keep = keep_tile(seed, thr, row_counter_base(rid, k_total), k_offset + kb * BK, BK, ALIGNED)
             x = tl.where(keep, x, 0.0)
             t = tl.where(keep, t, 0.0)
-        acc = tl.dot(tl.trans(ds), x, acc)
+        acc = tl.dot(tl.trans(ds), x, acc, input_precision=PREC)
         dx_ptrs = dx_ptr + rows[:, None] * stride_dxm + offs_k[None, :] * stride_dxk
         if ACC:
             t += tl.load(dx_ptrs, mask=m2, other=0.0).to(tl.float32)

@@ -25,6 +25,12 @@ def _cache(cache: TableCache | None) -> TableCache:
     return cache if cache is not None else TableCache()
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s input precision for operands of ``dtype``: float32 follows PyTorch's float32 matmul
+    precision ("highest", the default, = IEEE; "high"/"medium" = TF32); 16-bit types are unaffected."""
+    return "ieee" if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
 # ---------------------------------------------------------------------------------------------- launchers
 
 
@@ -56,7 +62,7 @@ def lora_gemm(x: torch.Tensor | None, w_kn: torch.Tensor | None, bias: torch.Ten
         S.stride(0), S.stride(1), L_rn.stride(0), L_rn.stride(1), out.stride(0), out.stride(1),
         k_total, k_offset,
         HAS_MAIN=has_main, HAS_BIAS=bias is not None, DROPOUT=bool(dropout), ALIGNED=k_offset % 8 == 0,
-        BM=bm, BN=bn, BK=cfg.get("BK", 16), RK=min(st.rb, 64), GROUP_M=cfg["GROUP_M"],
+        BM=bm, BN=bn, BK=cfg.get("BK", 16), RK=min(st.rb, 64), GROUP_M=cfg["GROUP_M"], PREC=dot_precision(S.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
@@ -75,7 +81,7 @@ def lora_shrink(x: torch.Tensor, A_cat: torch.Tensor, st: SlotTables, routing, r
         kdim, st.r_max, x.stride(0), x.stride(1), A_cat.stride(0), A_cat.stride(1), S.stride(0), S.stride(1),
         k_total, k_offset,
         DROPOUT=st.dropout, ALIGNED=k_offset % 8 == 0, BM=cfg["BM"], BK=max(16, min(cfg["BK"], 16384 // st.rb)),
-        RB=st.rb,
+        RB=st.rb, PREC=dot_precision(x.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return S
@@ -109,7 +115,7 @@ def lora_ds_db(dy: torch.Tensor, B_cat: torch.Tensor, S: torch.Tensor, st: SlotT
     _ds_db_kernel[(nblk, n_chunks)](
         dy, B_cat, S, dsp, dbp, chunks, st.scale, st.r, st.roff, m, n,
         dy.stride(0), dy.stride(1), B_cat.stride(0), B_cat.stride(1), S.stride(0), S.stride(1),
-        BM=cfg["BM"], BN=bn, RB=st.rb, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BM=cfg["BM"], BN=bn, RB=st.rb, PREC=dot_precision(dy.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     dS = (dsp[0] if nblk == 1 else dsp.sum(0))[:, : st.r_max].to(S.dtype)
     dB = []
@@ -130,7 +136,7 @@ def lora_da(x: torch.Tensor, dS: torch.Tensor, st: SlotTables, routing, row_ids:
     _da_kernel[(triton.cdiv(kdim, bk), n_chunks)](
         x, dS, dap, row_ids, chunks, st.seed, st.thr, st.inv_keep, st.r, st.roff,
         kdim, x.stride(0), x.stride(1), dS.stride(0), dS.stride(1), k_total, k_offset,
-        DROPOUT=st.dropout, ALIGNED=k_offset % 8 == 0, BM=cfg["BM"], BK=bk, RB=st.rb,
+        DROPOUT=st.dropout, ALIGNED=k_offset % 8 == 0, BM=cfg["BM"], BK=bk, RB=st.rb, PREC=dot_precision(x.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return [None if part is None else part[: st.ranks[a]]
@@ -157,7 +163,7 @@ def lora_da_dx(x: torch.Tensor, dS: torch.Tensor, A_cat: torch.Tensor, dx: torch
         kdim, x.stride(0), x.stride(1), dS.stride(0), dS.stride(1), A_cat.stride(0), A_cat.stride(1),
         dx.stride(0), dx.stride(1), k_total, k_offset,
         ACC=acc, DROPOUT=st.dropout, ALIGNED=k_offset % 8 == 0, BM=cfg["BM"], BK=bk, RB=st.rb,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        PREC=dot_precision(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     dA = [None] * len(st.ranks)
     if need_da:

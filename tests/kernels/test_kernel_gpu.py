@@ -130,3 +130,39 @@ def test_gpu_philox_matches_torch():
         a = keep_mask_triton(seed, ids, 1000, 0.1, 24, 5000)
         b = keep_mask(seed, ids, 1000, 0.1, 24, 5000)
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("main_gemm", ["triton", "cublas"])
+def test_fp32_follows_torch_matmul_precision(main_gemm):
+    """float32 operands: IEEE dots while PyTorch's float32 matmul precision is "highest" (its default), as
+    exact as cuBLAS fp32 against a float64 reference; TF32 under "high", as torch's own matmuls then are."""
+    from lorafusion.ops.fused import multi_lora_linear_fused
+
+    torch.manual_seed(11)
+    m, k, n = 1000, 1024, 768
+    routing = Routing.from_lengths([0, 1, 0, 2], [300, 250, 50, 400])
+    ranks, sc, ps = [8, 16, 64], [2.0, 1.0, 0.5], [0.1, 0.0, 0.05]
+    seeds = [mix_seed(2, a) for a in range(3)]
+    x = torch.randn(m, k, device="cuda")
+    W = torch.randn(n, k, device="cuda") / k**0.5
+    A, B = make_adapters(k, n, ranks, torch.float32, "cuda", requires_grad=False, scale_b=0.5)
+    g = torch.randn(m, n, device="cuda")
+
+    def run(fn, dtype, **kw):
+        leaves = [t.detach().to(dtype).requires_grad_(True) for t in (x, *A, *B)]
+        y = fn(leaves[0], W.to(dtype), None, leaves[1:4], leaves[4:], sc, ps, seeds, routing, **kw)
+        y.backward(g.to(dtype))
+        return [y.detach()] + [t.grad for t in leaves]
+
+    ref = run(reference_linear, torch.float64)
+    before = torch.get_float32_matmul_precision()
+    try:
+        errs = {}
+        for prec in ("highest", "high"):
+            torch.set_float32_matmul_precision(prec)
+            got = run(multi_lora_linear_fused, torch.float32, main_gemm=main_gemm)
+            errs[prec] = max(rel(a, b) for a, b in zip(got, ref, strict=True))
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert errs["highest"] <= 1e-5, errs
+    assert errs["high"] <= 5e-3, errs

@@ -60,10 +60,13 @@ def test_base_export_is_the_trained_base_and_adapters_load_in_peft(run):
     assert tok(text, add_special_tokens=False).input_ids == ByteTokenizer().encode(text)
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (256, 257, 258)
     assert tok.decode(ByteTokenizer().encode(text)) == text
-    # base + PEFT adapter in transformers == the run's own model (rebuilt from the seed where the run drew it:
-    # the GPU when there is one, whose numbers differ from the CPU's) with that adapter, in plain torch ops
-    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    ours = build_model(preset("tiny-llama"), seed=1234, device=dev, fused_ops="off").eval()
+    # base + PEFT adapter in transformers == the run's own model (rebuilt from the seed on the device type the run
+    # drew it on, as its record says: CPU and CUDA draw different numbers) with that adapter, in plain torch ops,
+    # on the GPU when there is one (Megatron moves a CPU model's RoPE there at its first forward)
+    drawn = json.loads((out / "base_model.json").read_text())["init_device"]
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    ours = build_model(preset("tiny-llama"), seed=1234, device=dev if drawn == "cuda" else None, fused_ops="off")
+    ours = ours.to(dev).eval()
     ids = _ids()
     for job in ("a", "b"):
         pm = peft.AutoPeftModelForCausalLM.from_pretrained(out / "adapters" / job, dtype=torch.float32).eval()
