@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from lorafusion.scheduler import SchedulerConfig  # noqa: E402
 from lorafusion.scheduler.replay import (  # noqa: E402
-    SimCost, alone_times, bisect, fit_scale, run_policies, throughput, together_plans)
+    SimCost, alone_times, bisect, fit_scale, run_policies, srpt_jct, throughput, together_plans)
 from lorafusion.scheduler.trace import (  # noqa: E402
     GEN_BATCH_SIZES, GEN_PROFILES, GEN_RANKS, GEN_STEPS, TraceJob, load_trace, poisson_trace, save_trace,
     trace_dict, trace_specs)
@@ -141,12 +141,17 @@ def run_setting(name: str, trace, cost: SimCost, rho_list: list[float], rho: flo
             "together_p90_jct_speedup_vs_sequential": seq["p90_jct_s"] / tog["p90_jct_s"],
             "min_jct_over_alone": min(res["online"].jct[n] / alone[n] for n in alone),
         }
+        # the ordering-only ceiling: preemptive SRPT over the jobs' times alone (optimal mean JCT on one server)
+        srpt = srpt_jct(alone, arrival)
+        row["srpt_mean_jct_s"] = float(np.mean(list(srpt.values())))
+        row["srpt_mean_jct_speedup_vs_sequential"] = seq["mean_jct_s"] / row["srpt_mean_jct_s"]
         row["target_met"] = row["mean_jct_speedup_vs_sequential"] >= 2.0 and row["mean_jct_speedup_vs_static"] > 1.0
         out["loads"].append(row)
         print(f"{name} rho={r}: " + "  ".join(
             f"{k}: mean {v['mean_jct_s']:.1f}s p90 {v['p90_jct_s']:.1f}s makespan {v['makespan_s']:.1f}s "
             f"busy {v['gpu_busy_fraction']:.3f}" for k, v in s.items() if k != "online")
-            + f"  | mean x{row['mean_jct_speedup_vs_sequential']:.2f} p90 x{row['p90_jct_speedup_vs_sequential']:.2f}"
+            + f"  | mean x{row['mean_jct_speedup_vs_sequential']:.2f} (SRPT ceiling"
+              f" x{row['srpt_mean_jct_speedup_vs_sequential']:.2f}) p90 x{row['p90_jct_speedup_vs_sequential']:.2f}"
               f" vs static x{row['mean_jct_speedup_vs_static']:.2f}", flush=True)
     out["headline"] = next(x for x in out["loads"] if x["rho"] in (rho, None))
     return out
@@ -156,7 +161,7 @@ def over_traces(args, costs: dict, head: dict) -> dict:
     """The headline's speedups on more traces of the same generator (other seeds), at ``--rho``."""
     seeds = [args.seed] + [int(x) for x in args.seeds.split(",") if x.strip()]
     keys = ("mean_jct_speedup_vs_sequential", "p90_jct_speedup_vs_sequential", "mean_jct_speedup_vs_static",
-            "together_mean_jct_speedup_vs_sequential", "makespan_ratio")
+            "together_mean_jct_speedup_vs_sequential", "makespan_ratio", "srpt_mean_jct_speedup_vs_sequential")
     out: dict = {"seeds": seeds, "rho": args.rho, "n_jobs": args.jobs}
     for name in args.settings.split(","):
         rows = [head[name]] + [run_setting(name, poisson_trace(args.jobs, s, rate_per_s=1.0), costs[name], [],

@@ -190,6 +190,32 @@ def run_policies(jobs: Sequence[JobSpec], arrival: Mapping[str, float], config: 
     return out
 
 
+def srpt_jct(service: Mapping[str, float], arrival: Mapping[str, float]) -> dict[str, float]:
+    """Each job's completion time minus arrival under preemptive shortest-remaining-processing-time on one
+    server, job ``j`` needing ``service[j]`` seconds of it (ties: earlier arrival, then name).
+
+    With ``service`` = the jobs' times alone this is the ordering-only ceiling: SRPT minimises mean JCT over
+    every schedule of one server (Schrage 1968), so no policy beats it without more throughput than the jobs
+    get alone (sharing that fills idle capacity) or preemption for free; it ignores chunk granularity."""
+    left = dict(service)
+    t, done = 0.0, {}
+    pending = sorted(left, key=lambda j: (arrival[j], j))
+    while pending:
+        ready = [j for j in pending if arrival[j] <= t]
+        if not ready:
+            t = arrival[pending[0]]
+            continue
+        j = min(ready, key=lambda n: (left[n], arrival[n], n))
+        nxt = min((arrival[n] for n in pending if arrival[n] > t), default=float("inf"))
+        run = min(left[j], nxt - t)
+        t += run
+        left[j] -= run
+        if left[j] <= 1e-12:
+            done[j] = t - arrival[j]
+            pending.remove(j)
+    return done
+
+
 def together_plans(jobs: Sequence[JobSpec], config: SchedulerConfig, rounds: int | None = None) -> list[Plan]:
     """The chunk plans of ``jobs`` all present at t = 0 and trained together (policy "together", whatever
     ``config.policy`` says; independent of the cost)."""

@@ -198,3 +198,25 @@ def test_trace_specs_are_what_policies_get(tmp_path):
     specs = trace_specs(t)
     assert [len(s.global_batches) for s in specs] == [2, 3] and specs[1].rank == 64
     assert all(s.truncate for s in specs)
+
+
+def test_srpt_jct_by_hand_and_never_above_fifo():
+    from lorafusion.scheduler.replay import srpt_jct
+
+    # a long job is pre-empted by a short arrival and resumes after it
+    assert srpt_jct({"long": 10.0, "short": 2.0}, {"long": 0.0, "short": 3.0}) == {"short": 2.0, "long": 12.0}
+    # idle gap before a later arrival; equal remaining work: the earlier arrival first
+    assert srpt_jct({"a": 1.0, "b": 1.0, "c": 1.0}, {"a": 0.0, "b": 5.0, "c": 5.0}) == {"a": 1.0, "b": 1.0, "c": 2.0}
+    rng = __import__("random").Random(4)
+    for _ in range(50):
+        n = rng.randint(1, 8)
+        service = {f"j{i}": rng.uniform(0.1, 5) for i in range(n)}
+        arrival = {f"j{i}": rng.uniform(0, 10) for i in range(n)}
+        srpt = srpt_jct(service, arrival)
+        t, fifo = 0.0, {}
+        for j in sorted(arrival, key=arrival.get):
+            t = max(t, arrival[j]) + service[j]
+            fifo[j] = t - arrival[j]
+        assert all(srpt[j] >= service[j] - 1e-9 for j in service)
+        assert sum(srpt.values()) <= sum(fifo.values()) + 1e-9
+        assert abs(max(arrival[j] + srpt[j] for j in service) - t) < 1e-9  # the same makespan (work conserving)
