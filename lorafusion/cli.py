@@ -112,14 +112,11 @@ def cmd_submit(args) -> int:
 
 
 def cmd_cancel(args) -> int:
-    from lorafusion.core.errors import ConfigError
-    from lorafusion.runtime.requests import known_job_names, require_run_dir, write_request
+    from lorafusion.runtime.requests import check_cancel, require_run_dir, write_request
 
     run = Path(args.run_dir)
     require_run_dir(run)
-    names = known_job_names(run)
-    if args.job not in names:
-        raise ConfigError(f"{run}: --job: no job {args.job!r} in this run (jobs: {', '.join(sorted(names)) or 'none'})")
+    check_cancel(run, args.job)
     write_request(run, "cancel", {"job": args.job})
     print(f"cancel of job {args.job!r} queued: it leaves {run} at the next chunk boundary, checkpointed and exported")
     return 0

@@ -15,6 +15,8 @@ from pathlib import Path
 from lorafusion.core.errors import ConfigError, MissingFileError
 from lorafusion.runtime.outdir import write_text_atomic
 
+ENDED = ("done", "cancelled", "diverged")  # job states in status.json after which a cancel has nothing to do
+
 REQUESTS = "requests"
 
 
@@ -88,6 +90,19 @@ def known_job_names(run_dir: Path) -> set[str]:
     # (the CLI only looks: the run takes the requests and answers unreadable ones)
     names |= {r.get("name") for _, r in _listed(run_dir) if isinstance(r, dict) and r["kind"] == "submit"}
     return names
+
+
+def check_cancel(run_dir: Path, job_name: str) -> None:
+    """A cancel names a job of the run that has not ended (as ``status.json`` says; the run answers the rest)."""
+    names = known_job_names(run_dir)
+    if job_name not in names:
+        raise ConfigError(f"{run_dir}: --job: no job {job_name!r} in this run (jobs: {', '.join(sorted(names)) or 'none'})")
+    try:
+        state = json.loads((Path(run_dir) / "status.json").read_text())["jobs"][job_name]["state"]
+    except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError):
+        return  # only submitted so far
+    if state in ENDED:
+        raise ConfigError(f"{run_dir}: --job: job {job_name!r} is already {state}: nothing to cancel")
 
 
 def check_submission(run_dir: Path, job_name: str) -> None:

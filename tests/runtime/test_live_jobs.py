@@ -116,7 +116,8 @@ def test_queue_admits_by_priority_when_room_appears(tmp_path, monkeypatch, megat
     assert last["first"] < first["high"] and last["high"] < first["low"]
 
 
-@pytest.mark.parametrize("case", ["unknown_key", "missing_data", "duplicate", "cancel_unknown", "no_run"])
+@pytest.mark.parametrize("case", ["unknown_key", "missing_data", "duplicate", "cancel_unknown", "cancel_done",
+                                  "no_run"])
 def test_bad_requests_are_one_line(tmp_path, capsys, case, three_jobs):
     out = three_jobs[3]
     job = _job_yaml(tmp_path, "extra", 5, r=4)
@@ -131,6 +132,8 @@ def test_bad_requests_are_one_line(tmp_path, capsys, case, three_jobs):
         argv, words = ["submit", str(out), str(job)], ["'rev'", "already"]
     elif case == "cancel_unknown":
         argv, words = ["cancel", str(out), "--job", "nope"], ["--job", "'nope'", "rev"]
+    elif case == "cancel_done":
+        argv, words = ["cancel", str(out), "--job", "rev"], ["--job", "'rev'", "already done"]
     else:
         argv, words = ["submit", str(tmp_path / "nowhere"), str(job)], ["nowhere", "not a lorafusion run directory"]
     before = sorted(p.name for p in out.rglob("*"))
