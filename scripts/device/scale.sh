@@ -8,6 +8,7 @@
 #   32b-pp2           2  qwen2.5-32b   pp=2                     4 adapters r=16 all-linear
 #   32b-tp2sp         2  qwen2.5-32b   tp=2 + sequence parallel
 #   70b-pp4           4  llama3.1-70b  pp=4
+#   70b-pp4-la16      4  llama3.1-70b  pp=4, lookahead 16 (chunks twice the shipped config's; no baselines)
 #   70b-tp2pp2        4  llama3.1-70b  tp=2 + sequence parallel, pp=2
 # Each 32B run: STEPS (default 12) optimizer steps per job, the first WARMUP (4) untimed, so >= 8 timed (the config's
 # lookahead_batches is 4: one warm-up chunk, two timed chunks; 70B: see its spec);
@@ -40,13 +41,16 @@ spec() {
     32b-tp2sp)        echo "2 configs/qwen2.5-32b-4adapters.yaml $STEPS $WARMUP 1 parallelism.tp=2 parallelism.pp=1 parallelism.sequence_parallel=true" ;;
     # (the config's lookahead_batches is 8: 16 steps = one warm-up chunk + one timed chunk of 8 steps)
     70b-pp4)          echo "4 configs/llama3.1-70b-4adapters.yaml 16 8 1 parallelism.tp=1 parallelism.pp=4" ;;
+    # the lever measured on 32B PP=2 (lookahead 2 -> 4: bubble 0.100 -> 0.080): chunks twice as long again, the
+    # pipeline's fill and drain half as often (one warm-up chunk + one timed chunk of 16 steps; baselines as 70b-pp4)
+    70b-pp4-la16)     echo "4 configs/llama3.1-70b-4adapters.yaml 32 16 0 parallelism.tp=1 parallelism.pp=4 scheduler.lookahead_batches=16" ;;
     70b-tp2pp2)       echo "4 configs/llama3.1-70b-4adapters.yaml 12 4 1 parallelism.tp=2 parallelism.pp=2 parallelism.sequence_parallel=true scheduler.lookahead_batches=4" ;;
     # the plumbing on CPU (tests/runtime/test_bench_scale.py: NGPU=2, gloo)
     tiny-pp2)         echo "2 configs/quickstart.yaml 4 2 1 parallelism.pp=2" ;;
     *) return 1 ;;
   esac
 }
-ALL="8b-pp2-recompute 32b-pp2 32b-tp2sp 70b-pp4 70b-tp2pp2"
+ALL="8b-pp2-recompute 32b-pp2 32b-tp2sp 70b-pp4 70b-pp4-la16 70b-tp2pp2"
 RUNS=${*:-}
 if [ -z "$RUNS" ]; then  # every run whose GPU count is the machine's
   for r in $ALL; do read -r g _ <<<"$(spec "$r")"; [ "$g" = "$NGPU" ] && RUNS="$RUNS $r"; done
