@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Issue 10's multi-GPU runs, each reproducible in one device call (same wheels as speed.sh, carry .whl):
+# The multi-GPU runs of issues 10, 15 and 16, each reproducible in one device call (same wheels as speed.sh, carry .whl):
 #   run (kind nvidia-h200-x2):  bash scripts/device/scale.sh                     # every run that fits the GPUs present
 #   run (kind nvidia-h200-x2):  bash scripts/device/scale.sh 32b-pp2             # chosen runs (one per call fits 10 min)
 #   run (kind nvidia-h200-x4):  bash scripts/device/scale.sh 70b-pp4       # then 70b-tp2pp2 in a second call
+#   run (kind nvidia-h200-x8):  bash scripts/device/scale.sh 70b-dp2pp4    # then 70b-dp2tp2pp2 in a second call
 # Runs (GPUs, config, layout; random bf16 weights, mixed-length data from scripts/make_bench_data.py):
 #   8b-pp2-recompute  2  llama3.1-8b   pp=2 + full activation recompute (the routing-restore path), a few steps
 #   32b-pp2           2  qwen2.5-32b   pp=2                     4 adapters r=16 all-linear
@@ -10,6 +11,8 @@
 #   70b-pp4           4  llama3.1-70b  pp=4
 #   70b-pp4-la16      4  llama3.1-70b  pp=4, lookahead 16 (chunks twice the shipped config's; no baselines)
 #   70b-tp2pp2        4  llama3.1-70b  tp=2 + sequence parallel, pp=2
+#   70b-dp2pp4        8  llama3.1-70b  dp=2 x pp=4                (issue 16; no baselines: scaling vs 70b-pp4)
+#   70b-dp2tp2pp2     8  llama3.1-70b  dp=2 x tp=2 (+SP) x pp=2   (issue 16; scaling vs 70b-tp2pp2)
 # Each 32B run: STEPS (default 12) optimizer steps per job, the first WARMUP (4) untimed, so >= 8 timed (the config's
 # lookahead_batches is 4: one warm-up chunk, two timed chunks; 70B: see its spec);
 # then, unless BASELINES=0, the same data one adapter at a time through our runtime with a pipeline flush per
@@ -45,12 +48,15 @@ spec() {
     # pipeline's fill and drain half as often (one warm-up chunk + one timed chunk of 16 steps; baselines as 70b-pp4)
     70b-pp4-la16)     echo "4 configs/llama3.1-70b-4adapters.yaml 32 16 0 parallelism.tp=1 parallelism.pp=4 scheduler.lookahead_batches=16" ;;
     70b-tp2pp2)       echo "4 configs/llama3.1-70b-4adapters.yaml 12 4 1 parallelism.tp=2 parallelism.pp=2 parallelism.sequence_parallel=true scheduler.lookahead_batches=4" ;;
+    # 8 GPUs (issue 16): DP=2 over each 4-GPU layout, parallelism.dp: auto = 8 / (tp*pp); against 70b-pp4 / 70b-tp2pp2
+    70b-dp2pp4)       echo "8 configs/llama3.1-70b-4adapters.yaml 16 8 0 parallelism.tp=1 parallelism.pp=4" ;;
+    70b-dp2tp2pp2)    echo "8 configs/llama3.1-70b-4adapters.yaml 12 4 0 parallelism.tp=2 parallelism.pp=2 parallelism.sequence_parallel=true scheduler.lookahead_batches=4" ;;
     # the plumbing on CPU (tests/runtime/test_bench_scale.py: NGPU=2, gloo)
     tiny-pp2)         echo "2 configs/quickstart.yaml 4 2 1 parallelism.pp=2" ;;
     *) return 1 ;;
   esac
 }
-ALL="8b-pp2-recompute 32b-pp2 32b-tp2sp 70b-pp4 70b-pp4-la16 70b-tp2pp2"
+ALL="8b-pp2-recompute 32b-pp2 32b-tp2sp 70b-pp4 70b-pp4-la16 70b-tp2pp2 70b-dp2pp4 70b-dp2tp2pp2"
 RUNS=${*:-}
 if [ -z "$RUNS" ]; then  # every run whose GPU count is the machine's
   for r in $ALL; do read -r g _ <<<"$(spec "$r")"; [ "$g" = "$NGPU" ] && RUNS="$RUNS $r"; done
