@@ -1,8 +1,9 @@
 """``OUTPUT_DIR/status.json``: where every job of a run stands, rewritten (atomically) by global rank 0 at each
-chunk boundary and at the end; ``lorafusion status RUN_DIR [--json]`` reads it.
+chunk (as it starts) and at the end; ``lorafusion status RUN_DIR [--json]`` reads it.
 
-Per job: ``state`` (queued | running | cancelling | done | cancelled | stopped | diverged |
-early_stopped), ``step`` / ``max_steps``, ``tokens``, ``last_loss``, (jobs with an eval set) ``eval_loss``,
+Per job: ``state`` (queued | running | waiting | cancelling | done | cancelled | stopped | diverged |
+early_stopped; ``waiting``: admitted and unfinished, but the chunk now running has none of its batches — under
+``scheduler.policy`` shortest_first or fifo, other jobs go first), ``step`` / ``max_steps``, ``tokens``, ``last_loss``, (jobs with an eval set) ``eval_loss``,
 ``best_eval_loss``, ``best_step``,
 ``tokens_per_s`` (this session's tokens of the job over the session's wall time) and ``eta_s`` (its remaining
 steps at its rate this session). The run: ``state`` (starting | running | serving | done | stopped), ``elapsed_s``, ``tokens_per_s``,
@@ -35,7 +36,9 @@ class StatusWriter:
         self._start: dict[str, tuple[int, int, float]] = {}  # job -> (steps, tokens, time) when first seen
         self.write("starting")
 
-    def write(self, run_state: str = "running", job_states: dict[str, str] | None = None) -> dict:
+    def write(self, run_state: str = "running", job_states: dict[str, str] | None = None,
+              in_chunk: set[str] | None = None) -> dict:
+        """``in_chunk``: the jobs the chunk now starting holds (the other running ones are waiting)."""
         from lorafusion.runtime.outdir import write_text_atomic
 
         now = time.perf_counter()
@@ -49,7 +52,8 @@ class StatusWriter:
             total = js.stream.total_steps
             state = (job_states or {}).get(n) or (
                 js.status if js.status != "running" else "done" if js.steps >= total else
-                "stopped" if run_state == "stopped" else "running")
+                "stopped" if run_state == "stopped" else
+                "waiting" if in_chunk is not None and n not in in_chunk else "running")
             remaining = max(0, total - js.steps)
             eta = (remaining * job_elapsed / done_steps) if done_steps and state == "running" else (
                 0.0 if state == "done" else None)
@@ -89,7 +93,7 @@ def read_status(run_dir: Path) -> dict:
         status["run"]["state"] = "stopped"  # killed: nobody holds the lock and the end was never written
         status["run"]["note"] = "no process holds the run's lock: it ended without writing its end (killed?)"
         for row in status["jobs"].values():
-            if row.get("state") in ("running", "cancelling"):
+            if row.get("state") in ("running", "waiting", "cancelling"):
                 row["state"], row["eta_s"] = "stopped", None
     return status
 

@@ -183,6 +183,8 @@ class Trainer:
                     time.sleep(self.SERVE_POLL_S)
                     continue
                 idle_since = None
+                if status is not None:  # the counts as of the last boundary; who this chunk trains
+                    status.write(in_chunk=set(chunk.batches))
                 # (jobs may have joined at the last boundary: the optimizers and the log order are the current ones)
                 res = run_chunk(self.model, chunk, {n: js.optimizer for n, js in self.jobs.items()}, seed=cfg.seed,
                                 device=self.device)
@@ -229,8 +231,6 @@ class Trainer:
                 self.evaluator.after_chunk(chunk, metrics, progress)  # eval_loss rows, best checkpoint, early stop
                 self.checkpoints.save_due(chunk)
                 live.poll()  # lorafusion submit / cancel (collective)
-                if status is not None:
-                    status.write()
                 # ranks agree (one tiny collective per chunk) on a stop signal and on a timed checkpoint
                 stop, timed = stops.poll(time.monotonic() - last_timed_save >= every_s)
                 if stop or timed:

@@ -48,3 +48,28 @@ def test_status_bad_input(tmp_path, capsys):
         assert main(["status", str(run)]) == 2
         err = capsys.readouterr().err
         assert words in err and str(run) in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_status_says_waiting_for_a_job_the_policy_holds_back(tmp_path, monkeypatch, megatron_single):
+    """Under ``scheduler.policy: fifo`` one job trains at a time: while the first trains, the second (admitted,
+    unfinished, none of its batches in the chunk now running) is ``waiting``, with no ETA; then it runs."""
+    from lorafusion.runtime import pipeline
+    from runtime_utils import job_dict, train_inprocess, write_dataset, write_run
+
+    jobs = [job_dict(n, write_dataset(tmp_path / "d" / f"{n}.jsonl", i), r=4, steps=2) for i, n in enumerate("ab")]
+    out = tmp_path / "out"
+    run = write_run(tmp_path, jobs, policy="fifo")
+    orig, seen = pipeline.run_chunk, []
+
+    def run_chunk(*a, **kw):  # status.json as this chunk starts
+        if (out / "status.json").is_file():
+            seen.append({n: (j["state"], j["eta_s"]) for n, j in json.loads((out / "status.json").read_text())["jobs"].items()})
+        return orig(*a, **kw)
+
+    monkeypatch.setattr(pipeline, "run_chunk", run_chunk)
+    summary, _ = train_inprocess(run)
+    assert all(j["status"] == "done" for j in summary["jobs"].values())
+    states = [{n: s for n, (s, _) in row.items()} for row in seen]
+    assert {"a": "running", "b": "waiting"} in states and {"a": "done", "b": "running"} in states, states
+    assert all(eta is None for row in seen for s, eta in row.values() if s == "waiting")
+    assert json.loads((out / "status.json").read_text())["jobs"]["b"]["state"] == "done"
