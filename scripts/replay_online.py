@@ -2,8 +2,8 @@
 """Replay an arrival trace for real: one serving ``lorafusion train`` run per policy, jobs submitted at their
 arrival times, job completion times measured (the real counterpart of ``scripts/bench_online.py``).
 
-For each ``--policies`` entry (``scheduler.policy``: fifo = one job at a time in arrival order, today's
-practice inside one run; shortest_first; together) the driver
+For each ``--policies`` entry (``scheduler.policy``: fifo = one job at a time in arrival order inside one
+serving run; shortest_first; together) the driver
 
 1. writes every trace job as a job YAML (a ``profile`` dataset becomes a prompt/response JSONL whose samples
    have the trace's token lengths under the byte tokenizer; a ``path`` dataset is used as it is),
@@ -14,8 +14,13 @@ practice inside one run; shortest_first; together) the driver
 4. polls ``status.json`` and records when each job is ``done``; once all are, stops the run with SIGTERM
    (it checkpoints and exits) and reads ``metrics.jsonl`` for the tokens.
 
-JCT = done − arrival. The JSON holds, per policy, each job's arrival, finish and JCT, mean / p90 JCT, the
-makespan, tokens/s, and the speedups of each policy's mean and p90 JCT over ``fifo``'s; with ``--simulate``
+JCT = done − arrival. ``separate`` is today's practice taken literally: each job its own ``lorafusion train``
+run (no serving base), started in arrival order once it has arrived and the previous run has exited, so each
+job also pays its run's setup (imports, model build, first-step compilation); t = 0 is the first job's arrival
+and its done time is when its run exits (adapter exported); ``setup_s`` records each run's start → first
+``status.json``. The JSON holds, per policy, each job's arrival, finish and JCT, mean / p90 JCT, the
+makespan, tokens/s, and the speedups of each policy's mean and p90 JCT over ``fifo``'s (and ``separate``'s);
+with ``--simulate``
 also the simulator's prediction for the same trace and policies (``lorafusion.scheduler.replay`` with the cost
 model of ``scripts/bench_online.py``'s PP=1 fit), side by side.
 
@@ -92,10 +97,79 @@ def scheduler_int(base: dict, overrides: list[str], key: str, default: int) -> i
     return int(value) if str(value).isdigit() else default
 
 
+def _train_cmd(args, run_yaml: Path, overrides: list[str]) -> list[str]:
+    return [*shlex.split(args.launcher), "train", str(run_yaml), *overrides] if args.launcher else \
+        [sys.executable, "-m", "lorafusion.cli", "train", str(run_yaml), *overrides]
+
+
+def _run_yaml(base: dict, jobs: list[str], out: Path, path: Path, **extra) -> Path:
+    run = dict(base, jobs=jobs, output_dir=str(out), **extra)
+    run["logging"] = dict(base.get("logging") or {}, progress=False, tensorboard=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(run, sort_keys=False))
+    return path
+
+
+def _summary(policy: str, cmd: list[str], arrival: dict, finish: dict, tokens: int, exit_code, **extra) -> dict:
+    jct = {n: finish[n] - arrival[n] for n in finish}
+    j = np.array(list(jct.values()))
+    makespan = max(finish.values())
+    return {"policy": policy, "command": shlex.join(cmd), "arrival_s": _r(arrival), "finish_s": _r(finish),
+            "jct_s": _r(jct), "mean_jct_s": float(j.mean()), "p90_jct_s": float(np.percentile(j, 90)),
+            "makespan_s": makespan, "tokens": tokens, "tokens_per_s": tokens / makespan, "exit_code": exit_code,
+            **extra}
+
+
+def _tokens(out: Path) -> int:
+    return sum(json.loads(x)["tokens"] for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip())
+
+
+def run_separate(trace: Trace, args, overrides: list[str], work: Path) -> dict:
+    """Today's practice: each job alone in its own ``lorafusion train`` run, in arrival order (a FIFO queue of
+    runs on the machine), each paying its own setup. JCT = its run's exit − its arrival."""
+    base = read_config(args.config)
+    base["scheduler"] = dict(base.get("scheduler") or {}, policy="together")
+    max_len = scheduler_int(base, overrides, "token_capacity", 4096)
+    yamls = {tj.name: job_yaml(trace, tj, work, max_len) for tj in trace.jobs}
+    order = sorted(trace.jobs, key=lambda t: t.arrival_s)
+    first = order[0].arrival_s
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    t0 = time.monotonic()
+    deadline = t0 + args.timeout
+    arrival, finish, setup, tokens, cmds = {}, {}, {}, 0, []
+    for tj in order:
+        arrival[tj.name] = (tj.arrival_s - first) * args.time_scale
+        while time.monotonic() - t0 < arrival[tj.name]:
+            time.sleep(max(0.0, min(args.poll_s, arrival[tj.name] - (time.monotonic() - t0))))
+        out = work / "separate" / tj.name
+        cmd = _train_cmd(args, _run_yaml(base, [str(yamls[tj.name])], out, work / "separate" / f"{tj.name}.yaml"),
+                         overrides)
+        cmds.append(cmd)
+        start = time.monotonic()
+        with (work / "separate" / f"{tj.name}.log").open("w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+            while proc.poll() is None:
+                if tj.name not in setup and (out / "status.json").is_file():
+                    setup[tj.name] = time.monotonic() - start
+                if time.monotonic() > deadline:
+                    proc.kill()
+                    raise TimeoutError(f"separate: job {tj.name} unfinished after --timeout")
+                time.sleep(args.poll_s)
+        if proc.returncode != 0:
+            raise RuntimeError(f"separate: the run of job {tj.name} exited {proc.returncode}; see "
+                               f"{work / 'separate' / (tj.name + '.log')}")
+        finish[tj.name] = time.monotonic() - t0
+        tokens += _tokens(out)
+    return _summary("separate", cmds[0], arrival, finish, tokens, 0, setup_s=_r(setup),
+                    mean_setup_s=float(np.mean(list(setup.values()))) if setup else None)
+
+
 def run_policy(policy: str, trace: Trace, args, overrides: list[str], work: Path) -> dict:
     from lorafusion.config.load import load_job_config
     from lorafusion.runtime.requests import write_request
 
+    if policy == "separate":
+        return run_separate(trace, args, overrides, work)
     base = read_config(args.config)
     max_len = scheduler_int(base, overrides, "token_capacity", 4096)
     yamls = {tj.name: job_yaml(trace, tj, work, max_len) for tj in trace.jobs}
@@ -104,15 +178,10 @@ def run_policy(policy: str, trace: Trace, args, overrides: list[str], work: Path
     later = sorted((tj for tj in trace.jobs if tj.arrival_s > first), key=lambda t: t.arrival_s)
     submissions = {tj.name: load_job_config(yamls[tj.name], [], check_files=True) for tj in later}
     out = work / policy / "run"
-    run = dict(base, jobs=[str(yamls[n]) for n in at_start], output_dir=str(out), serve=True,
-               serve_idle_minutes=args.idle_minutes)
-    run["scheduler"] = dict(base.get("scheduler") or {}, policy=policy)
-    run["logging"] = dict(base.get("logging") or {}, progress=False, tensorboard=False)
-    run_yaml = work / policy / "run.yaml"
-    run_yaml.parent.mkdir(parents=True, exist_ok=True)
-    run_yaml.write_text(yaml.safe_dump(run, sort_keys=False))
-    cmd = [*shlex.split(args.launcher), "train", str(run_yaml), *overrides] if args.launcher else \
-        [sys.executable, "-m", "lorafusion.cli", "train", str(run_yaml), *overrides]
+    base["scheduler"] = dict(base.get("scheduler") or {}, policy=policy)
+    run_yaml = _run_yaml(base, [str(yamls[n]) for n in at_start], out, work / policy / "run.yaml", serve=True,
+                         serve_idle_minutes=args.idle_minutes)
+    cmd = _train_cmd(args, run_yaml, overrides)
     log = (work / policy / "train.log").open("w")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -160,15 +229,7 @@ def run_policy(policy: str, trace: Trace, args, overrides: list[str], work: Path
             except subprocess.TimeoutExpired:
                 proc.kill()
         log.close()
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    tokens = sum(r["tokens"] for r in rows)
-    jct = {n: finish[n] - arrival[n] for n in finish}
-    j = np.array(list(jct.values()))
-    makespan = max(finish.values())
-    return {"policy": policy, "command": shlex.join(cmd), "arrival_s": _r(arrival), "finish_s": _r(finish),
-            "jct_s": _r(jct), "mean_jct_s": float(j.mean()), "p90_jct_s": float(np.percentile(j, 90)),
-            "makespan_s": makespan, "tokens": tokens, "tokens_per_s": tokens / makespan,
-            "exit_code": proc.returncode}
+    return _summary(policy, cmd, arrival, finish, _tokens(out), proc.returncode)
 
 
 def _r(d: dict) -> dict:
@@ -198,7 +259,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="run YAML: model, parallelism, scheduler, kernels (jobs ignored)")
     ap.add_argument("--trace", required=True)
-    ap.add_argument("--policies", default="fifo,shortest_first,together")
+    ap.add_argument("--policies", default="fifo,shortest_first,together",
+                    help="any of separate (one run per job), fifo, shortest_first, together")
     ap.add_argument("--out", required=True, help="result JSON")
     ap.add_argument("--work", default=None, help="working directory (default: next to --out, *.work)")
     ap.add_argument("--time-scale", type=float, default=1.0, help="arrival times are multiplied by this")
@@ -215,48 +277,55 @@ def main() -> None:
     ap.add_argument("--commit", default=os.environ.get("BENCH_COMMIT", ""))
     ap.add_argument("overrides", nargs="*", help="key=value overrides for the run (after the options)")
     args = ap.parse_args()
+    policies = [p for p in args.policies.split(",") if p]
+    known = ("separate", "fifo", "shortest_first", "together")
+    if not policies or set(policies) - set(known):
+        raise SystemExit(f"--policies: expected a comma-separated list of {', '.join(known)}; got {args.policies!r}")
     trace = load_trace(args.trace)
     out = Path(args.out)
     work = Path(args.work) if args.work else out.with_suffix(".work")
     if work.exists() and any(work.iterdir()):
         raise SystemExit(f"{work}: exists and is not empty; choose another --work (nothing is overwritten)")
     work.mkdir(parents=True, exist_ok=True)
-    policies = [p for p in args.policies.split(",") if p]
     if args.warmup:
         from dataclasses import replace as _replace
 
         once = Trace(tuple(_replace(j, arrival_s=0.0, max_steps=1) for j in trace.jobs), trace.source, trace.seed)
         warm = run_policy("together", once, args, list(args.overrides), work / "warmup")
         print(f"warm-up (discarded): {warm['makespan_s']:.1f}s", flush=True)
-    results = {}
-    for p in policies:
-        results[p] = run_policy(p, trace, args, list(args.overrides), work)
-        r = results[p]
-        print(f"{p}: mean JCT {r['mean_jct_s']:.2f}s p90 {r['p90_jct_s']:.2f}s makespan {r['makespan_s']:.2f}s "
-              f"{r['tokens_per_s']:,.0f} tokens/s", flush=True)
-    ref = results.get("fifo")
-    for r in results.values():
-        if ref is not None:
-            r["mean_jct_speedup_vs_fifo"] = ref["mean_jct_s"] / r["mean_jct_s"]
-            r["p90_jct_speedup_vs_fifo"] = ref["p90_jct_s"] / r["p90_jct_s"]
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                            text=True).stdout.strip()
+    results: dict = {}
     doc = {"date": time.strftime("%Y-%m-%d"), "what": "real runs: one serving lorafusion train per policy, jobs "
-           "submitted at their arrival times; JCT = done (status.json) - arrival, setup not counted",
+           "submitted at their arrival times; JCT = done (status.json) - arrival, setup not counted; 'separate': "
+           "one lorafusion train per job in arrival order, JCT = its run's exit - arrival, its setup counted",
            "device": args.device, "commit": commit,
            "command": "python " + shlex.join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
            "trace": {"path": args.trace, "time_scale": args.time_scale,
                      "jobs": [j.to_dict() for j in trace.jobs]},
            "policies": results}
-    if args.simulate:
-        doc["simulated"] = simulate(trace, policies, args.time_scale, read_config(args.config), list(args.overrides))
+    if args.simulate:  # (the simulator has no setup cost: no "separate")
+        doc["simulated"] = simulate(trace, [p for p in policies if p != "separate"], args.time_scale,
+                                    read_config(args.config), list(args.overrides))
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    tmp.replace(out)
-    print(json.dumps({p: {k: r.get(k) for k in ("mean_jct_s", "p90_jct_s", "makespan_s", "mean_jct_speedup_vs_fifo")}
+    for p in policies:  # the JSON is rewritten after each policy: a cut-off replay keeps what it measured
+        results[p] = run_policy(p, trace, args, list(args.overrides), work)
+        r = results[p]
+        print(f"{p}: mean JCT {r['mean_jct_s']:.2f}s p90 {r['p90_jct_s']:.2f}s makespan {r['makespan_s']:.2f}s "
+              f"{r['tokens_per_s']:,.0f} tokens/s", flush=True)
+        for name in ("fifo", "separate"):
+            ref = results.get(name)
+            for r in results.values():
+                if ref is not None:
+                    r[f"mean_jct_speedup_vs_{name}"] = ref["mean_jct_s"] / r["mean_jct_s"]
+                    r[f"p90_jct_speedup_vs_{name}"] = ref["p90_jct_s"] / r["p90_jct_s"]
+        doc["complete"] = len(results) == len(policies)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        tmp.replace(out)
+    print(json.dumps({p: {k: r.get(k) for k in ("mean_jct_s", "p90_jct_s", "makespan_s", "mean_jct_speedup_vs_fifo",
+                                                "mean_jct_speedup_vs_separate")}
                       for p, r in results.items()}))
-
 
 if __name__ == "__main__":
     main()

@@ -41,9 +41,10 @@ def test_replay_submits_at_arrival_times_and_measures_every_jobs_completion(tmp_
     out = tmp_path / "r.json"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "replay_online.py"), "--config",
                     str(ROOT / "configs" / "quickstart.yaml"), "--trace", str(tmp_path / "t.yaml"), "--out", str(out),
-                    "--policies", "shortest_first", "--poll-s", "0.05", "scheduler.token_capacity=512",
+                    "--policies", "separate,shortest_first", "--poll-s", "0.05", "scheduler.token_capacity=512",
                     "scheduler.lookahead_batches=1"], check=True, cwd=ROOT, capture_output=True, timeout=600)
-    res = json.loads(out.read_text())["policies"]["shortest_first"]
+    policies = json.loads(out.read_text())["policies"]
+    res = policies["shortest_first"]
     assert res["exit_code"] == 0 and set(res["finish_s"]) == {"a", "b"}
     assert res["arrival_s"]["a"] == 0 and 0.4 <= res["arrival_s"]["b"] < 5
     for n, jct in res["jct_s"].items():
@@ -51,6 +52,14 @@ def test_replay_submits_at_arrival_times_and_measures_every_jobs_completion(tmp_
     rows = [json.loads(x) for x in (tmp_path / "r.work" / "shortest_first" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert sorted((r["job"], r["step"]) for r in rows) == [("a", 1), ("a", 2), ("a", 3), ("b", 1), ("b", 2)]
     assert res["tokens"] == sum(r["tokens"] for r in rows)
+    # today's practice: one run per job in arrival order, each paying its setup; b waits for a's run to exit
+    sep = policies["separate"]
+    assert set(sep["finish_s"]) == set(sep["setup_s"]) == {"a", "b"} and sep["arrival_s"]["b"] == pytest.approx(0.4)
+    assert sep["finish_s"]["a"] < sep["finish_s"]["b"] and sep["jct_s"]["b"] > sep["setup_s"]["b"] > 0
+    assert sep["tokens"] == res["tokens"] and res["mean_jct_speedup_vs_separate"] == pytest.approx(
+        sep["mean_jct_s"] / res["mean_jct_s"])
+    for n in "ab":
+        assert (tmp_path / "r.work" / "separate" / n / "adapters" / n / "adapter_config.json").is_file()
     with pytest.raises(subprocess.CalledProcessError):  # nothing is overwritten: the work directory exists now
         subprocess.run([sys.executable, str(ROOT / "scripts" / "replay_online.py"), "--config",
                         str(ROOT / "configs" / "quickstart.yaml"), "--trace", str(tmp_path / "t.yaml"), "--out",
