@@ -22,12 +22,12 @@ def _tok(seed, n, vocab):
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _interleaved_grads(device, dtype, recompute: bool) -> tuple[list[float], dict]:
+def _interleaved_grads(device, dtype, recompute: bool, layers: int | None = None) -> tuple[list[float], dict]:
     from lorafusion.models.provider import build_model
 
     arch = preset("tiny-llama")
     v = arch.vocab_size
-    model = build_model(arch, params_dtype=dtype, recompute=recompute, device=device, seed=3)
+    model = build_model(arch, params_dtype=dtype, recompute=recompute, recompute_layers=layers, device=device, seed=3)
     for i, (name, spec) in enumerate(SPECS.items()):
         add_adapter(model, name, spec, seed=i)
     randomize_b(model, seed=1)
@@ -49,9 +49,9 @@ def _interleaved_grads(device, dtype, recompute: bool) -> tuple[list[float], dic
     return [x.item() for x in losses], grads
 
 
-def _check(device, dtype, tol):
+def _check(device, dtype, tol, layers=None):
     want_losses, want = _interleaved_grads(device, dtype, recompute=False)
-    got_losses, got = _interleaved_grads(device, dtype, recompute=True)
+    got_losses, got = _interleaved_grads(device, dtype, recompute=True, layers=layers)
     assert got_losses == pytest.approx(want_losses, rel=tol)
     assert got.keys() == want.keys() and len(want) > 0
     for k in want:
@@ -60,8 +60,43 @@ def _check(device, dtype, tol):
         assert err <= tol, (k, err)
 
 
-def test_recompute_interleaved_microbatches_equal_no_recompute_cpu(megatron_single):
-    _check("cpu", torch.float32, 1e-6)
+@pytest.mark.parametrize("layers", [None, 1])
+def test_recompute_interleaved_microbatches_equal_no_recompute_cpu(megatron_single, layers):
+    """Every layer recomputed, or (``model.recompute_layers: 1``) the first of tiny-llama's four."""
+    _check("cpu", torch.float32, 1e-6, layers)
+
+
+@pytest.mark.parametrize("layers,checkpointed", [(None, 4), (1, 1), (3, 3)])
+def test_recompute_layers_checkpoints_the_first_n_layers_of_the_stage(megatron_single, monkeypatch, layers,
+                                                                       checkpointed):
+    import lorafusion.layers.lora_linear as ll
+    from lorafusion.core.errors import ConfigError
+    from lorafusion.models.provider import build_model
+    from megatron_patches import apply_recompute_state_hook
+
+    calls = []
+
+    def capture():
+        calls.append(1)
+        return ll.capture_routing()
+
+    model = build_model(preset("tiny-llama"), recompute=True, recompute_layers=layers, seed=3)
+    apply_recompute_state_hook(capture, ll.restore_routing)  # counts the checkpointed forwards
+    try:
+        add_adapter(model, "a", SPECS["a"], seed=0)
+        mb = pack_microbatch([("a", _tok(1, 12, 64))], row_ids=[0])
+        set_batch(model, mb.routing, mb.adapters, [adapter_seed(7, "a")])
+        model.train()
+        model(mb.tokens, mb.position_ids, attention_mask=None, labels=mb.labels,
+              packed_seq_params=mb.packed_seq_params())
+        set_batch(model, None, ())
+    finally:
+        apply_recompute_state_hook(ll.capture_routing, ll.restore_routing)
+    assert len(calls) == checkpointed  # one checkpointed forward per recomputed layer (tiny-llama has 4)
+    with pytest.raises(ConfigError, match="recompute_layers: 5 is more than the 4 decoder layers"):
+        build_model(preset("tiny-llama"), recompute=True, recompute_layers=5)
+    with pytest.raises(ConfigError, match="needs model.recompute: true"):
+        build_model(preset("tiny-llama"), recompute=False, recompute_layers=1)
 
 
 def test_recompute_without_the_routing_restore_is_caught(megatron_single, monkeypatch):

@@ -50,11 +50,16 @@ class ModelConfig(_Strict):
     path: str | None = None  # HF model directory (config.json + safetensors)
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     recompute: bool = False
+    # with recompute: only the first N decoder layers of each pipeline stage are recomputed (Megatron's "block"
+    # method), the others keep their activations: less recompute where the GPU has memory to spare
+    recompute_layers: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _one_source(self):
         if (self.preset is None) == (self.path is None):
             raise ValueError("expected exactly one of `preset` (a preset name) or `path` (a HF model directory)")
+        if self.recompute_layers is not None and not self.recompute:
+            raise ValueError(f"recompute_layers: {self.recompute_layers} needs recompute: true")
         return self
 
 

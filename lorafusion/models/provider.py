@@ -48,7 +48,8 @@ def lora_layer_spec(transformer_impl: str = "local", fused_ops: str = "off"):
 
 
 def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, pre_process: bool | None = None,
-                post_process: bool | None = None, recompute: bool = False, device: str | torch.device | None = None,
+                post_process: bool | None = None, recompute: bool = False, recompute_layers: int | None = None,
+                device: str | torch.device | None = None,
                 transformer_impl: str = "local", seed: int = 1234, fused_ops: str | None = None,
                 sequence_parallel: bool = False, **config_overrides) -> GPTModel:
     """Build this pipeline stage's ``GPTModel`` (requires ``parallel_state`` to be initialised).
@@ -66,7 +67,7 @@ def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, p
     mode = resolve_fused_ops(fused_ops, device)
     impl = None if mode == "off" else mode
     overrides = {**(fused_config_overrides(impl) if impl else {}), **config_overrides}
-    cfg = transformer_config(arch, params_dtype, tp=tp, pp=pp, recompute=recompute,
+    cfg = transformer_config(arch, params_dtype, tp=tp, pp=pp, recompute=recompute, recompute_layers=recompute_layers,
                              sequence_parallel=sequence_parallel, **overrides)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)

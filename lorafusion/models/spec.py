@@ -9,9 +9,11 @@ from lorafusion.core.errors import ConfigError
 
 
 def transformer_config(arch: ModelArch, params_dtype: torch.dtype = torch.float32, *, tp: int = 1, pp: int = 1,
-                       recompute: bool = False, sequence_parallel: bool = False, **overrides):
+                       recompute: bool = False, recompute_layers: int | None = None, sequence_parallel: bool = False,
+                       **overrides):
     """The Megatron ``TransformerConfig`` for ``arch`` (no dropout in the frozen base; LoRA dropout is
-    per adapter). ``sequence_parallel`` needs tp > 1."""
+    per adapter). ``recompute``: full activation recomputation of every decoder layer, or with
+    ``recompute_layers`` of the first N of each pipeline stage. ``sequence_parallel`` needs tp > 1."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if arch.num_query_groups % tp:
@@ -56,7 +58,14 @@ def transformer_config(arch: ModelArch, params_dtype: torch.dtype = torch.float3
         calculate_per_token_loss=True,
         moe_token_dispatcher_type="alltoall",
     )
-    if recompute:
+    if recompute_layers is not None and not recompute:
+        raise ConfigError(f"model.recompute_layers: {recompute_layers} needs model.recompute: true")
+    if recompute and recompute_layers is not None:
+        if recompute_layers > arch.num_layers // pp:
+            raise ConfigError(f"model.recompute_layers: {recompute_layers} is more than the "
+                              f"{arch.num_layers // pp} decoder layers of a pipeline stage")
+        kw.update(recompute_granularity="full", recompute_method="block", recompute_num_layers=recompute_layers)
+    elif recompute:
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     kw.update(overrides)
     return TransformerConfig(**kw)

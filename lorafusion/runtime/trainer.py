@@ -84,7 +84,8 @@ class Trainer:
         if self.tokenizer.vocab_size > self.arch.vocab_size:
             raise ConfigError(f"{cfg.source}: tokenizer: vocab_size {self.tokenizer.vocab_size} exceeds the "
                               f"model's vocab_size {self.arch.vocab_size}")
-        kw = dict(params_dtype=DTYPES[cfg.model.dtype], recompute=cfg.model.recompute, device=self.device,
+        kw = dict(params_dtype=DTYPES[cfg.model.dtype], recompute=cfg.model.recompute,
+                  recompute_layers=cfg.model.recompute_layers, device=self.device,
                   seed=cfg.seed, sequence_parallel=cfg.parallelism.sequence_parallel)
         self.model = build_model_from_hf(ckpt, **kw) if ckpt is not None else build_model(self.arch, **kw)
         get_lora_context(self.model).impl = None if cfg.kernels == "auto" else cfg.kernels
