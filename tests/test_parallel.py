@@ -143,3 +143,25 @@ def test_tensor_parallel_2_with_sequence_parallelism_equals_single_process(workd
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     _assert_grads_equal(res["grads"], grads)
+
+
+def test_stage_layers_split_the_decoder_unevenly():
+    """``parallelism.stage_layers`` → Megatron's first/last-stage layer counts: each stage builds its share at its
+    global offset (which layer numbers, hence names and HF weights, it holds); bad splits are one clear error."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from lorafusion.core.arch import preset
+    from lorafusion.core.errors import ConfigError
+    from lorafusion.models.spec import transformer_config
+
+    arch = preset("tiny-llama")  # 4 decoder layers
+    for split, pp in (([3, 1], 2), ([1, 2, 1], 3), ([2, 1, 1], 3)):
+        cfg = transformer_config(arch, pp=pp, stage_layers=split)
+        assert [get_num_layers_to_build(cfg, pp_rank=r) for r in range(pp)] == split
+        assert [get_transformer_layer_offset(cfg, pp_rank=r) for r in range(pp)] == [sum(split[:r]) for r in range(pp)]
+    for bad in ([2, 1], [4, 0], [3, 2]):
+        with pytest.raises(ConfigError, match="parallelism.stage_layers: expected 2 counts >= 1 summing to num_layers=4"):
+            transformer_config(arch, pp=2, stage_layers=bad)
+    with pytest.raises(ConfigError, match="more than the 3 decoder layers"):
+        transformer_config(arch, pp=2, stage_layers=[3, 1], recompute=True, recompute_layers=4)

@@ -85,11 +85,22 @@ class ParallelismConfig(_Strict):
     dp: Annotated[int | Literal["auto"], BeforeValidator(_dp)] = 1
     # Megatron sequence parallelism: activations between TP regions split along the sequence (needs tp > 1)
     sequence_parallel: bool = False
+    # decoder layers of each pipeline stage, first to last (None: the same on every stage); the middle stages
+    # hold equal counts (Megatron's num_layers_in_first/last_pipeline_stage): e.g. one layer less on the last
+    # stage, which also holds the output layer and the loss
+    stage_layers: list[Annotated[int, Field(ge=1)]] | None = None
 
     @model_validator(mode="after")
     def _sp_needs_tp(self) -> "ParallelismConfig":
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel: true needs tp > 1 (it splits activations over the TP group)")
+        if self.stage_layers is not None:
+            if len(self.stage_layers) != self.pp:
+                raise ValueError(f"stage_layers: expected one count per pipeline stage (pp = {self.pp}), got "
+                                 f"{self.stage_layers}")
+            if len(set(self.stage_layers[1:-1])) > 1:
+                raise ValueError(f"stage_layers: the middle stages must hold equal counts (only the first and last "
+                                 f"may differ), got {self.stage_layers}")
         return self
 
     @property

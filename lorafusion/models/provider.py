@@ -51,7 +51,8 @@ def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, p
                 post_process: bool | None = None, recompute: bool = False, recompute_layers: int | None = None,
                 device: str | torch.device | None = None,
                 transformer_impl: str = "local", seed: int = 1234, fused_ops: str | None = None,
-                sequence_parallel: bool = False, **config_overrides) -> GPTModel:
+                sequence_parallel: bool = False, stage_layers: list[int] | None = None,
+                **config_overrides) -> GPTModel:
     """Build this pipeline stage's ``GPTModel`` (requires ``parallel_state`` to be initialised).
 
     Base weights are frozen (``requires_grad=False``); initialise them with :mod:`lorafusion.models.hf_import`
@@ -68,7 +69,7 @@ def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, p
     impl = None if mode == "off" else mode
     overrides = {**(fused_config_overrides(impl) if impl else {}), **config_overrides}
     cfg = transformer_config(arch, params_dtype, tp=tp, pp=pp, recompute=recompute, recompute_layers=recompute_layers,
-                             sequence_parallel=sequence_parallel, **overrides)
+                             sequence_parallel=sequence_parallel, stage_layers=stage_layers, **overrides)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     if post_process is None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from lorafusion.core.arch import ModelArch
@@ -10,7 +12,7 @@ from lorafusion.core.errors import ConfigError
 
 def transformer_config(arch: ModelArch, params_dtype: torch.dtype = torch.float32, *, tp: int = 1, pp: int = 1,
                        recompute: bool = False, recompute_layers: int | None = None, sequence_parallel: bool = False,
-                       **overrides):
+                       stage_layers: Sequence[int] | None = None, **overrides):
     """The Megatron ``TransformerConfig`` for ``arch`` (no dropout in the frozen base; LoRA dropout is
     per adapter). ``recompute``: full activation recomputation of every decoder layer, or with
     ``recompute_layers`` of the first N of each pipeline stage. ``sequence_parallel`` needs tp > 1."""
@@ -18,8 +20,17 @@ def transformer_config(arch: ModelArch, params_dtype: torch.dtype = torch.float3
 
     if arch.num_query_groups % tp:
         raise ConfigError(f"parallelism.tp: {tp} must divide num_query_groups={arch.num_query_groups}")
-    if arch.num_layers % pp:
+    split = {}
+    if stage_layers is not None and len(set(stage_layers)) > 1:  # (an even list is the default split)
+        stage_layers = list(stage_layers)
+        if len(stage_layers) != pp or sum(stage_layers) != arch.num_layers or min(stage_layers) < 1:
+            raise ConfigError(f"parallelism.stage_layers: expected {pp} counts >= 1 summing to num_layers="
+                              f"{arch.num_layers}, got {stage_layers}")
+        split = dict(num_layers_in_first_pipeline_stage=stage_layers[0],
+                     num_layers_in_last_pipeline_stage=stage_layers[-1])
+    elif arch.num_layers % pp:
         raise ConfigError(f"parallelism.pp: {pp} must divide num_layers={arch.num_layers}")
+    stage_max = max(stage_layers) if stage_layers is not None else arch.num_layers // pp
     if sequence_parallel and tp == 1:
         raise ConfigError("parallelism.sequence_parallel: needs tp > 1")
     kw = dict(
@@ -61,12 +72,13 @@ def transformer_config(arch: ModelArch, params_dtype: torch.dtype = torch.float3
     if recompute_layers is not None and not recompute:
         raise ConfigError(f"model.recompute_layers: {recompute_layers} needs model.recompute: true")
     if recompute and recompute_layers is not None:
-        if recompute_layers > arch.num_layers // pp:
+        if recompute_layers > stage_max:
             raise ConfigError(f"model.recompute_layers: {recompute_layers} is more than the "
-                              f"{arch.num_layers // pp} decoder layers of a pipeline stage")
+                              f"{stage_max} decoder layers of a pipeline stage")
         kw.update(recompute_granularity="full", recompute_method="block", recompute_num_layers=recompute_layers)
     elif recompute:
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    kw.update(split)
     kw.update(overrides)
     return TransformerConfig(**kw)
 

@@ -7,7 +7,8 @@
 # Runs (GPUs, config, layout; random bf16 weights, mixed-length data from scripts/make_bench_data.py):
 #   8b-pp2-recompute  2  llama3.1-8b   pp=2 + full activation recompute (the routing-restore path), a few steps
 #   32b-pp2           2  qwen2.5-32b   pp=2                     4 adapters r=16 all-linear
-#   32b-pp2-rc        2  qwen2.5-32b   pp=2, recompute of RC_LAYERS (16) of each stage's 32 layers only
+#   32b-pp2-rc        2  qwen2.5-32b   pp=2, recompute of RC_LAYERS (16) of each stage's 32 layers only; SPLIT=[33,31]
+#                                      also moves a layer from the last stage to the first
 #   32b-tp2sp         2  qwen2.5-32b   tp=2 + sequence parallel
 #   70b-pp4           4  llama3.1-70b  pp=4
 #   70b-pp4-la16      4  llama3.1-70b  pp=4, lookahead 16 (chunks twice the shipped config's; no baselines)
@@ -42,8 +43,9 @@ spec() {
   case "$1" in
     8b-pp2-recompute) echo "2 configs/llama3.1-8b-4adapters.yaml 4 2 0 parallelism.pp=2 model.recompute=true" ;;
     32b-pp2)          echo "2 configs/qwen2.5-32b-4adapters.yaml $STEPS $WARMUP 1 parallelism.tp=1 parallelism.pp=2" ;;
-    # recompute only the first RC_LAYERS (16) of each stage's 32 layers: the PP=2 run leaves 100 GiB a GPU unused
-    32b-pp2-rc)       echo "2 configs/qwen2.5-32b-4adapters.yaml $STEPS $WARMUP 0 parallelism.tp=1 parallelism.pp=2 model.recompute_layers=${RC_LAYERS:-16}" ;;
+    # recompute only the first RC_LAYERS (16) of each stage's 32 layers: the PP=2 run leaves 100 GiB a GPU unused;
+    # SPLIT (e.g. [33,31]) moves layers off the last stage, which also holds the output layer and the loss
+    32b-pp2-rc)       echo "2 configs/qwen2.5-32b-4adapters.yaml $STEPS $WARMUP 0 parallelism.tp=1 parallelism.pp=2 model.recompute_layers=${RC_LAYERS:-16}${SPLIT:+ parallelism.stage_layers=$SPLIT}" ;;
     32b-tp2sp)        echo "2 configs/qwen2.5-32b-4adapters.yaml $STEPS $WARMUP 1 parallelism.tp=2 parallelism.pp=1 parallelism.sequence_parallel=true" ;;
     # (the config's lookahead_batches is 8: 16 steps = one warm-up chunk + one timed chunk of 8 steps)
     70b-pp4)          echo "4 configs/llama3.1-70b-4adapters.yaml 16 8 1 parallelism.tp=1 parallelism.pp=4" ;;

@@ -43,7 +43,9 @@ def test_dp2_with_whole_global_batches_in_one_microbatch_equals_dp1(tmp_path, me
 # the PP layouts run under tests/runtime/sync_guard.py's check (a device-wide synchronise while a gradient-norm
 # all-reduce is pending fails the run)
 LAYOUTS = {"pp2": dict(pp=2), "dp2": dict(dp=2), "tp2": dict(tp=2), "tp2_sp": dict(tp=2, sequence_parallel=True),
-           "pp2_recompute": dict(pp=2, recompute=True)}
+           "pp2_recompute": dict(pp=2, recompute=True),
+           # uneven stages (3 + 1 of tiny-llama's 4 layers) with the first 2 of each stage recomputed
+           "pp2_uneven_partial_recompute": dict(pp=2, stage_layers=[3, 1], recompute=True, recompute_layers=2)}
 
 
 @pytest.mark.slow
