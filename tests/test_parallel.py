@@ -160,7 +160,8 @@ def test_stage_layers_split_the_decoder_unevenly():
         cfg = transformer_config(arch, pp=pp, stage_layers=split)
         assert [get_num_layers_to_build(cfg, pp_rank=r) for r in range(pp)] == split
         assert [get_transformer_layer_offset(cfg, pp_rank=r) for r in range(pp)] == [sum(split[:r]) for r in range(pp)]
-    for bad in ([2, 1], [4, 0], [3, 2]):
+    assert transformer_config(arch, pp=2, stage_layers=[2, 2]).num_layers_in_first_pipeline_stage is None
+    for bad in ([2, 1], [4, 0], [3, 2], [1, 1]):  # ([1, 1]: even, but not the model's 4 layers)
         with pytest.raises(ConfigError, match="parallelism.stage_layers: expected 2 counts >= 1 summing to num_layers=4"):
             transformer_config(arch, pp=2, stage_layers=bad)
     with pytest.raises(ConfigError, match="more than the 3 decoder layers"):

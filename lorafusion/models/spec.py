@@ -21,13 +21,14 @@ def transformer_config(arch: ModelArch, params_dtype: torch.dtype = torch.float3
     if arch.num_query_groups % tp:
         raise ConfigError(f"parallelism.tp: {tp} must divide num_query_groups={arch.num_query_groups}")
     split = {}
-    if stage_layers is not None and len(set(stage_layers)) > 1:  # (an even list is the default split)
+    if stage_layers is not None:
         stage_layers = list(stage_layers)
         if len(stage_layers) != pp or sum(stage_layers) != arch.num_layers or min(stage_layers) < 1:
             raise ConfigError(f"parallelism.stage_layers: expected {pp} counts >= 1 summing to num_layers="
                               f"{arch.num_layers}, got {stage_layers}")
-        split = dict(num_layers_in_first_pipeline_stage=stage_layers[0],
-                     num_layers_in_last_pipeline_stage=stage_layers[-1])
+        if len(set(stage_layers)) > 1:  # (an even list is Megatron's default split)
+            split = dict(num_layers_in_first_pipeline_stage=stage_layers[0],
+                         num_layers_in_last_pipeline_stage=stage_layers[-1])
     elif arch.num_layers % pp:
         raise ConfigError(f"parallelism.pp: {pp} must divide num_layers={arch.num_layers}")
     stage_max = max(stage_layers) if stage_layers is not None else arch.num_layers // pp
