@@ -276,8 +276,6 @@ def import_peft_adapter(model, name: str, path: str | Path, arch: ModelArch | No
     return spec
 
 
-__all__ = ["adapter_peft_state", "export_peft_adapter", "fill_dir_atomically", "import_peft_adapter",
-           "read_peft_adapter", "peft_adapter_config", "write_dir_atomically", "resolve_target_modules"]
 
 
 def run_jobs(src: Path) -> list[str]:
@@ -338,3 +336,7 @@ def find_adapter(src: Path, job: str, best: bool = False) -> tuple[Path, str]:
         raise ConfigError(f"{src}: unknown job {job!r}; the run's jobs: {', '.join(known)}")
     raise MissingFileError(f"{src}: no checkpoint or adapter of job {job!r} (expected a run output_dir "
                            f"or a checkpoints/<job>/step_N directory)")
+
+
+__all__ = ["adapter_peft_state", "export_peft_adapter", "fill_dir_atomically", "find_adapter", "import_peft_adapter",
+           "read_peft_adapter", "peft_adapter_config", "run_jobs", "write_dir_atomically", "resolve_target_modules"]

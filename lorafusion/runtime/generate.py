@@ -65,18 +65,16 @@ def _latest_checkpoint_dir(job_dir: Path) -> Path | None:
 def load_run(run_dir: str | Path) -> RunInfo:
     """What :func:`build_run_model` and :func:`run_tokenizer` need, from a ``lorafusion train`` output directory."""
     from lorafusion.core.arch import PRESETS
-    from lorafusion.runtime.export import find_adapter
+    from lorafusion.runtime.export import find_adapter, run_jobs
 
     run = Path(run_dir)
     if not run.is_dir():
         raise MissingFileError(f"{run}: no such run directory (expected the output_dir of lorafusion train)")
     adapters: dict[str, Path] = {}
     states: list[dict] = []
-    names = {p.name for d in ("adapters", "checkpoints") if (run / d).is_dir() for p in (run / d).iterdir()
-             if p.is_dir() and not p.name.startswith(".")}
     if (run / "summary.json").is_file():
         _read_json(run / "summary.json")  # a garbled summary is one error here (find_adapter passes over it)
-    for name in sorted(names):
+    for name in run_jobs(run):  # (a job only in summary.json has neither: it gets no adapter and no state)
         final = run / "adapters" / name
         ckpt = _latest_checkpoint_dir(run / "checkpoints" / name)
         if ckpt is not None and (ckpt / "state.json").is_file():
