@@ -78,15 +78,22 @@ def answer_request(path: Path, req: dict, answer: str) -> None:
     path.unlink(missing_ok=True)
 
 
-def known_job_names(run_dir: Path) -> set[str]:
-    """Jobs the run has or will have: in its status, and in submissions not yet taken."""
-    names: set[str] = set()
-    status = Path(run_dir) / "status.json"
-    if status.is_file():
-        try:
-            names |= set(json.loads(status.read_text()).get("jobs", {}))
-        except (ValueError, UnicodeDecodeError):
-            pass
+def _status_jobs(run_dir: Path) -> dict:
+    """``status.json``'s rows by job ({} when the run has written none, or none readable yet)."""
+    path = Path(run_dir) / "status.json"
+    if not path.is_file():
+        return {}
+    try:
+        jobs = json.loads(path.read_text()).get("jobs", {})
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return {}
+    return jobs if isinstance(jobs, dict) else {}
+
+
+def known_job_names(run_dir: Path, status_jobs: dict | None = None) -> set[str]:
+    """Jobs the run has or will have: in its status (``status_jobs``, read when not given), and in submissions
+    not yet taken."""
+    names = set(_status_jobs(run_dir) if status_jobs is None else status_jobs)
     # (the CLI only looks: the run takes the requests and answers unreadable ones)
     names |= {r.get("name") for _, r in _listed(run_dir) if isinstance(r, dict) and r["kind"] == "submit"}
     return names
@@ -94,13 +101,12 @@ def known_job_names(run_dir: Path) -> set[str]:
 
 def check_cancel(run_dir: Path, job_name: str) -> None:
     """A cancel names a job of the run that has not ended (as ``status.json`` says; the run answers the rest)."""
-    names = known_job_names(run_dir)
+    rows = _status_jobs(run_dir)
+    names = known_job_names(run_dir, rows)
     if job_name not in names:
         raise ConfigError(f"{run_dir}: --job: no job {job_name!r} in this run (jobs: {', '.join(sorted(names)) or 'none'})")
-    try:
-        state = json.loads((Path(run_dir) / "status.json").read_text())["jobs"][job_name]["state"]
-    except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError):
-        return  # only submitted so far
+    row = rows.get(job_name)
+    state = row.get("state") if isinstance(row, dict) else None  # (None: only submitted so far)
     if state in ENDED:
         raise ConfigError(f"{run_dir}: --job: job {job_name!r} is already {state}: nothing to cancel")
 
