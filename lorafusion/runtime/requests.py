@@ -15,7 +15,8 @@ from pathlib import Path
 from lorafusion.core.errors import ConfigError, MissingFileError
 from lorafusion.runtime.outdir import write_text_atomic
 
-ENDED = ("done", "cancelled", "diverged")  # job states in status.json after which a cancel has nothing to do
+# job states in status.json after which a cancel has nothing to do (the run's own answer: live.LiveJobs._cancel)
+ENDED = ("done", "cancelled", "diverged", "early_stopped")
 
 REQUESTS = "requests"
 

@@ -142,3 +142,14 @@ def test_bad_requests_are_one_line(tmp_path, capsys, case, three_jobs):
     assert all(w in err for w in words), err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert sorted(p.name for p in out.rglob("*")) == before  # the run is untouched
+
+
+@pytest.mark.parametrize("state", ["done", "cancelled", "diverged", "early_stopped"])
+def test_cancel_of_an_ended_job_is_refused_at_once(tmp_path, state):
+    from lorafusion.core.errors import ConfigError
+    from lorafusion.runtime.requests import check_cancel
+
+    (tmp_path / "status.json").write_text(json.dumps({"run": {}, "jobs": {"j": {"state": state}, "k": {"state": "running"}}}))
+    with pytest.raises(ConfigError, match=f"job 'j' is already {state}: nothing to cancel"):
+        check_cancel(tmp_path, "j")
+    check_cancel(tmp_path, "k")  # a running job may be cancelled
