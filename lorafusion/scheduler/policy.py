@@ -25,10 +25,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 Policy = Literal["together", "shortest_first", "fifo"]
-POLICIES: tuple[str, ...] = ("together", "shortest_first", "fifo")
+POLICIES: tuple[str, ...] = get_args(Policy)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ from typing import Literal
 
 from lorafusion.core.errors import UserError
 
+from .policy import POLICIES, Policy
+
 SampleId = Hashable
 GlobalBatch = Sequence[tuple[SampleId, int]]
 
@@ -68,7 +70,7 @@ class SchedulerConfig:
     milp_time_limit_s: float = 1.0
     grouping: bool = True
     lookahead_batches: int = 2
-    policy: Literal["together", "shortest_first", "fifo"] = "together"  # whose batches a chunk holds: policy.py
+    policy: Policy = "together"  # whose batches a chunk holds: policy.py
     merge: bool = True
     balance: Literal["fill", "even"] = "fill"  # see batcher: full bins + tail, or equal bins
     solver: Literal["auto", "cbc", "highs", "greedy"] = "auto"
@@ -84,8 +86,8 @@ class SchedulerConfig:
             raise PlanError("token_capacity must be a positive int or 'auto'")
         if self.balance not in ("fill", "even"):
             raise PlanError(f"balance must be 'fill' or 'even', got {self.balance!r}")
-        if self.policy not in ("together", "shortest_first", "fifo"):
-            raise PlanError(f"policy must be 'together', 'shortest_first' or 'fifo', got {self.policy!r}")
+        if self.policy not in POLICIES:
+            raise PlanError(f"policy must be one of {', '.join(map(repr, POLICIES))}, got {self.policy!r}")
         if self.lookahead_batches < 1:
             raise PlanError("lookahead_batches must be >= 1")
         if self.milp_time_limit_s < 0:
