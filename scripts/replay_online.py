@@ -97,6 +97,17 @@ def scheduler_int(base: dict, overrides: list[str], key: str, default: int) -> i
     return int(value) if str(value).isdigit() else default
 
 
+def _env() -> dict:
+    """The environment of a ``lorafusion train`` the driver starts: this checkout first on the path."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+
+
+def _job_yamls(trace: Trace, base: dict, overrides: list[str], work: Path) -> dict[str, Path]:
+    """Every trace job's YAML (and data), its samples cut to the run's token capacity."""
+    max_len = scheduler_int(base, overrides, "token_capacity", 4096)
+    return {tj.name: job_yaml(trace, tj, work, max_len) for tj in trace.jobs}
+
+
 def _train_cmd(args, run_yaml: Path, overrides: list[str]) -> list[str]:
     return [*shlex.split(args.launcher), "train", str(run_yaml), *overrides] if args.launcher else \
         [sys.executable, "-m", "lorafusion.cli", "train", str(run_yaml), *overrides]
@@ -127,13 +138,11 @@ def _tokens(out: Path) -> int:
 def run_separate(trace: Trace, args, overrides: list[str], work: Path) -> dict:
     """Today's practice: each job alone in its own ``lorafusion train`` run, in arrival order (a FIFO queue of
     runs on the machine), each paying its own setup. JCT = its run's exit − its arrival."""
-    base = read_config(args.config)
-    base["scheduler"] = dict(base.get("scheduler") or {}, policy="together")
-    max_len = scheduler_int(base, overrides, "token_capacity", 4096)
-    yamls = {tj.name: job_yaml(trace, tj, work, max_len) for tj in trace.jobs}
+    base = read_config(args.config)  # (one job a run: the config's scheduler.policy makes no difference)
+    yamls = _job_yamls(trace, base, overrides, work)
     order = sorted(trace.jobs, key=lambda t: t.arrival_s)
     first = order[0].arrival_s
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = _env()
     t0 = time.monotonic()
     deadline = t0 + args.timeout
     arrival, finish, setup, tokens, cmds = {}, {}, {}, 0, []
@@ -171,8 +180,7 @@ def run_policy(policy: str, trace: Trace, args, overrides: list[str], work: Path
     if policy == "separate":
         return run_separate(trace, args, overrides, work)
     base = read_config(args.config)
-    max_len = scheduler_int(base, overrides, "token_capacity", 4096)
-    yamls = {tj.name: job_yaml(trace, tj, work, max_len) for tj in trace.jobs}
+    yamls = _job_yamls(trace, base, overrides, work)
     first = min(tj.arrival_s for tj in trace.jobs)
     at_start = [tj.name for tj in trace.jobs if tj.arrival_s == first]
     later = sorted((tj for tj in trace.jobs if tj.arrival_s > first), key=lambda t: t.arrival_s)
@@ -183,8 +191,7 @@ def run_policy(policy: str, trace: Trace, args, overrides: list[str], work: Path
                          serve_idle_minutes=args.idle_minutes)
     cmd = _train_cmd(args, run_yaml, overrides)
     log = (work / policy / "train.log").open("w")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT)
     status = out / "status.json"
     deadline = time.monotonic() + args.timeout
     try:
