@@ -61,6 +61,10 @@ class JobState:
     best_eval: float | None = None
     best_step: int | None = None
     evals_since_best: int = 0
+    # ended and handed over at a chunk boundary (runtime/live.py): final checkpoint and PEFT adapter written;
+    # ``released``: its adapter and optimizer state also left the model (the run went on without it)
+    exported: bool = False
+    released: bool = False
 
     @cached_property
     def mean_len(self) -> float:
@@ -71,6 +75,12 @@ class JobState:
     def halted(self) -> bool:
         """Paused for good (diverged or early-stopped): batches planned before still run, changing nothing."""
         return self.status in ("diverged", "early_stopped")
+
+    @property
+    def ended(self) -> bool:
+        """Nothing more to train: its last step ran, or it diverged, early-stopped or was cancelled."""
+        return self.halted or self.status == "cancelled" or (
+            self.status == "running" and self.steps >= self.stream.total_steps)
 
     @property
     def final_status(self) -> str:

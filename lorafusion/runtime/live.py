@@ -12,6 +12,12 @@ rank 0, broadcasts them, and every rank applies them in the same order:
 - cancel: the job gets no more batches; once its planned batches have run it is checkpointed and exported and
   its status is ``cancelled``. A queued job is cancelled at once.
 
+A job that ends (its last step ran, or it diverged or early-stopped) is *handed over* at the first boundary
+where no prepared chunk holds its batches: its final state is checkpointed and its PEFT adapter written to
+``adapters/<job>/`` (``status`` says ``done`` from then on, not at the end of the run); if the run goes on
+(other jobs remain, or it serves) its adapter and optimizer state also leave the model, so the memory is
+there for queued jobs.
+
 The answer to each request is written next to it in ``RUN_DIR/requests/done/``.
 """
 
@@ -53,10 +59,11 @@ def adapter_memory_bytes(model, name: str, token_capacity: int) -> int:
 
 class LiveJobs:
     """See the module docstring. ``add_job(job_cfg) -> JobState`` builds a job (data, stream, adapter,
-    optimizer) on every rank; ``finish(name)`` checkpoints and exports it."""
+    optimizer) on every rank; ``finish(name, release)`` hands an ended job over (checkpoint, export; with
+    ``release`` its adapter and optimizer leave the model)."""
 
     def __init__(self, cfg: RunConfig, out: Path, model, feed: Feed, jobs: dict[str, JobState], *,
-                 is_logger: bool, add_job: Callable[[JobConfig], JobState], finish: Callable[[str], None],
+                 is_logger: bool, add_job: Callable[[JobConfig], JobState], finish: Callable[[str, bool], None],
                  log: Callable[[str], None] = print):
         self.cfg, self.out, self.model, self.feed, self.jobs = cfg, Path(out), model, feed, jobs
         self.is_logger, self._add_job, self._finish, self.log = is_logger, add_job, finish, log
@@ -88,6 +95,7 @@ class LiveJobs:
                 answer_request(Path(req.pop("_path")), req, answer)
                 self.log(f"request {req['kind']} {req.get('name') or req.get('job')}: {answer}")
         self._end_cancelled()
+        self._end_finished()
         self._admit()
         return len(reqs)
 
@@ -136,13 +144,30 @@ class LiveJobs:
                 continue
             del self._wait[name]
             self.jobs[name].status = "cancelled"
-            self._finish(name)
+            self._hand_over(name)
             self.log(f"job {name}: cancelled at step {self.jobs[name].steps}; checkpointed and exported")
+
+    def _end_finished(self) -> None:
+        ended = [n for n, js in self.jobs.items() if js.ended and js.status != "cancelled" and not js.exported]
+        if not ended:
+            return
+        prepared = self.feed.update_jobs(lambda jobs: None)  # a halted job's planned batches run first
+        for name in ended:
+            if name not in prepared:
+                self._hand_over(name)
+                self.log(f"job {name}: {self.jobs[name].final_status} at step {self.jobs[name].steps}; "
+                         f"adapter in {self.out / 'adapters' / name}")
+
+    def _hand_over(self, name: str) -> None:
+        # the memory goes back only if someone may use it: a run that ends now keeps the trained model whole
+        goes_on = self.cfg.serve or any(not js.ended for n, js in self.jobs.items() if n != name)
+        self._finish(name, goes_on)
 
     def _fits(self, name: str) -> bool:
         if not torch.cuda.is_available():
             return True
         free, _ = torch.cuda.mem_get_info()
+        free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()  # the allocator's cache is free too
         cap = self.cfg.scheduler.token_capacity
         need = adapter_memory_bytes(self.model, name, cap if isinstance(cap, int) else 16384)
         ok = torch.tensor([int(free - (1 << 30) >= need)], device="cuda")

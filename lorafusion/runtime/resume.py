@@ -22,6 +22,7 @@ class JobCheckpoints:
         self.root = Path(cfg.output_dir) / "checkpoints"
         self._fingerprints: dict[str, dict] = {}
         self._saved_step: dict[str, int] = {}  # job -> step of its newest checkpoint
+        self._saved_status: dict[str, str] = {}  # job -> the status that checkpoint recorded
         self._stream_states: dict[str, dict] = {}  # job -> stream state at the newest chunk boundary
 
     def chunk_done(self, chunk) -> None:
@@ -43,7 +44,7 @@ class JobCheckpoints:
         """Checkpoint every job not yet saved at its current step (``only_default_policy``: only jobs without
         ``save_every``, whose policy is time-based and at the end; a stop signal saves every job)."""
         for name, js in self.jobs.items():
-            if only_default_policy and js.cfg.save_every:
+            if (only_default_policy and js.cfg.save_every) or js.exported:  # (handed over: saved at its end)
                 continue
             if self._saved_step.get(name) != js.steps and name in self._stream_states:
                 self.save(name, self._stream_states[name])
@@ -53,6 +54,18 @@ class JobCheckpoints:
         self._saved_step.pop(name, None)
         # (a job that has not run a chunk yet — cancelled at once — is at the start of its stream)
         self.save(name, self._stream_states.get(name) or self.jobs[name].stream.state_dict())
+
+    def save_final(self, name: str) -> None:
+        """A job that ended, handed over before the run's end: the checkpoint the end of the run would write
+        for it (a job with ``save_every`` keeps its own steps), and a cancelled job's always — unless its newest
+        checkpoint holds that state already (a resumed job; a halted job was saved when it halted)."""
+        js = self.jobs[name]
+        if self._saved_step.get(name) == js.steps and self._saved_status.get(name) == js.status:
+            return
+        if js.status == "cancelled":
+            self.save_now(name)
+        elif not js.cfg.save_every and name in self._stream_states:
+            self.save(name, self._stream_states[name])
 
     def save(self, name: str, stream_state: dict) -> None:
         """``stream_state``: the job's data stream as of the chunk boundary being saved (the feed's live
@@ -71,7 +84,7 @@ class JobCheckpoints:
                             adapter_params=adapter_parameters(self.model, name),
                             optimizer_state=js.optimizer.state_dict(), state=state,
                             write_adapter=lambda d: self.export(name, d), keep_last=self.cfg.checkpoint.keep_last)
-        self._saved_step[name] = js.steps
+        self._saved_step[name], self._saved_status[name] = js.steps, js.status
 
     def save_best(self, name: str) -> None:
         """Checkpoint job ``name`` at its current step (unless saved at it already) and mark that checkpoint
@@ -155,7 +168,7 @@ class JobCheckpoints:
             ev = state.get("eval") or {}
             js.last_eval, js.best_eval, js.best_step = ev.get("last"), ev.get("best"), ev.get("best_step")
             js.evals_since_best = ev.get("since_best", 0)
-            self._saved_step[name] = js.steps
+            self._saved_step[name], self._saved_status[name] = js.steps, js.status
             self._stream_states[name] = state["stream"]
 
 

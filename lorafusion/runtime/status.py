@@ -51,7 +51,9 @@ class StatusWriter:
             session_tokens += done_tokens
             total = js.stream.total_steps
             state = (job_states or {}).get(n) or (
-                js.status if js.status != "running" else "done" if js.steps >= total else
+                js.status if js.status != "running" else
+                "done" if js.exported else  # handed over: its adapter is written (until then: running)
+                "running" if js.steps >= total else
                 "stopped" if run_state == "stopped" else
                 "waiting" if in_chunk is not None and n not in in_chunk else "running")
             remaining = max(0, total - js.steps)

@@ -245,8 +245,8 @@ class Trainer:
             elapsed = time.perf_counter() - t_start
             if stopped is None:
                 self.checkpoints.save_all(only_default_policy=True)  # the end of the run: every job's final state
-            for name, js in self.jobs.items():
-                if js.status != "cancelled" and (js.steps >= js.stream.total_steps or js.halted):
+            for name, js in self.jobs.items():  # (jobs handed over at a boundary were exported then)
+                if js.status != "cancelled" and not js.exported and (js.steps >= js.stream.total_steps or js.halted):
                     self.export(name, self.out / "adapters" / name)
         finally:
             if progress is not None:
@@ -279,10 +279,19 @@ class Trainer:
 
         export_peft_adapter(self.model, name, out_dir, self.arch, base_model=base_reference(self.cfg, self.out, self.arch, self.device))
 
-    def _finish_job(self, name: str) -> None:
-        """A job that leaves before its end (cancelled): checkpoint (its stream as of its last chunk) and export."""
-        self.checkpoints.save_now(name)
+    def _finish_job(self, name: str, release: bool) -> None:
+        """Hand over a job that ended (done, cancelled, diverged, early-stopped; collective): its final state
+        checkpointed (its stream as of its last chunk) and its adapter exported; with ``release`` its adapter
+        and optimizer state leave the model."""
+        from lorafusion.layers import remove_adapter
+
+        js = self.jobs[name]
+        self.checkpoints.save_final(name)
         self.export(name, self.out / "adapters" / name)
+        js.exported = True
+        if release:
+            remove_adapter(self.model, name)
+            js.optimizer, js.released = None, True
 
     def _pause_diverged(self, name: str, progress) -> None:
         """Stop a job whose last ``max_nonfinite_steps`` steps were all non-finite: no more batches (from the
