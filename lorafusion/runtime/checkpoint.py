@@ -13,6 +13,8 @@ import io
 import json
 import os
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,44 +40,130 @@ def save_job_checkpoint(job_dir: Path, step: int, *, adapter_params: dict[str, t
                         state: dict, write_adapter, keep_last: int | None = None) -> Path | None:
     """Collective over all ranks. ``write_adapter(dir)`` exports the PEFT adapter (collective, rank 0 writes)."""
     job_dir = Path(job_dir)
-    final = job_dir / f"step_{step:06d}"
-    tmp = job_dir / f".step_{step:06d}.tmp"
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    final, tmp = _step_dirs(job_dir, step)
+    rank0 = _rank0()
+    _make_tmp(job_dir, tmp, rank0)
+    try:
+        write_adapter(tmp / "adapter")
+        if parallel_state.get_data_parallel_rank() == 0:
+            _write_rank_file(tmp, {"adapter": {k: v.detach().cpu() for k, v in adapter_params.items()},
+                                   "optimizer": optimizer_state})
+        if rank0:
+            (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+        _barrier()
+    except BaseException:
+        _drop_tmp(job_dir, tmp, rank0)
+        raise
+    if rank0:
+        _install(job_dir, final, tmp, keep_last)
+    _barrier()
+    return final if rank0 else None
+
+
+def start_job_checkpoint(job_dir: Path, step: int, *, adapter_params: dict[str, torch.Tensor], optimizer_state: dict,
+                         state: dict, adapter: tuple | None, keep_last: int | None = None,
+                         wait_s: float = 600.0) -> Callable[[], Path | None]:
+    """:func:`save_job_checkpoint` in two halves, for a write that must not stall training. This call is
+    collective and quick: the temporary directory is made and this rank's tensors and optimizer state are
+    copied to host memory. It returns the write, which calls no collectives (a background thread runs it):
+    each writing rank's file appears in the temporary directory complete (renamed when written); rank 0 waits
+    up to ``wait_s`` for every model-parallel rank's file there (the synchronous path's barrier), writes the
+    adapter (``adapter``: rank 0's ``peft_adapter_snapshot``) and ``state.json``, and renames the
+    directory into place."""
+    from lorafusion.runtime.export import write_peft_adapter
+
+    job_dir = Path(job_dir)
+    final, tmp = _step_dirs(job_dir, step)
+    rank0 = _rank0()
+    _make_tmp(job_dir, tmp, rank0)
+    writer = parallel_state.get_data_parallel_rank() == 0
+    host = _to_host({"adapter": {k: v.detach() for k, v in adapter_params.items()},
+                     "optimizer": optimizer_state}) if writer else None
+    expected = [f"rank_tp{t}_pp{p}.pt" for t in range(parallel_state.get_tensor_model_parallel_world_size())
+                for p in range(parallel_state.get_pipeline_model_parallel_world_size())]
+
+    def write() -> Path | None:
+        try:
+            if writer:
+                _write_rank_file(tmp, host, atomic=True)
+            if not rank0:
+                return None
+            write_peft_adapter(tmp / "adapter", *adapter)
+            (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+            deadline = time.monotonic() + wait_s
+            while missing := [n for n in expected if not (tmp / n).is_file()]:
+                if time.monotonic() > deadline:
+                    raise MissingFileError(f"{tmp}: {', '.join(missing)} not written by their ranks within "
+                                           f"{wait_s:.0f} s; the checkpoint of step {step} is incomplete")
+                time.sleep(0.02)
+        except BaseException:
+            _drop_tmp(job_dir, tmp, rank0)
+            raise
+        _install(job_dir, final, tmp, keep_last)
+        return final
+
+    return write
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _step_dirs(job_dir: Path, step: int) -> tuple[Path, Path]:
+    return job_dir / f"step_{step:06d}", job_dir / f".step_{step:06d}.tmp"
+
+
+def _make_tmp(job_dir: Path, tmp: Path, rank0: bool) -> None:
+    """A fresh temporary step directory, there for every rank once this returns (collective)."""
     if rank0:
         job_dir.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
     _barrier()
-    try:
-        write_adapter(tmp / "adapter")
-        if parallel_state.get_data_parallel_rank() == 0:
-            # serialised in memory, written by Python: a full disk or ``ulimit -f`` is an OSError naming the
-            # file (torch's own file writer raises an anonymous RuntimeError)
-            buf = io.BytesIO()
-            torch.save({"adapter": {k: v.detach().cpu() for k, v in adapter_params.items()},
-                        "optimizer": optimizer_state}, buf)
-            write_bytes(tmp / _rank_file(), buf.getbuffer())
-        if rank0:
-            (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
-        _barrier()
-    except BaseException:
-        if rank0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            try:  # the job's first checkpoint failed: an empty job_dir would mark output_dir as holding a run
-                job_dir.rmdir()
-            except OSError:
-                pass
-        raise
+
+
+def _drop_tmp(job_dir: Path, tmp: Path, rank0: bool) -> None:
     if rank0:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        write_text_atomic(job_dir / "latest", final.name + "\n")
-        if keep_last:
-            prune_checkpoints(job_dir, keep_last)
-    _barrier()
-    return final if rank0 else None
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:  # the job's first checkpoint failed: an empty job_dir would mark output_dir as holding a run
+            job_dir.rmdir()
+        except OSError:
+            pass
+
+
+def _write_rank_file(tmp: Path, tensors: dict, atomic: bool = False) -> None:
+    """This model-parallel rank's file: serialised in memory, written by Python (a full disk or ``ulimit -f``
+    is an OSError naming the file; torch's own file writer raises an anonymous RuntimeError). ``atomic``:
+    written under a temporary name, then renamed (another process waits for it to appear)."""
+    buf = io.BytesIO()
+    torch.save(tensors, buf)
+    target = tmp / _rank_file()
+    part = tmp / f".{target.name}.part" if atomic else target
+    write_bytes(part, buf.getbuffer())
+    if atomic:
+        os.replace(part, target)
+
+
+def _install(job_dir: Path, final: Path, tmp: Path, keep_last: int | None) -> None:
+    """Rank 0: the complete temporary directory becomes ``final``, named by ``latest``; older ones pruned."""
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    write_text_atomic(job_dir / "latest", final.name + "\n")
+    if keep_last:
+        prune_checkpoints(job_dir, keep_last)
+
+
+def _to_host(obj):
+    """A copy of a (nested) state in host memory: tensors copied to the CPU, containers rebuilt."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_host(v) for v in obj)
+    return obj
 
 
 def prune_checkpoints(job_dir: Path, keep_last: int) -> None:

@@ -153,12 +153,22 @@ def fill_dir_atomically(out_dir: str | Path, fill) -> Path:
 def export_peft_adapter(model, name: str, out_dir: str | Path, arch: ModelArch | None = None,
                         base_model: str | None = None) -> Path | None:
     """Write adapter ``name`` as a PEFT adapter directory (collective: call on every rank)."""
-    arch = arch or model_arch(model)
-    state = adapter_peft_state(model, name, arch)
+    snapshot = peft_adapter_snapshot(model, name, arch, base_model)
+    return None if snapshot is None else write_peft_adapter(out_dir, *snapshot)
+
+
+def peft_adapter_snapshot(model, name: str, arch: ModelArch | None = None,
+                          base_model: str | None = None) -> tuple[dict[str, torch.Tensor], dict] | None:
+    """Adapter ``name`` in host memory, ready for :func:`write_peft_adapter`: (PEFT-keyed fp32 tensors, its
+    ``adapter_config.json``) on global rank 0, None elsewhere (collective)."""
+    state = adapter_peft_state(model, name, arch or model_arch(model))
     if state is None:
         return None
-    spec = get_lora_context(model).specs[name]
-    config = peft_adapter_config(spec, base_model)
+    return state, peft_adapter_config(get_lora_context(model).specs[name], base_model)
+
+
+def write_peft_adapter(out_dir: str | Path, state: dict[str, torch.Tensor], config: dict) -> Path:
+    """Write a snapshot as a PEFT adapter directory, complete or absent (no collectives: any thread)."""
     return write_dir_atomically(out_dir, {
         "adapter_config.json": lambda p: p.write_text(json.dumps(config, indent=2) + "\n"),
         # serialised here, written by Python: a full disk or a file size limit is then an OSError naming the
@@ -339,4 +349,5 @@ def find_adapter(src: Path, job: str, best: bool = False) -> tuple[Path, str]:
 
 
 __all__ = ["adapter_peft_state", "export_peft_adapter", "fill_dir_atomically", "find_adapter", "import_peft_adapter",
-           "read_peft_adapter", "peft_adapter_config", "run_jobs", "write_dir_atomically", "resolve_target_modules"]
+           "peft_adapter_snapshot", "read_peft_adapter", "peft_adapter_config", "run_jobs", "write_dir_atomically",
+           "write_peft_adapter", "resolve_target_modules"]

@@ -13,10 +13,11 @@ rank 0, broadcasts them, and every rank applies them in the same order:
   its status is ``cancelled``. A queued job is cancelled at once.
 
 A job that ends (its last step ran, or it diverged or early-stopped) is *handed over* at the first boundary
-where no prepared chunk holds its batches: its final state is checkpointed and its PEFT adapter written to
-``adapters/<job>/`` (``status`` says ``done`` from then on, not at the end of the run); if the run goes on
-(other jobs remain, or it serves) its adapter and optimizer state also leave the model, so the memory is
-there for queued jobs.
+where no prepared chunk holds its batches: its final checkpoint and its PEFT adapter in ``adapters/<job>/``
+are taken to host memory and written in the background while the others train (runtime/handover.py;
+``status`` says ``done`` once they are complete, not at the end of the run); if the run goes on (other jobs
+remain, or it serves) its adapter and optimizer state also leave the model, so the memory is there for
+queued jobs.
 
 The answer to each request is written next to it in ``RUN_DIR/requests/done/``.
 """
@@ -148,15 +149,15 @@ class LiveJobs:
             self.log(f"job {name}: cancelled at step {self.jobs[name].steps}; checkpointed and exported")
 
     def _end_finished(self) -> None:
-        ended = [n for n, js in self.jobs.items() if js.ended and js.status != "cancelled" and not js.exported]
+        ended = [n for n, js in self.jobs.items() if js.ended and js.status != "cancelled" and not js.handed_over]
         if not ended:
             return
         prepared = self.feed.update_jobs(lambda jobs: None)  # a halted job's planned batches run first
         for name in ended:
             if name not in prepared:
                 self._hand_over(name)
-                self.log(f"job {name}: {self.jobs[name].final_status} at step {self.jobs[name].steps}; "
-                         f"adapter in {self.out / 'adapters' / name}")
+                self.log(f"job {name}: {self.jobs[name].final_status} at step {self.jobs[name].steps}; its adapter "
+                         f"goes to {self.out / 'adapters' / name}")
 
     def _hand_over(self, name: str) -> None:
         # the memory goes back only if someone may use it: a run that ends now keeps the trained model whole

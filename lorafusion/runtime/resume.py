@@ -44,7 +44,7 @@ class JobCheckpoints:
         """Checkpoint every job not yet saved at its current step (``only_default_policy``: only jobs without
         ``save_every``, whose policy is time-based and at the end; a stop signal saves every job)."""
         for name, js in self.jobs.items():
-            if (only_default_policy and js.cfg.save_every) or js.exported:  # (handed over: saved at its end)
+            if (only_default_policy and js.cfg.save_every) or js.handed_over:  # (saved when it ended)
                 continue
             if self._saved_step.get(name) != js.steps and name in self._stream_states:
                 self.save(name, self._stream_states[name])
@@ -55,17 +55,29 @@ class JobCheckpoints:
         # (a job that has not run a chunk yet — cancelled at once — is at the start of its stream)
         self.save(name, self._stream_states.get(name) or self.jobs[name].stream.state_dict())
 
-    def save_final(self, name: str) -> None:
-        """A job that ended, handed over before the run's end: the checkpoint the end of the run would write
-        for it (a job with ``save_every`` keeps its own steps), and a cancelled job's always — unless its newest
-        checkpoint holds that state already (a resumed job; a halted job was saved when it halted)."""
+    def start_final(self, name: str, adapter: tuple | None):
+        """A job that ended, handed over before the run's end (collective, quick): the checkpoint the end of
+        the run would write for it (a job with ``save_every`` keeps its own steps), and a cancelled job's
+        always — unless its newest checkpoint holds that state already (a resumed job; a halted job was saved
+        when it halted). Returns the write (no collectives; see ``checkpoint.start_job_checkpoint``), or None
+        when there is nothing to save. ``adapter``: rank 0's ``peft_adapter_snapshot`` of the job."""
+        from lorafusion.layers import adapter_parameters
+        from lorafusion.runtime.checkpoint import start_job_checkpoint
+
         js = self.jobs[name]
         if self._saved_step.get(name) == js.steps and self._saved_status.get(name) == js.status:
-            return
-        if js.status == "cancelled":
-            self.save_now(name)
+            return None
+        if js.status == "cancelled":  # (one cancelled before its first chunk is at the start of its stream)
+            stream = self._stream_states.get(name) or js.stream.state_dict()
         elif not js.cfg.save_every and name in self._stream_states:
-            self.save(name, self._stream_states[name])
+            stream = self._stream_states[name]
+        else:
+            return None
+        write = start_job_checkpoint(self.root / name, js.steps, adapter_params=adapter_parameters(self.model, name),
+                                     optimizer_state=js.optimizer.state_dict(), state=self._state(name, stream),
+                                     adapter=adapter, keep_last=self.cfg.checkpoint.keep_last)
+        self._saved_step[name], self._saved_status[name] = js.steps, js.status
+        return write
 
     def save(self, name: str, stream_state: dict) -> None:
         """``stream_state``: the job's data stream as of the chunk boundary being saved (the feed's live
@@ -74,17 +86,21 @@ class JobCheckpoints:
         from lorafusion.runtime.checkpoint import save_job_checkpoint
 
         js = self.jobs[name]
-        state = {"job": name, "step": js.steps, "tokens": js.tokens, "stream": stream_state,
-                 "first_loss": js.first_loss, "last_loss": js.last_loss, "status": js.status,
-                 "nonfinite": js.nonfinite, "eval": {"last": js.last_eval, "best": js.best_eval,
-                                                     "best_step": js.best_step, "since_best": js.evals_since_best},
-                 "seed": self.cfg.seed, "layout": self.cfg.parallelism.model_dump(),
-                 "settings": self._settings(name)}
         save_job_checkpoint(self.root / name, js.steps,
                             adapter_params=adapter_parameters(self.model, name),
-                            optimizer_state=js.optimizer.state_dict(), state=state,
+                            optimizer_state=js.optimizer.state_dict(), state=self._state(name, stream_state),
                             write_adapter=lambda d: self.export(name, d), keep_last=self.cfg.checkpoint.keep_last)
         self._saved_step[name], self._saved_status[name] = js.steps, js.status
+
+    def _state(self, name: str, stream_state: dict) -> dict:
+        """A checkpoint's ``state.json`` for job ``name`` as it is now."""
+        js = self.jobs[name]
+        return {"job": name, "step": js.steps, "tokens": js.tokens, "stream": stream_state,
+                "first_loss": js.first_loss, "last_loss": js.last_loss, "status": js.status,
+                "nonfinite": js.nonfinite, "eval": {"last": js.last_eval, "best": js.best_eval,
+                                                    "best_step": js.best_step, "since_best": js.evals_since_best},
+                "seed": self.cfg.seed, "layout": self.cfg.parallelism.model_dump(),
+                "settings": self._settings(name)}
 
     def save_best(self, name: str) -> None:
         """Checkpoint job ``name`` at its current step (unless saved at it already) and mark that checkpoint

@@ -1,9 +1,10 @@
 """``OUTPUT_DIR/status.json``: where every job of a run stands, rewritten (atomically) by global rank 0 at each
 chunk (as it starts) and at the end; ``lorafusion status RUN_DIR [--json]`` reads it.
 
-Per job: ``state`` (queued | running | waiting | cancelling | done | cancelled | stopped | diverged |
+Per job: ``state`` (queued | running | waiting | cancelling | saving | done | cancelled | stopped | diverged |
 early_stopped; ``waiting``: admitted and unfinished, but the chunk now running has none of its batches — under
-``scheduler.policy`` shortest_first or fifo, other jobs go first), ``step`` / ``max_steps``, ``tokens``, ``last_loss``, (jobs with an eval set) ``eval_loss``,
+``scheduler.policy`` shortest_first or fifo, other jobs go first; ``saving``: its last step ran and its final
+checkpoint and adapter are being written in the background — ``done`` once they are), ``step`` / ``max_steps``, ``tokens``, ``last_loss``, (jobs with an eval set) ``eval_loss``,
 ``best_eval_loss``, ``best_step``,
 ``tokens_per_s`` (this session's tokens of the job over the session's wall time) and ``eta_s`` (its remaining
 steps at its rate this session). The run: ``state`` (starting | running | serving | done | stopped), ``elapsed_s``, ``tokens_per_s``,
@@ -52,7 +53,8 @@ class StatusWriter:
             total = js.stream.total_steps
             state = (job_states or {}).get(n) or (
                 js.status if js.status != "running" else
-                "done" if js.exported else  # handed over: its adapter is written (until then: running)
+                "done" if js.written else  # its final checkpoint and adapter are written
+                "saving" if js.handed_over else
                 "running" if js.steps >= total else
                 "stopped" if run_state == "stopped" else
                 "waiting" if in_chunk is not None and n not in in_chunk else "running")
@@ -95,7 +97,7 @@ def read_status(run_dir: Path) -> dict:
         status["run"]["state"] = "stopped"  # killed: nobody holds the lock and the end was never written
         status["run"]["note"] = "no process holds the run's lock: it ended without writing its end (killed?)"
         for row in status["jobs"].values():
-            if row.get("state") in ("running", "waiting", "cancelling"):
+            if row.get("state") in ("running", "waiting", "cancelling", "saving"):
                 row["state"], row["eta_s"] = "stopped", None
     return status
 

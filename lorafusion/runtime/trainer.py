@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -136,6 +137,7 @@ class Trainer:
     def _run(self, stops) -> dict:
         from lorafusion.runtime.metrics import MetricsWriter, Progress, cut_metrics, max_memory_gib
         from lorafusion.runtime.pipeline import run_chunk
+        from lorafusion.runtime.handover import Handover
         from lorafusion.runtime.live import LiveJobs
         from lorafusion.runtime.status import StatusWriter
 
@@ -152,6 +154,7 @@ class Trainer:
             progress = Progress({n: js.stream.total_steps for n, js in self.jobs.items()},
                                 enabled=cfg.logging.progress, log_every=cfg.logging.log_every)
             status = StatusWriter(self.out, self.jobs)  # OUTPUT_DIR/status.json (lorafusion status)
+        self.handover = Handover()  # writes what ended jobs leave while the others train
         t_start = time.perf_counter()
         windows = plan_s = noops = total_tokens = 0
         bubbles = []
@@ -232,7 +235,8 @@ class Trainer:
                         self._pause_diverged(name, progress)
                 self.evaluator.after_chunk(chunk, metrics, progress)  # eval_loss rows, best checkpoint, early stop
                 self.checkpoints.save_due(chunk)
-                live.poll()  # lorafusion submit / cancel (collective)
+                live.poll()  # lorafusion submit / cancel (collective); jobs that ended are handed over
+                self.handover.check()  # a background write that failed fails the run here
                 # ranks agree (one tiny collective per chunk) on a stop signal and on a timed checkpoint
                 stop, timed = stops.poll(time.monotonic() - last_timed_save >= every_s)
                 if stop or timed:
@@ -246,9 +250,14 @@ class Trainer:
             if stopped is None:
                 self.checkpoints.save_all(only_default_policy=True)  # the end of the run: every job's final state
             for name, js in self.jobs.items():  # (jobs handed over at a boundary were exported then)
-                if js.status != "cancelled" and not js.exported and (js.steps >= js.stream.total_steps or js.halted):
+                if js.status != "cancelled" and not js.handed_over and (js.steps >= js.stream.total_steps or js.halted):
                     self.export(name, self.out / "adapters" / name)
+            self.handover.close()  # every hand-over written before the summary says done
         finally:
+            try:
+                self.handover.close()  # (after an error too: what was handed over is written)
+            except Exception as e:  # noqa: BLE001 - the run failed already; that error goes on
+                print(f"lorafusion: a background write failed as well: {type(e).__name__}: {e}", file=sys.stderr)
             if progress is not None:
                 progress.close()
             if metrics is not None:
@@ -273,22 +282,41 @@ class Trainer:
         return summary
 
     # ------------------------------------------------------------------------------- export / checkpoint
-    def export(self, name: str, out_dir: Path) -> None:
-        from lorafusion.runtime.export import export_peft_adapter
+    def snapshot(self, name: str) -> tuple | None:
+        """Adapter ``name`` in host memory as a PEFT adapter of this run's base (collective; rank 0 gets it)."""
+        from lorafusion.runtime.export import peft_adapter_snapshot
         from lorafusion.runtime.export_models import base_reference
 
-        export_peft_adapter(self.model, name, out_dir, self.arch, base_model=base_reference(self.cfg, self.out, self.arch, self.device))
+        return peft_adapter_snapshot(self.model, name, self.arch,
+                                     base_reference(self.cfg, self.out, self.arch, self.device))
+
+    def export(self, name: str, out_dir: Path) -> None:
+        from lorafusion.runtime.export import write_peft_adapter
+
+        if (snap := self.snapshot(name)) is not None:
+            write_peft_adapter(out_dir, *snap)
 
     def _finish_job(self, name: str, release: bool) -> None:
-        """Hand over a job that ended (done, cancelled, diverged, early-stopped; collective): its final state
-        checkpointed (its stream as of its last chunk) and its adapter exported; with ``release`` its adapter
-        and optimizer state leave the model."""
+        """Hand over a job that ended (done, cancelled, diverged, early-stopped; collective, quick): its final
+        checkpoint (its stream as of its last chunk) and its adapter are taken to host memory and written in
+        the background (``js.written`` once complete); with ``release`` its adapter and optimizer state leave
+        the model."""
         from lorafusion.layers import remove_adapter
+        from lorafusion.runtime.export import write_peft_adapter
 
         js = self.jobs[name]
-        self.checkpoints.save_final(name)
-        self.export(name, self.out / "adapters" / name)
-        js.exported = True
+        snap = self.snapshot(name)
+        save = self.checkpoints.start_final(name, snap)
+        out = self.out / "adapters" / name
+
+        def write() -> None:
+            if save is not None:
+                save()
+            if snap is not None:
+                write_peft_adapter(out, *snap)
+
+        js.handed_over = True
+        self.handover.submit(write, on_done=lambda: setattr(js, "written", True))
         if release:
             remove_adapter(self.model, name)
             js.optimizer, js.released = None, True

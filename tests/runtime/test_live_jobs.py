@@ -69,33 +69,49 @@ def test_submit_and_cancel_on_a_running_run(tmp_path, monkeypatch, megatron_sing
 
 
 def test_a_finished_job_is_handed_over_while_the_run_goes_on(tmp_path, monkeypatch, megatron_single):
-    """A job whose last step ran is checkpointed and exported at that chunk boundary (status ``done`` only
-    then), and its adapter and optimizer leave the model while the other job trains on."""
+    """A job whose last step ran is handed over at that chunk boundary: its adapter and optimizer leave the
+    model at once, its final checkpoint and adapter are written in the background while the other job trains
+    (held back here until two more chunks have run), and ``status`` says ``done`` only once they are."""
+    import threading
+
+    import lorafusion.runtime.checkpoint as checkpoint
     from lorafusion.layers import get_lora_context
 
     jobs = [job_dict("short", write_dataset(tmp_path / "d" / "short.jsonl", 1), r=4, steps=2),
             job_dict("long", write_dataset(tmp_path / "d" / "long.jsonl", 2, kind="upper"), r=8, steps=6)]
     run = write_run(tmp_path, jobs, out="h", capacity=256)
     out = tmp_path / "h"
+    adapter = out / "adapters" / "short" / "adapter_config.json"
+    go = threading.Event()
+    start = checkpoint.start_job_checkpoint
+
+    def held(*a, **kw):  # the background write waits for the test
+        write = start(*a, **kw)
+        return lambda: (go.wait(60), write())[1]
+
+    monkeypatch.setattr(checkpoint, "start_job_checkpoint", held)
     orig, seen = pipeline.run_chunk, []
 
     def wrapped(model, chunk, *a, **kw):  # before each chunk: what the run has handed over so far
         state = json.loads((out / "status.json").read_text())["jobs"]["short"]["state"]
-        seen.append((set(chunk.batches), state, (out / "adapters" / "short" / "adapter_config.json").is_file(),
-                     set(get_lora_context(model).specs)))
+        seen.append((set(chunk.batches), state, adapter.is_file(), set(get_lora_context(model).specs)))
+        if sum("short" not in s[0] for s in seen) == 2:
+            go.set()
         return orig(model, chunk, *a, **kw)
 
     monkeypatch.setattr(pipeline, "run_chunk", wrapped)
     summary, _ = train_inprocess(run, ["scheduler.lookahead_batches=1"])
     assert summary["jobs"]["short"]["status"] == "done" and summary["jobs"]["long"]["steps"] == 6
-    during = [s for s in seen if "short" not in s[0]]  # the chunks after short's last one
-    assert during and seen[0][1] == "running" and not seen[0][2]
-    assert all(state == "done" and exported and specs == {"long"} for _, state, exported, specs in during)
-    final = load_adapter(out, "short")
-    assert (out / "checkpoints" / "short" / "step_000002").is_dir()
+    after = [s for s in seen if "short" not in s[0]]  # the chunks after short's last one
+    assert len(after) >= 3 and seen[0][1] == "running" and not seen[0][2]
+    assert all(specs == {"long"} for *_, specs in after)  # off the model at once
+    assert [(state, exported) for _, state, exported, _ in after[:2]] == [("saving", False)] * 2  # training went on
+    assert all(state != "done" or exported for _, state, exported, _ in seen)  # done only once written
+    assert (out / "checkpoints" / "short" / "step_000002" / "state.json").is_file()
+    assert json.loads((out / "status.json").read_text())["jobs"]["short"]["state"] == "done"
     # what was handed over is the job's end state: as trained alone
     _, alone = train_inprocess(write_run(tmp_path, [jobs[0]], out="alone", name="alone.yaml", capacity=256))
-    assert_close(final, load_adapter(alone, "short"), rel=1e-4)
+    assert_close(load_adapter(out, "short"), load_adapter(alone, "short"), rel=1e-4)
 
 
 def test_submit_to_a_finished_run_then_resume(tmp_path, megatron_single, capsys):

@@ -70,6 +70,8 @@ def test_status_says_waiting_for_a_job_the_policy_holds_back(tmp_path, monkeypat
     summary, _ = train_inprocess(run)
     assert all(j["status"] == "done" for j in summary["jobs"].values())
     states = [{n: s for n, (s, _) in row.items()} for row in seen]
-    assert {"a": "running", "b": "waiting"} in states and {"a": "done", "b": "running"} in states, states
+    assert {"a": "running", "b": "waiting"} in states, states
+    # then a's adapter is being written in the background (or is written already) while b trains
+    assert {"a": "saving", "b": "running"} in states or {"a": "done", "b": "running"} in states, states
     assert all(eta is None for row in seen for s, eta in row.values() if s == "waiting")
     assert json.loads((out / "status.json").read_text())["jobs"]["b"]["state"] == "done"
