@@ -2,6 +2,7 @@
 
 * ``sequential``: FIFO, one job at a time in arrival order; each job alone, one 1F1B schedule per global
   batch (a pipeline flush before every optimizer step: Megatron's loop, today's practice).
+  With a setup time, each job its own run that first pays it (``separate`` in :mod:`scripts/bench_online`).
 * ``static``: wait until every job of the trace has arrived, then train them all together.
 * ``online``: a job joins the shared run at the next chunk boundary after it arrives; a finished job
   leaves; every chunk is planned by :class:`OnlineScheduler` under the config's chunk policy
@@ -119,13 +120,14 @@ def alone_times(jobs: Sequence[JobSpec], config: SchedulerConfig, cost: SimCost)
 
 
 def sequential(jobs: Sequence[JobSpec], arrival: Mapping[str, float], config: SchedulerConfig,
-               cost: SimCost) -> PolicyResult:
-    """FIFO in arrival order (ties: list order), each job alone, a flush per global batch."""
+               cost: SimCost, setup_s: float = 0.0) -> PolicyResult:
+    """FIFO in arrival order (ties: list order), each job alone, a flush per global batch. ``setup_s``: each
+    job is its own run and first pays that long with the GPU idle (process start, model build, compilation)."""
     order = sorted(range(len(jobs)), key=lambda k: (arrival[jobs[k].name], k))
     t, busy, finish = 0.0, 0.0, {}
     for k in order:
         job = jobs[k]
-        t = max(t, arrival[job.name])
+        t = max(t, arrival[job.name]) + setup_s
         for dur, b in alone_batches(job, config, cost):
             t += dur
             busy += b

@@ -183,6 +183,19 @@ def test_one_job_sequential_equals_online_and_static(pp, rel):
     assert seq.jct[job.name] == pytest.approx(alone_times([job], CFG[pp], cost)[job.name])
 
 
+def test_separate_runs_pay_their_setup_each_with_the_gpu_idle():
+    jobs = small_jobs(1)[:2]
+    cost = SimCost()
+    alone = alone_times(jobs, CFG[1], cost)
+    both_now = {"job0": 0.0, "job1": 0.0}
+    seq, sep = sequential(jobs, both_now, CFG[1], cost), sequential(jobs, both_now, CFG[1], cost, setup_s=5.0)
+    assert sep.finish["job0"] == pytest.approx(5.0 + alone["job0"])
+    assert sep.finish["job1"] == pytest.approx(seq.finish["job1"] + 10.0)  # queued behind the first run's setup
+    assert sep.busy_s == pytest.approx(seq.busy_s)  # setup adds no compute
+    late = {"job0": 0.0, "job1": alone["job0"] + 100.0}  # arrives to an idle machine: pays only its own
+    assert sequential(jobs, late, CFG[1], cost, setup_s=5.0).jct["job1"] == pytest.approx(5.0 + alone["job1"])
+
+
 def test_online_joins_at_chunk_boundary_not_before():
     jobs = small_jobs(1)[:2]
     cost = SimCost()
