@@ -145,7 +145,6 @@ def run_setting(name: str, trace, cost: SimCost, rho_list: list[float], rho: flo
             "together_p90_jct_speedup_vs_sequential": seq["p90_jct_s"] / tog["p90_jct_s"],
             "min_jct_over_alone": min(res["online"].jct[n] / alone[n] for n in alone),
         }
-        # the ordering-only ceiling: preemptive SRPT over the jobs' times alone (optimal mean JCT on one server)
         if MEASURED[name].get("setup_s"):  # today's practice taken literally: one run per job, each paying setup
             sep = sequential(specs, arrival, cfg, cost, setup_s=MEASURED[name]["setup_s"]).summary()
             s["separate"] = sep
@@ -154,6 +153,7 @@ def run_setting(name: str, trace, cost: SimCost, rho_list: list[float], rho: flo
                        p90_jct_speedup_vs_separate=sep["p90_jct_s"] / on["p90_jct_s"],
                        mean_jct_with_setup_bound_speedup_vs_separate=sep["mean_jct_s"] / (
                            on["mean_jct_s"] + MEASURED[name]["setup_s"]))
+        # the ordering-only ceiling: preemptive SRPT over the jobs' times alone (optimal mean JCT on one server)
         srpt = srpt_jct(alone, arrival)
         row["srpt_mean_jct_s"] = float(np.mean(list(srpt.values())))
         row["srpt_mean_jct_speedup_vs_sequential"] = seq["mean_jct_s"] / row["srpt_mean_jct_s"]

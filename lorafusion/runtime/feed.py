@@ -62,11 +62,9 @@ class JobState:
     best_step: int | None = None
     evals_since_best: int = 0
     # ended, and handed over at a chunk boundary (runtime/live.py): its final checkpoint and PEFT adapter taken
-    # (``written`` once their files are complete; runtime/handover.py); ``released``: its adapter and
-    # optimizer state also left the model (the run went on without it)
+    # (``written`` once their files are complete; runtime/handover.py)
     handed_over: bool = False
     written: bool = False
-    released: bool = False
 
     @cached_property
     def mean_len(self) -> float:

@@ -52,8 +52,12 @@ class JobCheckpoints:
     def save_now(self, name: str) -> None:
         """Checkpoint job ``name`` at the newest chunk boundary, saved at this step before or not."""
         self._saved_step.pop(name, None)
-        # (a job that has not run a chunk yet — cancelled at once — is at the start of its stream)
-        self.save(name, self._stream_states.get(name) or self.jobs[name].stream.state_dict())
+        self.save(name, self._boundary_stream(name))
+
+    def _boundary_stream(self, name: str) -> dict:
+        """Job ``name``'s data stream as of the newest chunk boundary (a job that has not run a chunk yet —
+        cancelled at once — is at the start of its stream)."""
+        return self._stream_states.get(name) or self.jobs[name].stream.state_dict()
 
     def start_final(self, name: str, adapter: tuple | None):
         """A job that ended, handed over before the run's end (collective, quick): the checkpoint the end of
@@ -67,8 +71,8 @@ class JobCheckpoints:
         js = self.jobs[name]
         if self._saved_step.get(name) == js.steps and self._saved_status.get(name) == js.status:
             return None
-        if js.status == "cancelled":  # (one cancelled before its first chunk is at the start of its stream)
-            stream = self._stream_states.get(name) or js.stream.state_dict()
+        if js.status == "cancelled":
+            stream = self._boundary_stream(name)
         elif not js.cfg.save_every and name in self._stream_states:
             stream = self._stream_states[name]
         else:

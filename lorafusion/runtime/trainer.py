@@ -319,7 +319,7 @@ class Trainer:
         self.handover.submit(write, on_done=lambda: setattr(js, "written", True))
         if release:
             remove_adapter(self.model, name)
-            js.optimizer, js.released = None, True
+            js.optimizer = None
 
     def _pause_diverged(self, name: str, progress) -> None:
         """Stop a job whose last ``max_nonfinite_steps`` steps were all non-finite: no more batches (from the
