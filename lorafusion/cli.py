@@ -143,7 +143,7 @@ def cmd_export(args) -> int:
     """Copy a job's PEFT adapter out of a run directory or one checkpoint, or write the run's base model or
     a job's adapter merged into it (HF format); atomically, never over an existing --out without --force."""
     from lorafusion.core.errors import ConfigError
-    from lorafusion.runtime.export import fill_dir_atomically, find_adapter
+    from lorafusion.runtime.export import copier, fill_dir_atomically, find_adapter
 
     src = Path(args.checkpoint)
     out = Path(args.out)
@@ -169,11 +169,7 @@ def cmd_export(args) -> int:
             fill, _ = write_merged(_run_dir_of(src), adapter)
             kind = "merged"
         else:
-            files = [p for p in adapter.iterdir() if p.is_file()]
-
-            def fill(tmp: Path) -> None:
-                for p in files:
-                    shutil.copyfile(p, tmp / p.name)
+            fill = copier(adapter)
             kind = "adapter"
     if out.is_file() or out.is_symlink():  # --force over a file: the complete new directory, then the swap
         new = fill_dir_atomically(out.parent / f".{out.name}.new", fill)

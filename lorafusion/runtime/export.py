@@ -128,6 +128,17 @@ def write_dir_atomically(out_dir: str | Path, files: dict[str, callable]) -> Pat
     return fill_dir_atomically(out_dir, fill)
 
 
+def copier(src: str | Path):
+    """A ``fill`` for :func:`fill_dir_atomically`: the files of directory ``src`` (an adapter) copied in."""
+    files = [p for p in Path(src).iterdir() if p.is_file()]
+
+    def fill(tmp: Path) -> None:
+        for p in files:
+            shutil.copyfile(p, tmp / p.name)
+
+    return fill
+
+
 def fill_dir_atomically(out_dir: str | Path, fill) -> Path:
     """``fill(tmp_dir)`` writes into a temporary sibling directory, which is then renamed to ``out_dir``;
     an existing ``out_dir`` is replaced only after the new one is complete."""
@@ -348,6 +359,6 @@ def find_adapter(src: Path, job: str, best: bool = False) -> tuple[Path, str]:
                            f"or a checkpoints/<job>/step_N directory)")
 
 
-__all__ = ["adapter_peft_state", "export_peft_adapter", "fill_dir_atomically", "find_adapter", "import_peft_adapter",
+__all__ = ["adapter_peft_state", "copier", "export_peft_adapter", "fill_dir_atomically", "find_adapter", "import_peft_adapter",
            "peft_adapter_snapshot", "read_peft_adapter", "peft_adapter_config", "run_jobs", "write_dir_atomically",
            "write_peft_adapter", "resolve_target_modules"]

@@ -302,7 +302,7 @@ class Trainer:
         the background (``js.written`` once complete); with ``release`` its adapter and optimizer state leave
         the model."""
         from lorafusion.layers import remove_adapter
-        from lorafusion.runtime.export import write_peft_adapter
+        from lorafusion.runtime.export import copier, fill_dir_atomically, write_peft_adapter
 
         js = self.jobs[name]
         snap = self.snapshot(name)
@@ -310,9 +310,10 @@ class Trainer:
         out = self.out / "adapters" / name
 
         def write() -> None:
-            if save is not None:
-                save()
-            if snap is not None:
+            saved = save() if save is not None else None  # (the checkpoint's directory on rank 0)
+            if saved is not None:  # its adapter, serialised once already: copied
+                fill_dir_atomically(out, copier(saved / "adapter"))
+            elif snap is not None:
                 write_peft_adapter(out, *snap)
 
         js.handed_over = True
