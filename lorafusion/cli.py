@@ -30,10 +30,10 @@ def _load(args):
 
 
 def cmd_train(args) -> int:
+    cfg = _load(args)  # before torch and Megatron are imported: a config error in well under a second
     from lorafusion.rundir.atomic import remove_partial_outputs
     from lorafusion.runtime.trainer import Trainer
 
-    cfg = _load(args)
     if args.serve:
         cfg.serve = True
     out = Path(cfg.output_dir)
@@ -81,10 +81,10 @@ def _holds_only_our_lock(out: Path) -> bool:
 
 
 def cmd_plan(args) -> int:
+    cfg = _load(args)  # before torch is imported
     from lorafusion.runtime.feed import Feed, load_jobs, scheduler_config
     from lorafusion.runtime.telemetry.report import write_plan_report
 
-    cfg = _load(args)
     _, jobs = load_jobs(cfg)
     out = Path(args.out) if args.out else Path(cfg.output_dir) / "plan"
     res = write_plan_report(Feed(jobs, scheduler_config(cfg), dp_rank=None), out, max_chunks=args.windows)
