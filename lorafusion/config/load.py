@@ -248,11 +248,11 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     return parts, value
 
 
-def _apply_override(raw: dict, item: str, job_names: list[Any]) -> list[Any]:
-    """Set a dotted key in ``raw`` (checked against the schema); returns the resolved location.
-    ``jobs.<i>`` or ``jobs.<name>`` selects a job."""
+def _apply_override(raw: dict, item: str, job_names: list[Any], root: type[BaseModel] = RunConfig) -> list[Any]:
+    """Set a dotted key in ``raw`` (checked against the schema ``root``); returns the resolved location.
+    ``jobs.<i>`` or ``jobs.<name>`` selects a job of a run."""
     parts, value = _parse_override(item)
-    model: Any = RunConfig
+    model: Any = root
     node: Any = raw
     loc: list[Any] = []
     i = 0
@@ -435,12 +435,22 @@ def load_job_config(path: str | os.PathLike, overrides: Sequence[str] = (), *,
     shown = _display(jpath)
     raw = _read_yaml(jpath, "an adapter job")
     _resolve_job_paths(raw, jpath.resolve().parent)
-    for item in overrides:
-        _apply_override({"jobs": [raw]}, f"jobs.0.{item}", [raw.get("name")])
+    overridden: dict[str, str] = {}
+    for item in overrides:  # the keys as the user typed them, e.g. optimizer.lr (not jobs.0.optimizer.lr)
+        try:
+            overridden[_loc(_apply_override(raw, item, [], root=JobConfig))] = item
+        except ConfigError as e:
+            raise ConfigError(f"{shown}: {e}") from None
+
+    def locate(loc: list[Any]) -> tuple[str, list[Any], str]:
+        key = _loc(loc)
+        hits = [ov for k, ov in overridden.items() if key == k or key.startswith(k + ".")]
+        return shown, loc, f" (set by override {hits[-1]!r})" if hits else ""
+
     try:
         job = JobConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, lambda loc: (shown, loc, ""))) from None
+        raise ConfigError(_format_errors(e, locate)) from None
     for key, ds in (("dataset", job.dataset), ("eval_dataset", job.eval_dataset)):
         if check_files and ds is not None and not Path(ds.path).is_file():
             raise ConfigError(f"{shown}: {key}.path: dataset file not found: {_display(Path(ds.path))}")

@@ -36,8 +36,8 @@ from lorafusion.core.lora import LoRASpec
 from lorafusion.core.routing import Routing
 from lorafusion.core.seeds import mix_seed, name_key
 from lorafusion.core.targets import PEFT_GROUPS
-from lorafusion.kernels.tables import TableCache, seed_tensor
 from lorafusion.layers.fused_proj import BlockIndex, block_b, fused_projection_index
+from lorafusion.ops.tables import TableCache, seed_tensor
 
 
 _LIVE_CONTEXTS: weakref.WeakSet = weakref.WeakSet()  # every model's context (for recompute snapshots)
