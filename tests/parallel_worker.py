@@ -32,7 +32,7 @@ def import_spec(workdir: Path, name: str):
     """The LoRA settings to import adapter ``name`` with: its file's, with one shared A on the fused linears when
     WORKDIR/shared_a.json lists it (PEFT's files cannot say so), else None (the file's own)."""
     from lorafusion.core.lora import LoRASpec
-    from lorafusion.runtime.export import read_peft_adapter
+    from lorafusion.export.peft import read_peft_adapter
 
     f = workdir / "shared_a.json"
     if not f.exists() or name not in json.loads(f.read_text()):
