@@ -31,7 +31,7 @@ def _load(args):
 
 def cmd_train(args) -> int:
     cfg = _load(args)  # before torch and Megatron are imported: a config error in well under a second
-    from lorafusion.rundir.lock import remove_partial_outputs
+    from lorafusion.rundir.atomic import remove_partial_outputs
     from lorafusion.runtime.trainer import Trainer
 
     if args.serve:
@@ -168,7 +168,8 @@ def cmd_export(args) -> int:
     """Copy a job's PEFT adapter out of a run directory or one checkpoint, or write the run's base model or
     a job's adapter merged into it (HF format); atomically, never over an existing --out without --force."""
     from lorafusion.core.errors import ConfigError
-    from lorafusion.export.peft import copier, fill_dir_atomically, find_adapter
+    from lorafusion.rundir.adapters import find_adapter
+    from lorafusion.rundir.atomic import copier, fill_dir_atomically
 
     src = Path(args.checkpoint)
     out = Path(args.out)

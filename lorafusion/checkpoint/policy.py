@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from lorafusion.core.errors import ConfigError, MissingFileError
+from lorafusion.rundir.layout import RunDir
 
 
 class JobCheckpoints:
@@ -19,7 +20,7 @@ class JobCheckpoints:
 
     def __init__(self, cfg, jobs: dict, model, export, *, is_logger: bool):
         self.cfg, self.jobs, self.model, self.export, self.is_logger = cfg, jobs, model, export, is_logger
-        self.root = Path(cfg.output_dir) / "checkpoints"
+        self.root = RunDir(cfg.output_dir).checkpoints
         self._fingerprints: dict[str, dict] = {}
         self._saved_step: dict[str, int] = {}  # job -> step of its newest checkpoint
         self._saved_status: dict[str, str] = {}  # job -> the status that checkpoint recorded

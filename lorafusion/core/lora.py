@@ -16,17 +16,23 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from lorafusion.core.targets import resolve_target_modules
 
-__all__ = ["ADAPTER_NAME_RE", "LoRASpec", "check_adapter_name"]
+__all__ = ["ADAPTER_NAME_MAX", "ADAPTER_NAME_RE", "LoRASpec", "check_adapter_name"]
 
-ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9_\-]+$")
+ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9_\-]+")  # used with fullmatch (``$`` would let "name\n" through)
+# the longest file name a run derives from a job name is a request's temporary file,
+# ``.<20-digit stamp>-submit-<name>.json.tmp`` (38 characters more): 128 keeps every one far below NAME_MAX (255)
+ADAPTER_NAME_MAX = 128
 
 
 def check_adapter_name(name: Any, field: str | None = "adapter name") -> str:
-    """``name`` if it is a valid adapter/job name (letters, digits, '_' or '-'), else a ValueError whose
-    message starts with ``field`` (None: pydantic names the field)."""
-    if not isinstance(name, str) or not ADAPTER_NAME_RE.match(name):
-        raise ValueError(("" if field is None else f"{field}: ") + f"expected letters, digits, '_' or '-', "
-                         f"got {name!r}")
+    """``name`` if it is a valid adapter/job name (1 to :data:`ADAPTER_NAME_MAX` letters, digits, '_' or '-'),
+    else a ValueError whose message starts with ``field`` (None: pydantic names the field)."""
+    prefix = "" if field is None else f"{field}: "
+    if not isinstance(name, str) or not ADAPTER_NAME_RE.fullmatch(name):
+        raise ValueError(prefix + f"expected letters, digits, '_' or '-', got {name!r}"[:200])
+    if len(name) > ADAPTER_NAME_MAX:
+        raise ValueError(prefix + f"expected at most {ADAPTER_NAME_MAX} characters (file names are derived from "
+                         f"it), got {len(name)}: {name[:40]!r}...")
     return name
 
 

@@ -10,9 +10,6 @@ one is complete). Import accepts a PEFT LoRA adapter only when it is exactly rep
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import uuid
 from pathlib import Path
 
 import torch
@@ -27,6 +24,7 @@ from lorafusion.layers.inject import add_adapter, get_lora_context, lora_modules
 from lorafusion.core.targets import PEFT_GROUPS, resolve_target_modules, to_peft_target_modules
 from lorafusion.models.layout import column_shard, column_unshard, qkv_merge, qkv_split, shard
 from lorafusion.core.arch import ModelArch
+from lorafusion.rundir.atomic import write_bytes, write_dir_atomically
 
 _PARENT = {"linear_qkv": "self_attn", "linear_proj": "self_attn", "linear_fc1": "mlp", "linear_fc2": "mlp"}
 _PREFIX = "base_model.model.model.layers"
@@ -105,60 +103,6 @@ def peft_adapter_config(spec: LoRASpec, base_model: str | None = None) -> dict:
         "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
         "use_dora": False, "lora_bias": False, "revision": None,
     }
-
-
-def write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path``; an OSError (full disk, ``ulimit -f``: EFBIG) names the file."""
-    try:
-        with open(path, "wb") as f:
-            f.write(data)
-    except OSError as e:
-        if e.filename is None and e.errno is not None:
-            raise OSError(e.errno, e.strerror, str(path)) from None
-        raise
-
-
-def write_dir_atomically(out_dir: str | Path, files: dict[str, callable]) -> Path:
-    """Write ``files`` ({filename: writer(path)}) into a temporary sibling directory, then rename it to
-    ``out_dir``; an existing ``out_dir`` is replaced only after the new one is complete."""
-    def fill(tmp: Path) -> None:
-        for fname, writer in files.items():
-            writer(tmp / fname)
-
-    return fill_dir_atomically(out_dir, fill)
-
-
-def copier(src: str | Path):
-    """A ``fill`` for :func:`fill_dir_atomically`: the files of directory ``src`` (an adapter) copied in."""
-    files = [p for p in Path(src).iterdir() if p.is_file()]
-
-    def fill(tmp: Path) -> None:
-        for p in files:
-            shutil.copyfile(p, tmp / p.name)
-
-    return fill
-
-
-def fill_dir_atomically(out_dir: str | Path, fill) -> Path:
-    """``fill(tmp_dir)`` writes into a temporary sibling directory, which is then renamed to ``out_dir``;
-    an existing ``out_dir`` is replaced only after the new one is complete."""
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        fill(tmp)
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
 
 
 def export_peft_adapter(model, name: str, out_dir: str | Path, arch: ModelArch | None = None,
@@ -297,68 +241,5 @@ def import_peft_adapter(model, name: str, path: str | Path, arch: ModelArch | No
     return spec
 
 
-
-
-def run_jobs(src: Path) -> list[str]:
-    """The jobs a run directory knows of (its adapters, checkpoints and summary)."""
-    names = {p.name for d in ("adapters", "checkpoints") if (src / d).is_dir() for p in (src / d).iterdir()
-             if p.is_dir() and not p.name.startswith(".")}
-    try:
-        names |= set(json.loads((src / "summary.json").read_text()).get("jobs", {}))
-    except (OSError, json.JSONDecodeError, AttributeError):
-        pass
-    return sorted(names)
-
-
-def find_adapter(src: Path, job: str, best: bool = False) -> tuple[Path, str]:
-    """(PEFT adapter directory, what it is) of ``job`` in a run directory or one checkpoint step directory;
-    ``best``: its best-eval checkpoint's (a run directory only)."""
-    from lorafusion.checkpoint.format import best_checkpoint, latest_checkpoint, read_state
-
-    if not src.is_dir():
-        raise MissingFileError(f"{src}: no checkpoint or adapter of job {job!r}: no such directory (expected a run "
-                               f"output_dir or a checkpoints/<job>/step_N directory)")
-    if best:
-        if (src / "state.json").is_file():
-            raise ConfigError(f"{src}: --best takes a run output_dir, not one checkpoint directory")
-        ckpt = best_checkpoint(src / "checkpoints" / job)
-        if ckpt is None:
-            known = run_jobs(src)
-            raise MissingFileError(f"{src}: no best-eval checkpoint of job {job!r} " + (
-                "(the job has no eval set — eval_dataset or eval_split — or was not evaluated yet)"
-                if job in known else f"(unknown job; the run's jobs: {', '.join(known) or 'none'})"))
-        state = json.loads((ckpt / "state.json").read_text())
-        return ckpt / "adapter", (f"best-eval checkpoint, step {state.get('step')} (eval loss "
-                                  f"{(state.get('eval') or {}).get('best')})")
-    final = src / "adapters" / job
-    status = None
-    if (src / "summary.json").is_file():
-        try:
-            status = json.loads((src / "summary.json").read_text()).get("jobs", {}).get(job, {}).get("status")
-        except (json.JSONDecodeError, AttributeError):
-            status = None
-    if (src / "adapter" / "adapter_config.json").is_file():  # one checkpoint step directory
-        state = read_state(src) if (src / "state.json").is_file() else {}
-        if state.get("job", job) != job:
-            raise ConfigError(f"{src}: is a checkpoint of job {state['job']!r}, not of --job {job!r}")
-        return src / "adapter", f"checkpoint at step {state.get('step', '?')}"
-    if (final / "adapter_config.json").is_file() and status in (None, "done", "diverged", "cancelled",
-                                                                 "early_stopped"):
-        return final, {"diverged": "last finite state (the job diverged)", "cancelled": "adapter at its cancellation",
-                       "early_stopped": "adapter at its early stop"}.get(status, "final adapter")
-    if (src / "checkpoints" / job).is_dir():
-        ckpt = latest_checkpoint(src / "checkpoints" / job)
-        if ckpt is None:
-            raise MissingFileError(f"{src / 'checkpoints' / job}: no complete checkpoint")
-        return ckpt / "adapter", (f"latest checkpoint, step {int(ckpt.name.split('_')[-1])} (the job has not "
-                                  f"finished)")
-    known = run_jobs(src)
-    if known:
-        raise ConfigError(f"{src}: unknown job {job!r}; the run's jobs: {', '.join(known)}")
-    raise MissingFileError(f"{src}: no checkpoint or adapter of job {job!r} (expected a run output_dir "
-                           f"or a checkpoints/<job>/step_N directory)")
-
-
-__all__ = ["adapter_peft_state", "copier", "export_peft_adapter", "fill_dir_atomically", "find_adapter", "import_peft_adapter",
-           "peft_adapter_snapshot", "read_peft_adapter", "peft_adapter_config", "run_jobs", "write_dir_atomically",
-           "write_peft_adapter", "resolve_target_modules"]
+__all__ = ["adapter_peft_state", "export_peft_adapter", "import_peft_adapter", "peft_adapter_snapshot",
+           "read_peft_adapter", "peft_adapter_config", "write_peft_adapter", "resolve_target_modules"]

@@ -33,16 +33,16 @@ import torch.distributed as dist
 
 from lorafusion.config.schema import JobConfig, RunConfig
 from lorafusion.core.errors import UserError
-from lorafusion.rundir.lock import write_text_atomic
+from lorafusion.dist import share_from_rank0
+from lorafusion.rundir.atomic import write_text_atomic
+from lorafusion.rundir.layout import RunDir
 from lorafusion.runtime.feed import Feed, JobState
 from lorafusion.rundir.requests import answer_request, pending_requests
-
-SUBMITTED = "submitted"
 
 
 def submitted_jobs(out: Path) -> list[JobConfig]:
     """Jobs a run accepted by ``submit`` (for a resume: they are not in the YAML)."""
-    d = Path(out) / SUBMITTED
+    d = RunDir(out).submitted
     return [JobConfig.model_validate(json.loads(p.read_text())) for p in sorted(d.glob("*.json"))] if d.is_dir() else []
 
 
@@ -77,11 +77,7 @@ class LiveJobs:
         reqs: list = []
         if self.is_logger:
             reqs = [dict(r, _path=str(p)) for p, r in pending_requests(self.out)]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            box = [reqs]
-            dist.broadcast_object_list(box, src=0)
-            reqs = box[0]
-        return reqs
+        return share_from_rank0(reqs)
 
     def poll(self) -> int:
         """Take and apply the pending requests (collective); then end cancelled jobs whose batches have run
@@ -113,8 +109,8 @@ class LiveJobs:
         js = self._add_job(job)  # data, stream, adapter, optimizer (raises a DataError for bad data)
         self.cfg.jobs.append(job)
         if self.is_logger:
-            (self.out / SUBMITTED).mkdir(exist_ok=True)
-            write_text_atomic(self.out / SUBMITTED / f"{job.name}.json", json.dumps(job.model_dump(mode="json")) + "\n")
+            RunDir(self.out).submitted.mkdir(exist_ok=True)
+            write_text_atomic(RunDir(self.out).submitted / f"{job.name}.json", json.dumps(job.model_dump(mode="json")) + "\n")
         js.status = "queued"
         self.feed.update_jobs(lambda jobs: jobs.__setitem__(job.name, js))
         self._queue.append(job.name)
