@@ -2,10 +2,10 @@
 """Issue 24's levers, each alone, at the LLaMA-3.1-8B shape on one GPU (CUDA events, medians):
 
   attention  packed causal attention over a realistic microbatch (lognormal sample lengths of the four bench
-             datasets packed up to --tokens; 32 query heads, 8 kv heads, d=128): FlashAttention-2 varlen
-             (torch's varlen_attn) vs cuDNN's ragged path (lorafusion.models.cudnn_attention), forward alone
-             and forward+backward; agreement of the two (relative error of output and dq/dk/dv); and the
-             first call of cuDNN on a microbatch of a new shape (its graph is built then), wall clock.
+             datasets packed up to --tokens; 32 query heads, 8 kv heads, d=128) as training runs it
+             (lorafusion.models.attention.varlen_attention: FlashAttention-2 varlen through torch's
+             varlen_attn), forward alone and forward+backward: one decoder layer's attention. (cuDNN's ragged
+             path through ATen was measured here at commit 076eaf7 and dropped: docs/BENCHMARKS.md, issue 24.)
   lora       the 8B's four LoRA linears at m = --tokens (qkv 4096→6144, proj 4096→4096, fc1 4096→28672,
              fc2 14336→4096), forward+backward eager (host included, tables built once per batch as the
              layers do): the frozen base alone; one r=16 adapter; four r=16 adapters in four segments
@@ -26,7 +26,6 @@ import math
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -77,62 +76,28 @@ def _qkv(lengths, h=32, g=8, d=128, dtype=torch.bfloat16):
     return q, k, v, cu
 
 
-def _rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
 def bench_attention(tokens: int) -> dict:
     import lorafusion.models.attention as att
-    from lorafusion.models.cudnn_attention import cudnn_varlen_attention
 
     lengths = packed_lengths(tokens, 0)
     q, k, v, cu = _qkv(lengths)
     mx, scale = max(lengths), 1 / math.sqrt(128)
     dout = torch.randn_like(q)
-    fns = {"flash": lambda a, b, c: att._flash(a, b, c, cu, mx, scale),
-           "cudnn": lambda a, b, c: cudnn_varlen_attention(a, b, c, cu, mx, scale)}
-    res = {"tokens": sum(lengths), "samples": len(lengths), "max_seqlen": mx, "ms": {}}
-    grads = {}
-    for name, fn in fns.items():
-        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
-        out = fn(*leaves)
-        out.backward(dout)
-        grads[name] = [out.detach()] + [x.grad for x in leaves]
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
 
-        def fwd(fn=fn):
-            with torch.no_grad():
-                fn(q, k, v)
+    def fwd():
+        with torch.no_grad():
+            att.varlen_attention(q, k, v, cu, mx, scale)
 
-        def fwd_bwd(fn=fn, leaves=leaves):
-            for x in leaves:
-                x.grad = None
-            fn(*leaves).backward(dout)
+    def fwd_bwd():
+        for x in leaves:
+            x.grad = None
+        att.varlen_attention(*leaves, cu, mx, scale).backward(dout)
 
-        res["ms"][f"{name}_fwd"] = median_ms(fwd)
-        res["ms"][f"{name}_fwd_bwd"] = median_ms(fwd_bwd)
-        print(f"attention {name}: fwd {res['ms'][f'{name}_fwd']:.3f} ms, fwd+bwd {res['ms'][f'{name}_fwd_bwd']:.3f} ms",
-              flush=True)
-    res["cudnn_vs_flash_rel_err"] = [_rel(a, b) for a, b in zip(grads["cudnn"], grads["flash"], strict=True)]
-    res["speedup_fwd_bwd"] = res["ms"]["flash_fwd_bwd"] / res["ms"]["cudnn_fwd_bwd"]
-    # a microbatch of a new shape: cuDNN builds (or finds) its graphs on the first forward and backward
-    first = []
-    for seed in range(1, 4):
-        ln = packed_lengths(tokens - 7 * seed, seed)
-        q2, k2, v2, cu2 = _qkv(ln)
-        leaves = [x.requires_grad_(True) for x in (q2, k2, v2)]
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        cudnn_varlen_attention(*leaves, cu2, max(ln), scale).backward(torch.ones_like(q2))
-        torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        cudnn_varlen_attention(*leaves, cu2, max(ln), scale).backward(torch.ones_like(q2))
-        torch.cuda.synchronize()
-        first.append({"first_ms": (t1 - t0) * 1e3, "second_ms": (time.perf_counter() - t1) * 1e3,
-                      "tokens": sum(ln), "samples": len(ln)})
-    res["cudnn_new_shape"] = first
-    print(f"attention: cuDNN/FA2 rel err {['%.1e' % e for e in res['cudnn_vs_flash_rel_err']]}, speedup fwd+bwd "
-          f"{res['speedup_fwd_bwd']:.2f}x, new shape first/second call ms "
-          f"{[(round(f['first_ms'], 1), round(f['second_ms'], 1)) for f in first]}", flush=True)
+    res = {"tokens": sum(lengths), "samples": len(lengths), "max_seqlen": mx,
+           "ms": {"fwd": median_ms(fwd), "fwd_bwd": median_ms(fwd_bwd)}}
+    print(f"attention (FA2 varlen) {res['tokens']} tokens, {res['samples']} samples: fwd {res['ms']['fwd']:.3f} ms, "
+          f"fwd+bwd {res['ms']['fwd_bwd']:.3f} ms", flush=True)
     return res
 
 

@@ -1,20 +1,15 @@
 """Core attention for packed sequences (Megatron ``core_attention`` submodule).
 
 A packed microbatch holds several samples back to back (``qkv_format="thd"`` with ``cu_seqlens``): each
-sample attends causally to itself only — no cross-sample attention, no padding. On CUDA the backend is
-``LORAFUSION_ATTENTION`` (read at each call; see :func:`attention_backend`): "flash" = torch's
-``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 varlen), "cudnn" = cuDNN's fused flash kernels
-over ragged offsets (:mod:`lorafusion.models.cudnn_attention`), "auto" = the default below. Elsewhere an
-exact per-segment reference with ``scaled_dot_product_attention``. Unpacked ``[s, b, h, d]`` input is plain
-causal SDPA.
+sample attends causally to itself only — no cross-sample attention, no padding. On CUDA it uses torch's
+``torch.nn.attention.varlen.varlen_attn`` (FlashAttention varlen); elsewhere an exact per-segment
+reference with ``scaled_dot_product_attention``. Unpacked ``[s, b, h, d]`` input is plain causal SDPA.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-import os
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +41,7 @@ def varlen_attention_reference(q, k, v, cu_seqlens: torch.Tensor, scale: float) 
 
 
 _VARLEN = None
+_VARLEN_FAILED = False
 
 
 def _varlen_fn():
@@ -60,74 +56,38 @@ def _varlen_fn():
     return _VARLEN
 
 
-ATTENTION_BACKENDS = ("auto", "flash", "cudnn")
-AUTO_BACKEND = "flash"  # what "auto" means on CUDA (docs/BENCHMARKS.md, issue 24, has the measurements)
-_FAILED: set[str] = set()  # backends that raised once in this process: not tried again
-
-
-def attention_backend() -> str:
-    """The packed-attention backend named by ``LORAFUSION_ATTENTION`` ("auto" when unset)."""
-    name = os.environ.get("LORAFUSION_ATTENTION", "auto").strip().lower() or "auto"
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"LORAFUSION_ATTENTION: expected one of {ATTENTION_BACKENDS}, got {name!r}")
-    return AUTO_BACKEND if name == "auto" else name
-
-
-def _failed(name: str, e: Exception) -> None:
-    warnings.warn(f"packed attention: the {name} backend failed ({e}); using the next one from now on", stacklevel=3)
-    _FAILED.add(name)
-
-
-def _flash(q, k, v, cu_seqlens, max_seqlen, scale):
+def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float) -> torch.Tensor:
     fn, params = _varlen_fn()
-    if fn is None or "flash" in _FAILED:
-        return None
+    if fn is None or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return varlen_attention_reference(q, k, v, cu_seqlens, scale)
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     kw = {"scale": scale}
     if "window_size" in params:
         kw["window_size"] = (-1, 0)
     else:
         kw["is_causal"] = True
+    h = q.shape[1]
     if "enable_gqa" in params:
         kw["enable_gqa"] = True
     else:
-        k, v = _expand_kv(k, q.shape[1], 1), _expand_kv(v, q.shape[1], 1)
+        k, v = _expand_kv(k, h, 1), _expand_kv(v, h, 1)
+    global _VARLEN_FAILED
+    if _VARLEN_FAILED:
+        return varlen_attention_reference(q, k, v, cu_seqlens, scale)
     try:
         return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kw)
     except (RuntimeError, TypeError, NotImplementedError) as e:  # e.g. a head dim or GPU the kernel lacks
-        _failed("flash", e)
-        return None
+        import warnings
 
-
-def _cudnn(q, k, v, cu_seqlens, max_seqlen, scale):
-    from lorafusion.models.cudnn_attention import cudnn_varlen_attention, cudnn_varlen_available
-
-    if "cudnn" in _FAILED or not cudnn_varlen_available(q):
-        return None
-    try:
-        return cudnn_varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
-    except (RuntimeError, NotImplementedError) as e:
-        _failed("cudnn", e)
-        return None
-
-
-def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float) -> torch.Tensor:
-    """Packed causal attention (see the module docstring): the chosen backend, then FlashAttention, then the
-    per-sample reference, each tried only where it applies and has not failed before."""
-    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        warnings.warn(f"torch varlen_attn failed ({e}); using the per-sample SDPA path from now on", stacklevel=2)
+        _VARLEN_FAILED = True
         return varlen_attention_reference(q, k, v, cu_seqlens, scale)
-    order = (_cudnn, _flash) if attention_backend() == "cudnn" else (_flash,)
-    for fn in order:
-        out = fn(q, k, v, cu_seqlens, max_seqlen, scale)
-        if out is not None:
-            return out
-    return varlen_attention_reference(q, k, v, cu_seqlens, scale)
 
 
 class PackedDotProductAttention(MegatronModule):
     """Drop-in for Megatron's ``DotProductAttention`` that also takes ``packed_seq_params`` (thd).
 
-    ``kv_cache``: None except while decoding (:func:`lorafusion.models.kv_cache.decoding`), when packed
+    ``kv_cache``: None except while decoding (:func:`lorafusion.inference.kv_cache.decoding`), when packed
     rows attend through the cache instead."""
 
     kv_cache = None

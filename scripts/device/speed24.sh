@@ -2,10 +2,9 @@
 # Issue 24 in one device call: the GPU tests of the new ops, each lever alone (scripts/bench_speed24.py), then
 # end-to-end runs of the 8B config side by side (scripts/bench_train.py), logs and JSON under $OUT.
 #   run (device tool, carry .whl + this tree):  bash scripts/device/speed24.sh "NAME|ENV|ARGS" ...
-# Each run spec: NAME, then space-separated VAR=VALUE settings for that run alone (LORAFUSION_ATTENTION,
-# LORAFUSION_MAIN_GEMM, ...), then bench_train arguments; every run gets --skip-hf and $CAP_ARGS.
-#   bash scripts/device/speed24.sh "base|LORAFUSION_ATTENTION=flash LORAFUSION_MAIN_GEMM=cublas|" \
-#                                  "new|LORAFUSION_ATTENTION=cudnn|--ablate"
+# Each run spec: NAME, then space-separated VAR=VALUE settings for that run alone (LORAFUSION_MAIN_GEMM, ...),
+# then bench_train arguments; every run gets --skip-hf and $CAP_ARGS. Needs liger-kernel among the wheels.
+#   bash scripts/device/speed24.sh "base|LORAFUSION_MAIN_GEMM=cublas|--ablate" "fold|LORAFUSION_MAIN_GEMM=cublas_fold|"
 # MICRO=0 / GPU_TESTS=0 skip those parts; CAP_ARGS (default scheduler.token_capacity=12288: the shipped 16384
 # does not fit an 80 GB H100).
 set -uo pipefail
@@ -18,13 +17,15 @@ nvidia-smi 2>/dev/null --query-gpu=name,clocks.sm,clocks.max.sm,memory.total --f
 "$PY" -c 'import torch; print("torch", torch.__version__, "cudnn", torch.backends.cudnn.version())' | tee -a "$L/device.txt"
 if [ "${GPU_TESTS:-1}" = 1 ]; then
   stamp "gpu tests"
-  timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/models/test_packed_attention.py \
-    tests/kernels/test_kernel_gpu.py 2>&1 | tail -25 | tee "$L/gpu_tests.log"; pack
+  # shellcheck disable=SC2086
+  timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider ${GPU_TEST_PATHS:-tests/models/test_packed_attention.py \
+    tests/kernels/test_kernel_gpu.py} 2>&1 | tail -25 | tee "$L/gpu_tests.log"; pack
 fi
 if [ "${MICRO:-1}" = 1 ]; then
   stamp "levers alone"
   timeout 300 "$PY" scripts/bench_speed24.py --out "$L/micro.json" 2>&1 | grep -v '^{' | tee "$L/micro.log"; pack
 fi
+"$PY" -c 'import liger_kernel' 2>/dev/null || echo "WARNING: liger_kernel does not import: the fused SwiGLU fails and every end-to-end run with it (carry liger_kernel-0.8.5-py3-none-any.whl in .whl)"
 "$PY" scripts/make_bench_data.py --out data/bench --rows ${ROWS:-256} >/dev/null
 CAP_ARGS=${CAP_ARGS:-scheduler.token_capacity=12288}
 for spec in "$@"; do
