@@ -256,11 +256,18 @@ class RunConfig(_Strict):
     kernels: Literal["auto", "fused", "reference"] = "auto"
     jobs: list[JobConfig] = Field(min_length=1)
     output_dir: str
-    seed: int = Field(1234, ge=0)
+    seed: int = Field(1234, ge=0, le=2**63 - 1)  # torch and Megatron take seeds of at most 64 bits
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     serve: bool = False  # after the last job ends, keep waiting for `lorafusion submit` (until serve_idle_minutes)
     serve_idle_minutes: float = Field(30.0, gt=0)
+
+    @field_validator("output_dir")
+    @classmethod
+    def _output_dir(cls, v: str) -> str:
+        if not v:  # "" would train into the current directory
+            raise ValueError(f"expected a directory path (the run's own directory), got {v!r}")
+        return v
 
     @model_validator(mode="after")
     def _cross(self):

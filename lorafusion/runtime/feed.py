@@ -61,8 +61,8 @@ class JobState:
     best_eval: float | None = None
     best_step: int | None = None
     evals_since_best: int = 0
-    # ended, and handed over at a chunk boundary (runtime/live.py): its final checkpoint and PEFT adapter taken
-    # (``written`` once their files are complete; runtime/handover.py)
+    # ended, and handed over at a chunk boundary (runtime/online.py): its final checkpoint and PEFT adapter taken
+    # (``written`` once their files are complete; checkpoint/handover.py)
     handed_over: bool = False
     written: bool = False
 
@@ -254,16 +254,18 @@ class Feed:
         """Global rank 0's plan, on every rank. A planning error on rank 0 is raised on every rank."""
         if not self._multi:
             return plan(specs, self.sched, fill=fill)
-        box: list = [None]
+        from lorafusion.dist import share_from_rank0
+
+        result = None
         if dist.get_rank() == 0:
             try:
-                box[0] = plan(specs, self.sched, fill=fill)
+                result = plan(specs, self.sched, fill=fill)
             except Exception as e:  # every rank must leave the broadcast, then raise the same error
-                box[0] = e
-        dist.broadcast_object_list(box, src=0, group=self._group)
-        if isinstance(box[0], Exception):
-            raise box[0]
-        return box[0]
+                result = e
+        result = share_from_rank0(result, group=self._group)
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     def _pack(self, mb: Microbatch, by_key: dict[tuple[str, int], Sample]) -> tuple[PackedBatch, dict[str, int]]:
         if mb.is_noop or not mb.entries:

@@ -1,5 +1,6 @@
 """``OUTPUT_DIR/status.json``: where every job of a run stands, rewritten (atomically) by global rank 0 at each
-chunk (as it starts) and at the end; ``lorafusion status RUN_DIR [--json]`` reads it.
+chunk (as it starts) and at the end (:class:`lorafusion.runtime.telemetry.status.StatusWriter`);
+``lorafusion status RUN_DIR [--json]`` reads it (here: torch-free, beside a busy run).
 
 Per job: ``state`` (queued | running | waiting | cancelling | saving | done | cancelled | stopped | diverged |
 early_stopped; ``waiting``: admitted and unfinished, but the chunk now running has none of its batches — under
@@ -15,68 +16,11 @@ writing its end (killed): the reader reports it as ``stopped``.
 from __future__ import annotations
 
 import json
-import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 from lorafusion.core.errors import MissingFileError
-from lorafusion.runtime.outdir import lock_held
-
-STATUS_FILE = "status.json"
-
-
-class StatusWriter:
-    """Rank 0's writer. ``jobs``: name → JobState (``steps``, ``tokens``, ``last_loss``, ``status``,
-    ``stream.total_steps``); a job's counts when first seen are its start in this session (a resumed run, a
-    job that joined later), from which its tokens/s and ETA are taken."""
-
-    def __init__(self, out: Path, jobs: dict):
-        self.path = Path(out) / STATUS_FILE
-        self.jobs = jobs
-        self._t0 = time.perf_counter()
-        self._start: dict[str, tuple[int, int, float]] = {}  # job -> (steps, tokens, time) when first seen
-        self.write("starting")
-
-    def write(self, run_state: str = "running", job_states: dict[str, str] | None = None,
-              in_chunk: set[str] | None = None) -> dict:
-        """``in_chunk``: the jobs the chunk now starting holds (the other running ones are waiting)."""
-        from lorafusion.runtime.outdir import write_text_atomic
-
-        now = time.perf_counter()
-        elapsed = max(1e-9, now - self._t0)
-        rows, session_tokens = {}, 0
-        for n, js in self.jobs.items():
-            steps0, tokens0, t_join = self._start.setdefault(n, (js.steps, js.tokens, now))  # a job may join later
-            job_elapsed = max(1e-9, now - t_join)
-            done_steps, done_tokens = js.steps - steps0, js.tokens - tokens0
-            session_tokens += done_tokens
-            total = js.stream.total_steps
-            state = (job_states or {}).get(n) or (
-                js.status if js.status != "running" else
-                "done" if js.written else  # its final checkpoint and adapter are written
-                "saving" if js.handed_over else
-                "running" if js.steps >= total else
-                "stopped" if run_state == "stopped" else
-                "waiting" if in_chunk is not None and n not in in_chunk else "running")
-            remaining = max(0, total - js.steps)
-            eta = (remaining * job_elapsed / done_steps) if done_steps and state == "running" else (
-                0.0 if state == "done" else None)
-            rows[n] = {"state": state, "step": js.steps, "max_steps": total, "tokens": js.tokens,
-                       "last_loss": js.last_loss, "tokens_per_s": round(done_tokens / job_elapsed, 1),
-                       "eta_s": None if eta is None else round(eta, 1), **eval_fields(js)}
-        status = {"run": {"state": run_state, "elapsed_s": round(elapsed, 3),
-                          "tokens_per_s": round(session_tokens / elapsed, 1),
-                          "updated": datetime.now(timezone.utc).isoformat(timespec="seconds")},
-                  "jobs": rows}
-        write_text_atomic(self.path, json.dumps(status, indent=2) + "\n")
-        return status
-
-
-def eval_fields(js) -> dict:
-    """A job with an eval set: its last and best eval loss and the best's step."""
-    if getattr(js, "eval_samples", None) is None:
-        return {}
-    return {"eval_loss": js.last_eval, "best_eval_loss": js.best_eval, "best_step": js.best_step}
+from lorafusion.rundir.layout import RunDir
+from lorafusion.rundir.lock import lock_held
 
 
 def read_status(run_dir: Path) -> dict:
@@ -84,9 +28,9 @@ def read_status(run_dir: Path) -> dict:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise MissingFileError(f"{run_dir}: no such run directory (the output_dir of a lorafusion train run)")
-    path = run_dir / STATUS_FILE
+    path = RunDir(run_dir).status
     if not path.is_file():
-        raise MissingFileError(f"{run_dir}: no {STATUS_FILE} — not a lorafusion run directory, or its run has "
+        raise MissingFileError(f"{run_dir}: no {path.name} — not a lorafusion run directory, or its run has "
                                f"not finished its first chunk yet")
     try:
         status = json.loads(path.read_text())

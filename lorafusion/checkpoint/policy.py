@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from lorafusion.core.errors import ConfigError, MissingFileError
+from lorafusion.rundir.layout import RunDir
 
 
 class JobCheckpoints:
@@ -19,7 +20,7 @@ class JobCheckpoints:
 
     def __init__(self, cfg, jobs: dict, model, export, *, is_logger: bool):
         self.cfg, self.jobs, self.model, self.export, self.is_logger = cfg, jobs, model, export, is_logger
-        self.root = Path(cfg.output_dir) / "checkpoints"
+        self.root = RunDir(cfg.output_dir).checkpoints
         self._fingerprints: dict[str, dict] = {}
         self._saved_step: dict[str, int] = {}  # job -> step of its newest checkpoint
         self._saved_status: dict[str, str] = {}  # job -> the status that checkpoint recorded
@@ -66,7 +67,7 @@ class JobCheckpoints:
         when it halted). Returns the write (no collectives; see ``checkpoint.start_job_checkpoint``), or None
         when there is nothing to save. ``adapter``: rank 0's ``peft_adapter_snapshot`` of the job."""
         from lorafusion.layers import adapter_parameters
-        from lorafusion.runtime.checkpoint import start_job_checkpoint
+        from lorafusion.checkpoint.format import start_job_checkpoint
 
         js = self.jobs[name]
         if self._saved_step.get(name) == js.steps and self._saved_status.get(name) == js.status:
@@ -87,7 +88,7 @@ class JobCheckpoints:
         """``stream_state``: the job's data stream as of the chunk boundary being saved (the feed's live
         stream is already a chunk further)."""
         from lorafusion.layers import adapter_parameters
-        from lorafusion.runtime.checkpoint import save_job_checkpoint
+        from lorafusion.checkpoint.format import save_job_checkpoint
 
         js = self.jobs[name]
         save_job_checkpoint(self.root / name, js.steps,
@@ -109,7 +110,7 @@ class JobCheckpoints:
     def save_best(self, name: str) -> None:
         """Checkpoint job ``name`` at its current step (unless saved at it already) and mark that checkpoint
         as its best-eval one: ``checkpoints/<job>/best`` names it and pruning keeps it."""
-        from lorafusion.runtime.checkpoint import mark_best
+        from lorafusion.checkpoint.format import mark_best
 
         if self._saved_step.get(name) != self.jobs[name].steps:
             self.save_now(name)
@@ -138,6 +139,8 @@ class JobCheckpoints:
     def _check_settings(self, name: str, path: Path, saved: dict | None) -> None:
         if saved is None:  # a checkpoint written before settings were recorded
             return
+        if "lora.r" in saved and "lora.shared_fused_a" not in saved:  # before PEFT's A per projection: one shared A
+            saved = {**saved, "lora.shared_fused_a": True}
         index = next(i for i, j in enumerate(self.cfg.jobs) if j.name == name)
         now = self._settings(name)
         for key in sorted(set(saved) | set(now)):
@@ -146,6 +149,9 @@ class JobCheckpoints:
                     f"jobs.{index}.{key.replace('dataset.sha256', 'dataset.path')}"
                 what = "the data file's contents changed" if key == "dataset.sha256" else \
                     f"the checkpoint has {saved.get(key)!r}, the config {now.get(key)!r}"
+                if key == "lora.shared_fused_a" and saved.get(key):
+                    what += (" (the checkpoint's fused q/k/v and gate/up share one A; set lora.shared_fused_a: "
+                             "true to resume it)")
                 raise ConfigError(f"{self.cfg.source}: {field}: cannot resume job {name!r} from {path}: {what}; "
                                   f"resuming would change its result (raising max_steps/num_epochs is allowed; "
                                   f"otherwise use a new output_dir)")
@@ -155,7 +161,7 @@ class JobCheckpoints:
         import torch.distributed as dist
 
         from lorafusion.layers import adapter_parameters
-        from lorafusion.runtime.checkpoint import load_newest_usable
+        from lorafusion.checkpoint.format import load_newest_usable
 
         for name, js in self.jobs.items():
             path, state, tensors, skipped = load_newest_usable(self.root / name)

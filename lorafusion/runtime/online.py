@@ -14,7 +14,7 @@ rank 0, broadcasts them, and every rank applies them in the same order:
 
 A job that ends (its last step ran, or it diverged or early-stopped) is *handed over* at the first boundary
 where no prepared chunk holds its batches: its final checkpoint and its PEFT adapter in ``adapters/<job>/``
-are taken to host memory and written in the background while the others train (runtime/handover.py;
+are taken to host memory and written in the background while the others train (checkpoint/handover.py;
 ``status`` says ``done`` once they are complete, not at the end of the run); if the run goes on (other jobs
 remain, or it serves) its adapter and optimizer state also leave the model, so the memory is there for
 queued jobs.
@@ -33,16 +33,16 @@ import torch.distributed as dist
 
 from lorafusion.config.schema import JobConfig, RunConfig
 from lorafusion.core.errors import UserError
-from lorafusion.runtime.outdir import write_text_atomic
+from lorafusion.dist import share_from_rank0
+from lorafusion.rundir.atomic import write_text_atomic
+from lorafusion.rundir.layout import RunDir
 from lorafusion.runtime.feed import Feed, JobState
-from lorafusion.runtime.requests import answer_request, pending_requests
-
-SUBMITTED = "submitted"
+from lorafusion.rundir.requests import answer_request, pending_requests
 
 
 def submitted_jobs(out: Path) -> list[JobConfig]:
     """Jobs a run accepted by ``submit`` (for a resume: they are not in the YAML)."""
-    d = Path(out) / SUBMITTED
+    d = RunDir(out).submitted
     return [JobConfig.model_validate(json.loads(p.read_text())) for p in sorted(d.glob("*.json"))] if d.is_dir() else []
 
 
@@ -77,11 +77,7 @@ class LiveJobs:
         reqs: list = []
         if self.is_logger:
             reqs = [dict(r, _path=str(p)) for p, r in pending_requests(self.out)]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            box = [reqs]
-            dist.broadcast_object_list(box, src=0)
-            reqs = box[0]
-        return reqs
+        return share_from_rank0(reqs)
 
     def poll(self) -> int:
         """Take and apply the pending requests (collective); then end cancelled jobs whose batches have run
@@ -113,8 +109,8 @@ class LiveJobs:
         js = self._add_job(job)  # data, stream, adapter, optimizer (raises a DataError for bad data)
         self.cfg.jobs.append(job)
         if self.is_logger:
-            (self.out / SUBMITTED).mkdir(exist_ok=True)
-            write_text_atomic(self.out / SUBMITTED / f"{job.name}.json", json.dumps(job.model_dump(mode="json")) + "\n")
+            RunDir(self.out).submitted.mkdir(exist_ok=True)
+            write_text_atomic(RunDir(self.out).submitted / f"{job.name}.json", json.dumps(job.model_dump(mode="json")) + "\n")
         js.status = "queued"
         self.feed.update_jobs(lambda jobs: jobs.__setitem__(job.name, js))
         self._queue.append(job.name)

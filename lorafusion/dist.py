@@ -24,12 +24,12 @@ def init_distributed(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str
 
     cuda = torch.cuda.is_available()
     if not cuda:
-        from megatron_patches import apply_cpu_patches
+        from lorafusion.compat.megatron import apply_cpu_patches
 
         apply_cpu_patches()
-    from megatron_patches import apply_stream_local_p2p_sync
+    from lorafusion.compat.megatron import apply_stream_local_p2p_sync
 
-    apply_stream_local_p2p_sync()  # no device-wide synchronise in the pipeline p2p (see megatron_patches/p2p.py)
+    apply_stream_local_p2p_sync()  # no device-wide synchronise in the pipeline p2p (see lorafusion/compat/megatron/p2p.py)
     if not dist.is_initialized():
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -53,6 +53,15 @@ def init_distributed(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(seed)
     return {"rank": dist.get_rank(), "world": world, "tp": tp, "pp": pp, "dp": world // (tp * pp)}
+
+
+def share_from_rank0(value, group=None):
+    """``value`` as global rank 0 has it, on every rank of ``group`` (collective; a single process: ``value``)."""
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
 
 
 def destroy_distributed() -> None:

@@ -6,7 +6,7 @@ of the bare base) are decoded together, S-LoRA style: each forward packs one seg
 as in training) with one LoRA routing segment per run of same-adapter sequences, so one pass through the
 model serves every adapter.
 
-Decoding uses a KV cache (:mod:`lorafusion.models.kv_cache`): one packed prefill of the prompts, then one
+Decoding uses a KV cache (:mod:`lorafusion.inference.kv_cache`): one packed prefill of the prompts, then one
 row per unfinished sequence per step. ``use_cache=False`` recomputes every sequence in full each step (the
 reference the cache is tested against). Greedy at temperature 0; otherwise temperature + top-p sampling,
 each row with its own generator seeded by (seed, row number), so a row's sample does not depend on which
@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +30,7 @@ from pathlib import Path
 import torch
 
 from lorafusion.core.errors import ConfigError, MissingFileError, UserError
+from lorafusion.rundir.atomic import write_text_atomic
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,7 +56,7 @@ def _read_json(path: Path) -> dict:
 
 
 def _latest_checkpoint_dir(job_dir: Path) -> Path | None:
-    from lorafusion.runtime.checkpoint import latest_checkpoint
+    from lorafusion.rundir.layout import latest_checkpoint
 
     return latest_checkpoint(job_dir) if job_dir.is_dir() else None
 
@@ -65,7 +64,7 @@ def _latest_checkpoint_dir(job_dir: Path) -> Path | None:
 def load_run(run_dir: str | Path) -> RunInfo:
     """What :func:`build_run_model` and :func:`run_tokenizer` need, from a ``lorafusion train`` output directory."""
     from lorafusion.core.arch import PRESETS
-    from lorafusion.runtime.export import find_adapter, run_jobs
+    from lorafusion.rundir.adapters import find_adapter, run_jobs
 
     run = Path(run_dir)
     if not run.is_dir():
@@ -130,8 +129,8 @@ def build_run_model(info: RunInfo, jobs: Sequence[str], device=None):
 
     from lorafusion.core.arch import preset
     from lorafusion.layers import get_lora_context
-    from lorafusion.runtime.dist import init_distributed
-    from lorafusion.runtime.export import import_peft_adapter
+    from lorafusion.dist import init_distributed
+    from lorafusion.export.peft import import_peft_adapter
 
     if not parallel_state.model_parallel_is_initialized():
         init_distributed(1, 1, seed=info.seed)
@@ -292,7 +291,7 @@ def generate_ids(model, requests: Sequence[Request], *, eos_id: int, max_new_tok
     """Decode ``requests`` together (fills each one's ``output_ids``). Sequences are ordered by adapter so
     that each adapter's rows form one routing segment; ``first_row`` numbers the rows for their seeds."""
     from lorafusion.core.seeds import mix_seed
-    from lorafusion.models.kv_cache import KVCache, decoding
+    from lorafusion.inference.kv_cache import KVCache, decoding
 
     device = next(model.parameters()).device
     order = sorted(range(len(requests)), key=lambda i: (requests[i].job is not None, requests[i].job or ""))
@@ -358,7 +357,7 @@ def generate_file(run_dir, prompts, out, *, max_new_tokens: int = 128, temperatu
     lines = [json.dumps({**r.row, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
                          "output": tokenizer.decode([t for t in r.output_ids if t != tokenizer.eos_id])},
                         ensure_ascii=False) for r in requests]
-    _write_atomic(out, "".join(line + "\n" for line in lines))
+    write_text_atomic(out, "".join(line + "\n" for line in lines), mkdir=True)
     new = sum(len(r.output_ids) for r in requests)
     return {"rows": len(requests), "jobs": jobs, "new_tokens": new, "load_s": round(t1 - t0, 3),
             "generate_s": round(t2 - t1, 3), "tokens_per_s": round(new / max(t2 - t1, 1e-9), 1), "out": str(out)}
@@ -372,17 +371,6 @@ def _context(info: RunInfo) -> int:
 
         return HFCheckpoint(info.path).arch.max_position_embeddings
     return preset(info.preset).max_position_embeddings
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 __all__ = ["Request", "RunInfo", "build_run_model", "encode_prompt", "generate_file", "generate_ids",

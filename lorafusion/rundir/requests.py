@@ -13,12 +13,11 @@ import time
 from pathlib import Path
 
 from lorafusion.core.errors import ConfigError, MissingFileError
-from lorafusion.runtime.outdir import write_text_atomic
+from lorafusion.rundir.atomic import write_text_atomic
+from lorafusion.rundir.layout import RunDir
 
 # job states in status.json after which a cancel has nothing to do (the run's own answer: live.LiveJobs._cancel)
 ENDED = ("done", "cancelled", "diverged", "early_stopped")
-
-REQUESTS = "requests"
 
 
 def require_run_dir(run_dir: Path) -> None:
@@ -33,7 +32,7 @@ def write_request(run_dir: Path, kind: str, payload: dict) -> Path:
     """Queue one request for the run in ``run_dir``; returns its file."""
     run_dir = Path(run_dir)
     require_run_dir(run_dir)
-    d = run_dir / REQUESTS
+    d = RunDir(run_dir).requests
     d.mkdir(exist_ok=True)
     stamp = f"{time.time_ns():020d}"
     path = d / f"{stamp}-{kind}-{payload.get('name', payload.get('job', ''))}.json"
@@ -43,7 +42,7 @@ def write_request(run_dir: Path, kind: str, payload: dict) -> Path:
 
 def _listed(run_dir: Path) -> list[tuple[Path, dict | Exception]]:
     """Every request file in arrival order, with its request or why it cannot be read."""
-    d = Path(run_dir) / REQUESTS
+    d = RunDir(run_dir).requests
     out: list[tuple[Path, dict | Exception]] = []
     for path in sorted(p for p in d.glob("*.json") if not p.name.startswith(".")) if d.is_dir() else []:
         try:
@@ -81,7 +80,7 @@ def answer_request(path: Path, req: dict, answer: str) -> None:
 
 def _status_jobs(run_dir: Path) -> dict:
     """``status.json``'s rows by job ({} when the run has written none, or none readable yet)."""
-    path = Path(run_dir) / "status.json"
+    path = RunDir(run_dir).status
     if not path.is_file():
         return {}
     try:
