@@ -106,7 +106,7 @@ LINEARS = {"qkv": (4096, 6144), "proj": (4096, 4096), "fc1": (4096, 28672), "fc2
 
 def _lora_row(m: int, k: int, n: int) -> dict:
     from lorafusion.core.routing import Routing
-    from lorafusion.kernels.tables import TableCache
+    from lorafusion.ops.tables import TableCache
     from lorafusion.ops.fused import multi_lora_linear_fused
 
     torch.manual_seed(0)
