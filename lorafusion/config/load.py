@@ -32,7 +32,7 @@ from lorafusion.config.yamlio import yaml_loader
 from lorafusion.core.arch import PRESETS
 from lorafusion.core.errors import ConfigError
 
-__all__ = ["load_job_config", "load_run_config"]
+__all__ = ["job_config_from", "load_job_config", "load_run_config"]
 
 
 # ----------------------------------------------------------------------------------------------- errors
@@ -395,3 +395,14 @@ def load_job_config(path: str | os.PathLike, overrides: Sequence[str] = (), *,
         if check_files and ds is not None and not Path(ds.path).is_file():
             raise ConfigError(f"{shown}: {key}.path: dataset file not found: {_display(Path(ds.path))}")
     return job
+
+
+def job_config_from(raw: Any, shown: str) -> JobConfig:
+    """A job mapping that did not come from a YAML file (a submit request's) validated like one: one
+    :class:`ConfigError` whose lines name ``shown`` and the field."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{shown}: expected a job mapping, got {type(raw).__name__}")
+    try:
+        return JobConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, lambda loc: (shown, loc, ""))) from None

@@ -78,6 +78,24 @@ def answer_request(path: Path, req: dict, answer: str) -> None:
     path.unlink(missing_ok=True)
 
 
+def unapplied_requests(run_dir: Path) -> list[dict]:
+    """Requests the run refused or could not apply (in ``requests/done/``), oldest first: ``file``, ``kind``,
+    ``job`` and the run's ``answer`` (``lorafusion status`` shows them)."""
+    d = RunDir(run_dir).requests / "done"
+    out = []
+    for path in sorted(d.glob("*.json")) if d.is_dir() else []:
+        try:
+            req = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError):
+            continue
+        answer = req.get("answer") if isinstance(req, dict) else None
+        if isinstance(answer, str) and answer.startswith(("refused", "failed")):
+            job = req.get("name", req.get("job"))
+            out.append({"file": path.name, "kind": str(req.get("kind")), "job": job if isinstance(job, str) else None,
+                        "answer": answer})
+    return out
+
+
 def _status_jobs(run_dir: Path) -> dict:
     """``status.json``'s rows by job ({} when the run has written none, or none readable yet)."""
     path = RunDir(run_dir).status
@@ -95,7 +113,8 @@ def known_job_names(run_dir: Path, status_jobs: dict | None = None) -> set[str]:
     not yet taken."""
     names = set(_status_jobs(run_dir) if status_jobs is None else status_jobs)
     # (the CLI only looks: the run takes the requests and answers unreadable ones)
-    names |= {r.get("name") for _, r in _listed(run_dir) if isinstance(r, dict) and r["kind"] == "submit"}
+    names |= {r.get("name") for _, r in _listed(run_dir) if isinstance(r, dict) and r["kind"] == "submit"
+              and isinstance(r.get("name"), str)}
     return names
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from lorafusion.core.errors import MissingFileError
 from lorafusion.rundir.layout import RunDir
 from lorafusion.rundir.lock import lock_held
+from lorafusion.rundir.requests import unapplied_requests
 
 
 def read_status(run_dir: Path) -> dict:
@@ -34,9 +35,11 @@ def read_status(run_dir: Path) -> dict:
                                f"not finished its first chunk yet")
     try:
         status = json.loads(path.read_text())
-        status["run"], status["jobs"]  # noqa: B018 - the two keys every reader needs
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-        raise MissingFileError(f"{path}: not a readable run status ({e})") from None
+        _check_shape(status)
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
+        raise MissingFileError(f"{path}: not a readable run status ({str(e).strip(chr(39))})") from None
+    if refused := unapplied_requests(run_dir):
+        status["requests"] = refused
     if status["run"].get("state") in ("starting", "running", "serving") and not lock_held(run_dir):
         status["run"]["state"] = "stopped"  # killed: nobody holds the lock and the end was never written
         status["run"]["note"] = "no process holds the run's lock: it ended without writing its end (killed?)"
@@ -44,6 +47,26 @@ def read_status(run_dir: Path) -> dict:
             if row.get("state") in ("running", "waiting", "cancelling", "saving"):
                 row["state"], row["eta_s"] = "stopped", None
     return status
+
+
+_RUN_FIELDS = {"state": str, "elapsed_s": (int, float), "tokens_per_s": (int, float), "updated": str}
+_JOB_FIELDS = {"state": str, "step": int, "max_steps": int, "tokens": int, "tokens_per_s": (int, float),
+               "last_loss": (int, float, type(None)), "eta_s": (int, float, type(None))}
+
+
+def _check_shape(status) -> None:
+    """ValueError naming the first field of ``status`` that is missing or of the wrong type."""
+    def check(row, fields, where):
+        if not isinstance(row, dict):
+            raise ValueError(f"{where.rstrip('.') or '(top level)'}: expected an object, got {type(row).__name__}")
+        for key, kind in fields.items():
+            if key not in row or not isinstance(row[key], kind) or isinstance(row[key], bool):
+                raise ValueError(f"{where}{key}: missing or of the wrong type ({row.get(key)!r:.40})")
+
+    check(status, {"run": dict, "jobs": dict}, "")
+    check(status["run"], _RUN_FIELDS, "run.")
+    for name, row in status["jobs"].items():
+        check(row, _JOB_FIELDS, f"jobs.{name}.")
 
 
 def format_status(status: dict, run_dir: Path) -> str:
@@ -57,6 +80,8 @@ def format_status(status: dict, run_dir: Path) -> str:
         eta = "-" if j.get("eta_s") is None else _duration(j["eta_s"])
         lines.append(f"  {name:<16} {j['state']:<9} {j['step']:>5}/{j['max_steps']:<5} {j['tokens']:>12,} {loss:>10} "
                      f"{j['tokens_per_s']:>10,.0f} {eta:>8}")
+    for r in status.get("requests", []):  # what the run refused: the user's submit said "submitted"
+        lines.append(f"  request {r['file']} ({r['kind']} {r['job'] or '?'}): {r['answer'].splitlines()[0]}")
     return "\n".join(lines)
 
 

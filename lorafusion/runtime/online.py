@@ -31,8 +31,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from lorafusion.config.load import job_config_from
 from lorafusion.config.schema import JobConfig, RunConfig
-from lorafusion.core.errors import UserError
+from lorafusion.core.errors import ConfigError, UserError
 from lorafusion.dist import share_from_rank0
 from lorafusion.rundir.atomic import write_text_atomic
 from lorafusion.rundir.layout import RunDir
@@ -43,7 +44,14 @@ from lorafusion.rundir.requests import answer_request, pending_requests
 def submitted_jobs(out: Path) -> list[JobConfig]:
     """Jobs a run accepted by ``submit`` (for a resume: they are not in the YAML)."""
     d = RunDir(out).submitted
-    return [JobConfig.model_validate(json.loads(p.read_text())) for p in sorted(d.glob("*.json"))] if d.is_dir() else []
+    return [job_config_from(_read_json(p), str(p)) for p in sorted(d.glob("*.json"))] if d.is_dir() else []
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
 
 
 def adapter_memory_bytes(model, name: str, token_capacity: int) -> int:
@@ -56,6 +64,29 @@ def adapter_memory_bytes(model, name: str, token_capacity: int) -> int:
     numel = sum(p.numel() for p in params.values())
     rank_sum = sum(p.shape[0] for k, p in params.items() if k.endswith("lora_A"))  # Σ r over adapted linears
     return 12 * numel + 4 * rank_sum * token_capacity
+
+
+def device_memory_bytes() -> int:
+    """The memory one rank's adapters live in: the GPU's, or the host's without CUDA."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_adapter_fits(cfg: RunConfig, job: JobConfig, arch) -> None:
+    """ConfigError when job's adapter could never fit one rank's memory (its share of
+    :func:`lorafusion.core.lora.lora_memory_bytes` over tp*pp ranks above the device's whole memory): refused
+    before anything is allocated, for a YAML job, a resumed one or a submission alike."""
+    from lorafusion.core.lora import lora_memory_bytes
+
+    cap = cfg.scheduler.token_capacity if isinstance(cfg.scheduler.token_capacity, int) else 16384
+    need = lora_memory_bytes(job.lora, arch, cap) // (cfg.parallelism.tp * cfg.parallelism.pp)
+    if need > (total := device_memory_bytes()):
+        raise ConfigError(f"job {job.name!r}: lora.r = {job.lora.r}: its adapter needs about {need / 2**30:,.1f} GiB "
+                          f"a rank to train (weights, gradients, AdamW moments, activations at the token capacity "
+                          f"{cap}), more than the {total / 2**30:,.1f} GiB this device has; lower lora.r")
 
 
 class LiveJobs:
@@ -88,6 +119,10 @@ class LiveJobs:
                 answer = self._submit(req) if req["kind"] == "submit" else self._cancel(req)
             except UserError as e:  # the same on every rank (the data and the checks are the same)
                 answer = f"refused: {e}"
+            except BaseException as e:  # a bug or the machine: set aside first, so a resume does not meet it again
+                if self.is_logger:
+                    answer_request(Path(req.pop("_path")), req, f"failed: {type(e).__name__}: {e}")
+                raise
             if self.is_logger:
                 answer_request(Path(req.pop("_path")), req, answer)
                 self.log(f"request {req['kind']} {req.get('name') or req.get('job')}: {answer}")
@@ -97,9 +132,7 @@ class LiveJobs:
         return len(reqs)
 
     def _submit(self, req: dict) -> str:
-        from lorafusion.core.errors import ConfigError
-
-        job = JobConfig.model_validate(req["job"])
+        job = job_config_from(req.get("job"), f"request {Path(req['_path']).name}: job")
         if job.name in self.jobs:
             raise ConfigError(f"jobs: a job named {job.name!r} is already in the run")
         cap = self.cfg.scheduler.token_capacity
@@ -117,10 +150,8 @@ class LiveJobs:
         return f"accepted at step boundary (queued until admitted; {len(self._queue)} in the queue)"
 
     def _cancel(self, req: dict) -> str:
-        from lorafusion.core.errors import ConfigError
-
-        name = req["job"]
-        js = self.jobs.get(name)
+        name = req.get("job")
+        js = self.jobs.get(name) if isinstance(name, str) else None
         if js is None:
             raise ConfigError(f"--job: no job {name!r} in this run")
         if js.status == "queued":

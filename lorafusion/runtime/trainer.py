@@ -23,6 +23,7 @@ from lorafusion.rundir.atomic import write_text_atomic
 from lorafusion.rundir.layout import RunDir
 from lorafusion.runtime.feed import Feed, job_state, load_jobs, scheduler_config
 from lorafusion.rundir.lock import OutputDirLock, check_output_dir
+from lorafusion.runtime.online import check_adapter_fits
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -121,6 +122,7 @@ class Trainer:
         from lorafusion.layers import adapter_parameters, add_adapter
         from lorafusion.runtime.optim import AdapterOptimizer
 
+        check_adapter_fits(self.cfg, js.cfg, self.arch)  # before allocating: lora.r = 10**12 is one clear error
         if js.cfg.init_from is not None:  # continued training of a PEFT adapter (a resume then loads its checkpoint)
             from lorafusion.export.peft import import_peft_adapter
 
