@@ -19,10 +19,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from lorafusion.core.targets import (PEFT_GROUPS, megatron_targets, partial_groups, projections,
-                                     resolve_target_modules)
+from lorafusion.core.targets import PEFT_GROUPS, megatron_targets, partial_groups, projections, resolve_target_modules
 
-__all__ = ["ADAPTER_NAME_MAX", "ADAPTER_NAME_RE", "LoRASpec", "check_adapter_memory", "check_adapter_name", "lora_memory_bytes"]
+__all__ = ["ADAPTER_NAME_MAX", "ADAPTER_NAME_RE", "LoRASpec", "check_adapter_memory", "check_adapter_name",
+           "lora_memory_bytes"]
 
 ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9_\-]+")  # used with fullmatch (``$`` would let "name\n" through)
 # the longest file name a run derives from a job name is a request's temporary file,
@@ -112,9 +112,10 @@ def lora_memory_bytes(spec: LoRASpec, arch: Any, token_capacity: int) -> int:
     (PEFT's layout)."""
     h, kv, ffn = arch.hidden_size, arch.kv_channels, arch.ffn_hidden_size
     q, k = arch.num_attention_heads * kv, arch.num_query_groups * kv
-    shapes = {"q_proj": (h, q), "k_proj": (h, k), "v_proj": (h, k), "o_proj": (q, h), "gate_proj": (h, ffn),
-              "up_proj": (h, ffn), "down_proj": (ffn, h)}  # (in, out) of each projection
-    projections = [shapes[p] for t in spec.target_modules for p in PEFT_GROUPS.get(t, (t,))]
+    shapes = {"linear_qkv": [(h, q), (h, k), (h, k)], "linear_proj": [(q, h)],
+              "linear_fc1": [(h, ffn), (h, ffn)], "linear_fc2": [(ffn, h)]}  # (in, out) of each projection
+    projections = [s for m in spec.megatron_targets for p, s in zip(PEFT_GROUPS[m], shapes[m], strict=True)
+                   if p in spec.projections(m)]
     numel = spec.r * sum(i + o for i, o in projections) * arch.num_layers
     return 16 * numel + 4 * spec.r * len(projections) * arch.num_layers * int(token_capacity)
 

@@ -123,7 +123,13 @@ class Trainer:
         from lorafusion.runtime.optim import AdapterOptimizer
 
         check_adapter_fits(self.cfg, js.cfg, self.arch)  # before allocating: lora.r = 10**12 is one clear error
-        add_adapter(self.model, js.cfg.name, js.cfg.lora, seed=self.cfg.seed)
+        if js.cfg.init_from is not None:  # continued training of a PEFT adapter (a resume then loads its checkpoint)
+            from lorafusion.export.peft import import_peft_adapter
+
+            import_peft_adapter(self.model, js.cfg.name, js.cfg.init_from, spec=js.cfg.lora,
+                                where=f"{self.cfg.source}: jobs.{js.cfg.name}")
+        else:
+            add_adapter(self.model, js.cfg.name, js.cfg.lora, seed=self.cfg.seed)
         params = list(adapter_parameters(self.model, js.cfg.name).values())
         js.optimizer = AdapterOptimizer.from_config(params, js.cfg.optimizer, js.stream.total_steps)
 
