@@ -23,7 +23,7 @@ from lorafusion.rundir.atomic import write_text_atomic
 from lorafusion.rundir.layout import RunDir
 from lorafusion.runtime.feed import Feed, job_state, load_jobs, scheduler_config
 from lorafusion.rundir.lock import OutputDirLock, check_output_dir
-from lorafusion.runtime.online import check_adapter_fits
+from lorafusion.runtime.online import check_adapter_fits, run_limits
 
 
 
@@ -113,7 +113,13 @@ class Trainer:
         from lorafusion.runtime.optim import AdapterOptimizer
 
         check_adapter_fits(self.cfg, js.cfg, self.arch)  # before allocating: lora.r = 10**12 is one clear error
-        add_adapter(self.model, js.cfg.name, js.cfg.lora, seed=self.cfg.seed)
+        if js.cfg.init_from is not None:  # continued training of a PEFT adapter (a resume then loads its checkpoint)
+            from lorafusion.export.peft import import_peft_adapter
+
+            import_peft_adapter(self.model, js.cfg.name, js.cfg.init_from, spec=js.cfg.lora,
+                                where=f"{self.cfg.source}: jobs.{js.cfg.name}")
+        else:
+            add_adapter(self.model, js.cfg.name, js.cfg.lora, seed=self.cfg.seed)
         params = list(adapter_parameters(self.model, js.cfg.name).values())
         js.optimizer = AdapterOptimizer.from_config(params, js.cfg.optimizer, js.stream.total_steps)
 
@@ -146,7 +152,10 @@ class Trainer:
             metrics = MetricsWriter(self.out, tensorboard=cfg.logging.tensorboard)
             progress = Progress({n: js.stream.total_steps for n, js in self.jobs.items()},
                                 enabled=cfg.logging.progress, log_every=cfg.logging.log_every)
-            status = StatusWriter(self.out, self.jobs)  # OUTPUT_DIR/status.json (lorafusion status)
+            from lorafusion.export.hf import base_reference
+
+            base_reference(cfg, self.out, self.arch, self.device)  # base_model.json: for export, and submit's checks
+            status = StatusWriter(self.out, self.jobs, limits=run_limits(cfg))  # status.json (lorafusion status)
         self.handover = Handover()  # writes what ended jobs leave while the others train
         t_start = time.perf_counter()
         windows = plan_s = noops = total_tokens = 0
