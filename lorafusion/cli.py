@@ -82,7 +82,8 @@ def _holds_only_our_lock(out: Path) -> bool:
 
 def cmd_plan(args) -> int:
     cfg = _load(args)  # before torch is imported
-    from lorafusion.runtime.feed import Feed, load_jobs, scheduler_config
+    from lorafusion.runtime.feed import Feed, scheduler_config
+    from lorafusion.runtime.jobs import load_jobs
     from lorafusion.runtime.telemetry.report import stage_model, write_plan_report
 
     _, jobs = load_jobs(cfg)

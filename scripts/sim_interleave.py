@@ -44,7 +44,8 @@ def run_arch(cfg) -> ModelArch:
 
 
 def plan_chunks(config: str, overrides: list[str], n: int):
-    from lorafusion.runtime.feed import Feed, load_jobs, scheduler_config
+    from lorafusion.runtime.feed import Feed, scheduler_config
+    from lorafusion.runtime.jobs import load_jobs
 
     cfg = load_run_config(config, overrides)
     _, jobs = load_jobs(cfg)

@@ -11,6 +11,7 @@ import torch
 
 from lorafusion.core.errors import ConfigError, MissingFileError
 from lorafusion.rundir.layout import RunDir
+from lorafusion.rundir.states import JobStatus
 
 
 class JobCheckpoints:
@@ -72,7 +73,7 @@ class JobCheckpoints:
         js = self.jobs[name]
         if self._saved_step.get(name) == js.steps and self._saved_status.get(name) == js.status:
             return None
-        if js.status == "cancelled":
+        if js.status == JobStatus.CANCELLED:
             stream = self._boundary_stream(name)
         elif not js.cfg.save_every and name in self._stream_states:
             stream = self._stream_states[name]
@@ -189,8 +190,7 @@ class JobCheckpoints:
             js.stream.load_state_dict(state["stream"])
             js.steps, js.tokens = state["step"], state.get("tokens", 0)
             js.first_loss, js.last_loss = state.get("first_loss"), state.get("last_loss")
-            js.status, js.nonfinite = state.get("status", "running"), state.get("nonfinite", 0)
-            js.optimizer.paused = js.halted
+            js.restore(state.get("status", JobStatus.RUNNING), state.get("nonfinite", 0))
             ev = state.get("eval") or {}
             js.last_eval, js.best_eval, js.best_step = ev.get("last"), ev.get("best"), ev.get("best_step")
             js.evals_since_best = ev.get("since_best", 0)

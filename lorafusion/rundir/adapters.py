@@ -8,6 +8,7 @@ from pathlib import Path
 
 from lorafusion.core.errors import ConfigError, MissingFileError
 from lorafusion.rundir.layout import RunDir, best_checkpoint, latest_checkpoint, read_state
+from lorafusion.rundir.states import ENDED, JobStatus
 
 
 def run_jobs(src: Path) -> list[str]:
@@ -53,10 +54,10 @@ def find_adapter(src: Path, job: str, best: bool = False) -> tuple[Path, str]:
         if state.get("job", job) != job:
             raise ConfigError(f"{src}: is a checkpoint of job {state['job']!r}, not of --job {job!r}")
         return src / "adapter", f"checkpoint at step {state.get('step', '?')}"
-    if (final / "adapter_config.json").is_file() and status in (None, "done", "diverged", "cancelled",
-                                                                 "early_stopped"):
-        return final, {"diverged": "last finite state (the job diverged)", "cancelled": "adapter at its cancellation",
-                       "early_stopped": "adapter at its early stop"}.get(status, "final adapter")
+    if (final / "adapter_config.json").is_file() and (status is None or status in ENDED):
+        return final, {JobStatus.DIVERGED: "last finite state (the job diverged)",
+                       JobStatus.CANCELLED: "adapter at its cancellation",
+                       JobStatus.EARLY_STOPPED: "adapter at its early stop"}.get(status, "final adapter")
     if run.job_checkpoints(job).is_dir():
         ckpt = latest_checkpoint(run.job_checkpoints(job))
         if ckpt is None:

@@ -15,9 +15,8 @@ from pathlib import Path
 from lorafusion.core.errors import ConfigError, MissingFileError
 from lorafusion.rundir.atomic import write_text_atomic
 from lorafusion.rundir.layout import RunDir
+from lorafusion.rundir.states import ENDED  # after these a cancel has nothing to do (the run: LiveJobs._cancel)
 
-# job states in status.json after which a cancel has nothing to do (the run's own answer: live.LiveJobs._cancel)
-ENDED = ("done", "cancelled", "diverged", "early_stopped")
 
 
 def require_run_dir(run_dir: Path) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from lorafusion.core.errors import MissingFileError
 from lorafusion.rundir.layout import RunDir
 from lorafusion.rundir.lock import lock_held
+from lorafusion.rundir.states import LIVE, JobStatus
 from lorafusion.rundir.requests import unapplied_requests
 
 
@@ -44,8 +45,8 @@ def read_status(run_dir: Path) -> dict:
         status["run"]["state"] = "stopped"  # killed: nobody holds the lock and the end was never written
         status["run"]["note"] = "no process holds the run's lock: it ended without writing its end (killed?)"
         for row in status["jobs"].values():
-            if row.get("state") in ("running", "waiting", "cancelling", "saving"):
-                row["state"], row["eta_s"] = "stopped", None
+            if row.get("state") in LIVE:
+                row["state"], row["eta_s"] = JobStatus.STOPPED.value, None
     return status
 
 

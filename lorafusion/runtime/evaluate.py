@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from lorafusion.data.packing import PackedBatch, noop_microbatch, pack_microbatch, pad_to_multiple
+from lorafusion.runtime.jobs import JobStatus
 
 
 def pack_eval(sets: dict[str, list[tuple[list[int], int]]], capacity: int) -> list[PackedBatch]:
@@ -120,7 +121,7 @@ class Evaluator:
         out = []
         for name, batches in chunk.batches.items():
             js = self.jobs[name]
-            if js.eval_samples is None or js.status not in ("running", "cancelling") or not batches:
+            if js.eval_samples is None or js.status not in (JobStatus.RUNNING, JobStatus.CANCELLING) or not batches:
                 continue
             every = js.cfg.eval_every
             first = js.steps - len(batches) + 1
@@ -159,8 +160,7 @@ class Evaluator:
                 self.checkpoints.save_best(name)
             patience = js.cfg.early_stopping_patience
             if patience and js.evals_since_best >= patience and js.steps < js.stream.total_steps:
-                js.status = "early_stopped"
-                js.optimizer.paused = True
+                js.halt(JobStatus.EARLY_STOPPED)
                 if progress is not None:
                     progress.log(f"job {name}: early stopped at step {js.steps}: {js.evals_since_best} "
                                  f"evaluations without a better eval loss than {js.best_eval:.4f} (step "

@@ -21,16 +21,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import torch.distributed as dist
 
-from lorafusion.config.schema import JobConfig, RunConfig
-from lorafusion.data import JobStream, build_tokenizer, load_job_samples
-from lorafusion.data.evalset import split_job_samples
+from lorafusion.config.schema import RunConfig
 from lorafusion.data.packing import PackedBatch, loss_token_count, noop_microbatch, pack_microbatch
 from lorafusion.scheduler import (JobSpec, Microbatch, Plan, SchedulerConfig, dependency_distance, plan, policy,
                                   resolve_capacity, verify_plan)
+
+from lorafusion.runtime.jobs import TRANSITIONS, JobState, JobStatus
 
 Key = tuple[str, int]  # (job name, global batch index)
 
@@ -41,72 +40,6 @@ def scheduler_config(cfg: RunConfig) -> SchedulerConfig:
         cfg.check_world_size()  # dp: auto → world / (tp*pp), or one clear error
     return SchedulerConfig(pipeline_depth=cfg.parallelism.pp, dp_size=cfg.parallelism.dp,
                            virtual_stages=cfg.parallelism.virtual_stages, **cfg.scheduler.model_dump())
-
-
-@dataclass
-class JobState:
-    cfg: JobConfig
-    samples: list[tuple[list[int], int]]  # sample id -> (token ids, prompt length)
-    stream: JobStream
-    optimizer: object = None
-    steps: int = 0  # optimizer steps taken
-    tokens: int = 0
-    last_loss: float | None = None  # of the last finite step
-    first_loss: float | None = None
-    status: str = "running"  # running | queued (submitted, waiting for room) | cancelling (no more batches; ends
-    # once its planned ones ran) | cancelled | diverged (paused: no more batches, no more updates) | early_stopped
-    nonfinite: int = 0  # non-finite (skipped) steps in a row
-    # evaluation (runtime/evaluate.py); status early_stopped: no more batches, no more updates
-    eval_samples: list[tuple[list[int], int]] | None = None  # None: the job has no eval set
-    last_eval: float | None = None
-    best_eval: float | None = None
-    best_step: int | None = None
-    evals_since_best: int = 0
-    # ended, and handed over at a chunk boundary (runtime/online.py): its final checkpoint and PEFT adapter taken
-    # (``written`` once their files are complete; checkpoint/handover.py)
-    handed_over: bool = False
-    written: bool = False
-
-    @cached_property
-    def mean_len(self) -> float:
-        """Mean sample length in tokens (the samples never change)."""
-        return sum(len(t) for t, _ in self.samples) / max(1, len(self.samples))
-
-    @property
-    def halted(self) -> bool:
-        """Paused for good (diverged or early-stopped): batches planned before still run, changing nothing."""
-        return self.status in ("diverged", "early_stopped")
-
-    @property
-    def ended(self) -> bool:
-        """Nothing more to train: its last step ran, or it diverged, early-stopped or was cancelled."""
-        return self.halted or self.status == "cancelled" or (
-            self.status == "running" and self.steps >= self.stream.total_steps)
-
-    @property
-    def final_status(self) -> str:
-        """The job's status in the run's summary: done | stopped (not finished) | diverged | early_stopped |
-        cancelled | queued."""
-        if self.status in ("diverged", "early_stopped", "cancelled", "queued"):
-            return self.status
-        return "done" if self.steps >= self.stream.total_steps else "stopped"
-
-
-def job_state(job: JobConfig, tokenizer, seed: int) -> JobState:
-    """A job's samples (without its held-out eval share), eval samples and data stream (its optimizer comes
-    with its adapter, on the model)."""
-    samples, eval_samples = split_job_samples(job, load_job_samples(job, tokenizer).samples, tokenizer, seed)
-    stream = JobStream(job.name, len(samples), job.global_batch_size, seed,
-                       max_steps=job.max_steps, num_epochs=job.num_epochs)
-    return JobState(job, samples, stream, eval_samples=eval_samples)
-
-
-def load_jobs(cfg: RunConfig):
-    """(tokenizer, {job name: JobState}) — every job's samples and stream. Bad data fails here, before any
-    model is built or anything is written. (Config validation keeps ``dataset.max_seq_len`` within the
-    token capacity and the loader keeps samples within ``max_seq_len``, so every sample fits.)"""
-    tokenizer = build_tokenizer(cfg.tokenizer, cfg.model.path)
-    return tokenizer, {job.name: job_state(job, tokenizer, cfg.seed) for job in cfg.jobs}
 
 
 @dataclass(frozen=True)
@@ -216,7 +149,8 @@ class Feed:
             batches.setdefault(name, []).append((index, samples))
             return samples
 
-        running = [n for n, js in self.jobs.items() if js.status == "running" and not js.stream.finished]
+        with TRANSITIONS:  # a status changed on another thread is seen whole
+            running = [n for n, js in self.jobs.items() if js.status == JobStatus.RUNNING and not js.stream.finished]
         main, fill_order = policy.chunk_jobs(self.sched.policy, [
             policy.JobWork(n, self.jobs[n].cfg.priority, self._remaining_tokens(n)) for n in running])
         for name in main:

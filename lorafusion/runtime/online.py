@@ -37,7 +37,8 @@ from lorafusion.core.errors import ConfigError, UserError
 from lorafusion.dist import share_from_rank0
 from lorafusion.rundir.atomic import write_text_atomic
 from lorafusion.rundir.layout import RunDir
-from lorafusion.runtime.feed import Feed, JobState
+from lorafusion.runtime.feed import Feed
+from lorafusion.runtime.jobs import JobState, JobStatus
 from lorafusion.rundir.requests import answer_request, pending_requests
 
 
@@ -102,7 +103,7 @@ class LiveJobs:
         self.cfg, self.out, self.model, self.feed, self.jobs = cfg, Path(out), model, feed, jobs
         self.is_logger, self._add_job, self._finish, self.log = is_logger, add_job, finish, log
         self._wait: dict[str, int] = {}  # cancelling job -> chunk boundaries until its planned batches have run
-        self._queue: list[str] = [n for n, js in jobs.items() if js.status == "queued"]
+        self._queue: list[str] = [n for n, js in jobs.items() if js.status == JobStatus.QUEUED]
 
     # ------------------------------------------------------------------------------------------ requests
     def _take(self) -> list[dict]:
@@ -146,7 +147,7 @@ class LiveJobs:
         if self.is_logger:
             RunDir(self.out).submitted.mkdir(exist_ok=True)
             write_text_atomic(RunDir(self.out).submitted / f"{job.name}.json", json.dumps(job.model_dump(mode="json")) + "\n")
-        js.status = "queued"
+        js.queue()
         self.feed.update_jobs(lambda jobs: jobs.__setitem__(job.name, js))
         self._queue.append(job.name)
         return f"accepted at step boundary (queued until admitted; {len(self._queue)} in the queue)"
@@ -156,13 +157,13 @@ class LiveJobs:
         js = self.jobs.get(name) if isinstance(name, str) else None
         if js is None:
             raise ConfigError(f"--job: no job {name!r} in this run")
-        if js.status == "queued":
+        if js.status == JobStatus.QUEUED:
             self._queue.remove(name)
-            self.feed.update_jobs(lambda jobs: setattr(js, "status", "cancelled"))
+            self.feed.update_jobs(lambda jobs: js.cancel())
             return "cancelled (it had not started)"
-        if js.status != "running" or js.steps >= js.stream.total_steps:
-            return f"nothing to do: the job is {js.status if js.status != 'running' else 'done'}"
-        prepared = self.feed.update_jobs(lambda jobs: setattr(js, "status", "cancelling"))
+        if js.status != JobStatus.RUNNING or js.finished:
+            return f"nothing to do: the job is {js.status if js.status != JobStatus.RUNNING else JobStatus.DONE}"
+        prepared = self.feed.update_jobs(lambda jobs: js.begin_cancel())
         self._wait[name] = 1 if name in prepared else 0
         return "cancelling: it leaves once its planned batches have run"
 
@@ -173,12 +174,12 @@ class LiveJobs:
                 self._wait[name] -= 1
                 continue
             del self._wait[name]
-            self.jobs[name].status = "cancelled"
+            self.jobs[name].cancel()
             self._hand_over(name)
             self.log(f"job {name}: cancelled at step {self.jobs[name].steps}; checkpointed and exported")
 
     def _end_finished(self) -> None:
-        ended = [n for n, js in self.jobs.items() if js.ended and js.status != "cancelled" and not js.handed_over]
+        ended = [n for n, js in self.jobs.items() if js.ended and js.status != JobStatus.CANCELLED and not js.handed_over]
         if not ended:
             return
         prepared = self.feed.update_jobs(lambda jobs: None)  # a halted job's planned batches run first
@@ -212,7 +213,7 @@ class LiveJobs:
             if not self._fits(name):
                 break  # a job of higher priority waits first
             self._queue.remove(name)
-            self.feed.update_jobs(lambda jobs, js=self.jobs[name]: setattr(js, "status", "running"))
+            self.feed.update_jobs(lambda jobs, js=self.jobs[name]: js.admit())
             self.log(f"job {name}: admitted (joins the next chunk drawn)")
 
     @property

@@ -21,7 +21,8 @@ from lorafusion.config.schema import RunConfig
 from lorafusion.core.errors import ConfigError
 from lorafusion.rundir.atomic import write_text_atomic
 from lorafusion.rundir.layout import RunDir
-from lorafusion.runtime.feed import Feed, job_state, load_jobs, scheduler_config
+from lorafusion.runtime.feed import Feed, scheduler_config
+from lorafusion.runtime.jobs import JobStatus, job_state, load_jobs
 from lorafusion.rundir.lock import OutputDirLock, check_output_dir
 from lorafusion.runtime.online import check_adapter_fits, run_limits
 
@@ -252,7 +253,7 @@ class Trainer:
             if stopped is None:
                 self.checkpoints.save_all(only_default_policy=True)  # the end of the run: every job's final state
             for name, js in self.jobs.items():  # (jobs handed over at a boundary were exported then)
-                if js.status != "cancelled" and not js.handed_over and (js.steps >= js.stream.total_steps or js.halted):
+                if js.status != JobStatus.CANCELLED and not js.handed_over and (js.finished or js.halted):
                     self.export(name, RunDir(self.out).adapter(name))
             self.handover.close()  # every hand-over written before the summary says done
         finally:
@@ -319,8 +320,8 @@ class Trainer:
             elif snap is not None:
                 write_peft_adapter(out, *snap)
 
-        js.handed_over = True
-        self.handover.submit(write, on_done=lambda: setattr(js, "written", True))
+        js.hand_over()
+        self.handover.submit(write, on_done=js.mark_written)
         if release:
             remove_adapter(self.model, name)
             js.optimizer = None
@@ -330,8 +331,7 @@ class Trainer:
         next planned chunk on) and no more updates; its weights are those of its last finite step (skipped
         steps change nothing), checkpointed now and exported at the end as its adapter."""
         js = self.jobs[name]
-        js.status = "diverged"
-        js.optimizer.paused = True
+        js.halt(JobStatus.DIVERGED)
         if progress is not None:
             progress.log(f"job {name}: diverged ({js.nonfinite} non-finite steps in a row) — paused at step "
                          f"{js.steps}; its adapter is its last finite state; the other jobs continue")

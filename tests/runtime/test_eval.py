@@ -212,7 +212,7 @@ def test_config_errors_are_one_clear_line(tmp_path, change, field, words):
 def test_an_empty_eval_set_is_one_clear_error(tmp_path):
     from lorafusion.config import load_run_config
     from lorafusion.core.errors import ConfigError
-    from lorafusion.runtime.feed import load_jobs
+    from lorafusion.runtime.jobs import load_jobs
 
     job = job_dict("a", write_dataset(tmp_path / "a.jsonl", 1, rows=8), r=4)
     job.update(eval_split=0.05)  # 0.4 of a sample

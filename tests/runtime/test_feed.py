@@ -10,7 +10,8 @@ from runtime_utils import three_job_dicts, write_run
 
 def _feed(tmp_path, background: bool, out: str, overrides=("scheduler.solver=greedy",)):
     from lorafusion.config import load_run_config
-    from lorafusion.runtime.feed import Feed, load_jobs, scheduler_config
+    from lorafusion.runtime.feed import Feed, scheduler_config
+    from lorafusion.runtime.jobs import load_jobs
 
     jobs = three_job_dicts(tmp_path)
     for j in jobs:

@@ -100,7 +100,8 @@ def sweep_virtual(cfg, virtuals: list[int], windows: int, out_dir: Path) -> list
     """For each V: the run's chunks planned for V, simulated with the even split (when it exists) and the
     loss-aware ``auto`` split; one row per (V, split) with the steady bubble overall and per stage."""
     from lorafusion.core.errors import ConfigError
-    from lorafusion.runtime.feed import load_jobs, scheduler_config
+    from lorafusion.runtime.feed import scheduler_config
+    from lorafusion.runtime.jobs import load_jobs
 
     rows = []
     for V in virtuals:

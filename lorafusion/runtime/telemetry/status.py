@@ -9,6 +9,7 @@ from pathlib import Path
 
 from lorafusion.rundir.atomic import write_text_atomic
 from lorafusion.rundir.layout import RunDir
+from lorafusion.rundir.states import JobStatus
 
 
 class StatusWriter:
@@ -37,15 +38,10 @@ class StatusWriter:
             session_tokens += done_tokens
             total = js.stream.total_steps
             state = (job_states or {}).get(n) or (
-                js.status if js.status != "running" else
-                "done" if js.written else  # its final checkpoint and adapter are written
-                "saving" if js.handed_over else
-                "running" if js.steps >= total else
-                "stopped" if run_state == "stopped" else
-                "waiting" if in_chunk is not None and n not in in_chunk else "running")
+                js.shown(run_stopped=run_state == "stopped", in_chunk=None if in_chunk is None else n in in_chunk))
             remaining = max(0, total - js.steps)
-            eta = (remaining * job_elapsed / done_steps) if done_steps and state == "running" else (
-                0.0 if state == "done" else None)
+            eta = (remaining * job_elapsed / done_steps) if done_steps and state == JobStatus.RUNNING else (
+                0.0 if state == JobStatus.DONE else None)
             rows[n] = {"state": state, "step": js.steps, "max_steps": total, "tokens": js.tokens,
                        "last_loss": js.last_loss, "tokens_per_s": round(done_tokens / job_elapsed, 1),
                        "eta_s": None if eta is None else round(eta, 1), **eval_fields(js)}
