@@ -59,27 +59,14 @@ def gather(obj) -> list:
 
 
 class BubbleRecorder:
-    """The stage timers' bubble ratio of every chunk of this rank (the trainer computes one per chunk when
-    pp > 1; its summary keeps only their mean over all chunks, warm-up included)."""
+    """A trainer callback: the stage timers' bubble ratio of every chunk of this rank (the trainer computes one
+    per chunk when pp > 1; its summary keeps only their mean over all chunks, warm-up included)."""
 
-    def __enter__(self):
-        from lorafusion.runtime.telemetry.timers import StageTimers
+    def __init__(self):
+        self.values = []
 
-        self.values, self._orig = [], StageTimers.__dict__["bubble"]
-        orig = self._orig.__func__
-
-        def bubble(totals):
-            b = orig(totals)
-            self.values.append(b)
-            return b
-
-        StageTimers.bubble = staticmethod(bubble)
-        return self
-
-    def __exit__(self, *exc):
-        from lorafusion.runtime.telemetry.timers import StageTimers
-
-        StageTimers.bubble = self._orig
+    def chunk_end(self, trainer, chunk, record):
+        self.values.append(record["bubble"])
 
 
 def ensure_data(rows: int) -> None:
@@ -97,32 +84,30 @@ def sync():
 
 
 class ChunkProfiler:
-    """Profile one planned chunk of a trainer run (CUDA kernels and host activity) and summarise it: GPU busy
-    fraction over the chunk, idle gaps, and the top kernels by GPU time."""
+    """A trainer callback: profile one planned chunk of a trainer run (CUDA kernels and host activity) and
+    summarise it: GPU busy fraction over the chunk, idle gaps, and the top kernels by GPU time."""
 
     def __init__(self, chunk_index: int):
-        self.chunk_index, self.calls, self.summary = chunk_index, 0, None
+        self.chunk_index, self.calls, self.summary, self._prof = chunk_index, 0, None, None
 
-    def wrap(self, owner, name: str = "run_chunk"):
-        """Replace ``owner.<name>`` (lorafusion.runtime.pipeline.run_chunk: one chunk) by a profiling wrapper."""
-        orig = getattr(owner, name)
-        prof = self
+    def chunk_start(self, trainer, chunk):
+        i = self.calls
+        self.calls += 1
+        if i != self.chunk_index or not torch.cuda.is_available():
+            return
+        from torch.profiler import ProfilerActivity, profile
 
-        def wrapped(*a, **kw):
-            i = prof.calls
-            prof.calls += 1
-            if i != prof.chunk_index or not torch.cuda.is_available():
-                return orig(*a, **kw)
-            from torch.profiler import ProfilerActivity, profile
+        torch.cuda.synchronize()
+        self._prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        self._prof.__enter__()
 
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-                out = orig(*a, **kw)
-                torch.cuda.synchronize()
-            prof.summary = summarise_profile(p)
-            return out
-
-        setattr(owner, name, wrapped)
+    def chunk_ran(self, trainer, chunk, result):
+        if self._prof is None:
+            return
+        torch.cuda.synchronize()
+        self._prof.__exit__(None, None, None)
+        self.summary = summarise_profile(self._prof)
+        self._prof = None
 
 
 def summarise_profile(p, top: int = 20) -> dict:
@@ -156,30 +141,25 @@ def summarise_profile(p, top: int = 20) -> dict:
 
 
 class ChunkClock:
-    """Host wall time inside each ``run_chunk`` call (it ends with a synchronisation: the chunk's GPU work
-    is done) and between calls (chunk boundary: logging, checkpoints, waiting for the next plan)."""
+    """A trainer callback: host wall time from the start of each chunk to the pipeline's return (synchronised:
+    the chunk's GPU work is done) and between chunks (chunk boundary: logging, checkpoints, waiting for the
+    next plan)."""
 
     def __init__(self):
         self.inside: list[float] = []
         self.between: list[float] = []
-        self._last_exit = None
+        self._last_exit = self._t0 = None
 
-    def wrap(self, owner, name: str = "run_chunk"):
-        orig = getattr(owner, name)
-        clock = self
+    def chunk_start(self, trainer, chunk):
+        self._t0 = time.perf_counter()
+        if self._last_exit is not None:
+            self.between.append(self._t0 - self._last_exit)
 
-        def wrapped(*a, **kw):
-            t0 = time.perf_counter()
-            if clock._last_exit is not None:
-                clock.between.append(t0 - clock._last_exit)
-            out = orig(*a, **kw)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            clock._last_exit = time.perf_counter()
-            clock.inside.append(clock._last_exit - t0)
-            return out
-
-        setattr(owner, name, wrapped)
+    def chunk_ran(self, trainer, chunk, result):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._last_exit = time.perf_counter()
+        self.inside.append(self._last_exit - self._t0)
 
 
 def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, out: Path,
@@ -193,13 +173,7 @@ def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, o
                           + [f"jobs.{i}.max_steps={steps}" for i in range(len(load_run_config(config).jobs))])
     if only_job is not None:  # "scheduler off": this job alone through the same runtime
         cfg = cfg.model_copy(update={"jobs": [cfg.jobs[only_job]]})
-    import lorafusion.runtime.pipeline as pipeline
-
-    orig_run_chunk = pipeline.run_chunk
-    if profiler is not None:
-        profiler.wrap(pipeline)
-    clock = ChunkClock()
-    clock.wrap(pipeline)
+    clock, rec = ChunkClock(), BubbleRecorder()
     look = cfg.scheduler.lookahead_batches
     if warmup < 1 or warmup % look or steps <= warmup:
         raise SystemExit(f"--warmup must be a positive multiple of scheduler.lookahead_batches ({look}) and less "
@@ -207,12 +181,9 @@ def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, o
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.reset_accumulated_memory_stats()
-    trainer = Trainer(cfg, background_planning=background)
-    try:
-        with BubbleRecorder() as rec:
-            summary = trainer.run()
-    finally:
-        pipeline.run_chunk = orig_run_chunk
+    trainer = Trainer(cfg, background_planning=background,
+                      callbacks=[clock, rec] + ([profiler] if profiler is not None else []))
+    summary = trainer.run()
     first_timed = warmup // look  # chunks hold `look` global batches per job: chunks before this are warm-up
     steady = [b for b in rec.values[first_timed:] if b is not None]
     per_rank = gather({"peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,

@@ -56,8 +56,6 @@ LONG_FUNCTIONS = {
     "lorafusion/core/arch.py:arch_from_hf_config": 61,
     "lorafusion/models/provider.py:build_model": 62,
     "lorafusion/models/spec.py:transformer_config": 73,
-    "lorafusion/runtime/pipeline.py:run_chunk": 61,
-    "lorafusion/runtime/trainer.py:_run": 149,
     "lorafusion/scheduler/verify.py:sequence": 63,
 }
 

@@ -21,9 +21,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
-from lorafusion.data.packing import PackedBatch, noop_microbatch, pack_microbatch, pad_to_multiple
+from lorafusion.data.packing import PackedBatch, noop_microbatch, pack_microbatch
 from lorafusion.runtime.jobs import JobStatus
 
 
@@ -57,9 +56,9 @@ def eval_losses(model, sets: dict[str, list[tuple[list[int], int]]], capacity: i
     """{job: (token-mean loss over its eval samples, loss tokens)} of the model as it is (collective over
     all ranks; every rank returns the same)."""
     from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from lorafusion.layers import set_batch
+    from lorafusion.runtime.pipeline import forward_packed, run_schedule, segments, sp_pad, sum_from_last_stage
 
     names = list(sets)
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
@@ -67,23 +66,19 @@ def eval_losses(model, sets: dict[str, list[tuple[list[int], int]]], capacity: i
     mine = everything[dp_rank::dp]
     per_rank = -(-len(everything) // dp)  # every DP rank runs the same number of microbatches
     mine += [noop_microbatch(eos_id)] * (per_rank - len(mine))
-    pad = parallel_state.get_tensor_model_parallel_world_size() if model.config.sequence_parallel else 1
+    pad = sp_pad(model)
     dev = device or torch.device("cpu")
     sums = torch.zeros(2 * len(names), dtype=torch.float64, device=dev)  # [loss sums..., token counts...]
 
     def forward_step(data_iterator, model_):
-        batch = pad_to_multiple(next(data_iterator), pad).to(dev)
-        set_batch(model_, batch.routing, batch.adapters)
-        output = model_(batch.tokens, batch.position_ids, attention_mask=None, labels=batch.labels,
-                        packed_seq_params=batch.packed_seq_params())
+        output, batch = forward_packed(model_, next(data_iterator), pad, dev)
 
         def loss_func(per_token):
-            counted = per_token.float().reshape(-1) * batch.loss_mask.reshape(-1)
-            mask = batch.loss_mask.reshape(-1)
-            for slot, start, length in batch.routing.segments:
-                j = names.index(batch.adapters[slot])
-                sums[j] += counted[start:start + length].sum().double()
-                sums[len(names) + j] += mask[start:start + length].sum().double()
+            parts, counted = segments(per_token, batch)
+            for name, losses, mask in parts:
+                j = names.index(name)
+                sums[j] += losses.sum().double()
+                sums[len(names) + j] += mask.sum().double()
             return counted.sum() * 0.0, torch.tensor(1, dtype=torch.int, device=dev), {}
 
         return output, loss_func
@@ -93,19 +88,12 @@ def eval_losses(model, sets: dict[str, list[tuple[list[int], int]]], capacity: i
     model.config.timers = None  # the stage timers measure training chunks only
     try:
         with torch.no_grad():
-            get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(mine), model=[model],
-                                        num_microbatches=len(mine),
-                                        seq_length=max(-(-b.num_tokens // pad) * pad for b in mine),
-                                        micro_batch_size=1, forward_only=True)
+            run_schedule(model, forward_step, mine, lambda b: b.num_tokens, pad, forward_only=True)
     finally:
         set_batch(model, None, ())
         model.train(was_training)
         model.config.timers = timers
-    last = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
-    sums = sums * (1.0 if last else 0.0)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(sums)
-    stat = sums.tolist()
+    stat = sum_from_last_stage(sums).tolist()
     return {n: (stat[j] / max(1.0, stat[len(names) + j]), int(stat[len(names) + j])) for j, n in enumerate(names)}
 
 

@@ -73,16 +73,69 @@ def dropout_seed(run_seed: int, job: str, batch: int) -> int:
     return mix_seed(run_seed, name_key(job), batch)
 
 
+# ------------------------------------------------- the plumbing a training chunk and an evaluation share
+def sp_pad(model) -> int:
+    """Sequence parallelism splits each microbatch's tokens over the TP ranks: they are padded to a multiple
+    of tp (1 without it)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size() if model.config.sequence_parallel else 1
+
+
+def forward_packed(model_, batch, pad: int, dev, seeds=None):
+    """One packed microbatch through the model, its LoRA routing set (``seeds``: the adapters' dropout seeds).
+    Returns (per-token loss output, the batch on the device)."""
+    from lorafusion.layers import set_batch
+
+    batch = pad_to_multiple(batch, pad).to(dev)
+    if seeds is None:
+        set_batch(model_, batch.routing, batch.adapters)
+    else:
+        set_batch(model_, batch.routing, batch.adapters, seeds)
+    output = model_(batch.tokens, batch.position_ids, attention_mask=None, labels=batch.labels,
+                    packed_seq_params=batch.packed_seq_params())
+    return output, batch
+
+
+def segments(per_token, batch):
+    """(adapter name, its masked per-token losses, its loss mask) per routing segment of ``batch``: slices of the
+    device tensor, no host masks; and the masked losses of the whole microbatch."""
+    counted = per_token.float().reshape(-1) * batch.loss_mask.reshape(-1)
+    mask = batch.loss_mask.reshape(-1)
+    parts = [(batch.adapters[slot], counted[start:start + length], mask[start:start + length])
+             for slot, start, length in batch.routing.segments]
+    return parts, counted
+
+
+def run_schedule(model, forward_step, microbatches: list, num_tokens, pad: int, *, forward_only: bool) -> None:
+    """Megatron's schedule (1F1B when PP > 1) over ``microbatches`` (``num_tokens(mb)``: its token count)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model],
+                                num_microbatches=len(microbatches),
+                                seq_length=max(-(-num_tokens(b) // pad) * pad for b in microbatches),
+                                micro_batch_size=1, forward_only=forward_only)
+
+
+def sum_from_last_stage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` of the last pipeline stage's TP rank 0 (losses live there; TP copies count once), on every rank."""
+    from megatron.core import parallel_state
+
+    last = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+    t = t * (1.0 if last else 0.0)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
 def run_chunk(model, chunk: Chunk, optimizers: dict, *, seed: int, device: torch.device | None) -> dict:
     """Train on ``chunk`` (this rank's packed microbatches). Returns ``{"compute_s", "steps"}`` with one
     ``{"key", "loss", "grad_norm", "lr", "tokens"}`` per (job, batch), in plan step order."""
     from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from lorafusion.layers import set_batch
 
-    # sequence parallelism splits each microbatch's tokens over the TP ranks: pad them to a multiple of tp
-    pad = parallel_state.get_tensor_model_parallel_world_size() if model.config.sequence_parallel else 1
+    pad = sp_pad(model)
     num_stages = parallel_state.get_pipeline_model_parallel_world_size()
     stage = parallel_state.get_pipeline_model_parallel_rank()
     tracker = StepTracker(chunk.plan, optimizers, stage, num_stages)
@@ -93,19 +146,15 @@ def run_chunk(model, chunk: Chunk, optimizers: dict, *, seed: int, device: torch
     def forward_step(data_iterator, model_):
         batch, batch_of = next(data_iterator)
         tracker.before_forward(batch.adapters)
-        batch = pad_to_multiple(batch, pad).to(dev)
-        set_batch(model_, batch.routing, batch.adapters, [dropout_seed(seed, n, batch_of[n]) for n in batch.adapters])
-        output = model_(batch.tokens, batch.position_ids, attention_mask=None, labels=batch.labels,
-                        packed_seq_params=batch.packed_seq_params())
+        output, batch = forward_packed(model_, batch, pad, dev,
+                                       [dropout_seed(seed, n, batch_of[n]) for n in batch.adapters])
 
         def loss_func(per_token):
-            # each adapter's tokens are its routing segments: slices of the device tensor, no host masks
-            counted = per_token.float().reshape(-1) * batch.loss_mask.reshape(-1)
+            parts, counted = segments(per_token, batch)
             total = counted.sum() * 0.0
-            for slot, start, length in batch.routing.segments:
-                name = batch.adapters[slot]
+            for name, losses, _ in parts:
                 k = (name, batch_of[name])
-                s = counted[start:start + length].sum()
+                s = losses.sum()
                 total = total + s / denom[k]
                 sums[k] += s.detach().double()
             # The loss is already normalised per job by its global batch's token count. The config sets
@@ -117,18 +166,11 @@ def run_chunk(model, chunk: Chunk, optimizers: dict, *, seed: int, device: torch
         return output, loss_func
 
     t0 = time.perf_counter()
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(chunk.packed), model=[model],
-                                num_microbatches=len(chunk.packed),
-                                seq_length=max(-(-b.num_tokens // pad) * pad for b, _ in chunk.packed),
-                                micro_batch_size=1, forward_only=False)
+    run_schedule(model, forward_step, chunk.packed, lambda mb: mb[0].num_tokens, pad, forward_only=False)
     results = tracker.finish()
     compute_s = time.perf_counter() - t0
     set_batch(model, None, ())
-    # losses live on the last stage; TP rank 0 contributes so TP copies count once
-    last = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
-    stat = torch.stack([sums[k] for k in tracker.keys]) * (1.0 if last else 0.0)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(stat)
+    stat = sum_from_last_stage(torch.stack([sums[k] for k in tracker.keys]))
     stat = stat.tolist()  # one host synchronisation per chunk: losses and grad norms together
     norms = torch.stack([results[k][0].float() for k in tracker.keys]).tolist()
     steps = [{"key": k, "loss": stat[i] / denom[k], "grad_norm": norms[i], "lr": results[k][1],

@@ -9,9 +9,9 @@ checkpoint after chunk k records its data stream as of the end of chunk k (``Chu
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -36,8 +36,10 @@ class Trainer:
 
     SERVE_POLL_S = 2.0  # serving (no job left): how often the run looks for submissions
 
-    def __init__(self, cfg: RunConfig, *, resume: bool = False, background_planning: bool = True):
+    def __init__(self, cfg: RunConfig, *, resume: bool = False, background_planning: bool = True,
+                 callbacks: Sequence = ()):
         self.cfg = cfg
+        self._user_callbacks = list(callbacks)  # see TrainerCallback
         self.resume = resume
         self.background_planning = background_planning
         self.out = Path(cfg.output_dir)
@@ -135,143 +137,131 @@ class Trainer:
             self.release()
 
     def _run(self, stops) -> dict:
-        from lorafusion.runtime.telemetry.metrics import MetricsWriter, Progress, cut_metrics, max_memory_gib
+        """The loop: next chunk → run → record → callbacks (the boundary's work), until the run is over."""
         from lorafusion.runtime.pipeline import run_chunk
-        from lorafusion.checkpoint.handover import Handover
-        from lorafusion.runtime.online import LiveJobs
-        from lorafusion.runtime.telemetry.status import StatusWriter
 
         self._setup()
-        cfg = self.cfg
-        metrics = progress = status = None
+        self._open_session(stops)
+        try:
+            self.live.poll()  # requests that came while the run was stopped
+            while (chunk := self._next_chunk()) is not None:
+                self._notify("chunk_start", chunk)
+                result = run_chunk(self.model, chunk, {n: js.optimizer for n, js in self.jobs.items()},
+                                   seed=self.cfg.seed, device=self.device)
+                self._notify("chunk_ran", chunk, result)
+                record = self._record(chunk, result)
+                self._notify("chunk_end", chunk, record)
+                if self._stop_or_save():
+                    break
+            self._end_session()
+        finally:
+            self._close_session()
+        return self._summary()
+
+    def _notify(self, hook: str, *args) -> None:
+        for cb in self.callbacks:
+            if (fn := getattr(cb, hook, None)) is not None:
+                fn(self, *args)
+
+    # ------------------------------------------------------------------------------------------ session
+    def _open_session(self, stops) -> None:
+        """This session's outputs and helpers, and the boundary's work as the first callbacks."""
+        from lorafusion.checkpoint.handover import Handover
+        from lorafusion.export.hf import base_reference
+        from lorafusion.runtime.online import LiveJobs
+        from lorafusion.runtime.telemetry.session import Telemetry
+
         if self.is_logger:
             self.out.mkdir(parents=True, exist_ok=True)
-            if self.resume:  # rows after each job's checkpoint are trained again: drop them, never repeat them
-                cut_metrics(RunDir(self.out).metrics, {n: js.steps for n, js in self.jobs.items()})
-            else:  # a fresh run (the directory held at most a failed run's rows, see check_output_dir)
-                RunDir(self.out).metrics.unlink(missing_ok=True)
-            metrics = MetricsWriter(self.out, tensorboard=cfg.logging.tensorboard)
-            progress = Progress({n: js.stream.total_steps for n, js in self.jobs.items()},
-                                enabled=cfg.logging.progress, log_every=cfg.logging.log_every)
-            from lorafusion.export.hf import base_reference
-
-            base_reference(cfg, self.out, self.arch, self.device)  # base_model.json: for export, and submit's checks
-            status = StatusWriter(self.out, self.jobs, limits=run_limits(cfg))  # status.json (lorafusion status)
+            base_reference(self.cfg, self.out, self.arch, self.device)  # base_model.json: export, submit's checks
+        self.telemetry = Telemetry(self.cfg, self.out, self.jobs, is_logger=self.is_logger, resume=self.resume,
+                                   limits=run_limits(self.cfg))
         self.handover = Handover()  # writes what ended jobs leave while the others train
-        t_start = time.perf_counter()
-        windows = plan_s = noops = total_tokens = 0
-        bubbles = []
-        stopped = None
-        last_timed_save = time.monotonic()
-        every_s = cfg.checkpoint.every_minutes * 60.0
-        try:
-            live = LiveJobs(cfg, self.out, self.model, self.feed, self.jobs, is_logger=self.is_logger,
-                            add_job=self._new_job, finish=self._finish_job,
-                            log=progress.log if progress is not None else (lambda _m: None))
-            live.poll()  # requests that came while the run was stopped
-            idle_since = None
-            while True:
-                chunk = self.feed.next()
-                if chunk is None:  # every job has ended: wait for submissions if serving, else the run is over
-                    # the idle timeout is read on each rank's clock: the ranks agree on it through the poll (a
-                    # rank that ended alone would leave the others waiting in the next poll's collective)
-                    idle = idle_since is not None and time.monotonic() - idle_since > cfg.serve_idle_minutes * 60
-                    stop, idle = stops.poll(idle)
-                    if stop:
-                        stopped = stops.received or "signal"
-                        break
-                    if live.poll() or live.busy:
-                        idle_since = None
-                        continue
-                    if not cfg.serve or idle:
-                        break
-                    idle_since = idle_since or time.monotonic()
-                    if status is not None:
-                        status.write("serving")
-                    time.sleep(self.SERVE_POLL_S)
-                    continue
+        self._stops, self.stopped, self._last_timed_save = stops, None, time.monotonic()
+        self.live = LiveJobs(self.cfg, self.out, self.model, self.feed, self.jobs, is_logger=self.is_logger,
+                             add_job=self._new_job, finish=self._finish_job, log=self.telemetry.log)
+        self.callbacks = [_Boundary(self), *self._user_callbacks]
+
+    def _next_chunk(self):
+        """The next chunk to train; None when the run is over: every job ended (serving: and no submission came
+        within serve_idle_minutes) or a stop signal came. The idle timeout is read on each rank's clock: the
+        ranks agree on it through the poll (a rank that ended alone would leave the others waiting)."""
+        idle_since = None
+        while (chunk := self.feed.next()) is None:
+            idle = idle_since is not None and time.monotonic() - idle_since > self.cfg.serve_idle_minutes * 60
+            stop, idle = self._stops.poll(idle)
+            if stop:
+                self.stopped = self._stops.received or "signal"
+                return None
+            if self.live.poll() or self.live.busy:
                 idle_since = None
-                if status is not None:  # the counts as of the last boundary; who this chunk trains
-                    status.write(in_chunk=set(chunk.batches))
-                # (jobs may have joined at the last boundary: the optimizers and the log order are the current ones)
-                res = run_chunk(self.model, chunk, {n: js.optimizer for n, js in self.jobs.items()}, seed=cfg.seed,
-                                device=self.device)
-                order = list(self.jobs)
-                windows += 1
-                plan_s += chunk.plan_s
-                noops += chunk.plan.num_noops
-                totals = self.timers.reset()  # every chunk: resolves (and frees) its timing events
-                if cfg.parallelism.pp > 1 and (b := self.timers.bubble(totals)) is not None:
-                    bubbles.append(b)
-                mem_gib = max_memory_gib()
-                self.checkpoints.chunk_done(chunk)
-                for st in sorted(res["steps"], key=lambda r: (r["key"][1], order.index(r["key"][0]))):
-                    name = st["key"][0]
-                    js = self.jobs[name]
-                    if js.halted:  # diverged/early-stopped in an earlier chunk; this one was planned before that
-                        continue
-                    js.steps += 1
-                    js.tokens += st["tokens"]
-                    total_tokens += st["tokens"]
-                    finite = math.isfinite(st["loss"]) and math.isfinite(st["grad_norm"])
-                    # the device skipped the update iff the gradient norm was not finite (a non-finite loss
-                    # back-propagates into the gradients); either one counts towards divergence
-                    skipped = not math.isfinite(st["grad_norm"])
-                    js.nonfinite = 0 if finite else js.nonfinite + 1
-                    if finite:
-                        js.last_loss = st["loss"]
-                        if js.first_loss is None:
-                            js.first_loss = st["loss"]
-                    if self.is_logger:
-                        metrics.log_step({"job": name, "step": js.steps, "loss": st["loss"], "tokens": st["tokens"],
-                                          "lr": st["lr"], "grad_norm": st["grad_norm"], "skipped": skipped,
-                                          "tokens_per_s": round(total_tokens / max(1e-9, time.perf_counter() - t_start),
-                                                                1),
-                                          "max_memory_gib": round(mem_gib, 4),
-                                          "elapsed_s": round(time.perf_counter() - t_start, 4)})
-                        progress.update(name, js.steps, js.last_loss, st["tokens"], st["lr"])
-                        if not finite:
-                            progress.log(f"job {name}: step {js.steps} not finite (loss {st['loss']}, grad norm "
-                                         f"{st['grad_norm']}){', update skipped' if skipped else ''}: "
-                                         f"{js.nonfinite} in a row, paused at {js.cfg.max_nonfinite_steps}")
-                    if js.nonfinite >= js.cfg.max_nonfinite_steps:
-                        self._pause_diverged(name, progress)
-                self.evaluator.after_chunk(chunk, metrics, progress)  # eval_loss rows, best checkpoint, early stop
-                self.checkpoints.save_due(chunk)
-                live.poll()  # lorafusion submit / cancel (collective); jobs that ended are handed over
-                self.handover.check()  # a background write that failed fails the run here
-                # ranks agree (one tiny collective per chunk) on a stop signal and on a timed checkpoint
-                stop, timed = stops.poll(time.monotonic() - last_timed_save >= every_s)
-                if stop or timed:
-                    self.checkpoints.save_all(only_default_policy=not stop)
-                    last_timed_save = time.monotonic()
-                if stop:
-                    stopped = stops.received or "signal"
-                    self.feed.close()
-                    break
-            elapsed = time.perf_counter() - t_start
-            if stopped is None:
-                self.checkpoints.save_all(only_default_policy=True)  # the end of the run: every job's final state
-            for name, js in self.jobs.items():  # (jobs handed over at a boundary were exported then)
-                if js.status != JobStatus.CANCELLED and not js.handed_over and (js.finished or js.halted):
-                    self.export(name, RunDir(self.out).adapter(name))
-            self.handover.close()  # every hand-over written before the summary says done
-        finally:
-            try:
-                self.handover.close()  # (after an error too: what was handed over is written)
-            except Exception as e:  # noqa: BLE001 - the run failed already; that error goes on
-                print(f"lorafusion: a background write failed as well: {type(e).__name__}: {e}", file=sys.stderr)
-            if progress is not None:
-                progress.close()
-            if metrics is not None:
-                metrics.close()
+                continue
+            if not self.cfg.serve or idle:
+                return None
+            idle_since = idle_since or time.monotonic()
+            self.telemetry.serving()
+            time.sleep(self.SERVE_POLL_S)
+        return chunk
+
+    def _record(self, chunk, result: dict) -> dict:
+        """Count the chunk's optimizer steps on their jobs (in global-batch order), log them, pause jobs that
+        diverged. Returns the chunk's record for the callbacks: result, bubble ratio, peak memory."""
+        from lorafusion.runtime.telemetry.metrics import max_memory_gib
+
+        order = list(self.jobs)
+        totals = self.timers.reset()  # every chunk: resolves (and frees) its timing events
+        bubble = self.timers.bubble(totals) if self.cfg.parallelism.pp > 1 else None
+        self.telemetry.chunk(chunk, bubble)
+        mem_gib = max_memory_gib()
+        self.checkpoints.chunk_done(chunk)
+        for st in sorted(result["steps"], key=lambda r: (r["key"][1], order.index(r["key"][0]))):
+            name = st["key"][0]
+            js = self.jobs[name]
+            if js.halted:  # diverged/early-stopped in an earlier chunk; this one was planned before that
+                continue
+            finite, skipped = js.record_step(st)
+            self.telemetry.step(name, js, st, finite=finite, skipped=skipped, mem_gib=mem_gib)
+            if js.diverging:
+                self._pause_diverged(name)
+        return {"result": result, "bubble": bubble, "max_memory_gib": mem_gib}
+
+    def _stop_or_save(self) -> bool:
+        """The ranks agree (one tiny collective per chunk) on a stop signal and on a timed checkpoint."""
+        stop, timed = self._stops.poll(time.monotonic() - self._last_timed_save >= self.cfg.checkpoint.every_minutes * 60)
+        if stop or timed:
+            self.checkpoints.save_all(only_default_policy=not stop)
+            self._last_timed_save = time.monotonic()
+        if stop:
+            self.stopped = self._stops.received or "signal"
+            self.feed.close()
+        return stop
+
+    def _end_session(self) -> None:
+        """Every job's final state checkpointed (unless stopped) and exported; every hand-over written."""
+        self.elapsed = self.telemetry.elapsed
+        if self.stopped is None:
+            self.checkpoints.save_all(only_default_policy=True)  # the end of the run: every job's final state
+        for name, js in self.jobs.items():  # (jobs handed over at a boundary were exported then)
+            if js.status != JobStatus.CANCELLED and not js.handed_over and (js.finished or js.halted):
+                self.export(name, RunDir(self.out).adapter(name))
+        self.handover.close()  # every hand-over written before the summary says done
+
+    def _close_session(self) -> None:
+        try:
+            self.handover.close()  # (after an error too: what was handed over is written)
+        except Exception as e:  # noqa: BLE001 - the run failed already; that error goes on
+            print(f"lorafusion: a background write failed as well: {type(e).__name__}: {e}", file=sys.stderr)
+        self.telemetry.close()
+
+    def _summary(self) -> dict:
+        cfg, tele = self.cfg, self.telemetry
         summary = {
-            "status": "stopped" if stopped else "done", "stopped_by": stopped,
+            "status": "stopped" if self.stopped else "done", "stopped_by": self.stopped,
             "tokens": sum(js.tokens for js in self.jobs.values()),  # the whole run, resumed parts included
-            "session_tokens": total_tokens,
-            "elapsed_s": round(elapsed, 3), "tokens_per_s": total_tokens / max(elapsed, 1e-9),
-            "windows": windows, "plan_s": round(plan_s, 3), "plan_wait_s": round(self.feed.wait_s, 3),
-            "noop_microbatches": noops, "bubble_ratio": (sum(bubbles) / len(bubbles)) if bubbles else None,
+            "session_tokens": tele.tokens,
+            "elapsed_s": round(self.elapsed, 3), "tokens_per_s": tele.tokens / max(self.elapsed, 1e-9),
+            "windows": tele.chunks, "plan_s": round(tele.plan_s, 3), "plan_wait_s": round(self.feed.wait_s, 3),
+            "noop_microbatches": tele.noops, "bubble_ratio": tele.bubble_ratio,
             "parallelism": cfg.parallelism.model_dump(), "kernels": ops.resolve_impl(
                 torch.empty(0, device=self.device or "cpu"), None if cfg.kernels == "auto" else cfg.kernels),
             "jobs": {n: {"status": js.final_status,
@@ -281,7 +271,7 @@ class Trainer:
         }
         if self.is_logger:
             write_text_atomic(RunDir(self.out).summary, json.dumps(summary, indent=2) + "\n")
-            status.write(summary["status"], {n: j["status"] for n, j in summary["jobs"].items()})
+            tele.end(summary)
         return summary
 
     # ------------------------------------------------------------------------------- export / checkpoint
@@ -326,15 +316,38 @@ class Trainer:
             remove_adapter(self.model, name)
             js.optimizer = None
 
-    def _pause_diverged(self, name: str, progress) -> None:
+    def _pause_diverged(self, name: str) -> None:
         """Stop a job whose last ``max_nonfinite_steps`` steps were all non-finite: no more batches (from the
         next planned chunk on) and no more updates; its weights are those of its last finite step (skipped
         steps change nothing), checkpointed now and exported at the end as its adapter."""
         js = self.jobs[name]
         js.halt(JobStatus.DIVERGED)
-        if progress is not None:
-            progress.log(f"job {name}: diverged ({js.nonfinite} non-finite steps in a row) — paused at step "
-                         f"{js.steps}; its adapter is its last finite state; the other jobs continue")
+        self.telemetry.log(f"job {name}: diverged ({js.nonfinite} non-finite steps in a row) — paused at step "
+                           f"{js.steps}; its adapter is its last finite state; the other jobs continue")
         self.checkpoints.save_now(name)
 
 
+class TrainerCallback:
+    """Observes the loop (any subset of the hooks; ``Trainer(cfg, callbacks=[...])``): ``chunk_start(trainer,
+    chunk)`` right before the pipeline runs the chunk, ``chunk_ran(trainer, chunk, result)`` right after it
+    returns, ``chunk_end(trainer, chunk, record)`` once its steps are counted and the boundary's work is done
+    (``record``: result, bubble ratio of the stage timers when pp > 1, peak memory in GiB)."""
+
+
+class _Boundary(TrainerCallback):
+    """The boundary's own work, first of the callbacks: the status of the chunk starting; after it, evaluations
+    (eval_loss rows, best checkpoint, early stop), the checkpoints due, ``lorafusion submit`` / ``cancel``
+    (collective; jobs that ended are handed over) and the background writes (one that failed fails the run)."""
+
+    def __init__(self, trainer: Trainer):
+        self.t = trainer
+
+    def chunk_start(self, trainer, chunk) -> None:
+        self.t.telemetry.chunk_start(chunk)
+
+    def chunk_end(self, trainer, chunk, record) -> None:
+        t = self.t
+        t.evaluator.after_chunk(chunk, t.telemetry.metrics, t.telemetry.progress)
+        t.checkpoints.save_due(chunk)
+        t.live.poll()
+        t.handover.check()
