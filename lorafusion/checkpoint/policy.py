@@ -1,6 +1,6 @@
 """A run's per-job checkpoints, whatever the training recipe: when each job is saved (``save_every``, timed,
 on a stop signal, at the end), what a save records, and resuming every job from its newest usable checkpoint
-after checking that its settings did not change. The files themselves: :mod:`.checkpoint`."""
+after checking that its settings did not change. The files themselves: :mod:`.format`."""
 
 from __future__ import annotations
 

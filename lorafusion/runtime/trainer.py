@@ -1,6 +1,7 @@
-"""Multi-adapter training: composes the feed (jobs, data, planned chunks), the pipeline (one chunk through
-Megatron's schedule with in-pipeline optimizer steps), metrics, the output directory's lock (:mod:`.outdir`),
-per-job checkpoints (:mod:`.resume`) and export.
+"""Multi-adapter training: composes the jobs (:mod:`.jobs`), the feed (data, planned chunks), the pipeline (one
+chunk through Megatron's schedule with in-pipeline optimizer steps), telemetry, the output directory's lock
+(:mod:`lorafusion.rundir.lock`), per-job checkpoints (:mod:`lorafusion.checkpoint.policy`) and export. The loop
+is thin — next chunk → run → record → callbacks — and the boundary's own work is its first callback.
 
 The feed prepares chunk k+1 on a background thread while chunk k trains (see :mod:`.feed`); a job's
 checkpoint after chunk k records its data stream as of the end of chunk k (``Chunk.stream_states``).
@@ -31,7 +32,7 @@ from lorafusion.runtime.online import check_adapter_fits, run_limits
 class Trainer:
     """``Trainer(cfg).run()`` checks the launch and output directory, loads the data, builds the model with
     one adapter and optimizer per job, trains every job to its end (taking ``lorafusion submit`` / ``cancel``
-    requests at chunk boundaries, see :mod:`.live`), exports the adapters and writes ``summary.json``.
+    requests at chunk boundaries, see :mod:`.online`), exports the adapters and writes ``summary.json``.
     ``resume=True`` continues each job from its latest checkpoint."""
 
     SERVE_POLL_S = 2.0  # serving (no job left): how often the run looks for submissions
