@@ -30,7 +30,7 @@ def _load(args):
 
 
 def cmd_train(args) -> int:
-    from lorafusion.runtime.outdir import remove_partial_outputs
+    from lorafusion.rundir.lock import remove_partial_outputs
     from lorafusion.runtime.trainer import Trainer
 
     cfg = _load(args)
@@ -66,7 +66,7 @@ def cmd_train(args) -> int:
             print(f"  base model (HF format, for peft/transformers): lorafusion export {out} --base --out {out / 'base'}")
         print(f"try them: lorafusion generate {cfg.output_dir} --prompts FILE.jsonl --out OUT.jsonl  "
               f"(one {{\"prompt\": ..., \"job\": NAME}} per line)")
-    from lorafusion.runtime.dist import destroy_distributed
+    from lorafusion.dist import destroy_distributed
 
     destroy_distributed()
     return 0
@@ -82,7 +82,7 @@ def _holds_only_our_lock(out: Path) -> bool:
 
 def cmd_plan(args) -> int:
     from lorafusion.runtime.feed import Feed, load_jobs, scheduler_config
-    from lorafusion.runtime.report import write_plan_report
+    from lorafusion.runtime.telemetry.report import write_plan_report
 
     cfg = _load(args)
     _, jobs = load_jobs(cfg)
@@ -100,7 +100,7 @@ def cmd_plan(args) -> int:
 def cmd_submit(args) -> int:
     """Validate the job now (one clear error, the run untouched), then queue it for the run."""
     from lorafusion.config.load import load_job_config
-    from lorafusion.runtime.requests import check_submission, write_request
+    from lorafusion.rundir.requests import check_submission, write_request
 
     job = load_job_config(args.job, args.overrides, check_files=True)
     run = Path(args.run_dir)
@@ -112,7 +112,7 @@ def cmd_submit(args) -> int:
 
 
 def cmd_cancel(args) -> int:
-    from lorafusion.runtime.requests import check_cancel, require_run_dir, write_request
+    from lorafusion.rundir.requests import check_cancel, require_run_dir, write_request
 
     run = Path(args.run_dir)
     require_run_dir(run)
@@ -123,7 +123,7 @@ def cmd_cancel(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from lorafusion.runtime.status import format_status, read_status
+    from lorafusion.rundir.status import format_status, read_status
 
     status = read_status(Path(args.run_dir))
     print(json.dumps(status, indent=2) if args.json else format_status(status, Path(args.run_dir)))
@@ -132,7 +132,7 @@ def cmd_status(args) -> int:
 
 def _run_dir_of(src: Path) -> Path:
     """The run directory of ``src``: itself, or the run a checkpoints/<job>/step_N directory belongs to."""
-    from lorafusion.runtime.export_models import RECORD
+    from lorafusion.export.hf import RECORD
 
     if not (src / RECORD).is_file() and (src / "state.json").is_file() and (src.parents[2] / RECORD).is_file():
         return src.parents[2]
@@ -143,7 +143,7 @@ def cmd_export(args) -> int:
     """Copy a job's PEFT adapter out of a run directory or one checkpoint, or write the run's base model or
     a job's adapter merged into it (HF format); atomically, never over an existing --out without --force."""
     from lorafusion.core.errors import ConfigError
-    from lorafusion.runtime.export import copier, fill_dir_atomically, find_adapter
+    from lorafusion.export.peft import copier, fill_dir_atomically, find_adapter
 
     src = Path(args.checkpoint)
     out = Path(args.out)
@@ -157,14 +157,14 @@ def cmd_export(args) -> int:
         raise ConfigError(f"{out}: --out already exists; choose another path or pass --force to replace it "
                           f"(atomically, once the new export is complete)")
     if args.base:
-        from lorafusion.runtime.export_models import write_base
+        from lorafusion.export.hf import write_base
 
         fill, what = write_base(src, out)
         adapter, kind = None, "base"
     else:
         adapter, what = find_adapter(src, args.job, best=args.best)
         if args.merged:
-            from lorafusion.runtime.export_models import write_merged
+            from lorafusion.export.hf import write_merged
 
             fill, _ = write_merged(_run_dir_of(src), adapter)
             kind = "merged"
@@ -186,7 +186,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from lorafusion.runtime.generate import generate_file
+    from lorafusion.inference.generate import generate_file
 
     res = generate_file(args.run_dir, args.prompts, args.out, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         flags = [a for a in ("--resume", "--serve") if a in argv]
         argv = [a for a in argv if a not in flags] + flags
     args = build_parser().parse_args(argv)
-    from lorafusion.runtime.control import install_stack_dump
+    from lorafusion.runtime.signals import install_stack_dump
 
     install_stack_dump()  # kill -USR2 <pid>: every thread's stack on stderr (a hung multi-GPU run)
     handler = {"train": cmd_train, "plan": cmd_plan, "export": cmd_export, "status": cmd_status,

@@ -44,8 +44,8 @@ def run_one(mode: str, fused: str, workdir: Path) -> None:
 
     from lorafusion.layers import lora_batch
     from lorafusion.models.hf_import import build_model_from_hf
-    from lorafusion.runtime.dist import init_distributed
-    from lorafusion.runtime.export import adapter_peft_state, import_peft_adapter
+    from lorafusion.dist import init_distributed
+    from lorafusion.export.peft import adapter_peft_state, import_peft_adapter
     from model_utils import adapter_seed
 
     tag = "" if fused == "off" else f"_{fused}"
@@ -117,7 +117,7 @@ def main():
     torch.set_num_threads(1)
     import traceback
 
-    from lorafusion.runtime.dist import destroy_distributed
+    from lorafusion.dist import destroy_distributed
 
     for config in configs:
         mode, fused = config.split(":")

@@ -157,7 +157,7 @@ def test_bad_routing_is_an_error(segments, msg):
 FUSED_SCRIPT = r"""
 import os, sys, torch
 sys.path.insert(0, sys.argv[1])
-from lorafusion.runtime.dist import init_distributed
+from lorafusion.dist import init_distributed
 init_distributed(1, 1)
 from lorafusion.data import pack_microbatch
 from lorafusion.core.lora import LoRASpec

@@ -12,7 +12,7 @@ from lorafusion.core.lora import LoRASpec
 from lorafusion.layers import add_adapter
 from lorafusion.models.hf_import import build_model_from_hf
 from lorafusion.core.arch import ModelArch
-from lorafusion.runtime.export import adapter_peft_state, export_peft_adapter
+from lorafusion.export.peft import adapter_peft_state, export_peft_adapter
 from model_utils import randomize_b
 from session_shared import launch_in_turn, shared_dir
 
@@ -74,7 +74,7 @@ def workdir(tmp_path_factory, megatron_single):
     """(the launch's directory, once per session for all xdist workers; single-process losses, LoRA grads and
     per-token losses of the same exported adapters and microbatches)"""
     d = shared_dir(tmp_path_factory, "parallel", _build_and_launch)
-    from lorafusion.runtime.export import import_peft_adapter
+    from lorafusion.export.peft import import_peft_adapter
     from model_utils import per_token_loss
     from parallel_worker import loss_terms, microbatches
 

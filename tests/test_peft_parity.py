@@ -10,7 +10,7 @@ from lorafusion.core.lora import LoRASpec
 from lorafusion.layers import Routing, add_adapter, lora_batch, lora_modules
 from lorafusion.models.hf_import import build_model_from_hf
 from lorafusion.core.arch import ModelArch, preset
-from lorafusion.runtime.export import adapter_peft_state, export_peft_adapter, import_peft_adapter
+from lorafusion.export.peft import adapter_peft_state, export_peft_adapter, import_peft_adapter
 
 peft = pytest.importorskip("peft")
 

@@ -118,8 +118,3 @@ def get_config(kernel: str, m: int, n: int = 0, k: int = 0, itemsize: int = 2) -
                 cfg[blk] = max(16, cfg[blk] // 2)
                 break
     return cfg
-
-
-def rank_block(r_max: int) -> int:
-    """Padded rank block for tl.dot: a power of two, at least 16."""
-    return max(16, _pow2_at_least(r_max))

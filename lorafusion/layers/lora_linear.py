@@ -35,7 +35,7 @@ from lorafusion import ops
 from lorafusion.core.lora import LoRASpec
 from lorafusion.core.routing import Routing
 from lorafusion.core.seeds import mix_seed, name_key
-from lorafusion.kernels.tables import TableCache, seed_tensor
+from lorafusion.ops.tables import TableCache, seed_tensor
 
 
 _LIVE_CONTEXTS: weakref.WeakSet = weakref.WeakSet()  # every model's context (for recompute snapshots)

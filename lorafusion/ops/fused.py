@@ -26,7 +26,7 @@ import torch
 
 from lorafusion.core.routing import Routing
 from lorafusion.kernels import fused_multi_lora as K
-from lorafusion.kernels.tables import TableCache
+from lorafusion.ops.tables import TableCache
 from lorafusion.kernels import tuning
 from lorafusion.ops.comm import apply_s_comm
 

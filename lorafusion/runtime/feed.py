@@ -61,8 +61,8 @@ class JobState:
     best_eval: float | None = None
     best_step: int | None = None
     evals_since_best: int = 0
-    # ended, and handed over at a chunk boundary (runtime/live.py): its final checkpoint and PEFT adapter taken
-    # (``written`` once their files are complete; runtime/handover.py)
+    # ended, and handed over at a chunk boundary (runtime/online.py): its final checkpoint and PEFT adapter taken
+    # (``written`` once their files are complete; checkpoint/handover.py)
     handed_over: bool = False
     written: bool = False
 

@@ -19,9 +19,9 @@ import torch
 from lorafusion import ops
 from lorafusion.config.schema import RunConfig
 from lorafusion.core.errors import ConfigError
-from lorafusion.runtime.checkpoint import write_text_atomic
+from lorafusion.checkpoint.format import write_text_atomic
 from lorafusion.runtime.feed import Feed, job_state, load_jobs, scheduler_config
-from lorafusion.runtime.outdir import OutputDirLock, check_output_dir
+from lorafusion.rundir.lock import OutputDirLock, check_output_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,9 +58,9 @@ class Trainer:
         from lorafusion.layers import get_lora_context
         from lorafusion.runtime.evaluate import Evaluator
         from lorafusion.models.provider import build_model
-        from lorafusion.runtime.dist import init_distributed
-        from lorafusion.runtime.resume import JobCheckpoints
-        from lorafusion.runtime.timers import StageTimers
+        from lorafusion.dist import init_distributed
+        from lorafusion.checkpoint.policy import JobCheckpoints
+        from lorafusion.runtime.telemetry.timers import StageTimers
 
         cfg = self.cfg
         cfg.check_world_size()
@@ -98,7 +98,7 @@ class Trainer:
         self.checkpoints = JobCheckpoints(cfg, self.jobs, self.model, self.export, is_logger=self.is_logger)
         self.evaluator = Evaluator(self.model, self.jobs, self.checkpoints, self.device, self.tokenizer.eos_id)
         if self.resume:  # jobs added by `lorafusion submit` are not in the YAML: they come back from the run dir
-            from lorafusion.runtime.live import submitted_jobs
+            from lorafusion.runtime.online import submitted_jobs
 
             for job in submitted_jobs(self.out):
                 if job.name not in self.jobs:
@@ -126,7 +126,7 @@ class Trainer:
 
     # -------------------------------------------------------------------------------------------- loop
     def run(self) -> dict:
-        from lorafusion.runtime.control import StopSignals
+        from lorafusion.runtime.signals import StopSignals
 
         try:
             with StopSignals() as stops:
@@ -135,11 +135,11 @@ class Trainer:
             self.release()
 
     def _run(self, stops) -> dict:
-        from lorafusion.runtime.metrics import MetricsWriter, Progress, cut_metrics, max_memory_gib
+        from lorafusion.runtime.telemetry.metrics import MetricsWriter, Progress, cut_metrics, max_memory_gib
         from lorafusion.runtime.pipeline import run_chunk
-        from lorafusion.runtime.handover import Handover
-        from lorafusion.runtime.live import LiveJobs
-        from lorafusion.runtime.status import StatusWriter
+        from lorafusion.checkpoint.handover import Handover
+        from lorafusion.runtime.online import LiveJobs
+        from lorafusion.rundir.status import StatusWriter
 
         self._setup()
         cfg = self.cfg
@@ -284,14 +284,14 @@ class Trainer:
     # ------------------------------------------------------------------------------- export / checkpoint
     def snapshot(self, name: str) -> tuple | None:
         """Adapter ``name`` in host memory as a PEFT adapter of this run's base (collective; rank 0 gets it)."""
-        from lorafusion.runtime.export import peft_adapter_snapshot
-        from lorafusion.runtime.export_models import base_reference
+        from lorafusion.export.peft import peft_adapter_snapshot
+        from lorafusion.export.hf import base_reference
 
         return peft_adapter_snapshot(self.model, name, self.arch,
                                      base_reference(self.cfg, self.out, self.arch, self.device))
 
     def export(self, name: str, out_dir: Path) -> None:
-        from lorafusion.runtime.export import write_peft_adapter
+        from lorafusion.export.peft import write_peft_adapter
 
         if (snap := self.snapshot(name)) is not None:
             write_peft_adapter(out_dir, *snap)
@@ -302,7 +302,7 @@ class Trainer:
         the background (``js.written`` once complete); with ``release`` its adapter and optimizer state leave
         the model."""
         from lorafusion.layers import remove_adapter
-        from lorafusion.runtime.export import copier, fill_dir_atomically, write_peft_adapter
+        from lorafusion.export.peft import copier, fill_dir_atomically, write_peft_adapter
 
         js = self.jobs[name]
         snap = self.snapshot(name)

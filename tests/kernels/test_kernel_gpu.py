@@ -9,7 +9,7 @@ import torch
 
 from lorafusion.core.routing import Routing
 from lorafusion.core.seeds import mix_seed
-from lorafusion.kernels.tables import TableCache
+from lorafusion.ops.tables import TableCache
 from lorafusion.ops.dropout import keep_mask
 
 from ._util import make_adapters, random_routing, reference_linear, rel
@@ -118,7 +118,7 @@ def test_gemm_output_fully_written():
     S = torch.randn(m, 16, device="cuda", dtype=torch.bfloat16)
     B_cat = torch.randn(n, 24, device="cuda", dtype=torch.bfloat16)
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    K.lora_gemm(x, W.t(), None, S, B_cat.t(), st.scale, st, routing, n=n, out=out)
+    K.lora_gemm(x, W.t(), None, S, B_cat.t(), st.scale, st, routing, n=n, out=out, cache=TableCache())
     assert not torch.isnan(out).any()
 
 

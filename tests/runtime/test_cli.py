@@ -177,7 +177,7 @@ def test_filesystem_and_environment_errors_are_one_line(tmp_path, capsys, megatr
     assert err.count("\n") == 1 and "output_dir: expected a directory" in err and "Traceback" not in err, err
     assert (tmp_path / "afile").read_text() == "x"
     # a full disk while the run writes its metrics
-    from lorafusion.runtime import metrics
+    from lorafusion.runtime.telemetry import metrics
 
     def full(self, record):
         raise OSError(errno.ENOSPC, "No space left on device", str(self.path))

@@ -44,7 +44,7 @@ def test_base_export_is_the_trained_base_and_adapters_load_in_peft(run):
     from lorafusion.core.arch import preset
     from lorafusion.data.tokenizer import ByteTokenizer
     from lorafusion.models.provider import build_model
-    from lorafusion.runtime.export import import_peft_adapter
+    from lorafusion.export.peft import import_peft_adapter
     from test_peft_parity import ours_logits
 
     tmp, out = run
@@ -126,8 +126,8 @@ def test_model_path_base_is_copied_and_merged_sharded(tmp_path, megatron_single)
     from lorafusion.core.lora import LoRASpec
     from lorafusion.layers import add_adapter
     from lorafusion.models.hf_import import build_model_from_hf
-    from lorafusion.runtime.export import export_peft_adapter, fill_dir_atomically
-    from lorafusion.runtime.export_models import base_reference, write_merged
+    from lorafusion.export.peft import export_peft_adapter, fill_dir_atomically
+    from lorafusion.export.hf import base_reference, write_merged
     from test_peft_parity import randomize_adapters
 
     arch = preset("tiny-qwen2")  # qkv bias, tied embeddings

@@ -19,8 +19,8 @@ from lorafusion.cli import main
 from lorafusion.core.arch import preset
 from lorafusion.core.lora import LoRASpec
 from lorafusion.layers import adapter_parameters, add_adapter, lora_modules
-from lorafusion.runtime.checkpoint import save_job_checkpoint
-from lorafusion.runtime.export import export_peft_adapter
+from lorafusion.checkpoint.format import save_job_checkpoint
+from lorafusion.export.peft import export_peft_adapter
 
 peft = pytest.importorskip("peft")
 
@@ -126,8 +126,8 @@ def test_greedy_equals_transformers_peft_for_two_adapters_and_the_base_in_one_ba
 
 def test_kv_cache_equals_full_recompute_and_leaves_training_untouched(preset_run):
     from lorafusion.layers import lora_batch
-    from lorafusion.models.kv_cache import attention_modules
-    from lorafusion.runtime.generate import Request, build_run_model, generate_ids, load_run
+    from lorafusion.inference.kv_cache import attention_modules
+    from lorafusion.inference.generate import Request, build_run_model, generate_ids, load_run
 
     trained, d = preset_run
     info = load_run(d / "run")
@@ -173,7 +173,7 @@ def test_run_record_and_adapter_choice(preset_run, tmp_path):
     that did not finish decodes with its latest checkpoint's adapter, as `lorafusion export` picks."""
     import shutil
 
-    from lorafusion.runtime.generate import load_run
+    from lorafusion.inference.generate import load_run
 
     _, d = preset_run
     run = tmp_path / "run"
@@ -187,7 +187,7 @@ def test_run_record_and_adapter_choice(preset_run, tmp_path):
     assert info.adapters == {"alpha": run / "checkpoints" / "alpha" / "step_000003" / "adapter",
                              "beta": run / "adapters" / "beta"}
     # every job that ended early decodes with the adapter it ended with, as export picks it (one rule for both)
-    from lorafusion.runtime.export import find_adapter
+    from lorafusion.export.peft import find_adapter
 
     if not (run / "adapters" / "alpha").is_dir():  # the adapter it ended with (any adapter files serve here)
         shutil.copytree(run / "adapters" / "beta", run / "adapters" / "alpha")

@@ -1,4 +1,4 @@
-"""Hand-over writes in the background (runtime/handover.py) and the two-half checkpoint they use
+"""Hand-over writes in the background (checkpoint/handover.py) and the two-half checkpoint they use
 (checkpoint.start_job_checkpoint): the same files as the synchronous save, complete or absent, errors raised."""
 
 import threading
@@ -6,8 +6,8 @@ import threading
 import pytest
 import torch
 
-import lorafusion.runtime.checkpoint as checkpoint
-from lorafusion.runtime.handover import Handover
+import lorafusion.checkpoint.format as checkpoint
+from lorafusion.checkpoint.handover import Handover
 
 
 def test_writes_run_in_order_off_the_main_thread_and_errors_come_back():
@@ -54,7 +54,7 @@ def test_the_background_checkpoint_equals_the_synchronous_one(tmp_path, megatron
     snap = ({"base_model.model.x.lora_A.weight": params["1.linear_qkv.lora_A"].clone()}, {"peft_type": "LORA", "r": 4})
 
     def write_adapter(d):
-        from lorafusion.runtime.export import write_peft_adapter
+        from lorafusion.export.peft import write_peft_adapter
 
         write_peft_adapter(d, *snap)
 

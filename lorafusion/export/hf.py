@@ -46,7 +46,7 @@ def base_reference(cfg, run_dir: Path, arch: ModelArch, device) -> str:
     ref = str(Path(cfg.model.path).resolve()) if cfg.model.path else str(run_dir.resolve() / "base")
     if dist.is_initialized() and dist.get_rank() != 0:
         return ref
-    from lorafusion.runtime.checkpoint import write_text_atomic
+    from lorafusion.checkpoint.format import write_text_atomic
 
     record = {
         "preset": cfg.model.preset, "path": str(Path(cfg.model.path).resolve()) if cfg.model.path else None,
@@ -94,7 +94,7 @@ def _preset_base_state(record: dict, arch: ModelArch) -> Iterator[tuple[str, tor
 
     from lorafusion.models.hf_export import hf_state_from_model
     from lorafusion.models.provider import build_model
-    from lorafusion.runtime.dist import init_distributed
+    from lorafusion.dist import init_distributed
 
     device = record.get("init_device", "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -165,7 +165,7 @@ def write_byte_tokenizer(out: Path) -> None:
 
 
 def write_base(run_dir: Path, out: Path, *, max_shard_bytes: int | None = None):
-    """A filler for :func:`lorafusion.runtime.export.fill_dir_atomically` that writes the run's base, and a
+    """A filler for :func:`lorafusion.export.peft.fill_dir_atomically` that writes the run's base, and a
     description of what it wrote (from the record, before anything is written)."""
     from lorafusion.models.hf_export import DEFAULT_SHARD_BYTES, write_hf_weights
 
@@ -196,7 +196,7 @@ def write_base(run_dir: Path, out: Path, *, max_shard_bytes: int | None = None):
 def write_merged(run_dir: Path, adapter_dir: Path, *, max_shard_bytes: int | None = None):
     """Filler (see :func:`write_base`) for the base with the PEFT adapter at ``adapter_dir`` merged in."""
     from lorafusion.models.hf_export import DEFAULT_SHARD_BYTES, write_hf_weights
-    from lorafusion.runtime.export import read_peft_adapter
+    from lorafusion.export.peft import read_peft_adapter
 
     record = read_record(run_dir)
     arch = _record_arch(record, run_dir)

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from lorafusion.core.errors import MissingFileError
-from lorafusion.runtime.export import write_bytes
-from lorafusion.runtime.outdir import write_text_atomic
+from lorafusion.export.peft import write_bytes
+from lorafusion.rundir.lock import write_text_atomic
 
 
 def _barrier():
@@ -70,7 +70,7 @@ def start_job_checkpoint(job_dir: Path, step: int, *, adapter_params: dict[str, 
     up to ``wait_s`` for every model-parallel rank's file there (the synchronous path's barrier), writes the
     adapter (``adapter``: rank 0's ``peft_adapter_snapshot``) and ``state.json``, and renames the
     directory into place."""
-    from lorafusion.runtime.export import write_peft_adapter
+    from lorafusion.export.peft import write_peft_adapter
 
     job_dir = Path(job_dir)
     final, tmp = _step_dirs(job_dir, step)

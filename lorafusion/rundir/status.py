@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from lorafusion.core.errors import MissingFileError
-from lorafusion.runtime.outdir import lock_held
+from lorafusion.rundir.lock import lock_held
 
 STATUS_FILE = "status.json"
 
@@ -40,7 +40,7 @@ class StatusWriter:
     def write(self, run_state: str = "running", job_states: dict[str, str] | None = None,
               in_chunk: set[str] | None = None) -> dict:
         """``in_chunk``: the jobs the chunk now starting holds (the other running ones are waiting)."""
-        from lorafusion.runtime.outdir import write_text_atomic
+        from lorafusion.rundir.lock import write_text_atomic
 
         now = time.perf_counter()
         elapsed = max(1e-9, now - self._t0)

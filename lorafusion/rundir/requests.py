@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from lorafusion.core.errors import ConfigError, MissingFileError
-from lorafusion.runtime.outdir import write_text_atomic
+from lorafusion.rundir.lock import write_text_atomic
 
 # job states in status.json after which a cancel has nothing to do (the run's own answer: live.LiveJobs._cancel)
 ENDED = ("done", "cancelled", "diverged", "early_stopped")

@@ -14,7 +14,7 @@ rank 0, broadcasts them, and every rank applies them in the same order:
 
 A job that ends (its last step ran, or it diverged or early-stopped) is *handed over* at the first boundary
 where no prepared chunk holds its batches: its final checkpoint and its PEFT adapter in ``adapters/<job>/``
-are taken to host memory and written in the background while the others train (runtime/handover.py;
+are taken to host memory and written in the background while the others train (checkpoint/handover.py;
 ``status`` says ``done`` once they are complete, not at the end of the run); if the run goes on (other jobs
 remain, or it serves) its adapter and optimizer state also leave the model, so the memory is there for
 queued jobs.
@@ -33,9 +33,9 @@ import torch.distributed as dist
 
 from lorafusion.config.schema import JobConfig, RunConfig
 from lorafusion.core.errors import UserError
-from lorafusion.runtime.outdir import write_text_atomic
+from lorafusion.rundir.lock import write_text_atomic
 from lorafusion.runtime.feed import Feed, JobState
-from lorafusion.runtime.requests import answer_request, pending_requests
+from lorafusion.rundir.requests import answer_request, pending_requests
 
 SUBMITTED = "submitted"
 

@@ -6,7 +6,7 @@ of the bare base) are decoded together, S-LoRA style: each forward packs one seg
 as in training) with one LoRA routing segment per run of same-adapter sequences, so one pass through the
 model serves every adapter.
 
-Decoding uses a KV cache (:mod:`lorafusion.models.kv_cache`): one packed prefill of the prompts, then one
+Decoding uses a KV cache (:mod:`lorafusion.inference.kv_cache`): one packed prefill of the prompts, then one
 row per unfinished sequence per step. ``use_cache=False`` recomputes every sequence in full each step (the
 reference the cache is tested against). Greedy at temperature 0; otherwise temperature + top-p sampling,
 each row with its own generator seeded by (seed, row number), so a row's sample does not depend on which
@@ -57,7 +57,7 @@ def _read_json(path: Path) -> dict:
 
 
 def _latest_checkpoint_dir(job_dir: Path) -> Path | None:
-    from lorafusion.runtime.checkpoint import latest_checkpoint
+    from lorafusion.checkpoint.format import latest_checkpoint
 
     return latest_checkpoint(job_dir) if job_dir.is_dir() else None
 
@@ -65,7 +65,7 @@ def _latest_checkpoint_dir(job_dir: Path) -> Path | None:
 def load_run(run_dir: str | Path) -> RunInfo:
     """What :func:`build_run_model` and :func:`run_tokenizer` need, from a ``lorafusion train`` output directory."""
     from lorafusion.core.arch import PRESETS
-    from lorafusion.runtime.export import find_adapter, run_jobs
+    from lorafusion.export.peft import find_adapter, run_jobs
 
     run = Path(run_dir)
     if not run.is_dir():
@@ -130,8 +130,8 @@ def build_run_model(info: RunInfo, jobs: Sequence[str], device=None):
 
     from lorafusion.core.arch import preset
     from lorafusion.layers import get_lora_context
-    from lorafusion.runtime.dist import init_distributed
-    from lorafusion.runtime.export import import_peft_adapter
+    from lorafusion.dist import init_distributed
+    from lorafusion.export.peft import import_peft_adapter
 
     if not parallel_state.model_parallel_is_initialized():
         init_distributed(1, 1, seed=info.seed)
@@ -292,7 +292,7 @@ def generate_ids(model, requests: Sequence[Request], *, eos_id: int, max_new_tok
     """Decode ``requests`` together (fills each one's ``output_ids``). Sequences are ordered by adapter so
     that each adapter's rows form one routing segment; ``first_row`` numbers the rows for their seeds."""
     from lorafusion.core.seeds import mix_seed
-    from lorafusion.models.kv_cache import KVCache, decoding
+    from lorafusion.inference.kv_cache import KVCache, decoding
 
     device = next(model.parameters()).device
     order = sorted(range(len(requests)), key=lambda i: (requests[i].job is not None, requests[i].job or ""))

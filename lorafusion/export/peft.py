@@ -313,7 +313,7 @@ def run_jobs(src: Path) -> list[str]:
 def find_adapter(src: Path, job: str, best: bool = False) -> tuple[Path, str]:
     """(PEFT adapter directory, what it is) of ``job`` in a run directory or one checkpoint step directory;
     ``best``: its best-eval checkpoint's (a run directory only)."""
-    from lorafusion.runtime.checkpoint import best_checkpoint, latest_checkpoint, read_state
+    from lorafusion.checkpoint.format import best_checkpoint, latest_checkpoint, read_state
 
     if not src.is_dir():
         raise MissingFileError(f"{src}: no checkpoint or adapter of job {job!r}: no such directory (expected a run "

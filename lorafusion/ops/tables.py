@@ -28,7 +28,11 @@ from dataclasses import dataclass
 import torch
 
 from lorafusion.core.seeds import keep_threshold
-from lorafusion.kernels.tuning import rank_block
+
+
+def rank_block(r_max: int) -> int:
+    """Padded rank block of the kernels' ``tl.dot``: a power of two, at least 16 (``SlotTables.rb``)."""
+    return max(16, 1 << max(0, (int(r_max) - 1).bit_length()))
 
 
 def to_device(host: torch.Tensor, device) -> torch.Tensor:

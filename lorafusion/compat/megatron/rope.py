@@ -6,9 +6,9 @@ microbatch per sample. :func:`apply_packed_rope_patch` replaces the name
 ``megatron.core.transformer.attention.apply_rotary_pos_emb`` (the one ``Attention.forward`` calls) with a
 dispatcher: when the model's ``TransformerConfig`` carries ``lorafusion_rope_impl`` ("torch" or "triton",
 set by ``lorafusion.models.provider.build_model`` for fused ops) and the call is a packed, non-interleaved,
-full-rotary-dim call without context parallelism or mscale, it runs
-``lorafusion.models.fused.rope.packed_rope``; every other call goes to Megatron's own function unchanged.
-Explicit (nothing is patched on import) and idempotent.
+full-rotary-dim call without context parallelism or mscale, it runs the ``packed_rope`` it was given
+(``lorafusion.models.fused.rope.packed_rope``: handed in, so this shim imports nothing of lorafusion); every
+other call goes to Megatron's own function unchanged. Explicit (nothing is patched on import) and idempotent.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ def packed_rope_patch_applied() -> bool:
     return _ORIGINAL is not None
 
 
-def apply_packed_rope_patch() -> None:
+def apply_packed_rope_patch(packed_rope) -> None:
+    """``packed_rope(t, freqs, cu_seqlens, impl=...)``: the packed RoPE the dispatcher runs (the first call's)."""
     global _ORIGINAL
     if _ORIGINAL is not None:
         return
@@ -36,8 +37,6 @@ def apply_packed_rope_patch() -> None:
                 or config.multi_latent_attention or config.apply_rope_fusion or config.context_parallel_size != 1
                 or t.dim() != 3 or freqs.shape[-1] != t.shape[-1]):
             return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
-        from lorafusion.models.fused.rope import packed_rope
-
         return packed_rope(t, freqs, cu_seqlens, impl=impl)
 
     apply_rotary_pos_emb.__wrapped__ = original
@@ -57,7 +56,7 @@ def apply_rope_positions_patch() -> None:
     Megatron's packed RoPE restarts positions at every ``cu_seqlens`` boundary, which is right for training
     (each sample starts at 0) but not for a decoding step whose rows continue cached sequences. While a
     model's ``TransformerConfig`` carries ``lorafusion_rope_positions`` (a [t] long tensor, set only inside
-    :func:`lorafusion.models.kv_cache.decoding`), a packed call rotates row ``i`` by ``freqs[positions[i]]``
+    :func:`lorafusion.inference.kv_cache.decoding`), a packed call rotates row ``i`` by ``freqs[positions[i]]``
     with Megatron's own math (what its thd path does per sample: the bshd rotation on gathered freqs);
     without the attribute every call goes to the function it wraps, unchanged. Idempotent; re-wraps when
     something else was installed over it since (e.g. :func:`apply_packed_rope_patch` by a later model build),

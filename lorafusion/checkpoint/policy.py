@@ -66,7 +66,7 @@ class JobCheckpoints:
         when it halted). Returns the write (no collectives; see ``checkpoint.start_job_checkpoint``), or None
         when there is nothing to save. ``adapter``: rank 0's ``peft_adapter_snapshot`` of the job."""
         from lorafusion.layers import adapter_parameters
-        from lorafusion.runtime.checkpoint import start_job_checkpoint
+        from lorafusion.checkpoint.format import start_job_checkpoint
 
         js = self.jobs[name]
         if self._saved_step.get(name) == js.steps and self._saved_status.get(name) == js.status:
@@ -87,7 +87,7 @@ class JobCheckpoints:
         """``stream_state``: the job's data stream as of the chunk boundary being saved (the feed's live
         stream is already a chunk further)."""
         from lorafusion.layers import adapter_parameters
-        from lorafusion.runtime.checkpoint import save_job_checkpoint
+        from lorafusion.checkpoint.format import save_job_checkpoint
 
         js = self.jobs[name]
         save_job_checkpoint(self.root / name, js.steps,
@@ -109,7 +109,7 @@ class JobCheckpoints:
     def save_best(self, name: str) -> None:
         """Checkpoint job ``name`` at its current step (unless saved at it already) and mark that checkpoint
         as its best-eval one: ``checkpoints/<job>/best`` names it and pruning keeps it."""
-        from lorafusion.runtime.checkpoint import mark_best
+        from lorafusion.checkpoint.format import mark_best
 
         if self._saved_step.get(name) != self.jobs[name].steps:
             self.save_now(name)
@@ -155,7 +155,7 @@ class JobCheckpoints:
         import torch.distributed as dist
 
         from lorafusion.layers import adapter_parameters
-        from lorafusion.runtime.checkpoint import load_newest_usable
+        from lorafusion.checkpoint.format import load_newest_usable
 
         for name, js in self.jobs.items():
             path, state, tensors, skipped = load_newest_usable(self.root / name)
