@@ -81,9 +81,23 @@ def _holds_only_our_lock(out: Path) -> bool:
 
 
 def cmd_plan(args) -> int:
+    from lorafusion.core.errors import ConfigError
     from lorafusion.runtime.feed import Feed, load_jobs, scheduler_config
     from lorafusion.runtime.telemetry.report import write_plan_report
 
+    if args.gpu_memory:  # the memory plan per stage for these GPU sizes: no data, no model, no GPU
+        from lorafusion.config import load_run_config
+        from lorafusion.scheduler.memory import load_coefficients
+        from lorafusion.scheduler.sizing import parse_bytes, report
+
+        try:
+            sizes = [parse_bytes(x) for x in args.gpu_memory.split(",")]
+        except ValueError as e:
+            raise ConfigError(f"--gpu-memory: {e}") from None
+        cfg = load_run_config(args.config, args.overrides, check_files=False)
+        lines, _ = report(cfg, sizes, load_coefficients())
+        print("\n".join(lines).rstrip())
+        return 0
     cfg = _load(args)
     _, jobs = load_jobs(cfg)
     out = Path(args.out) if args.out else Path(cfg.output_dir) / "plan"
@@ -221,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--windows", type=_positive_int, default=20,
                     help="how many windows (chunks of scheduler.lookahead_batches global batches per job) to plan")
     pl.add_argument("--out", help="directory for tables and charts (default OUTPUT_DIR/plan)")
+    pl.add_argument("--gpu-memory", metavar="SIZE[,SIZE...]",
+                    help="print the memory plan per pipeline stage for GPUs of this memory (e.g. 80GiB or "
+                         "24,48,80,141): capacity and recompute for auto, what does not fit and what would")
     sb = sub.add_parser("submit", help="add a job to a running (or stopped, before --resume) run")
     sb.add_argument("run_dir", help="the run's output_dir")
     sb.add_argument("job", help="the job's YAML (paths in it are relative to it)")

@@ -154,7 +154,7 @@ def measure(args) -> None:
 
     from lorafusion.core.arch import preset
     from lorafusion.models.provider import build_model
-    from lorafusion.runtime.dist import init_distributed
+    from lorafusion.dist import init_distributed
 
     t_start = time.perf_counter()
     init_distributed(1, 1, seed=1)
@@ -194,6 +194,92 @@ def measure(args) -> None:
     Path(args.out).write_text(json.dumps(raw, indent=1) + "\n")
 
 
+def _setup(pt: dict):
+    from lorafusion.core.arch import preset
+    from lorafusion.scheduler.memory import AdapterShape, MemorySetup
+
+    base = "llama3.1-8b" if pt["shape"] == "8b" else "llama3.1-70b"
+    arch = preset(base, num_layers=pt["num_layers"])
+    return MemorySetup(arch, tuple(AdapterShape(pt["rank"], dropout=0.1) for _ in range(pt["adapters"])))
+
+
+def predict(pt: dict, coeffs) -> float:
+    from lorafusion.scheduler.memory import stage_memory
+
+    return stage_memory(_setup(pt), 0, pt["capacity"], pt["recompute_layers"], coeffs,
+                        n_in_flight=pt["in_flight"]).peak
+
+
+def in_fit(pt: dict, subset: str) -> bool:
+    """The points the coefficients are fitted on; every other point is held out."""
+    base = pt["adapters"] == 4 and pt["rank"] == 16 and pt["in_flight"] == 1 and pt["capacity"] in (2048, 8192, 16384)
+    return base and (subset == "both" or pt["shape"] == "8b")
+
+
+def fit(points: list[dict], subset: str):
+    """Least squares on relative error: a grid over (act_scale, workspace), the constant in closed form."""
+    import numpy as np
+
+    from lorafusion.scheduler.memory import Coefficients
+
+    pts = [p for p in points if in_fit(p, subset)]
+    y = np.array([p["peak_allocated"] for p in pts], dtype=float)
+    best = None
+    for act in np.arange(0.85, 1.15001, 0.005):
+        for ws in np.arange(0.0, 3.0001, 0.05):
+            c = Coefficients(act_scale=float(act), workspace=float(ws), constant_bytes=0.0)
+            pred = np.array([predict(p, c) for p in pts])
+            const = float(np.sum((y - pred) / y**2) / np.sum(1 / y**2))  # relative-error optimum
+            err = float(np.sum(((pred + const - y) / y) ** 2))
+            if best is None or err < best[0]:
+                best = (err, float(act), float(ws), const)
+    _, act, ws, const = best
+    return Coefficients(act_scale=round(act, 4), workspace=round(ws, 3), constant_bytes=round(const))
+
+
+def fit_main(args) -> None:
+    from dataclasses import asdict, replace
+
+    from lorafusion.scheduler.memory import COEFFICIENTS_FILE, GIB
+
+    raws = [json.loads(Path(p).read_text()) for p in args.raw]
+    points = [p for r in raws for p in r["points"] if not p.get("oom")]
+    coeffs = fit(points, args.subset)
+    rows = []
+    for p in [p for r in raws for p in r["points"]]:
+        pred = predict(p, coeffs)
+        row = {k: p[k] for k in ("shape", "num_layers", "adapters", "rank", "recompute", "recompute_layers",
+                                 "capacity", "in_flight")}
+        row.update(predicted_gib=round(pred / GIB, 3), held_out=not in_fit(p, args.subset))
+        if p.get("oom"):
+            row.update(oom=True, predicted_fits=pred * (1 + coeffs.margin_frac) < raws[0]["gpu_total_bytes"])
+        else:
+            row.update(measured_gib=round(p["peak_allocated"] / GIB, 3), reserved_gib=round(p["peak_reserved"] / GIB, 3),
+                       error_pct=round(100 * (pred - p["peak_allocated"]) / p["peak_allocated"], 2))
+        rows.append(row)
+    ok = [r for r in rows if "error_pct" in r]
+    # what a plan keeps free over the prediction: the largest reserved-over-predicted seen, at least 2%
+    over = max((r["reserved_gib"] / r["predicted_gib"] - 1 for r in ok), default=0.0)
+    coeffs = replace(coeffs, margin_frac=round(max(0.02, over) + 0.005, 3), margin_bytes=float(GIB),
+                     source=f"scripts/calibrate_memory.py on {raws[0]['device']} at {raws[0]['commit']} "
+                            f"(fit on {args.subset}: 4 adapters r=16 at 2k/8k/16k; docs/results/memory-model.json)")
+    held = [abs(r["error_pct"]) for r in ok if r["held_out"]]
+    summary = {"device": raws[0]["device"], "commit": raws[0]["commit"], "command": raws[0]["command"],
+               "torch": raws[0]["torch"], "coefficients": asdict(coeffs), "fit_subset": args.subset,
+               "max_abs_error_pct_held_out": max(held, default=None), "held_out_points": len(held),
+               "within_7pct": sum(e <= 7 for e in held), "points": rows}
+    for r in rows:
+        print(f"{r['shape']:>9} L{r['num_layers']:<2} {r['adapters']:>2}x r{r['rank']:<2} {r['recompute']:>4} "
+              f"C{r['capacity']:>5} k{r['in_flight']} pred {r['predicted_gib']:6.1f} meas "
+              f"{r.get('measured_gib', float('nan')):6.1f} err {r.get('error_pct', float('nan')):6.2f}% "
+              f"{'held-out' if r['held_out'] else 'fit'}{' OOM' if r.get('oom') else ''}")
+    print(json.dumps({k: v for k, v in summary.items() if k != "points"}))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    if args.write_coefficients:
+        COEFFICIENTS_FILE.write_text(json.dumps(asdict(coeffs), indent=1) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -204,13 +290,15 @@ def main() -> None:
     f = sub.add_parser("fit")
     f.add_argument("raw", nargs="+")
     f.add_argument("--json", help="write grid, predicted, measured, error here")
+    f.add_argument("--subset", choices=("8b", "both"), default="8b", help="fit on the 8B shape's points only "
+                   "(the 70B-width shape all held out) or on both shapes'")
     f.add_argument("--write-coefficients", action="store_true",
                    help="rewrite lorafusion/scheduler/memory_coefficients.json with the fit")
     args = ap.parse_args()
     if args.cmd == "measure":
         measure(args)
     else:
-        raise SystemExit("fit: not written yet")
+        fit_main(args)
 
 
 if __name__ == "__main__":

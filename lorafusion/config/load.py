@@ -315,8 +315,9 @@ def _maybe_path(parts: list[str], value: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------------------------- loading
-def load_run_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RunConfig:
-    """Read a run YAML (and the job YAMLs it lists), apply ``key=value`` overrides, validate.
+def load_run_config(path: str | os.PathLike, overrides: Sequence[str] = (), check_files: bool = True) -> RunConfig:
+    """Read a run YAML (and the job YAMLs it lists), apply ``key=value`` overrides, validate
+    (``check_files=False``: without checking that the data, model and tokenizer files exist).
 
     Raises :class:`ConfigError` (one exception; its message names file, field and expectation).
     """
@@ -386,7 +387,8 @@ def load_run_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> R
         raise ConfigError(_format_errors(e, locate)) from None
 
     cfg._source = run_shown
-    _check_files(cfg, run_shown, sources, locate)
+    if check_files:
+        _check_files(cfg, run_shown, sources, locate)
     return cfg
 
 

@@ -40,6 +40,7 @@ class Trainer:
         self.background_planning = background_planning
         self.out = Path(cfg.output_dir)
         self._lock = OutputDirLock(self.out, cfg.source)
+        self.memory_plan = None  # (set at start: lorafusion.runtime.memory.size_run)
 
     @property
     def owns_output_dir(self) -> bool:
@@ -71,7 +72,6 @@ class Trainer:
         self.tokenizer, self.jobs = load_jobs(cfg)
         info = init_distributed(cfg.parallelism.tp, cfg.parallelism.pp, seed=cfg.seed)
         self.is_logger = info["rank"] == 0
-        self._lock.acquire(self.is_logger)
         dp_rank = parallel_state.get_data_parallel_rank()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         ckpt = None
@@ -85,9 +85,16 @@ class Trainer:
         if self.tokenizer.vocab_size > self.arch.vocab_size:
             raise ConfigError(f"{cfg.source}: tokenizer: vocab_size {self.tokenizer.vocab_size} exceeds the "
                               f"model's vocab_size {self.arch.vocab_size}")
-        kw = dict(params_dtype=DTYPES[cfg.model.dtype], recompute=cfg.model.recompute,
-                  recompute_layers=cfg.model.recompute_layers, device=self.device,
-                  seed=cfg.seed, sequence_parallel=cfg.parallelism.sequence_parallel,
+        # token_capacity / recompute_layers "auto" resolved for this GPU's memory (one clear error if nothing fits)
+        from lorafusion.runtime.memory import recompute_kwargs, size_run
+
+        self.memory_plan = size_run(cfg, self.arch, self.jobs, is_logger=self.is_logger)
+        self._lock.acquire(self.is_logger)  # (after every check that may refuse the run: nothing written before)
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        stage_layers = (cfg.parallelism.stage_layers[stage] if cfg.parallelism.stage_layers
+                        else self.arch.num_layers // cfg.parallelism.pp)
+        kw = dict(params_dtype=DTYPES[cfg.model.dtype], **recompute_kwargs(cfg, self.memory_plan, stage, stage_layers),
+                  device=self.device, seed=cfg.seed, sequence_parallel=cfg.parallelism.sequence_parallel,
                   stage_layers=cfg.parallelism.stage_layers)
         self.model = build_model_from_hf(ckpt, **kw) if ckpt is not None else build_model(self.arch, **kw)
         get_lora_context(self.model).impl = None if cfg.kernels == "auto" else cfg.kernels
@@ -191,8 +198,15 @@ class Trainer:
                 if status is not None:  # the counts as of the last boundary; who this chunk trains
                     status.write(in_chunk=set(chunk.batches))
                 # (jobs may have joined at the last boundary: the optimizers and the log order are the current ones)
-                res = run_chunk(self.model, chunk, {n: js.optimizer for n, js in self.jobs.items()}, seed=cfg.seed,
-                                device=self.device)
+                try:
+                    res = run_chunk(self.model, chunk, {n: js.optimizer for n, js in self.jobs.items()},
+                                    seed=cfg.seed, device=self.device)
+                except torch.OutOfMemoryError:
+                    from megatron.core import parallel_state
+                    from lorafusion.runtime.memory import oom_error
+
+                    stage = parallel_state.get_pipeline_model_parallel_rank()
+                    raise oom_error(cfg, self.memory_plan, stage, windows + 1) from None
                 order = list(self.jobs)
                 windows += 1
                 plan_s += chunk.plan_s
@@ -269,7 +283,9 @@ class Trainer:
             "elapsed_s": round(elapsed, 3), "tokens_per_s": total_tokens / max(elapsed, 1e-9),
             "windows": windows, "plan_s": round(plan_s, 3), "plan_wait_s": round(self.feed.wait_s, 3),
             "noop_microbatches": noops, "bubble_ratio": (sum(bubbles) / len(bubbles)) if bubbles else None,
-            "parallelism": cfg.parallelism.model_dump(), "kernels": ops.resolve_impl(
+            "parallelism": cfg.parallelism.model_dump(),
+            "memory_plan": self.memory_plan.to_dict() if self.memory_plan is not None else None,
+            "kernels": ops.resolve_impl(
                 torch.empty(0, device=self.device or "cpu"), None if cfg.kernels == "auto" else cfg.kernels),
             "jobs": {n: {"status": js.final_status,
                          "steps": js.steps, "total_steps": js.stream.total_steps, "tokens": js.tokens,

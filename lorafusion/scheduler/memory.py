@@ -206,9 +206,9 @@ def _loss_chunk_tokens(vocab: int) -> int:
 
 
 def stage_memory(s: MemorySetup, stage: int, capacity: int, recompute_layers: int = 0,
-                 coeffs: Coefficients | None = None) -> StageMemory:
+                 coeffs: Coefficients | None = None, n_in_flight: float | None = None) -> StageMemory:
     """Predicted peak of ``stage`` with microbatches of ``capacity`` tokens and the first ``recompute_layers``
-    decoder layers of the stage recomputed."""
+    decoder layers of the stage recomputed (``n_in_flight``: instead of the schedule's count, for calibration)."""
     c = coeffs or Coefficients()
     a, b = s.arch, s.dtype_bytes
     L = s.layers(stage)
@@ -236,7 +236,7 @@ def stage_memory(s: MemorySetup, stage: int, capacity: int, recompute_layers: in
     transient = max(work, loss_chunk)
     job_max = max(lora_layer, default=0.0) * L
     opt = OPT_STEP_COPIES * 4 * job_max + (2 * 4 * job_max if s.dp > 1 else 0.0)
-    n_fl = in_flight(s.pp, stage, s.virtual_stages)
+    n_fl = in_flight(s.pp, stage, s.virtual_stages) if n_in_flight is None else n_in_flight
     act_peak = max(n_fl * per_mb + transient, max(0.0, n_fl - 1) * per_mb + opt)
     peak = weights + lora + c.constant_bytes + act_peak
     return StageMemory(stage, L, n_rc, capacity, n_fl, weights, lora, per_mb, transient, opt, c.constant_bytes,
