@@ -103,7 +103,7 @@ def oom_error(cfg, plan: MemoryPlan | None, stage: int, chunk: int) -> MemoryFit
         s = plan.stages[stage]
         msg += (f" (the memory model predicted a peak of {s.peak / GIB:.1f} GiB at token_capacity {plan.capacity} "
                 f"with {s.recompute_layers} of {s.layers} layers recomputed)")
-    lower = max(512, int(cap) * 3 // 4 // 512 * 512) if isinstance(cap, int) else None
+    lower = int(cap) * 3 // 4 // 256 * 256 if isinstance(cap, int) else 0
     msg += (f". Lower scheduler.token_capacity{f' (e.g. {lower})' if lower else ''}, or set model.recompute: true "
             f"with model.recompute_layers: auto (or more layers); checkpoints already written are intact")
     return MemoryFitError(msg)
