@@ -11,18 +11,22 @@ A stage's peak allocated bytes (what ``torch.cuda.max_memory_allocated`` reports
                  hidden-size tensors (last stage)
     transient  = max(backward working set of one layer (+ the recomputed layer's activations),
                      one logits chunk of the fused linear cross-entropy (last stage))
-    peak       = static + constant + max(in_flight · per mb + transient,
-                                         (in_flight - 1) · per mb + one job's optimizer step)
+    peak       = static + constant + the largest of (others = (in_flight - 1) · per mb):
+                   others + per mb + transient                      the start of the backward
+                   others + recomputed layers' checkpoints + one recomputed layer + workspace + gradients
+                   others + gradients + one job's optimizer step
 
 ``in_flight`` is the number of microbatches whose activations a stage holds at once: ``pp - stage`` under
 1F1B; interleaved 1F1B with ``v`` virtual stages holds ``(2·(pp - stage - 1) + (v - 1)·pp + 1)`` model
 chunks of ``1/v`` of the stage's layers (Megatron's warm-up count), i.e. that many ``/ v`` microbatches.
 
 The analytic parts count tensors from the code (ops/fused.py saves X, S, A_cat, B_cat; the fused SwiGLU
-saves fc1's output; RMSNorm its input; packed flash attention q, k, v, out). Three coefficients are
+saves fc1's output; RMSNorm its input; packed flash attention q, k, v, out). Four coefficients are
 measured on a GPU and fitted (``scripts/calibrate_memory.py``): ``act_scale`` (measured / counted saved
-activations), ``workspace`` (the backward working set per token, in units of ``2·ffn + 2·hidden`` elements)
-and ``constant_bytes`` (cuBLAS workspace, routing tables, RoPE caches). ``margin_frac`` / ``margin_bytes``:
+activations), ``workspace`` (the backward working set per token, in units of ``2·ffn + 2·hidden`` elements),
+``opt_copies`` (an optimizer step's fp32 temporaries: the flat copies kept to undo a non-finite step, AdamW's
+foreach math, in units of the job's parameters) and ``constant_bytes`` (cuBLAS workspace, routing tables, RoPE
+caches). ``margin_frac`` / ``margin_bytes``:
 what a plan keeps free on top of the prediction (allocator reserve above allocated, CUDA context and NCCL
 buffers outside the allocator, and the largest under-prediction seen). See ``memory_coefficients.json``.
 """
@@ -43,8 +47,6 @@ __all__ = ["GIB", "AdapterShape", "Coefficients", "MemorySetup", "StageMemory", 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LORA_STATE_BYTES = 16  # fp32 weight + fp32 gradient + fp32 AdamW exp_avg and exp_avg_sq (runtime/optim.py)
-OPT_STEP_COPIES = 7  # a step's fp32 temporaries in units of the job's parameters: the 3 flat copies kept to undo a
-#                      non-finite step, the new and kept copy of one state kind, 2 for AdamW's foreach math
 PROJECTIONS = {"linear_qkv": 3, "linear_proj": 1, "linear_fc1": 2, "linear_fc2": 1}  # LoRA A's per Megatron linear
 LOGITS_CHUNK_BYTES = 1 << 30  # models/fused/linear_cross_entropy.py: one chunk's fp32 logits stay under this
 COEFFICIENTS_FILE = Path(__file__).with_name("memory_coefficients.json")
@@ -57,6 +59,9 @@ class AdapterShape:
     r: int
     targets: tuple[str, ...] = MEGATRON_TARGETS
     dropout: float = 0.0
+    # one A per projection of a fused linear (q, k, v; gate, up: PEFT's layout) or one A shared by the fused
+    # linear (the layers' layout before PEFT-exact fused projections)
+    independent_a: bool = False
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class Coefficients:
     act_scale: float = 1.0
     workspace: float = 1.0
     constant_bytes: float = 1.0 * GIB
+    opt_copies: float = 7.0  # a step's fp32 temporaries in units of the job's LoRA parameters
     margin_frac: float = 0.05
     margin_bytes: float = 1.5 * GIB
     source: str = "defaults (not measured)"
@@ -152,7 +158,7 @@ def lora_params_per_layer(arch: ModelArch, a: AdapterShape, tp: int = 1) -> floa
     shapes, n = _linear_shapes(arch), 0.0
     for t in a.targets:
         fin, fout = shapes[t]
-        k = PROJECTIONS[t]
+        k = PROJECTIONS[t] if a.independent_a else 1
         if t in ("linear_qkv", "linear_fc1"):
             n += k * a.r * fin + a.r * fout / tp
         else:
@@ -194,7 +200,8 @@ def lora_elems(s: MemorySetup) -> float:
         return 0.0
     r = max(a.r for a in s.adapters)
     targets = {t for a in s.adapters for t in a.targets}
-    n = sum(PROJECTIONS[t] * r for t in targets)
+    indep = any(a.independent_a for a in s.adapters)
+    n = sum((PROJECTIONS[t] if indep else 1) * r for t in targets)
     if s.lora_kernels == "reference" and any(a.dropout > 0 for a in s.adapters):
         shapes = _linear_shapes(s.arch)
         n += sum(shapes[t][0] for t in targets)
@@ -205,42 +212,54 @@ def _loss_chunk_tokens(vocab: int) -> int:
     return max(64, LOGITS_CHUNK_BYTES // (4 * vocab) // 64 * 64)
 
 
-def stage_memory(s: MemorySetup, stage: int, capacity: int, recompute_layers: int = 0,
-                 coeffs: Coefficients | None = None, n_in_flight: float | None = None) -> StageMemory:
-    """Predicted peak of ``stage`` with microbatches of ``capacity`` tokens and the first ``recompute_layers``
-    decoder layers of the stage recomputed (``n_in_flight``: instead of the schedule's count, for calibration)."""
-    c = coeffs or Coefficients()
+def stage_weights(s: MemorySetup, stage: int) -> float:
+    """Frozen bytes of one stage: its decoder layers, the embedding (first), the final norm and the output
+    layer (last; shared with the embedding when tied on a one-stage model)."""
     a, b = s.arch, s.dtype_bytes
-    L = s.layers(stage)
-    n_rc = min(max(0, recompute_layers), L)
     first, last = stage == 0, stage == s.pp - 1
-    h_rank = a.hidden_size / s.tp if s.sequence_parallel else a.hidden_size
     emb = a.vocab_size * a.hidden_size / s.tp * b
-    weights = L * base_bytes_per_layer(s) + (emb if first else 0.0)
+    weights = s.layers(stage) * base_bytes_per_layer(s) + (emb if first else 0.0)
     if last and not (first and a.tie_word_embeddings):
         weights += emb
-    weights += (a.hidden_size * b) if last else 0.0  # final norm
+    return weights + ((a.hidden_size * b) if last else 0.0)
+
+
+def stage_memory(s: MemorySetup, stage: int, capacity: int, recompute_layers: int = 0,
+                 coeffs: Coefficients | None = None, n_in_flight: float | None = None,
+                 grads_before_backward: bool = True) -> StageMemory:
+    """Predicted peak of ``stage`` with microbatches of ``capacity`` tokens and the first ``recompute_layers``
+    decoder layers of the stage recomputed: the largest of three moments of the last microbatch in flight —
+    the start of its backward (every saved activation), the backward of its recomputed layers (their
+    checkpoints, one recomputed layer, the gradients) and an optimizer step. ``grads_before_backward``: the
+    adapters' gradients already exist when a backward starts (microbatches of a global batch accumulate them;
+    False for a lone microbatch, as the calibration measures). ``n_in_flight``: instead of the schedule's count."""
+    c = coeffs or Coefficients()
+    a, b = s.arch, s.dtype_bytes
+    L, last = s.layers(stage), stage == s.pp - 1
+    n_rc = min(max(0, recompute_layers), L)
+    h_rank = a.hidden_size / s.tp if s.sequence_parallel else a.hidden_size
     lora_layer = [lora_params_per_layer(a, ad, s.tp) for ad in s.adapters]
+    grads = L * sum(lora_layer) * 4
     lora = L * sum(lora_layer) * LORA_STATE_BYTES
-    ab_copies = L * sum(lora_layer) * b  # bf16 A_cat/B_cat saved per layer that keeps its activations
+    ab_layer = sum(lora_layer) * b  # bf16 A_cat/B_cat saved per layer that keeps its activations
     layer_act = (saved_elems(s) + lora_elems(s)) * b * c.act_scale  # per token
     ckpt_act = h_rank * b * c.act_scale
-    per_tok = (L - n_rc) * layer_act + n_rc * ckpt_act
-    per_tok += (0.0 if last else h_rank * b) + (3 * h_rank * b if last else 0.0)  # stage output / loss tensors
-    per_mb = capacity * per_tok + ab_copies * (L - n_rc) / max(1, L)
-    ffn = a.ffn_hidden_size / s.tp
-    work = capacity * c.workspace * (2 * ffn + 2 * a.hidden_size) * b
-    if n_rc:
-        work += capacity * layer_act + ab_copies / max(1, L)
+    extra = (0.0 if last else h_rank * b) + (3 * h_rank * b if last else 0.0)  # stage output / loss tensors
+    per_mb = capacity * ((L - n_rc) * layer_act + n_rc * ckpt_act + extra) + ab_layer * (L - n_rc)
+    work = capacity * c.workspace * (2 * a.ffn_hidden_size / s.tp + 2 * a.hidden_size) * b
     loss_chunk = min(capacity, _loss_chunk_tokens(a.vocab_size)) * a.vocab_size / s.tp * 4 if last else 0.0
-    transient = max(work, loss_chunk)
     job_max = max(lora_layer, default=0.0) * L
-    opt = OPT_STEP_COPIES * 4 * job_max + (2 * 4 * job_max if s.dp > 1 else 0.0)
+    opt = c.opt_copies * 4 * job_max + (2 * 4 * job_max if s.dp > 1 else 0.0)
     n_fl = in_flight(s.pp, stage, s.virtual_stages) if n_in_flight is None else n_in_flight
-    act_peak = max(n_fl * per_mb + transient, max(0.0, n_fl - 1) * per_mb + opt)
-    peak = weights + lora + c.constant_bytes + act_peak
-    return StageMemory(stage, L, n_rc, capacity, n_fl, weights, lora, per_mb, transient, opt, c.constant_bytes,
-                       peak=peak, need=peak * (1 + c.margin_frac) + c.margin_bytes,
+    others = max(0.0, n_fl - 1) * per_mb
+    moments = [others + per_mb + max(work, loss_chunk) + (grads if grads_before_backward else 0.0),
+               others + grads + opt]
+    if n_rc:
+        moments.append(others + capacity * (n_rc * ckpt_act + layer_act) + ab_layer + work + grads)
+    peak = stage_weights(s, stage) + lora - grads + c.constant_bytes + max(moments)
+    return StageMemory(stage, L, n_rc, capacity, n_fl, stage_weights(s, stage), lora, per_mb,
+                       max(work, loss_chunk), opt, c.constant_bytes, peak=peak,
+                       need=peak * (1 + c.margin_frac) + c.margin_bytes,
                        parts={"activations": n_fl * per_mb, "per_token_per_layer": layer_act})
 
 

@@ -84,7 +84,9 @@ def parse_bytes(text: str) -> float:
 def setup_from_run(cfg, arch, dp: int = 1, fused_ops: bool = True) -> MemorySetup:
     """The :class:`MemorySetup` of a run config (``lorafusion.config.RunConfig``) and its ``ModelArch``."""
     p, m = cfg.parallelism, cfg.model
-    adapters = tuple(AdapterShape(j.lora.r, tuple(j.lora.target_modules), j.lora.lora_dropout) for j in cfg.jobs)
+    # PEFT-exact fused projections (an A per projection) where the LoRA spec has them, else one shared A
+    adapters = tuple(AdapterShape(j.lora.r, tuple(j.lora.target_modules), j.lora.lora_dropout,
+                                  independent_a=not getattr(j.lora, "shared_fused_a", True)) for j in cfg.jobs)
     fp8 = getattr(m, "base_precision", None) == "fp8"
     return MemorySetup(arch, adapters, dtype=m.dtype, base_bytes_per_param=1.0 if fp8 else None,
                        row_scale_bytes=4 if fp8 else 0, tp=p.tp, pp=p.pp, dp=dp,

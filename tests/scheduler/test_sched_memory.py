@@ -42,11 +42,13 @@ def test_base_weights_count_the_models_parameters_exactly():
 
 
 def test_lora_parameters_match_peft_counts_and_shard_under_tp():
-    a = AdapterShape(16)
+    a = AdapterShape(16, independent_a=True)
     assert 32 * lora_params_per_layer(preset("llama3.1-8b"), a) == 41_943_040  # PEFT r=16 all-linear on Llama-3-8B
-    attn = AdapterShape(8, ("linear_qkv",))
+    attn = AdapterShape(8, ("linear_qkv",), independent_a=True)
     # q, k, v each an A (8 x 4096) and a B (out x 8)
     assert lora_params_per_layer(preset("llama3.1-8b"), attn) == 3 * 8 * 4096 + 8 * (4096 + 1024 + 1024)
+    shared = AdapterShape(8, ("linear_qkv",))  # one A for the fused qkv
+    assert lora_params_per_layer(preset("llama3.1-8b"), shared) == 8 * 4096 + 8 * (4096 + 1024 + 1024)
     assert lora_params_per_layer(preset("llama3.1-8b"), a, tp=2) < lora_params_per_layer(preset("llama3.1-8b"), a)
 
 
@@ -97,6 +99,27 @@ def test_committed_coefficients_predict_the_70b_pp4_stages_measured_on_h200s():
     m = plan_memory(_setup("llama3.1-70b", pp=4), 4096, 0, load_coefficients())
     for stage, measured in zip(m, (130, 105, 82, 61), strict=True):
         assert abs(stage.peak / GIB / measured - 1) < 0.07, (stage.stage, stage.peak / GIB)
+
+
+def test_every_calibration_point_is_predicted_within_7_percent():
+    """docs/results/memory-raw-h100.json (scripts/calibrate_memory.py on an H100): each point's peak allocated
+    memory against the committed model, and each point that ran out of memory predicted not to fit."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from calibrate_memory import predict
+
+    raw = json.loads((ROOT / "docs/results/memory-raw-h100.json").read_text())
+    c = load_coefficients()
+    assert len(raw["points"]) > 100
+    for p in raw["points"]:
+        pred = predict(p, c)
+        if p.get("oom"):
+            assert pred * (1 + c.margin_frac) + c.margin_bytes > raw["gpu_total_bytes"], p
+        else:
+            assert abs(pred / p["peak_allocated"] - 1) < 0.07, p
+            assert pred * (1 + c.margin_frac) + c.margin_bytes >= p["peak_reserved"], p  # the margin covers it
 
 
 def test_auto_picks_the_largest_capacity_that_fits_without_recompute_when_it_can():
