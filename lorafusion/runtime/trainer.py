@@ -23,7 +23,7 @@ from lorafusion.rundir.atomic import write_text_atomic
 from lorafusion.rundir.layout import RunDir
 from lorafusion.runtime.feed import Feed, job_state, load_jobs, scheduler_config
 from lorafusion.rundir.lock import OutputDirLock, check_output_dir
-from lorafusion.runtime.online import check_adapter_fits
+from lorafusion.runtime.online import check_adapter_fits, run_limits
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -162,7 +162,10 @@ class Trainer:
             metrics = MetricsWriter(self.out, tensorboard=cfg.logging.tensorboard)
             progress = Progress({n: js.stream.total_steps for n, js in self.jobs.items()},
                                 enabled=cfg.logging.progress, log_every=cfg.logging.log_every)
-            status = StatusWriter(self.out, self.jobs)  # OUTPUT_DIR/status.json (lorafusion status)
+            from lorafusion.export.hf import base_reference
+
+            base_reference(cfg, self.out, self.arch, self.device)  # base_model.json: for export, and submit's checks
+            status = StatusWriter(self.out, self.jobs, limits=run_limits(cfg))  # status.json (lorafusion status)
         self.handover = Handover()  # writes what ended jobs leave while the others train
         t_start = time.perf_counter()
         windows = plan_s = noops = total_tokens = 0
