@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,8 +30,8 @@ from pathlib import Path
 import torch
 
 from lorafusion.core.errors import ConfigError, MissingFileError, UserError
+from lorafusion.rundir.atomic import write_text_atomic
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -57,7 +55,7 @@ def _read_json(path: Path) -> dict:
 
 
 def _latest_checkpoint_dir(job_dir: Path) -> Path | None:
-    from lorafusion.checkpoint.format import latest_checkpoint
+    from lorafusion.rundir.layout import latest_checkpoint
 
     return latest_checkpoint(job_dir) if job_dir.is_dir() else None
 
@@ -65,7 +63,7 @@ def _latest_checkpoint_dir(job_dir: Path) -> Path | None:
 def load_run(run_dir: str | Path) -> RunInfo:
     """What :func:`build_run_model` and :func:`run_tokenizer` need, from a ``lorafusion train`` output directory."""
     from lorafusion.core.arch import PRESETS
-    from lorafusion.export.peft import find_adapter, run_jobs
+    from lorafusion.rundir.adapters import find_adapter, run_jobs
 
     run = Path(run_dir)
     if not run.is_dir():
@@ -128,10 +126,10 @@ def build_run_model(info: RunInfo, jobs: Sequence[str], device=None):
     """The run's base (TP = PP = 1) with the adapters of ``jobs`` loaded, in eval mode."""
     from megatron.core import parallel_state
 
-    from lorafusion.core.arch import preset
-    from lorafusion.layers import get_lora_context
     from lorafusion.dist import init_distributed
     from lorafusion.export.peft import import_peft_adapter
+    from lorafusion.layers import get_lora_context
+    from lorafusion.models.base import base_arch, build_base
 
     if not parallel_state.model_parallel_is_initialized():
         init_distributed(1, 1, seed=info.seed)
@@ -139,19 +137,11 @@ def build_run_model(info: RunInfo, jobs: Sequence[str], device=None):
         raise ConfigError("generate: runs with tp = pp = 1 (one device); the parallel state here has another layout")
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    kw = dict(params_dtype=DTYPES[info.dtype], device=device, seed=info.seed)
-    if info.path:
-        from lorafusion.models.hf_import import build_model_from_hf
-
-        model = build_model_from_hf(info.path, **kw)
-    else:
-        drawn = torch.device(device).type if device is not None else "cpu"
-        if info.init_device and info.init_device != drawn:
-            raise ConfigError(f"{info.run_dir / 'base_model.json'}: the run drew its random base weights on "
-                              f"{info.init_device}; generate on a machine of that kind (here: {drawn})")
-        from lorafusion.models.provider import build_model
-
-        model = build_model(preset(info.preset), **kw)
+    drawn = torch.device(device).type if device is not None else "cpu"
+    if not info.path and info.init_device and info.init_device != drawn:
+        raise ConfigError(f"{info.run_dir / 'base_model.json'}: the run drew its random base weights on "
+                          f"{info.init_device}; generate on a machine of that kind (here: {drawn})")
+    model = build_base(*base_arch(info.path, info.preset), dtype=info.dtype, device=device, seed=info.seed)
     get_lora_context(model).impl = None
     for job in jobs:
         import_peft_adapter(model, job, info.adapters[job])
@@ -358,7 +348,7 @@ def generate_file(run_dir, prompts, out, *, max_new_tokens: int = 128, temperatu
     lines = [json.dumps({**r.row, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
                          "output": tokenizer.decode([t for t in r.output_ids if t != tokenizer.eos_id])},
                         ensure_ascii=False) for r in requests]
-    _write_atomic(out, "".join(line + "\n" for line in lines))
+    write_text_atomic(out, "".join(line + "\n" for line in lines), mkdir=True)
     new = sum(len(r.output_ids) for r in requests)
     return {"rows": len(requests), "jobs": jobs, "new_tokens": new, "load_s": round(t1 - t0, 3),
             "generate_s": round(t2 - t1, 3), "tokens_per_s": round(new / max(t2 - t1, 1e-9), 1), "out": str(out)}
@@ -372,17 +362,6 @@ def _context(info: RunInfo) -> int:
 
         return HFCheckpoint(info.path).arch.max_position_embeddings
     return preset(info.preset).max_position_embeddings
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 __all__ = ["Request", "RunInfo", "build_run_model", "encode_prompt", "generate_file", "generate_ids",

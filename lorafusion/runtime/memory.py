@@ -14,7 +14,14 @@ import sys
 import torch
 
 from lorafusion.scheduler.memory import GIB, load_coefficients
-from lorafusion.scheduler.sizing import MemoryFitError, MemoryPlan, choose, no_fit_message, setup_from_run
+from lorafusion.scheduler.sizing import (
+    MemoryFitError,
+    MemoryPlan,
+    choose,
+    layers_per_stage,
+    no_fit_message,
+    setup_from_run,
+)
 
 __all__ = ["MemoryFitError", "gpu_free_bytes", "oom_error", "recompute_kwargs", "size_run"]
 
@@ -80,12 +87,13 @@ def size_run(cfg, arch, jobs, *, is_logger: bool, memory: tuple[float, float] | 
     return plan
 
 
-def recompute_kwargs(cfg, plan: MemoryPlan | None, stage: int, stage_layers: int) -> dict:
+def recompute_kwargs(cfg, plan: MemoryPlan | None, stage: int, arch) -> dict:
     """``recompute`` / ``recompute_layers`` for this stage's model: the plan's count for ``auto`` (none: no
     recompute; all: every layer), the config's otherwise; ``auto`` without a plan (CPU) recomputes every layer."""
     m = cfg.model
     if m.recompute_layers != "auto":
         return {"recompute": m.recompute, "recompute_layers": m.recompute_layers}
+    stage_layers = layers_per_stage(cfg, arch)[stage]
     n = stage_layers if plan is None else plan.recompute_layers[stage]
     if n <= 0:
         return {"recompute": False, "recompute_layers": None}

@@ -19,11 +19,12 @@ import torch
 from lorafusion import ops
 from lorafusion.config.schema import RunConfig
 from lorafusion.core.errors import ConfigError
-from lorafusion.checkpoint.format import write_text_atomic
+from lorafusion.rundir.atomic import write_text_atomic
+from lorafusion.rundir.layout import RunDir
 from lorafusion.runtime.feed import Feed, job_state, load_jobs, scheduler_config
 from lorafusion.rundir.lock import OutputDirLock, check_output_dir
+from lorafusion.runtime.online import check_adapter_fits, run_limits
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Trainer:
@@ -55,11 +56,10 @@ class Trainer:
     def _setup(self) -> None:
         from megatron.core import parallel_state
 
-        from lorafusion.core.arch import preset
         from lorafusion.layers import get_lora_context
+        from lorafusion.models.base import base_arch, build_base
         from lorafusion.runtime.evaluate import Evaluator
-        from lorafusion.models.provider import build_model
-        from lorafusion.dist import init_distributed
+        from lorafusion.dist import init_distributed, share_from_rank0
         from lorafusion.checkpoint.policy import JobCheckpoints
         from lorafusion.runtime.telemetry.timers import StageTimers
 
@@ -74,14 +74,7 @@ class Trainer:
         self.is_logger = info["rank"] == 0
         dp_rank = parallel_state.get_data_parallel_rank()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        ckpt = None
-        if cfg.model.path:
-            from lorafusion.models.hf_import import HFCheckpoint, build_model_from_hf
-
-            ckpt = HFCheckpoint(cfg.model.path)
-            self.arch = ckpt.arch
-        else:
-            self.arch = preset(cfg.model.preset)
+        self.arch, ckpt = base_arch(cfg.model.path, cfg.model.preset)
         if self.tokenizer.vocab_size > self.arch.vocab_size:
             raise ConfigError(f"{cfg.source}: tokenizer: vocab_size {self.tokenizer.vocab_size} exceeds the "
                               f"model's vocab_size {self.arch.vocab_size}")
@@ -89,14 +82,12 @@ class Trainer:
         from lorafusion.runtime.memory import recompute_kwargs, size_run
 
         self.memory_plan = size_run(cfg, self.arch, self.jobs, is_logger=self.is_logger)
-        self._lock.acquire(self.is_logger)  # (after every check that may refuse the run: nothing written before)
+        self._lock.acquire(self.is_logger, share=share_from_rank0)  # (after the checks that may refuse the run)
         stage = parallel_state.get_pipeline_model_parallel_rank()
-        stage_layers = (cfg.parallelism.stage_layers[stage] if cfg.parallelism.stage_layers
-                        else self.arch.num_layers // cfg.parallelism.pp)
-        kw = dict(params_dtype=DTYPES[cfg.model.dtype], **recompute_kwargs(cfg, self.memory_plan, stage, stage_layers),
-                  device=self.device, seed=cfg.seed, sequence_parallel=cfg.parallelism.sequence_parallel,
-                  stage_layers=cfg.parallelism.stage_layers)
-        self.model = build_model_from_hf(ckpt, **kw) if ckpt is not None else build_model(self.arch, **kw)
+        self.model = build_base(self.arch, ckpt, dtype=cfg.model.dtype, device=self.device, seed=cfg.seed,
+                                **recompute_kwargs(cfg, self.memory_plan, stage, self.arch),
+                                sequence_parallel=cfg.parallelism.sequence_parallel,
+                                stage_layers=cfg.parallelism.stage_layers)
         get_lora_context(self.model).impl = None if cfg.kernels == "auto" else cfg.kernels
         self.timers = StageTimers()
         self.model.config.timers = self.timers  # Megatron's schedules time their stages through this hook
@@ -116,6 +107,22 @@ class Trainer:
         self.feed = Feed(self.jobs, scheduler_config(cfg), dp_rank=dp_rank, eos_id=self.tokenizer.eos_id,
                          background=self.background_planning)
 
+    def _train_chunk(self, chunk, number: int) -> dict:
+        """Chunk ``number`` through the pipeline with every job's current optimizer; a CUDA out-of-memory is one
+        clear error naming the stage, the predicted and the actual peak (:func:`.memory.oom_error`)."""
+        from lorafusion.runtime.pipeline import run_chunk
+
+        try:
+            return run_chunk(self.model, chunk, {n: js.optimizer for n, js in self.jobs.items()}, seed=self.cfg.seed,
+                             device=self.device)
+        except torch.OutOfMemoryError:
+            from megatron.core import parallel_state
+
+            from lorafusion.runtime.memory import oom_error
+
+            stage = parallel_state.get_pipeline_model_parallel_rank()
+            raise oom_error(self.cfg, self.memory_plan, stage, number) from None
+
     def _new_job(self, job):
         """A job joining the run (resumed submission or ``lorafusion submit``): data, stream, adapter, optimizer."""
         js = job_state(job, self.tokenizer, self.cfg.seed)
@@ -127,7 +134,14 @@ class Trainer:
         from lorafusion.layers import adapter_parameters, add_adapter
         from lorafusion.runtime.optim import AdapterOptimizer
 
-        add_adapter(self.model, js.cfg.name, js.cfg.lora, seed=self.cfg.seed)
+        check_adapter_fits(self.cfg, js.cfg, self.arch)  # before allocating: lora.r = 10**12 is one clear error
+        if js.cfg.init_from is not None:  # continued training of a PEFT adapter (a resume then loads its checkpoint)
+            from lorafusion.export.peft import import_peft_adapter
+
+            import_peft_adapter(self.model, js.cfg.name, js.cfg.init_from, spec=js.cfg.lora,
+                                where=f"{self.cfg.source}: jobs.{js.cfg.name}")
+        else:
+            add_adapter(self.model, js.cfg.name, js.cfg.lora, seed=self.cfg.seed)
         params = list(adapter_parameters(self.model, js.cfg.name).values())
         js.optimizer = AdapterOptimizer.from_config(params, js.cfg.optimizer, js.stream.total_steps)
 
@@ -143,10 +157,9 @@ class Trainer:
 
     def _run(self, stops) -> dict:
         from lorafusion.runtime.telemetry.metrics import MetricsWriter, Progress, cut_metrics, max_memory_gib
-        from lorafusion.runtime.pipeline import run_chunk
         from lorafusion.checkpoint.handover import Handover
         from lorafusion.runtime.online import LiveJobs
-        from lorafusion.rundir.status import StatusWriter
+        from lorafusion.runtime.telemetry.status import StatusWriter
 
         self._setup()
         cfg = self.cfg
@@ -154,13 +167,16 @@ class Trainer:
         if self.is_logger:
             self.out.mkdir(parents=True, exist_ok=True)
             if self.resume:  # rows after each job's checkpoint are trained again: drop them, never repeat them
-                cut_metrics(self.out / "metrics.jsonl", {n: js.steps for n, js in self.jobs.items()})
+                cut_metrics(RunDir(self.out).metrics, {n: js.steps for n, js in self.jobs.items()})
             else:  # a fresh run (the directory held at most a failed run's rows, see check_output_dir)
-                (self.out / "metrics.jsonl").unlink(missing_ok=True)
+                RunDir(self.out).metrics.unlink(missing_ok=True)
             metrics = MetricsWriter(self.out, tensorboard=cfg.logging.tensorboard)
             progress = Progress({n: js.stream.total_steps for n, js in self.jobs.items()},
                                 enabled=cfg.logging.progress, log_every=cfg.logging.log_every)
-            status = StatusWriter(self.out, self.jobs)  # OUTPUT_DIR/status.json (lorafusion status)
+            from lorafusion.export.hf import base_reference
+
+            base_reference(cfg, self.out, self.arch, self.device)  # base_model.json: for export, and submit's checks
+            status = StatusWriter(self.out, self.jobs, limits=run_limits(cfg))  # status.json (lorafusion status)
         self.handover = Handover()  # writes what ended jobs leave while the others train
         t_start = time.perf_counter()
         windows = plan_s = noops = total_tokens = 0
@@ -198,15 +214,7 @@ class Trainer:
                 if status is not None:  # the counts as of the last boundary; who this chunk trains
                     status.write(in_chunk=set(chunk.batches))
                 # (jobs may have joined at the last boundary: the optimizers and the log order are the current ones)
-                try:
-                    res = run_chunk(self.model, chunk, {n: js.optimizer for n, js in self.jobs.items()},
-                                    seed=cfg.seed, device=self.device)
-                except torch.OutOfMemoryError:
-                    from megatron.core import parallel_state
-                    from lorafusion.runtime.memory import oom_error
-
-                    stage = parallel_state.get_pipeline_model_parallel_rank()
-                    raise oom_error(cfg, self.memory_plan, stage, windows + 1) from None
+                res = self._train_chunk(chunk, windows + 1)
                 order = list(self.jobs)
                 windows += 1
                 plan_s += chunk.plan_s
@@ -265,7 +273,7 @@ class Trainer:
                 self.checkpoints.save_all(only_default_policy=True)  # the end of the run: every job's final state
             for name, js in self.jobs.items():  # (jobs handed over at a boundary were exported then)
                 if js.status != "cancelled" and not js.handed_over and (js.steps >= js.stream.total_steps or js.halted):
-                    self.export(name, self.out / "adapters" / name)
+                    self.export(name, RunDir(self.out).adapter(name))
             self.handover.close()  # every hand-over written before the summary says done
         finally:
             try:
@@ -283,8 +291,7 @@ class Trainer:
             "elapsed_s": round(elapsed, 3), "tokens_per_s": total_tokens / max(elapsed, 1e-9),
             "windows": windows, "plan_s": round(plan_s, 3), "plan_wait_s": round(self.feed.wait_s, 3),
             "noop_microbatches": noops, "bubble_ratio": (sum(bubbles) / len(bubbles)) if bubbles else None,
-            "parallelism": cfg.parallelism.model_dump(),
-            "memory_plan": self.memory_plan.to_dict() if self.memory_plan is not None else None,
+            "parallelism": cfg.parallelism.model_dump(), "memory_plan": self.memory_plan and self.memory_plan.to_dict(),
             "kernels": ops.resolve_impl(
                 torch.empty(0, device=self.device or "cpu"), None if cfg.kernels == "auto" else cfg.kernels),
             "jobs": {n: {"status": js.final_status,
@@ -293,7 +300,7 @@ class Trainer:
                      for n, js in self.jobs.items()},
         }
         if self.is_logger:
-            write_text_atomic(self.out / "summary.json", json.dumps(summary, indent=2) + "\n")
+            write_text_atomic(RunDir(self.out).summary, json.dumps(summary, indent=2) + "\n")
             status.write(summary["status"], {n: j["status"] for n, j in summary["jobs"].items()})
         return summary
 
@@ -318,12 +325,13 @@ class Trainer:
         the background (``js.written`` once complete); with ``release`` its adapter and optimizer state leave
         the model."""
         from lorafusion.layers import remove_adapter
-        from lorafusion.export.peft import copier, fill_dir_atomically, write_peft_adapter
+        from lorafusion.export.peft import write_peft_adapter
+        from lorafusion.rundir.atomic import copier, fill_dir_atomically
 
         js = self.jobs[name]
         snap = self.snapshot(name)
         save = self.checkpoints.start_final(name, snap)
-        out = self.out / "adapters" / name
+        out = RunDir(self.out).adapter(name)
 
         def write() -> None:
             saved = save() if save is not None else None  # (the checkpoint's directory on rank 0)

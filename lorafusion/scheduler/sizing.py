@@ -81,6 +81,17 @@ def parse_bytes(text: str) -> float:
     return v
 
 
+def layers_per_stage(cfg, arch) -> list[int]:
+    """Decoder layers of each pipeline rank (its virtual stages' together) for the run's ``stage_layers``
+    (None: even, "auto": the scheduler's balanced split, a list: one count per virtual stage in layer order)."""
+    from .stages import loss_layers, resolve_split
+
+    p = cfg.parallelism
+    v = getattr(p, "virtual_stages", 1) or 1
+    split = resolve_split(p.stage_layers, arch.num_layers, p.pp, v, loss_layers(arch))
+    return [sum(split[c * p.pp + k] for c in range(v)) for k in range(p.pp)]
+
+
 def setup_from_run(cfg, arch, dp: int = 1, fused_ops: bool = True) -> MemorySetup:
     """The :class:`MemorySetup` of a run config (``lorafusion.config.RunConfig``) and its ``ModelArch``."""
     p, m = cfg.parallelism, cfg.model
@@ -91,7 +102,7 @@ def setup_from_run(cfg, arch, dp: int = 1, fused_ops: bool = True) -> MemorySetu
     return MemorySetup(arch, adapters, dtype=m.dtype, base_bytes_per_param=1.0 if fp8 else None,
                        row_scale_bytes=4 if fp8 else 0, tp=p.tp, pp=p.pp, dp=dp,
                        sequence_parallel=p.sequence_parallel,
-                       stage_layers=tuple(p.stage_layers) if p.stage_layers else None,
+                       stage_layers=tuple(layers_per_stage(cfg, arch)),
                        virtual_stages=getattr(p, "virtual_stages", None) or 1, fused_ops=fused_ops,
                        lora_kernels="reference" if cfg.kernels == "reference" else "fused")
 
@@ -187,7 +198,7 @@ def no_fit_message(s: MemorySetup, plan: MemoryPlan, longest: dict[str, int], so
             fixes.append(f"dataset.max_seq_len: {cap} or less with truncate: true on the jobs over it "
                          f"(fits with every layer recomputed)")
         deeper = [pp for pp in (2 * s.pp, 4 * s.pp) if s.arch.num_layers % pp == 0]
-        if s.stage_layers is None and deeper:
+        if deeper:
             fixes.append(f"more pipeline stages (parallelism.pp: {deeper[0]})")
         fixes.append("tensor parallelism (parallelism.tp) or a GPU with more memory")
     return head + ". Would fit: " + "; or ".join(fixes)
