@@ -97,7 +97,10 @@ def recompute_kwargs(cfg, plan: MemoryPlan | None, stage: int, arch) -> dict:
     n = stage_layers if plan is None else plan.recompute_layers[stage]
     if n <= 0:
         return {"recompute": False, "recompute_layers": None}
-    return {"recompute": True, "recompute_layers": None if n >= stage_layers else n}
+    if n >= stage_layers:
+        return {"recompute": True, "recompute_layers": None}
+    v = getattr(cfg.parallelism, "virtual_stages", 1) or 1  # Megatron's count is per model chunk: round up
+    return {"recompute": True, "recompute_layers": -(-n // v)}
 
 
 def oom_error(cfg, plan: MemoryPlan | None, stage: int, chunk: int) -> MemoryFitError:

@@ -127,3 +127,22 @@ def test_recompute_layers_auto_in_the_schema():
     with pytest.raises(ValueError, match="an integer >= 1 or 'auto'"):
         ModelConfig(preset="tiny-llama", recompute=True, recompute_layers="some")
     assert issubclass(ConfigError, ValueError)
+
+
+def test_recompute_kwargs_per_stage():
+    from lorafusion.config import load_run_config
+    from lorafusion.core.arch import preset
+    from lorafusion.runtime.memory import recompute_kwargs
+    from lorafusion.scheduler.sizing import MemoryPlan
+
+    cfg = load_run_config(ROOT / "configs/llama3.1-70b-4adapters.yaml", check_files=False)
+    arch = preset("llama3.1-70b")
+    plan = MemoryPlan(4096, [20, 13, 1, 0], [], 79 * GIB, {})
+    got = [recompute_kwargs(cfg, plan, k, arch) for k in range(4)]
+    assert got == [{"recompute": True, "recompute_layers": None}, {"recompute": True, "recompute_layers": 13},
+                   {"recompute": True, "recompute_layers": 1}, {"recompute": False, "recompute_layers": None}]
+    assert recompute_kwargs(cfg, None, 0, arch) == {"recompute": True, "recompute_layers": None}  # CPU: every layer
+    cfg.parallelism.virtual_stages = 2  # Megatron counts per model chunk (10 layers each here): rounded up
+    assert recompute_kwargs(cfg, plan, 1, arch) == {"recompute": True, "recompute_layers": 7}
+    cfg.model.recompute_layers = 5  # a fixed count is the config's
+    assert recompute_kwargs(cfg, plan, 3, arch) == {"recompute": True, "recompute_layers": 5}
