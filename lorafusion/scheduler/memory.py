@@ -3,14 +3,14 @@
 A stage's peak allocated bytes (what ``torch.cuda.max_memory_allocated`` reports) are modelled as::
 
     static     = frozen base weights (bytes per parameter by precision: bf16 2, fp8 1 + per-row scales)
-               + every job's LoRA weights, fp32 gradients and fp32 AdamW moments (16 bytes per parameter)
+               + every job's LoRA weights and fp32 AdamW moments (12 bytes per parameter)
     per mb     = capacity · Σ_layers saved(layer) · act_scale       saved activations of one microbatch:
                  a layer that keeps its activations saves its tensors (``saved_elems``), a recomputed one
                  its input; plus the microbatch's bf16 copies of its adapters' A and B in each layer that
                  keeps them, the stage output the schedule keeps (not the last stage) and the loss's saved
                  hidden-size tensors (last stage)
-    transient  = max(backward working set of one layer (+ the recomputed layer's activations),
-                     one logits chunk of the fused linear cross-entropy (last stage))
+    transient  = max(backward working set of one layer, one logits chunk of the fused linear cross-entropy
+                     (last stage)); gradients = the jobs' fp32 LoRA gradients (4 bytes per parameter)
     peak       = static + constant + the largest of (others = (in_flight - 1) · per mb):
                    others + per mb + transient                      the start of the backward
                    others + recomputed layers' checkpoints + one recomputed layer + workspace + gradients
@@ -26,9 +26,9 @@ measured on a GPU and fitted (``scripts/calibrate_memory.py``): ``act_scale`` (m
 activations), ``workspace`` (the backward working set per token, in units of ``2·ffn + 2·hidden`` elements),
 ``opt_copies`` (an optimizer step's fp32 temporaries: the flat copies kept to undo a non-finite step, AdamW's
 foreach math, in units of the job's parameters) and ``constant_bytes`` (cuBLAS workspace, routing tables, RoPE
-caches). ``margin_frac`` / ``margin_bytes``:
-what a plan keeps free on top of the prediction (allocator reserve above allocated, CUDA context and NCCL
-buffers outside the allocator, and the largest under-prediction seen). See ``memory_coefficients.json``.
+caches; negative when the counts over-estimate). ``margin_frac`` / ``margin_bytes``: what a plan keeps free on
+top of the prediction (the model's error, the allocator's reserved memory above allocated, CUDA context and
+NCCL buffers outside the allocator). See ``memory_coefficients.json`` and docs/BENCHMARKS.md "Memory model".
 """
 
 from __future__ import annotations
