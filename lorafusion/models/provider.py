@@ -21,6 +21,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 
+from lorafusion.layers.fp8_base import quantize_base
 from lorafusion.layers.inject import attach_lora_context
 from lorafusion.layers.lora_linear import LoRAColumnParallelLinear, LoRARowParallelLinear
 from lorafusion.models.attention import PackedDotProductAttention
@@ -52,7 +53,7 @@ def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, p
                 device: str | torch.device | None = None,
                 transformer_impl: str = "local", seed: int = 1234, fused_ops: str | None = None,
                 sequence_parallel: bool = False, stage_layers: list[int] | None = None,
-                **config_overrides) -> GPTModel:
+                base_precision: str = "bf16", **config_overrides) -> GPTModel:
     """Build this pipeline stage's ``GPTModel`` (requires ``parallel_state`` to be initialised).
 
     Base weights are frozen (``requires_grad=False``); initialise them with :mod:`lorafusion.models.hf_import`
@@ -61,7 +62,9 @@ def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, p
     ``model.lorafusion_fused_ops``. ``sequence_parallel`` (tp > 1): Megatron's sequence parallelism; the
     norms are then :class:`~lorafusion.models.fused.rms_norm.RMSNorm` even with ``fused_ops="off"`` (its
     "torch" implementation, ``F.rms_norm`` as ``torch.nn.RMSNorm``), since Megatron's ``WrappedTorchNorm``
-    refuses SP.
+    refuses SP. ``base_precision="fp8"``: the decoder linears' base weights are quantized to FP8 after the
+    (random) init and their bf16 copies freed (:mod:`lorafusion.layers.fp8_base`); HF import quantizes after
+    loading the checkpoint instead (:func:`lorafusion.models.hf_import.build_model_from_hf`).
     """
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -105,6 +108,7 @@ def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, p
         model.to(device)
     init_random_weights(model, seed)
     attach_lora_context(model)
+    quantize_base(model, base_precision)
     if recompute:
         enable_lora_recompute(model)
     return model

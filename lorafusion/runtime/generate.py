@@ -47,6 +47,7 @@ class RunInfo:
     tokenizer: dict  # {"type": ..., "path": ...}
     adapters: dict[str, Path]  # job -> PEFT adapter directory (final, else the latest checkpoint's)
     init_device: str | None = None  # device type the preset's weights were drawn on (None: as training would)
+    base_precision: str = "bf16"  # model.base_precision of the run: generate quantizes the base as training did
 
 
 def _read_json(path: Path) -> dict:
@@ -94,7 +95,7 @@ def load_run(run_dir: str | Path) -> RunInfo:
             raise ConfigError(f"{record}: expected an integer 'seed' and exactly one of 'preset' or 'path'")
         tok = r.get("tokenizer") or {"type": "byte", "path": None}
         return RunInfo(run, r.get("preset"), r.get("path"), r["seed"], r.get("dtype", "float32"), tok, adapters,
-                       r.get("init_device"))
+                       r.get("init_device"), r.get("base_precision", "bf16"))
     if not states:
         raise MissingFileError(f"{run}: no checkpoint state.json (it records the run's seed, which rebuilds the "
                                f"base); expected checkpoints/<job>/step_N/state.json")
@@ -139,7 +140,7 @@ def build_run_model(info: RunInfo, jobs: Sequence[str], device=None):
         raise ConfigError("generate: runs with tp = pp = 1 (one device); the parallel state here has another layout")
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    kw = dict(params_dtype=DTYPES[info.dtype], device=device, seed=info.seed)
+    kw = dict(params_dtype=DTYPES[info.dtype], device=device, seed=info.seed, base_precision=info.base_precision)
     if info.path:
         from lorafusion.models.hf_import import build_model_from_hf
 

@@ -88,7 +88,7 @@ class Trainer:
         kw = dict(params_dtype=DTYPES[cfg.model.dtype], recompute=cfg.model.recompute,
                   recompute_layers=cfg.model.recompute_layers, device=self.device,
                   seed=cfg.seed, sequence_parallel=cfg.parallelism.sequence_parallel,
-                  stage_layers=cfg.parallelism.stage_layers)
+                  stage_layers=cfg.parallelism.stage_layers, base_precision=cfg.model.base_precision)
         self.model = build_model_from_hf(ckpt, **kw) if ckpt is not None else build_model(self.arch, **kw)
         get_lora_context(self.model).impl = None if cfg.kernels == "auto" else cfg.kernels
         self.timers = StageTimers()
