@@ -144,3 +144,31 @@ def test_odd_hidden_sizes_take_the_fallback(megatron_single):
     sum(losses.values()).backward()
     assert all(torch.isfinite(v) for v in losses.values())
     assert all(torch.isfinite(g).all() for g in lora_grads(model, "a").values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+                    reason="needs an sm_89+ GPU")
+def test_cuda_fp8_base_with_the_fused_lora_kernels_equals_the_torch_lora_path(megatron_single):
+    from lorafusion.layers import get_lora_context
+
+    dev = torch.device("cuda")
+    model = build_model(preset("tiny-llama"), params_dtype=torch.bfloat16, seed=11, base_precision="fp8", device=dev)
+    add_adapter(model, "a", SPEC, seed=3)
+    add_adapter(model, "b", LoRASpec(r=8, lora_alpha=8, target_modules=("q_proj", "k_proj", "v_proj", "down_proj")),
+                seed=3)
+    randomize_b(model, seed=5)
+    model.train()
+    batch = _batch().to(dev)
+    res = {}
+    for impl in ("fused", "reference"):
+        get_lora_context(model).impl = impl
+        model.zero_grad(set_to_none=True)
+        losses = adapter_losses(model, batch)
+        sum(losses.values()).backward()
+        res[impl] = ({k: v.item() for k, v in losses.items()}, lora_grads(model, "a"))
+    for n in res["fused"][0]:
+        assert res["fused"][0][n] == pytest.approx(res["reference"][0][n], rel=1e-2)
+    for k, g in res["fused"][1].items():
+        ref = res["reference"][1][k]
+        assert float((g - ref).float().norm() / ref.float().norm()) < 5e-2, k
