@@ -169,3 +169,17 @@ def test_cuda_forward_and_input_gradient_against_float64(m, k, n):
     g_q, s_g = F.quantize_rows_torch(dy, F.GRAD_DTYPE, col_scale=s)
     dref = F.dequantize(g_q, s_g) @ q.double()
     torch.testing.assert_close(x.grad.double(), dref, rtol=2 ** -7, atol=2 ** -7 * float(dref.abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_fp8(), reason="needs an sm_89+ GPU")
+@pytest.mark.parametrize("m,n", [(1, 16), (70, 130), (4096, 14336)])
+def test_triton_transpose_and_two_pass_quantization(m, n):
+    from lorafusion.kernels.fp8_quant import quantize_rows_triton
+
+    w = torch.randint(0, 255, (m, n), dtype=torch.uint8, device="cuda").view(F.E4M3)
+    assert torch.equal(F.transpose(w).view(torch.uint8), w.view(torch.uint8).t().contiguous())
+    x = (torch.randn(m, n, device="cuda") * 3).to(torch.bfloat16)
+    one, s1 = quantize_rows_triton(x, F.E4M3)
+    two, s2 = quantize_rows_triton(x, F.E4M3, max_single=64)  # the two-loop path
+    assert torch.equal(s1, s2) and torch.equal(one.view(torch.uint8), two.view(torch.uint8))

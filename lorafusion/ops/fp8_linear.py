@@ -10,13 +10,15 @@ Quantization (row-wise, "dequant" scales: ``v ≈ q·scale``):
 - Backward: ``dX = dY·W = (dY·diag(s_w))·W_q``: the per-output-channel scale is folded into dY, which is then
   quantized per row (``GRAD_DTYPE``: e4m3 by default, e5m2 on request; measured in docs/BENCHMARKS.md) and
   multiplied by W_q with a unit column scale. W_q's transpose (the K-major operand that FP8 GEMMs need for
-  this product) is made for the call and dropped, so the base keeps one byte per weight. Nothing of X is
+  this product) is made for the call (one Triton kernel on CUDA) and dropped, so the base keeps one byte per
+  weight. Nothing of X is
   saved for backward; no dW is computed (W is not a parameter).
 
 ``torch._scaled_mm`` (cuBLASLt on sm_89+, and CPU in torch >= 2.13, which CI uses) wants K and N multiples
 of 16; other shapes take :func:`scaled_gemm`'s fallback, the same quantized math as a float32 matmul of the
 dequantized operands (slower, same numbers up to fp32 summation order). X's row quantization runs as one
-Triton kernel on CUDA (:mod:`lorafusion.kernels.fp8_quant`) and in torch elsewhere.
+Triton kernel on CUDA (:mod:`lorafusion.kernels.fp8_quant`, one read of each row up to 32k columns) and in
+torch elsewhere.
 
 :func:`fp8_linear_reference` is the ground truth: the same quantization, the GEMM in float64.
 """
@@ -28,7 +30,7 @@ import torch
 from lorafusion.core.errors import ConfigError
 
 __all__ = ["E4M3", "E5M2", "GRAD_DTYPE", "Fp8BaseLinear", "fp8_linear", "fp8_linear_reference",
-           "quantize_rows", "quantize_rows_torch", "quantize_weight", "dequantize", "scaled_gemm",
+           "quantize_rows", "quantize_rows_torch", "quantize_weight", "dequantize", "scaled_gemm", "transpose",
            "check_fp8_device"]
 
 E4M3 = torch.float8_e4m3fn
@@ -49,21 +51,30 @@ def quantize_rows_torch(x: torch.Tensor, dtype: torch.dtype = E4M3, col_scale: t
     return q, scale
 
 
-def _triton_quant():
+def _triton(name: str):
     try:
-        from lorafusion.kernels.fp8_quant import quantize_rows_triton
+        from lorafusion.kernels import fp8_quant
     except ImportError:  # no Triton: the torch path
         return None
-    return quantize_rows_triton
+    return getattr(fp8_quant, name)
 
 
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype = E4M3, col_scale: torch.Tensor | None = None):
     """Row-wise quantization (see :func:`quantize_rows_torch`): one Triton kernel on CUDA, torch elsewhere."""
     if x.is_cuda:
-        fn = _triton_quant()
+        fn = _triton("quantize_rows_triton")
         if fn is not None:
             return fn(x, dtype, col_scale, EPS)
     return quantize_rows_torch(x, dtype, col_scale)
+
+
+def transpose(w_q: torch.Tensor) -> torch.Tensor:
+    """``w_q.t().contiguous()``: one Triton kernel on CUDA (torch's copy of FP8 is slow there), torch elsewhere."""
+    if w_q.is_cuda and w_q.stride(1) == 1:
+        fn = _triton("transpose_triton")
+        if fn is not None:
+            return fn(w_q)
+    return w_q.t().contiguous()
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +118,7 @@ class Fp8BaseLinear(torch.autograd.Function):
             return None, None, None, None
         w_q, w_scale = ctx.saved_tensors
         g_q, s_g = quantize_rows(dy, ctx.grad_dtype, col_scale=w_scale)  # dY·diag(s_w), per row
-        w_t = w_q.t().contiguous()  # [k, n]: N-major, as the FP8 GEMM needs for dY·W_q; freed after the call
+        w_t = transpose(w_q)  # [k, n]: N-major, as the FP8 GEMM needs for dY·W_q; freed after the call
         ones = torch.ones(1, w_t.shape[0], device=dy.device, dtype=torch.float32)
         dx = scaled_gemm(g_q, s_g, w_t, ones, dy.dtype)
         return dx, None, None, None

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from runtime_utils import job_dict, write_dataset, write_run
+from runtime_utils import job_dict, three_job_dicts, train_inprocess, write_dataset, write_run
 
 
 def _main(*args) -> int:
@@ -86,3 +86,38 @@ def test_fp8_needs_bfloat16(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "model: base_precision: fp8 needs dtype: bfloat16" in err or "base_precision: fp8 needs dtype: bfloat16" in err
     assert not (tmp_path / "never").exists()
+
+
+# ------------------------------------------------------------------------------------ TP + SP and PP + recompute
+FP8_LAYOUTS = {"tp2_sp_fp8": dict(tp=2, sequence_parallel=True), "pp2_recompute_fp8": dict(pp=2, recompute=True)}
+
+
+@pytest.fixture(scope="module")
+def fp8_single(tmp_path_factory, megatron_single):
+    tmp = tmp_path_factory.mktemp("fp8single")
+    return train_inprocess(write_run(tmp, three_job_dicts(tmp), out="one", base_precision="fp8"))[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.two_process(name, jobs=three_job_dicts,
+                                                     guard=bool(layout.get("pp")), base_precision="fp8", **layout))
+    for name, layout in FP8_LAYOUTS.items()])
+def test_two_process_fp8_runs_equal_one_process(fp8_single, two_process, name):
+    """The FP8 base under TP=2 + SP and PP=2 + recompute trains as one process does. A job's first step runs its
+    initial adapter (B = 0: the loss is the base model's): PP and recompute change no operand, so it agrees to
+    bf16 rounding; under TP the row-parallel linears quantize each rank's in-dim shard of X with its own row
+    scales (one process: the whole row), so TP agrees to FP8 precision. Later steps add bf16 training noise,
+    which FP8 rounding flips amplify."""
+    two = two_process(name)
+    first_rel = 1e-2 if "tp2" in name else 1e-3
+    key = lambda r: (r["job"], r["step"])  # noqa: E731
+    ours = sorted((json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()), key=key)
+    ref = sorted((json.loads(x) for x in (fp8_single / "metrics.jsonl").read_text().splitlines()), key=key)
+    ours, ref = [r for r in ours if "loss" in r], [r for r in ref if "loss" in r]
+    assert [key(r) for r in ours] == [key(r) for r in ref] and ours
+    for a, b in zip(ours, ref):
+        first = a["step"] == 1
+        assert a["loss"] == pytest.approx(b["loss"], rel=first_rel if first else 2e-2), (a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=5 * first_rel if first else 5e-2), (a, b)
+    assert json.loads((two / "base_model.json").read_text())["base_precision"] == "fp8"
