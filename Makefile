@@ -32,7 +32,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n 2
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check lorafusion megatron_patches tests scripts
+	$(VENV)/bin/ruff check lorafusion tests scripts
 
 bench-kernels: $(STAMP)
 	$(PY) scripts/bench_kernels.py

@@ -30,10 +30,10 @@ def _load(args):
 
 
 def cmd_train(args) -> int:
-    from lorafusion.runtime.outdir import remove_partial_outputs
+    cfg = _load(args)  # before torch and Megatron are imported: a config error in well under a second
+    from lorafusion.rundir.atomic import remove_partial_outputs
     from lorafusion.runtime.trainer import Trainer
 
-    cfg = _load(args)
     if args.serve:
         cfg.serve = True
     out = Path(cfg.output_dir)
@@ -66,7 +66,7 @@ def cmd_train(args) -> int:
             print(f"  base model (HF format, for peft/transformers): lorafusion export {out} --base --out {out / 'base'}")
         print(f"try them: lorafusion generate {cfg.output_dir} --prompts FILE.jsonl --out OUT.jsonl  "
               f"(one {{\"prompt\": ..., \"job\": NAME}} per line)")
-    from lorafusion.runtime.dist import destroy_distributed
+    from lorafusion.dist import destroy_distributed
 
     destroy_distributed()
     return 0
@@ -81,26 +81,51 @@ def _holds_only_our_lock(out: Path) -> bool:
 
 
 def cmd_plan(args) -> int:
+    cfg = _load(args)  # before torch is imported
     from lorafusion.runtime.feed import Feed, load_jobs, scheduler_config
-    from lorafusion.runtime.report import write_plan_report
+    from lorafusion.runtime.telemetry.report import stage_model, write_plan_report
 
-    cfg = _load(args)
     _, jobs = load_jobs(cfg)
     out = Path(args.out) if args.out else Path(cfg.output_dir) / "plan"
-    res = write_plan_report(Feed(jobs, scheduler_config(cfg), dp_rank=None), out, max_chunks=args.windows)
+    stage = stage_model(cfg)
+    res = write_plan_report(Feed(jobs, scheduler_config(cfg), dp_rank=None), out, max_chunks=args.windows,
+                            stage=stage)
     print(f"{'window':>6} {'jobs':>4} {'mbs':>5} {'noops':>5} {'fill':>6} {'imbal':>6} {'bubble':>7} {'plan_s':>7}")
     for w in res["windows"]:
         print(f"{w['window']:>6} {len(w['jobs']):>4} {w['microbatches']:>5} {w['noops']:>5} {w['fill']:>6.3f} "
               f"{w['imbalance'] or 0:>6.3f} {w['simulated_bubble']:>7.3f} {w['plan_s']:>7.3f}")
     charts = "" if any(f.endswith(".png") for f in res["files"]) else " (no chunk planned: no charts)"
     print(f"written to {res['dir']}: {', '.join(res['files'])}{charts}")
+    _print_pipeline(cfg, stage, res, args, out)
     return 0
+
+
+def _print_pipeline(cfg, stage, res, args, out: Path) -> None:
+    """The simulated steady bubble per stage of the run's pipeline, and with --virtual-sweep the best V/split."""
+    from lorafusion.runtime.telemetry.report import steady_bubble, sweep_virtual
+    from lorafusion.scheduler.stages import CALIBRATION
+
+    if cfg.parallelism.pp == 1 or (b := steady_bubble(res["windows"])) is None:
+        return
+    print(f"pipeline: pp={cfg.parallelism.pp} virtual_stages={stage.virtual_stages} stage_layers={stage.split} "
+          f"(output layer + loss = {stage.loss_layers:.2f} layers of work on the last)")
+    print(f"simulated steady bubble {b[0]:.3f}, per stage {' '.join(f'{x:.3f}' for x in b[1])}  [{CALIBRATION}]")
+    if args.virtual_sweep:
+        rows = sweep_virtual(cfg, args.virtual_sweep, args.windows, out / "sweep")
+        print(f"{'V':>3} {'split':>5} {'bubble':>7}  per stage / stage_layers")
+        for r in rows:
+            print(f"{r['virtual_stages']:>3} {r['split']:>5} {r['bubble']:>7.3f}  "
+                  f"{' '.join(f'{x:.3f}' for x in r['bubble_per_stage'])}  {r['stage_layers']}")
+        if rows:
+            best = min(rows, key=lambda r: r["bubble"])
+            print(f"best: parallelism.virtual_stages={best['virtual_stages']} parallelism.stage_layers="
+                  f"{best['split'] if best['split'] == 'auto' else 'null'} (simulated {best['bubble']:.3f})")
 
 
 def cmd_submit(args) -> int:
     """Validate the job now (one clear error, the run untouched), then queue it for the run."""
     from lorafusion.config.load import load_job_config
-    from lorafusion.runtime.requests import check_submission, write_request
+    from lorafusion.rundir.requests import check_submission, write_request
 
     job = load_job_config(args.job, args.overrides, check_files=True)
     run = Path(args.run_dir)
@@ -112,7 +137,7 @@ def cmd_submit(args) -> int:
 
 
 def cmd_cancel(args) -> int:
-    from lorafusion.runtime.requests import check_cancel, require_run_dir, write_request
+    from lorafusion.rundir.requests import check_cancel, require_run_dir, write_request
 
     run = Path(args.run_dir)
     require_run_dir(run)
@@ -123,7 +148,7 @@ def cmd_cancel(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from lorafusion.runtime.status import format_status, read_status
+    from lorafusion.rundir.status import format_status, read_status
 
     status = read_status(Path(args.run_dir))
     print(json.dumps(status, indent=2) if args.json else format_status(status, Path(args.run_dir)))
@@ -132,7 +157,7 @@ def cmd_status(args) -> int:
 
 def _run_dir_of(src: Path) -> Path:
     """The run directory of ``src``: itself, or the run a checkpoints/<job>/step_N directory belongs to."""
-    from lorafusion.runtime.export_models import RECORD
+    from lorafusion.export.hf import RECORD
 
     if not (src / RECORD).is_file() and (src / "state.json").is_file() and (src.parents[2] / RECORD).is_file():
         return src.parents[2]
@@ -143,7 +168,8 @@ def cmd_export(args) -> int:
     """Copy a job's PEFT adapter out of a run directory or one checkpoint, or write the run's base model or
     a job's adapter merged into it (HF format); atomically, never over an existing --out without --force."""
     from lorafusion.core.errors import ConfigError
-    from lorafusion.runtime.export import copier, fill_dir_atomically, find_adapter
+    from lorafusion.rundir.adapters import find_adapter
+    from lorafusion.rundir.atomic import copier, fill_dir_atomically
 
     src = Path(args.checkpoint)
     out = Path(args.out)
@@ -158,14 +184,14 @@ def cmd_export(args) -> int:
                           f"(atomically, once the new export is complete)")
     note = ""
     if args.base:
-        from lorafusion.runtime.export_models import write_base
+        from lorafusion.export.hf import write_base
 
         fill, what = write_base(src, out)
         adapter, kind = None, "base"
     else:
         adapter, what = find_adapter(src, args.job, best=args.best)
         if args.merged:
-            from lorafusion.runtime.export_models import fp8_note, read_record, write_merged
+            from lorafusion.export.hf import fp8_note, read_record, write_merged
 
             fill, _ = write_merged(_run_dir_of(src), adapter)
             note = fp8_note(read_record(_run_dir_of(src)))  # an FP8-trained base: merged into the original weights
@@ -188,7 +214,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from lorafusion.runtime.generate import generate_file
+    from lorafusion.inference.generate import generate_file
 
     res = generate_file(args.run_dir, args.prompts, args.out, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,
@@ -208,6 +234,10 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _int_list(text: str) -> list[int]:
+    return [_positive_int(x) for x in text.split(",")]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lorafusion", description="Train many LoRA adapters of one base model at once.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -223,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--windows", type=_positive_int, default=20,
                     help="how many windows (chunks of scheduler.lookahead_batches global batches per job) to plan")
     pl.add_argument("--out", help="directory for tables and charts (default OUTPUT_DIR/plan)")
+    pl.add_argument("--virtual-sweep", type=_int_list, default=None, metavar="V,V,...",
+                    help="also simulate these parallelism.virtual_stages with the even and the auto split")
     sb = sub.add_parser("submit", help="add a job to a running (or stopped, before --resume) run")
     sb.add_argument("run_dir", help="the run's output_dir")
     sb.add_argument("job", help="the job's YAML (paths in it are relative to it)")
@@ -272,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         flags = [a for a in ("--resume", "--serve") if a in argv]
         argv = [a for a in argv if a not in flags] + flags
     args = build_parser().parse_args(argv)
-    from lorafusion.runtime.control import install_stack_dump
+    from lorafusion.runtime.signals import install_stack_dump
 
     install_stack_dump()  # kill -USR2 <pid>: every thread's stack on stderr (a hung multi-GPU run)
     handler = {"train": cmd_train, "plan": cmd_plan, "export": cmd_export, "status": cmd_status,

@@ -175,7 +175,7 @@ def single_shape(m, k, n, r, p, dtype, dev, do_compile, warmup, rep):
     seed_counter = itertools.count(1000)
     # one batch's routing and table cache across calls, as the LoRA layers share them per microbatch
     from lorafusion.core.routing import Routing
-    from lorafusion.kernels.tables import TableCache
+    from lorafusion.ops.tables import TableCache
 
     rt, tc = Routing.single(m), TableCache()
 
@@ -221,7 +221,7 @@ def single_shape(m, k, n, r, p, dtype, dev, do_compile, warmup, rep):
 
 def multi(m, k, n, dtype, dev, warmup, rep):
     from lorafusion.core.routing import Routing
-    from lorafusion.kernels.tables import TableCache
+    from lorafusion.ops.tables import TableCache
     from lorafusion.ops.fused import fused_lora_linear, multi_lora_linear_fused
 
     torch.manual_seed(1)
@@ -276,7 +276,7 @@ def breakdown(m, k, n, r, dtype, dev, warmup, rep):
     """Each kernel alone (and the cuBLAS GEMMs it competes with)."""
     from lorafusion.core.routing import Routing
     from lorafusion.kernels import fused_multi_lora as K
-    from lorafusion.kernels.tables import TableCache
+    from lorafusion.ops.tables import TableCache
 
     torch.manual_seed(2)
     routing = Routing.single(m)
@@ -291,27 +291,27 @@ def breakdown(m, k, n, r, dtype, dev, warmup, rep):
     for p in (0.1, 0.0):
         st = TableCache().slot_tables([r], [2.0], [p], [99], dev)
         tag = f"p{p:g}"
-        S = K.lora_shrink(x, A, st, routing, ids, k_total=k)
-        dS, _ = K.lora_ds_db(dy, B, S, st, routing)
-        out[f"shrink_{tag}"] = bench(lambda: K.lora_shrink(x, A, st, routing, ids, k_total=k), None, warmup, rep)
-        out[f"da_{tag}"] = bench(lambda: K.lora_da(x, dS, st, routing, ids, k_total=k), None, warmup, rep)
+        S = K.lora_shrink(x, A, st, routing, ids, k_total=k, cache=TableCache())
+        dS, _ = K.lora_ds_db(dy, B, S, st, routing, cache=TableCache())
+        out[f"shrink_{tag}"] = bench(lambda: K.lora_shrink(x, A, st, routing, ids, k_total=k, cache=TableCache()), None, warmup, rep)
+        out[f"da_{tag}"] = bench(lambda: K.lora_da(x, dS, st, routing, ids, k_total=k, cache=TableCache()), None, warmup, rep)
         out[f"dx_gemm_lora_{tag}"] = bench(lambda: K.lora_gemm(dy, W, None, dS, A, st.inv_keep, st, routing, n=k,
-                                                                dropout=st.dropout, row_ids=ids, k_total=k),
+                                                                dropout=st.dropout, row_ids=ids, k_total=k, cache=TableCache()),
                                            None, warmup, rep)
         dxb = dy @ W
-        out[f"da_dx_acc_{tag}"] = bench(lambda: K.lora_da_dx(x, dS, A, dxb, st, routing, ids, k_total=k), None,
+        out[f"da_dx_acc_{tag}"] = bench(lambda: K.lora_da_dx(x, dS, A, dxb, st, routing, ids, k_total=k, cache=TableCache()), None,
                                         warmup, rep)
         out[f"dx_lowrank_{tag}"] = bench(lambda: K.lora_gemm(None, None, None, dS, A, st.inv_keep, st, routing, n=k,
-                                                              dropout=st.dropout, row_ids=ids, k_total=k),
+                                                              dropout=st.dropout, row_ids=ids, k_total=k, cache=TableCache()),
                                          None, warmup, rep)
-    out["ds_db"] = bench(lambda: K.lora_ds_db(dy, B, S, st, routing), None, warmup, rep)
-    out["fwd_gemm_lora"] = bench(lambda: K.lora_gemm(x, W.t(), None, S, B.t(), st.scale, st, routing, n=n),
+    out["ds_db"] = bench(lambda: K.lora_ds_db(dy, B, S, st, routing, cache=TableCache()), None, warmup, rep)
+    out["fwd_gemm_lora"] = bench(lambda: K.lora_gemm(x, W.t(), None, S, B.t(), st.scale, st, routing, n=n, cache=TableCache()),
                                  None, warmup, rep)
-    out["fwd_gemm_triton_nolora"] = bench(lambda: K.lora_gemm(x, W.t(), None, S, B.t(), st.scale, st, empty, n=n),
+    out["fwd_gemm_triton_nolora"] = bench(lambda: K.lora_gemm(x, W.t(), None, S, B.t(), st.scale, st, empty, n=n, cache=TableCache()),
                                           None, warmup, rep)
-    out["fwd_lowrank"] = bench(lambda: K.lora_gemm(None, None, None, S, B.t(), st.scale, st, routing, n=n),
+    out["fwd_lowrank"] = bench(lambda: K.lora_gemm(None, None, None, S, B.t(), st.scale, st, routing, n=n, cache=TableCache()),
                                None, warmup, rep)
-    lr = K.lora_gemm(None, None, None, S, B.t(), st.scale, st, routing, n=n)
+    lr = K.lora_gemm(None, None, None, S, B.t(), st.scale, st, routing, n=n, cache=TableCache())
     out["fwd_cublas_addmm_beta1"] = bench(lambda: torch.addmm(lr, x, W.t()), None, warmup, rep)
     out["fwd_cublas"] = bench(lambda: F.linear(x, W), None, warmup, rep)
     out["dx_cublas"] = bench(lambda: dy @ W, None, warmup, rep)
@@ -326,7 +326,7 @@ def profile_host(smoke: bool):
 
     from lorafusion.core.routing import Routing
     from lorafusion.kernels import fused_multi_lora as K
-    from lorafusion.kernels.tables import TableCache
+    from lorafusion.ops.tables import TableCache
     from lorafusion.ops.fused import fused_lora_linear
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -343,13 +343,13 @@ def profile_host(smoke: bool):
     seeds = itertools.count(10)
     st = tc.slot_tables([16], [2.0], [0.1], [1], dev)
     seed_dev = torch.tensor([1], dtype=torch.int64, device=dev)
-    S = K.lora_shrink(x.detach(), A.detach(), st, routing, ids, k_total=k)
+    S = K.lora_shrink(x.detach(), A.detach(), st, routing, ids, k_total=k, cache=TableCache())
     Bt = B.detach().t().contiguous()
     pieces = {
         "slot_tables (new seed)": lambda: tc.slot_tables([16], [2.0], [0.1], [next(seeds)], dev),
         "slot_tables (seeds on device)": lambda: tc.slot_tables([16], [2.0], [0.1], seed_dev, dev),
-        "launch shrink": lambda: K.lora_shrink(x.detach(), A.detach(), st, routing, ids, k_total=k),
-        "launch lowrank": lambda: K.lora_gemm(None, None, None, S, Bt, st.scale, st, routing, n=n),
+        "launch shrink": lambda: K.lora_shrink(x.detach(), A.detach(), st, routing, ids, k_total=k, cache=TableCache()),
+        "launch lowrank": lambda: K.lora_gemm(None, None, None, S, Bt, st.scale, st, routing, n=n, cache=TableCache()),
         "torch.empty": lambda: torch.empty(m, 16, device=dev, dtype=dt),
         "F.linear (cuBLAS)": lambda: F.linear(x.detach(), W),
         "fused forward only": lambda: fused_lora_linear(x, W, None, A, B, 2.0, 0.1, next(seeds), routing=routing,

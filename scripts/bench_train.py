@@ -63,7 +63,7 @@ class BubbleRecorder:
     pp > 1; its summary keeps only their mean over all chunks, warm-up included)."""
 
     def __enter__(self):
-        from lorafusion.runtime.timers import StageTimers
+        from lorafusion.runtime.telemetry.timers import StageTimers
 
         self.values, self._orig = [], StageTimers.__dict__["bubble"]
         orig = self._orig.__func__
@@ -77,7 +77,7 @@ class BubbleRecorder:
         return self
 
     def __exit__(self, *exc):
-        from lorafusion.runtime.timers import StageTimers
+        from lorafusion.runtime.telemetry.timers import StageTimers
 
         StageTimers.bubble = self._orig
 
@@ -342,7 +342,7 @@ def _reset_between_runs() -> None:
     """Between two trainer runs of one bench: free the model; in one process also the process group (the
     next Trainer starts its own). Under torchrun the group stays (its rendezvous is torchrun's) and the next
     Trainer re-creates only Megatron's parallel state."""
-    from lorafusion.runtime.dist import destroy_distributed
+    from lorafusion.dist import destroy_distributed
 
     if not DIST:
         destroy_distributed()
@@ -388,7 +388,7 @@ def scale_record(result: dict, args) -> dict:
 
 def main() -> None:
     from lorafusion.cli import ALLOC_CONF
-    from lorafusion.runtime.control import install_stack_dump
+    from lorafusion.runtime.signals import install_stack_dump
 
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)  # as `lorafusion train` runs
     install_stack_dump()  # kill -USR2: every thread's stack (scripts/device/watch.sh)
@@ -461,7 +461,7 @@ def main() -> None:
     if ours is None:
         print(json.dumps(result, default=str))
         return
-    from lorafusion.runtime.dist import destroy_distributed
+    from lorafusion.dist import destroy_distributed
 
     write_results(result, args, out)  # now and after each baseline: a run cut short keeps what it measured
     if args.ablate:

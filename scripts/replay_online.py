@@ -178,7 +178,7 @@ def run_separate(trace: Trace, args, overrides: list[str], work: Path) -> dict:
 
 def run_policy(policy: str, trace: Trace, args, overrides: list[str], work: Path) -> dict:
     from lorafusion.config.load import load_job_config
-    from lorafusion.runtime.requests import write_request
+    from lorafusion.rundir.requests import write_request
 
     if policy == "separate":
         return run_separate(trace, args, overrides, work)

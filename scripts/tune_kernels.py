@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from lorafusion.kernels.tables import TableCache  # noqa: E402
+from lorafusion.ops.tables import TableCache  # noqa: E402
 from lorafusion.kernels import fused_multi_lora as K  # noqa: E402
 from lorafusion.kernels import tuning  # noqa: E402
 from lorafusion.core.routing import Routing  # noqa: E402
@@ -98,20 +98,20 @@ def main():
         A = (torch.randn(rt, k, device=dev) / k**0.5).to(dt)
         B = (torch.randn(n, rt, device=dev) * 0.1).to(dt)
         dy = torch.randn(m, n, device=dev, dtype=dt)
-        S = K.lora_shrink(x, A, st, routing, ids, k_total=k)
-        dS, _ = K.lora_ds_db(dy, B, S, st, routing)
+        S = K.lora_shrink(x, A, st, routing, ids, k_total=k, cache=TableCache())
+        dS, _ = K.lora_ds_db(dy, B, S, st, routing, cache=TableCache())
         dxb = dy @ W
         jobs = {
-            "gemm": [((m, n, k), lambda: K.lora_gemm(x, W.t(), None, S, B.t(), st.scale, st, routing, n=n)),
+            "gemm": [((m, n, k), lambda: K.lora_gemm(x, W.t(), None, S, B.t(), st.scale, st, routing, n=n, cache=TableCache())),
                      ((m, k, n), lambda: K.lora_gemm(dy, W, None, dS, A, st.inv_keep, st, routing, n=k,
-                                                     dropout=True, row_ids=ids, k_total=k))],
-            "lowrank": [((m, n, 0), lambda: K.lora_gemm(None, None, None, S, B.t(), st.scale, st, routing, n=n)),
+                                                     dropout=True, row_ids=ids, k_total=k, cache=TableCache()))],
+            "lowrank": [((m, n, 0), lambda: K.lora_gemm(None, None, None, S, B.t(), st.scale, st, routing, n=n, cache=TableCache())),
                         ((m, k, 0), lambda: K.lora_gemm(None, None, None, dS, A, st.inv_keep, st, routing, n=k,
-                                                        dropout=True, row_ids=ids, k_total=k))],
-            "shrink": [((m, st.r_max, k), lambda: K.lora_shrink(x, A, st, routing, ids, k_total=k))],
-            "ds_db": [((m, n, st.r_max), lambda: K.lora_ds_db(dy, B, S, st, routing))],
-            "da": [((m, st.r_max, k), lambda: K.lora_da(x, dS, st, routing, ids, k_total=k))],
-            "da_dx": [((m, st.r_max, k), lambda: K.lora_da_dx(x, dS, A, dxb, st, routing, ids, k_total=k))],
+                                                        dropout=True, row_ids=ids, k_total=k, cache=TableCache()))],
+            "shrink": [((m, st.r_max, k), lambda: K.lora_shrink(x, A, st, routing, ids, k_total=k, cache=TableCache()))],
+            "ds_db": [((m, n, st.r_max), lambda: K.lora_ds_db(dy, B, S, st, routing, cache=TableCache()))],
+            "da": [((m, st.r_max, k), lambda: K.lora_da(x, dS, st, routing, ids, k_total=k, cache=TableCache()))],
+            "da_dx": [((m, st.r_max, k), lambda: K.lora_da_dx(x, dS, A, dxb, st, routing, ids, k_total=k, cache=TableCache()))],
         }
         for kernel in kernels:
             for shape, run in jobs[kernel]:

@@ -19,7 +19,7 @@ def megatron_single():
     """Megatron parallel state for one process (TP=1, PP=1), set up once per test session."""
     from megatron.core import parallel_state
 
-    from lorafusion.runtime.dist import init_distributed
+    from lorafusion.dist import init_distributed
 
     if not parallel_state.model_parallel_is_initialized() or \
             parallel_state.get_tensor_model_parallel_world_size() != 1:

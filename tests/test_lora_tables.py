@@ -10,7 +10,7 @@ import torch
 from lorafusion.core.routing import Routing
 from lorafusion.core.seeds import mix_seed, name_key
 from lorafusion.data import pack_microbatch
-from lorafusion.kernels.tables import TableCache
+from lorafusion.ops.tables import TableCache
 from lorafusion.core.lora import LoRASpec
 from lorafusion.layers import add_adapter, get_lora_context, lora_modules
 from lorafusion.layers.lora_linear import LoRAContext, capture_routing, restore_routing

@@ -1,7 +1,7 @@
 """Per-microbatch adapter routing: which contiguous rows of a packed batch belong to which adapter.
 
 Pure data (no torch): the kernels build and cache their device tables from it
-(:mod:`lorafusion.kernels.tables`), keyed by the routing object's identity.
+(:mod:`lorafusion.ops.tables`), keyed by the routing object's identity.
 """
 
 from __future__ import annotations

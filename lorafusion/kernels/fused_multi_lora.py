@@ -1,8 +1,9 @@
 """FusedMultiLoRA launchers: shapes, block configs and grids around the kernels of :mod:`.fused_lora`.
 
-Every launcher takes the call's :class:`~lorafusion.kernels.tables.SlotTables` and a
-:class:`~lorafusion.kernels.tables.TableCache` that holds the microbatch's routing tables (built on the
-first call of a microbatch and reused by every layer); without a cache the tables are built for this call.
+Every launcher takes the call's :class:`~lorafusion.ops.tables.SlotTables` (``st``) and a
+:class:`~lorafusion.ops.tables.TableCache` (``cache``) that holds the microbatch's routing tables (built on the
+first call of a microbatch and reused by every layer; a fresh cache builds them for this call). Both come from
+:mod:`lorafusion.ops` (host-side tables, no Triton), which calls these launchers: they are handed in, not imported.
 """
 
 from __future__ import annotations
@@ -17,12 +18,7 @@ from lorafusion.kernels.fused_lora import (
     _lora_gemm_kernel,
     _shrink_kernel,
 )
-from lorafusion.kernels.tables import SlotTables, TableCache
 from lorafusion.kernels.tuning import get_config
-
-
-def _cache(cache: TableCache | None) -> TableCache:
-    return cache if cache is not None else TableCache()
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -35,9 +31,9 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def lora_gemm(x: torch.Tensor | None, w_kn: torch.Tensor | None, bias: torch.Tensor | None, S: torch.Tensor,
-              L_rn: torch.Tensor, coef: torch.Tensor, st: SlotTables, routing, *, n: int, dropout: bool = False,
+              L_rn: torch.Tensor, coef: torch.Tensor, st, routing, *, n: int, dropout: bool = False,
               row_ids: torch.Tensor | None = None, k_total: int = 0, k_offset: int = 0,
-              out: torch.Tensor | None = None, out_dtype=None, cache: TableCache | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, out_dtype=None, cache) -> torch.Tensor:
     """``out[m, n] = x·w_kn (+bias) + Σ_seg coef[a]·keep⊙(S[:, :r_a]·L_rn[roff_a:roff_a+r_a, :])``.
 
     ``w_kn`` and ``L_rn`` are any strided views with shapes [K, n] and [R_tot, n]; ``x`` None → low-rank only.
@@ -47,7 +43,7 @@ def lora_gemm(x: torch.Tensor | None, w_kn: torch.Tensor | None, bias: torch.Ten
     kdim = x.shape[1] if has_main else 0
     cfg = get_config("gemm" if has_main else "lowrank", m, n, kdim, S.element_size())
     bm, bn = cfg["BM"], cfg["BN"]
-    segs, mb = _cache(cache).gemm_tables(routing, bm, S.device)
+    segs, mb = cache.gemm_tables(routing, bm, S.device)
     if out is None:
         out = torch.empty(m, n, device=S.device, dtype=out_dtype or S.dtype)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
@@ -68,13 +64,13 @@ def lora_gemm(x: torch.Tensor | None, w_kn: torch.Tensor | None, bias: torch.Ten
     return out
 
 
-def lora_shrink(x: torch.Tensor, A_cat: torch.Tensor, st: SlotTables, routing, row_ids: torch.Tensor, *,
-                k_total: int, k_offset: int = 0, cache: TableCache | None = None) -> torch.Tensor:
+def lora_shrink(x: torch.Tensor, A_cat: torch.Tensor, st, routing, row_ids: torch.Tensor, *,
+                k_total: int, k_offset: int = 0, cache) -> torch.Tensor:
     """S [m, r_max] = keep⊙X·A_aᵀ/(1-p_a) per segment (zero beyond r_a and outside every segment)."""
     m, kdim = x.shape
     cfg = get_config("shrink", m, st.r_max, kdim, x.element_size())
     cfg["BM"] = max(16, min(cfg["BM"], 8192 // st.rb))
-    chunks, n_chunks, _ = _cache(cache).chunk_table(routing, cfg["BM"], x.device)
+    chunks, n_chunks, _ = cache.chunk_table(routing, cfg["BM"], x.device)
     S = torch.empty(m, st.r_max, device=x.device, dtype=x.dtype)
     _shrink_kernel[(n_chunks,)](
         x, A_cat, S, row_ids, chunks, st.seed, st.thr, st.inv_keep, st.r, st.roff,
@@ -99,8 +95,8 @@ def _reduce_by_slot(partial: torch.Tensor, ranges: dict, n_slots: int) -> list[t
     return out
 
 
-def lora_ds_db(dy: torch.Tensor, B_cat: torch.Tensor, S: torch.Tensor, st: SlotTables, routing,
-               need_db: bool = True, cache: TableCache | None = None) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+def lora_ds_db(dy: torch.Tensor, B_cat: torch.Tensor, S: torch.Tensor, st, routing,
+               need_db: bool = True, *, cache) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """One pass over dY [m, n]: dS [m, r_max] (dtype of S) and dB per slot (fp32 [n, r_a], None if no rows)."""
     m, n = dy.shape
     cfg = get_config("ds_db", m, n, st.r_max, dy.element_size())
@@ -108,7 +104,7 @@ def lora_ds_db(dy: torch.Tensor, B_cat: torch.Tensor, S: torch.Tensor, st: SlotT
     cap = max(16, 32768 // (st.rb * dy.element_size()))
     bn = max(16, min(cfg["BN"], 16384 // st.rb, cap))
     cfg["BM"] = max(16, min(cfg["BM"], cap))
-    chunks, n_chunks, ranges = _cache(cache).chunk_table(routing, cfg["CH"], dy.device, by_slot=True)
+    chunks, n_chunks, ranges = cache.chunk_table(routing, cfg["CH"], dy.device, by_slot=True)
     nblk = triton.cdiv(n, bn)
     dsp = torch.empty(nblk, m, st.rb, device=dy.device, dtype=torch.float32)
     dbp = torch.empty(n_chunks, n, st.rb, device=dy.device, dtype=torch.float32)
@@ -125,13 +121,13 @@ def lora_ds_db(dy: torch.Tensor, B_cat: torch.Tensor, S: torch.Tensor, st: SlotT
     return dS, dB
 
 
-def lora_da(x: torch.Tensor, dS: torch.Tensor, st: SlotTables, routing, row_ids: torch.Tensor, *,
-            k_total: int, k_offset: int = 0, cache: TableCache | None = None) -> list[torch.Tensor | None]:
+def lora_da(x: torch.Tensor, dS: torch.Tensor, st, routing, row_ids: torch.Tensor, *,
+            k_total: int, k_offset: int = 0, cache) -> list[torch.Tensor | None]:
     """dA per slot (fp32 [r_a, k], None if the slot has no rows) = dSᵀ·keep⊙X/(1-p)."""
     m, kdim = x.shape
     cfg = get_config("da", m, st.r_max, kdim, x.element_size())
     bk = max(16, min(cfg["BK"], 16384 // st.rb))  # keep the [RB, BK] fp32 accumulator in registers
-    chunks, n_chunks, ranges = _cache(cache).chunk_table(routing, cfg["CH"], x.device, by_slot=True)
+    chunks, n_chunks, ranges = cache.chunk_table(routing, cfg["CH"], x.device, by_slot=True)
     dap = torch.empty(n_chunks, st.rb, kdim, device=x.device, dtype=torch.float32)
     _da_kernel[(triton.cdiv(kdim, bk), n_chunks)](
         x, dS, dap, row_ids, chunks, st.seed, st.thr, st.inv_keep, st.r, st.roff,
@@ -143,9 +139,9 @@ def lora_da(x: torch.Tensor, dS: torch.Tensor, st: SlotTables, routing, row_ids:
             for a, part in enumerate(_reduce_by_slot(dap, ranges, len(st.ranks)))]
 
 
-def lora_da_dx(x: torch.Tensor, dS: torch.Tensor, A_cat: torch.Tensor, dx: torch.Tensor | None, st: SlotTables,
+def lora_da_dx(x: torch.Tensor, dS: torch.Tensor, A_cat: torch.Tensor, dx: torch.Tensor | None, st,
                routing, row_ids: torch.Tensor, *, k_total: int, k_offset: int = 0,
-               need_da: bool = True, cache: TableCache | None = None) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+               need_da: bool = True, cache) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """dA per slot and ``dx (+)= keep⊙(dS·A)/(1-p)`` in one pass with one mask per tile.
 
     ``dx`` given: accumulated into in place (it holds dY·W); None: a new tensor with the low-rank term alone.
@@ -153,7 +149,7 @@ def lora_da_dx(x: torch.Tensor, dS: torch.Tensor, A_cat: torch.Tensor, dx: torch
     m, kdim = x.shape
     cfg = get_config("da_dx", m, st.r_max, kdim, x.element_size())
     bk = max(16, min(cfg["BK"], 8192 // st.rb))
-    chunks, n_chunks, ranges = _cache(cache).chunk_table(routing, cfg["CH"], x.device, by_slot=True)
+    chunks, n_chunks, ranges = cache.chunk_table(routing, cfg["CH"], x.device, by_slot=True)
     acc = dx is not None
     if dx is None:
         dx = torch.empty(m, kdim, device=x.device, dtype=x.dtype)

@@ -87,7 +87,7 @@ def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
 class PackedDotProductAttention(MegatronModule):
     """Drop-in for Megatron's ``DotProductAttention`` that also takes ``packed_seq_params`` (thd).
 
-    ``kv_cache``: None except while decoding (:func:`lorafusion.models.kv_cache.decoding`), when packed
+    ``kv_cache``: None except while decoding (:func:`lorafusion.inference.kv_cache.decoding`), when packed
     rows attend through the cache instead."""
 
     kv_cache = None

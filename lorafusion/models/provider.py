@@ -83,10 +83,11 @@ def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, p
         layer_spec.submodules.input_layernorm = norm_spec(norm_impl)
         layer_spec.submodules.pre_mlp_layernorm = norm_spec(norm_impl)
     if impl is not None:
-        from megatron_patches import apply_packed_rope_patch
+        from lorafusion.compat.megatron import apply_packed_rope_patch
+        from lorafusion.models.fused.rope import packed_rope
 
-        apply_packed_rope_patch()
-        cfg.lorafusion_rope_impl = impl  # read by the packed-RoPE dispatcher (megatron_patches.rope)
+        apply_packed_rope_patch(packed_rope)
+        cfg.lorafusion_rope_impl = impl  # read by the packed-RoPE dispatcher (lorafusion.compat.megatron.rope)
     if norm_impl is not None:
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
@@ -123,7 +124,7 @@ def enable_lora_recompute(model: GPTModel) -> None:
        backward when an input requires grad, and on the first stage no input would, so the first stage's
        adapters would silently get no gradient.
     """
-    from megatron_patches import apply_recompute_state_hook
+    from lorafusion.compat.megatron import apply_recompute_state_hook
 
     from lorafusion.layers.lora_linear import capture_routing, restore_routing
 

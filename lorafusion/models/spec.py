@@ -69,6 +69,7 @@ def transformer_config(arch: ModelArch, params_dtype: torch.dtype = torch.float3
         variable_seq_lengths=True,
         calculate_per_token_loss=True,
         moe_token_dispatcher_type="alltoall",
+        cuda_graph_scope=[],  # megatron's default "full" warns "full scope is deprecated"; [] is the same
     )
     if recompute_layers is not None and not recompute:
         raise ConfigError(f"model.recompute_layers: {recompute_layers} needs model.recompute: true")

@@ -4,7 +4,7 @@ Layers call :func:`multi_lora_delta` / :func:`multi_lora_linear`; the implementa
 argument ("reference" | "fused"), or automatic when it is None (fused when the input is on CUDA and the
 Triton kernels import). There is no process-wide default: the LoRA layers pass their model's choice.
 
-``cache`` (a :class:`lorafusion.kernels.tables.TableCache`) keeps device tables across calls of one
+``cache`` (a :class:`lorafusion.ops.tables.TableCache`) keeps device tables across calls of one
 microbatch and adapter set; ``seed_table`` is ``seeds`` already on the device (one int64 per slot).
 """
 

@@ -21,7 +21,7 @@ import torch
 import functools
 
 from lorafusion.core.routing import Routing
-from lorafusion.kernels.tables import TableCache
+from lorafusion.ops.tables import TableCache
 from lorafusion.ops.comm import apply_s_comm
 from lorafusion.ops.dropout import keep_mask
 

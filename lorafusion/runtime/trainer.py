@@ -19,9 +19,11 @@ import torch
 from lorafusion import ops
 from lorafusion.config.schema import RunConfig
 from lorafusion.core.errors import ConfigError
-from lorafusion.runtime.checkpoint import write_text_atomic
+from lorafusion.rundir.atomic import write_text_atomic
+from lorafusion.rundir.layout import RunDir
 from lorafusion.runtime.feed import Feed, job_state, load_jobs, scheduler_config
-from lorafusion.runtime.outdir import OutputDirLock, check_output_dir
+from lorafusion.rundir.lock import OutputDirLock, check_output_dir
+from lorafusion.runtime.online import check_adapter_fits
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,9 +60,9 @@ class Trainer:
         from lorafusion.layers import get_lora_context
         from lorafusion.runtime.evaluate import Evaluator
         from lorafusion.models.provider import build_model
-        from lorafusion.runtime.dist import init_distributed
-        from lorafusion.runtime.resume import JobCheckpoints
-        from lorafusion.runtime.timers import StageTimers
+        from lorafusion.dist import init_distributed, share_from_rank0
+        from lorafusion.checkpoint.policy import JobCheckpoints
+        from lorafusion.runtime.telemetry.timers import StageTimers
 
         cfg = self.cfg
         cfg.check_world_size()
@@ -71,7 +73,7 @@ class Trainer:
         self.tokenizer, self.jobs = load_jobs(cfg)
         info = init_distributed(cfg.parallelism.tp, cfg.parallelism.pp, seed=cfg.seed)
         self.is_logger = info["rank"] == 0
-        self._lock.acquire(self.is_logger)
+        self._lock.acquire(self.is_logger, share=share_from_rank0)
         dp_rank = parallel_state.get_data_parallel_rank()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         ckpt = None
@@ -98,7 +100,7 @@ class Trainer:
         self.checkpoints = JobCheckpoints(cfg, self.jobs, self.model, self.export, is_logger=self.is_logger)
         self.evaluator = Evaluator(self.model, self.jobs, self.checkpoints, self.device, self.tokenizer.eos_id)
         if self.resume:  # jobs added by `lorafusion submit` are not in the YAML: they come back from the run dir
-            from lorafusion.runtime.live import submitted_jobs
+            from lorafusion.runtime.online import submitted_jobs
 
             for job in submitted_jobs(self.out):
                 if job.name not in self.jobs:
@@ -120,13 +122,20 @@ class Trainer:
         from lorafusion.layers import adapter_parameters, add_adapter
         from lorafusion.runtime.optim import AdapterOptimizer
 
-        add_adapter(self.model, js.cfg.name, js.cfg.lora, seed=self.cfg.seed)
+        check_adapter_fits(self.cfg, js.cfg, self.arch)  # before allocating: lora.r = 10**12 is one clear error
+        if js.cfg.init_from is not None:  # continued training of a PEFT adapter (a resume then loads its checkpoint)
+            from lorafusion.export.peft import import_peft_adapter
+
+            import_peft_adapter(self.model, js.cfg.name, js.cfg.init_from, spec=js.cfg.lora,
+                                where=f"{self.cfg.source}: jobs.{js.cfg.name}")
+        else:
+            add_adapter(self.model, js.cfg.name, js.cfg.lora, seed=self.cfg.seed)
         params = list(adapter_parameters(self.model, js.cfg.name).values())
         js.optimizer = AdapterOptimizer.from_config(params, js.cfg.optimizer, js.stream.total_steps)
 
     # -------------------------------------------------------------------------------------------- loop
     def run(self) -> dict:
-        from lorafusion.runtime.control import StopSignals
+        from lorafusion.runtime.signals import StopSignals
 
         try:
             with StopSignals() as stops:
@@ -135,11 +144,11 @@ class Trainer:
             self.release()
 
     def _run(self, stops) -> dict:
-        from lorafusion.runtime.metrics import MetricsWriter, Progress, cut_metrics, max_memory_gib
+        from lorafusion.runtime.telemetry.metrics import MetricsWriter, Progress, cut_metrics, max_memory_gib
         from lorafusion.runtime.pipeline import run_chunk
-        from lorafusion.runtime.handover import Handover
-        from lorafusion.runtime.live import LiveJobs
-        from lorafusion.runtime.status import StatusWriter
+        from lorafusion.checkpoint.handover import Handover
+        from lorafusion.runtime.online import LiveJobs
+        from lorafusion.runtime.telemetry.status import StatusWriter
 
         self._setup()
         cfg = self.cfg
@@ -147,9 +156,9 @@ class Trainer:
         if self.is_logger:
             self.out.mkdir(parents=True, exist_ok=True)
             if self.resume:  # rows after each job's checkpoint are trained again: drop them, never repeat them
-                cut_metrics(self.out / "metrics.jsonl", {n: js.steps for n, js in self.jobs.items()})
+                cut_metrics(RunDir(self.out).metrics, {n: js.steps for n, js in self.jobs.items()})
             else:  # a fresh run (the directory held at most a failed run's rows, see check_output_dir)
-                (self.out / "metrics.jsonl").unlink(missing_ok=True)
+                RunDir(self.out).metrics.unlink(missing_ok=True)
             metrics = MetricsWriter(self.out, tensorboard=cfg.logging.tensorboard)
             progress = Progress({n: js.stream.total_steps for n, js in self.jobs.items()},
                                 enabled=cfg.logging.progress, log_every=cfg.logging.log_every)
@@ -251,7 +260,7 @@ class Trainer:
                 self.checkpoints.save_all(only_default_policy=True)  # the end of the run: every job's final state
             for name, js in self.jobs.items():  # (jobs handed over at a boundary were exported then)
                 if js.status != "cancelled" and not js.handed_over and (js.steps >= js.stream.total_steps or js.halted):
-                    self.export(name, self.out / "adapters" / name)
+                    self.export(name, RunDir(self.out).adapter(name))
             self.handover.close()  # every hand-over written before the summary says done
         finally:
             try:
@@ -277,21 +286,21 @@ class Trainer:
                      for n, js in self.jobs.items()},
         }
         if self.is_logger:
-            write_text_atomic(self.out / "summary.json", json.dumps(summary, indent=2) + "\n")
+            write_text_atomic(RunDir(self.out).summary, json.dumps(summary, indent=2) + "\n")
             status.write(summary["status"], {n: j["status"] for n, j in summary["jobs"].items()})
         return summary
 
     # ------------------------------------------------------------------------------- export / checkpoint
     def snapshot(self, name: str) -> tuple | None:
         """Adapter ``name`` in host memory as a PEFT adapter of this run's base (collective; rank 0 gets it)."""
-        from lorafusion.runtime.export import peft_adapter_snapshot
-        from lorafusion.runtime.export_models import base_reference
+        from lorafusion.export.peft import peft_adapter_snapshot
+        from lorafusion.export.hf import base_reference
 
         return peft_adapter_snapshot(self.model, name, self.arch,
                                      base_reference(self.cfg, self.out, self.arch, self.device))
 
     def export(self, name: str, out_dir: Path) -> None:
-        from lorafusion.runtime.export import write_peft_adapter
+        from lorafusion.export.peft import write_peft_adapter
 
         if (snap := self.snapshot(name)) is not None:
             write_peft_adapter(out_dir, *snap)
@@ -302,12 +311,13 @@ class Trainer:
         the background (``js.written`` once complete); with ``release`` its adapter and optimizer state leave
         the model."""
         from lorafusion.layers import remove_adapter
-        from lorafusion.runtime.export import copier, fill_dir_atomically, write_peft_adapter
+        from lorafusion.export.peft import write_peft_adapter
+        from lorafusion.rundir.atomic import copier, fill_dir_atomically
 
         js = self.jobs[name]
         snap = self.snapshot(name)
         save = self.checkpoints.start_final(name, snap)
-        out = self.out / "adapters" / name
+        out = RunDir(self.out).adapter(name)
 
         def write() -> None:
             saved = save() if save is not None else None  # (the checkpoint's directory on rank 0)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import subprocess
+import sys
+import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -28,7 +30,38 @@ def highs_available() -> bool:
 def _use_highs(kind: str) -> bool:
     if kind == "highs" and not highs_available():
         raise PlanError("solver='highs' needs the highspy package")
-    return kind == "highs" or (kind == "auto" and highs_available())
+    use = kind == "highs" or (kind == "auto" and highs_available())
+    if use:
+        _quiet_highs_banner()
+    return use
+
+
+_BANNER_LOCK = threading.Lock()
+_BANNER_DONE = False
+
+
+def _quiet_highs_banner() -> None:
+    """HiGHS prints its banner ("Running HiGHS 1.16.0 ...") on the process's stdout in the C++ constructor of
+    the first ``Highs()`` of a process, before ``output_flag`` (PuLP's ``msg=False``) can be set; later ones are
+    silent. Make that first one here with file descriptor 1 on /dev/null for the constructor's duration."""
+    global _BANNER_DONE
+    with _BANNER_LOCK:
+        if _BANNER_DONE:
+            return
+        _BANNER_DONE = True
+        import highspy
+
+        sys.stdout.flush()
+        saved = os.dup(1)
+        try:
+            with open(os.devnull, "wb") as null:
+                os.dup2(null.fileno(), 1)
+                try:
+                    highspy.Highs()
+                finally:
+                    os.dup2(saved, 1)
+        finally:
+            os.close(saved)
 
 
 def _cbc() -> pulp.PULP_CBC_CMD:

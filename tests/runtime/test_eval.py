@@ -157,7 +157,7 @@ def test_early_stopping_best_checkpoint_survives_pruning_and_export_best(tmp_pat
 
 
 def test_eval_rows_are_strict_json_with_a_tensorboard_scalar(tmp_path):
-    from lorafusion.runtime.metrics import MetricsWriter
+    from lorafusion.runtime.telemetry.metrics import MetricsWriter
 
     w = MetricsWriter(tmp_path, tensorboard=True)
     w.log_eval({"job": "a", "step": 3, "eval_loss": 1.5, "eval_tokens": 10, "best_eval_loss": 1.5, "best_step": 3})
@@ -174,7 +174,7 @@ def test_eval_rows_are_strict_json_with_a_tensorboard_scalar(tmp_path):
 
 
 def test_best_pointer_survives_pruning(tmp_path):
-    from lorafusion.runtime.checkpoint import best_checkpoint, mark_best, prune_checkpoints
+    from lorafusion.checkpoint.format import best_checkpoint, mark_best, prune_checkpoints
 
     for s in range(1, 6):
         (tmp_path / f"step_{s:06d}").mkdir()

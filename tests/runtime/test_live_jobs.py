@@ -8,7 +8,7 @@ import yaml
 
 import lorafusion.runtime.pipeline as pipeline
 from lorafusion.cli import main
-from lorafusion.runtime.live import LiveJobs
+from lorafusion.runtime.online import LiveJobs
 from runtime_utils import assert_close, job_dict, load_adapter, train_inprocess, write_dataset, write_run
 
 
@@ -74,7 +74,7 @@ def test_a_finished_job_is_handed_over_while_the_run_goes_on(tmp_path, monkeypat
     (held back here until two more chunks have run), and ``status`` says ``done`` only once they are."""
     import threading
 
-    import lorafusion.runtime.checkpoint as checkpoint
+    import lorafusion.checkpoint.format as checkpoint
     from lorafusion.layers import get_lora_context
 
     jobs = [job_dict("short", write_dataset(tmp_path / "d" / "short.jsonl", 1), r=4, steps=2),
@@ -193,7 +193,7 @@ def test_bad_requests_are_one_line(tmp_path, capsys, case, three_jobs):
 @pytest.mark.parametrize("state", ["done", "cancelled", "diverged", "early_stopped"])
 def test_cancel_of_an_ended_job_is_refused_at_once(tmp_path, state):
     from lorafusion.core.errors import ConfigError
-    from lorafusion.runtime.requests import check_cancel
+    from lorafusion.rundir.requests import check_cancel
 
     (tmp_path / "status.json").write_text(json.dumps({"run": {}, "jobs": {"j": {"state": state}, "k": {"state": "running"}}}))
     with pytest.raises(ConfigError, match=f"job 'j' is already {state}: nothing to cancel"):

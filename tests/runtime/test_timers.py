@@ -5,8 +5,8 @@ import time
 import pytest
 import torch
 
-from lorafusion.runtime import timers as timers_mod
-from lorafusion.runtime.timers import StageTimers
+from lorafusion.runtime.telemetry import timers as timers_mod
+from lorafusion.runtime.telemetry.timers import StageTimers
 
 
 def test_cpu_spans_and_bubble(monkeypatch):

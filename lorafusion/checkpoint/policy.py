@@ -1,0 +1,219 @@
+"""A run's per-job checkpoints, whatever the training recipe: when each job is saved (``save_every``, timed,
+on a stop signal, at the end), what a save records, and resuming every job from its newest usable checkpoint
+after checking that its settings did not change. The files themselves: :mod:`.checkpoint`."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from lorafusion.core.errors import ConfigError, MissingFileError
+from lorafusion.rundir.layout import RunDir
+
+
+class JobCheckpoints:
+    """Checkpoints of the jobs ``jobs`` (name -> job state with ``cfg``, ``steps``, ``stream``, ``optimizer``…)
+    of run ``cfg`` under ``OUTPUT_DIR/checkpoints/<job>/``. ``export(name, dir)`` writes a job's PEFT adapter.
+    Saving and loading are collective over all ranks."""
+
+    def __init__(self, cfg, jobs: dict, model, export, *, is_logger: bool):
+        self.cfg, self.jobs, self.model, self.export, self.is_logger = cfg, jobs, model, export, is_logger
+        self.root = RunDir(cfg.output_dir).checkpoints
+        self._fingerprints: dict[str, dict] = {}
+        self._saved_step: dict[str, int] = {}  # job -> step of its newest checkpoint
+        self._saved_status: dict[str, str] = {}  # job -> the status that checkpoint recorded
+        self._stream_states: dict[str, dict] = {}  # job -> stream state at the newest chunk boundary
+
+    def chunk_done(self, chunk) -> None:
+        """Note the stream states at the end of ``chunk`` (a feed ``Chunk``) of the jobs still training."""
+        self._stream_states.update({n: s for n, s in chunk.stream_states.items()
+                                    if not self.jobs[n].halted})
+
+    def save_due(self, chunk) -> None:
+        """Checkpoint every job of ``chunk`` whose ``save_every`` divides a step the chunk took (unless it was
+        saved at its current step already: a best-eval checkpoint)."""
+        for name, batches in chunk.batches.items():
+            js = self.jobs[name]
+            every = js.cfg.save_every
+            took = range(js.steps - len(batches) + 1, js.steps + 1)
+            if every and not js.halted and self._saved_step.get(name) != js.steps and any(s % every == 0 for s in took):
+                self.save(name, chunk.stream_states[name])
+
+    def save_all(self, *, only_default_policy: bool) -> None:
+        """Checkpoint every job not yet saved at its current step (``only_default_policy``: only jobs without
+        ``save_every``, whose policy is time-based and at the end; a stop signal saves every job)."""
+        for name, js in self.jobs.items():
+            if (only_default_policy and js.cfg.save_every) or js.handed_over:  # (saved when it ended)
+                continue
+            if self._saved_step.get(name) != js.steps and name in self._stream_states:
+                self.save(name, self._stream_states[name])
+
+    def save_now(self, name: str) -> None:
+        """Checkpoint job ``name`` at the newest chunk boundary, saved at this step before or not."""
+        self._saved_step.pop(name, None)
+        self.save(name, self._boundary_stream(name))
+
+    def _boundary_stream(self, name: str) -> dict:
+        """Job ``name``'s data stream as of the newest chunk boundary (a job that has not run a chunk yet —
+        cancelled at once — is at the start of its stream)."""
+        return self._stream_states.get(name) or self.jobs[name].stream.state_dict()
+
+    def start_final(self, name: str, adapter: tuple | None):
+        """A job that ended, handed over before the run's end (collective, quick): the checkpoint the end of
+        the run would write for it (a job with ``save_every`` keeps its own steps), and a cancelled job's
+        always — unless its newest checkpoint holds that state already (a resumed job; a halted job was saved
+        when it halted). Returns the write (no collectives; see ``checkpoint.start_job_checkpoint``), or None
+        when there is nothing to save. ``adapter``: rank 0's ``peft_adapter_snapshot`` of the job."""
+        from lorafusion.layers import adapter_parameters
+        from lorafusion.checkpoint.format import start_job_checkpoint
+
+        js = self.jobs[name]
+        if self._saved_step.get(name) == js.steps and self._saved_status.get(name) == js.status:
+            return None
+        if js.status == "cancelled":
+            stream = self._boundary_stream(name)
+        elif not js.cfg.save_every and name in self._stream_states:
+            stream = self._stream_states[name]
+        else:
+            return None
+        write = start_job_checkpoint(self.root / name, js.steps, adapter_params=adapter_parameters(self.model, name),
+                                     optimizer_state=js.optimizer.state_dict(), state=self._state(name, stream),
+                                     adapter=adapter, keep_last=self.cfg.checkpoint.keep_last)
+        self._saved_step[name], self._saved_status[name] = js.steps, js.status
+        return write
+
+    def save(self, name: str, stream_state: dict) -> None:
+        """``stream_state``: the job's data stream as of the chunk boundary being saved (the feed's live
+        stream is already a chunk further)."""
+        from lorafusion.layers import adapter_parameters
+        from lorafusion.checkpoint.format import save_job_checkpoint
+
+        js = self.jobs[name]
+        save_job_checkpoint(self.root / name, js.steps,
+                            adapter_params=adapter_parameters(self.model, name),
+                            optimizer_state=js.optimizer.state_dict(), state=self._state(name, stream_state),
+                            write_adapter=lambda d: self.export(name, d), keep_last=self.cfg.checkpoint.keep_last)
+        self._saved_step[name], self._saved_status[name] = js.steps, js.status
+
+    def _state(self, name: str, stream_state: dict) -> dict:
+        """A checkpoint's ``state.json`` for job ``name`` as it is now."""
+        js = self.jobs[name]
+        return {"job": name, "step": js.steps, "tokens": js.tokens, "stream": stream_state,
+                "first_loss": js.first_loss, "last_loss": js.last_loss, "status": js.status,
+                "nonfinite": js.nonfinite, "eval": {"last": js.last_eval, "best": js.best_eval,
+                                                    "best_step": js.best_step, "since_best": js.evals_since_best},
+                "seed": self.cfg.seed, "layout": self.cfg.parallelism.model_dump(),
+                "settings": self._settings(name)}
+
+    def save_best(self, name: str) -> None:
+        """Checkpoint job ``name`` at its current step (unless saved at it already) and mark that checkpoint
+        as its best-eval one: ``checkpoints/<job>/best`` names it and pruning keeps it."""
+        from lorafusion.checkpoint.format import mark_best
+
+        if self._saved_step.get(name) != self.jobs[name].steps:
+            self.save_now(name)
+        if self.is_logger:
+            mark_best(self.root / name, self.jobs[name].steps)
+
+    def _settings(self, name: str) -> dict:
+        """What a resume must find unchanged for job ``name`` (flat dotted keys as in the YAML): everything that
+        changes its result except ``max_steps`` / ``num_epochs`` (raising them continues the job; its lr
+        schedule then spans the new total) and ``save_every``."""
+        if name not in self._fingerprints:
+            cfg, job = self.cfg, self.jobs[name].cfg
+            ds = job.dataset.model_dump(exclude={"path"})
+            ds["sha256"] = file_sha256(Path(job.dataset.path))
+            tree = {"eval_split": job.eval_split,  # the held-out share changes the training samples
+                    "lora": job.lora.model_dump(mode="json"), "optimizer": job.optimizer.model_dump(mode="json"),
+                    "global_batch_size": job.global_batch_size, "dataset": ds}
+            flat = _flatten(tree)
+            # (paths by name only: a run directory that moved with its data still resumes)
+            flat.update({"(run) seed": cfg.seed, "(run) model.dtype": cfg.model.dtype,
+                         "(run) model": Path(cfg.model.path).name if cfg.model.path else cfg.model.preset,
+                         "(run) tokenizer.type": cfg.tokenizer.type})
+            if cfg.model.base_precision != "bf16":  # (absent = bf16: checkpoints written before the field resume)
+                flat["(run) model.base_precision"] = cfg.model.base_precision
+            self._fingerprints[name] = flat
+        return self._fingerprints[name]
+
+    def _check_settings(self, name: str, path: Path, saved: dict | None) -> None:
+        if saved is None:  # a checkpoint written before settings were recorded
+            return
+        if "lora.r" in saved and "lora.shared_fused_a" not in saved:  # before PEFT's A per projection: one shared A
+            saved = {**saved, "lora.shared_fused_a": True}
+        index = next(i for i, j in enumerate(self.cfg.jobs) if j.name == name)
+        now = self._settings(name)
+        for key in sorted(set(saved) | set(now)):
+            if saved.get(key) != now.get(key):
+                field = key.replace("(run) ", "") if key.startswith("(run) ") else \
+                    f"jobs.{index}.{key.replace('dataset.sha256', 'dataset.path')}"
+                what = "the data file's contents changed" if key == "dataset.sha256" else \
+                    f"the checkpoint has {saved.get(key)!r}, the config {now.get(key)!r}"
+                if key == "lora.shared_fused_a" and saved.get(key):
+                    what += (" (the checkpoint's fused q/k/v and gate/up share one A; set lora.shared_fused_a: "
+                             "true to resume it)")
+                raise ConfigError(f"{self.cfg.source}: {field}: cannot resume job {name!r} from {path}: {what}; "
+                                  f"resuming would change its result (raising max_steps/num_epochs is allowed; "
+                                  f"otherwise use a new output_dir)")
+
+    def load(self) -> None:
+        """Resume every job that has a checkpoint: adapter, optimizer, data stream and counters."""
+        import torch.distributed as dist
+
+        from lorafusion.layers import adapter_parameters
+        from lorafusion.checkpoint.format import load_newest_usable
+
+        for name, js in self.jobs.items():
+            path, state, tensors, skipped = load_newest_usable(self.root / name)
+            if dist.is_initialized() and dist.get_world_size() > 1:  # every rank must resume the same step
+                steps = [None] * dist.get_world_size()
+                dist.all_gather_object(steps, None if path is None else path.name)
+                if len(set(steps)) > 1:
+                    raise MissingFileError(f"{self.root / name}: ranks found different usable "
+                                           f"checkpoints ({sorted(set(map(str, steps)))}); a checkpoint is damaged")
+            if path is None:
+                continue
+            if skipped and self.is_logger:
+                for bad, why in skipped:
+                    print(f"job {name}: checkpoint {bad} is not usable ({why}); falling back", flush=True)
+                print(f"job {name}: resuming from {path}", flush=True)
+            self._check_settings(name, path, state.get("settings"))
+            params = adapter_parameters(self.model, name)
+            with torch.no_grad():
+                for k, p in params.items():
+                    if k not in tensors["adapter"] or tensors["adapter"][k].shape != p.shape:
+                        raise ConfigError(f"{path}: adapter tensor {k} is missing or has another shape; "
+                                          f"the checkpoint does not match job {name!r}'s lora settings")
+                    p.copy_(tensors["adapter"][k])
+            js.optimizer.load_state_dict(tensors["optimizer"])
+            js.stream.load_state_dict(state["stream"])
+            js.steps, js.tokens = state["step"], state.get("tokens", 0)
+            js.first_loss, js.last_loss = state.get("first_loss"), state.get("last_loss")
+            js.status, js.nonfinite = state.get("status", "running"), state.get("nonfinite", 0)
+            js.optimizer.paused = js.halted
+            ev = state.get("eval") or {}
+            js.last_eval, js.best_eval, js.best_step = ev.get("last"), ev.get("best"), ev.get("best_step")
+            js.evals_since_best = ev.get("since_best", 0)
+            self._saved_step[name], self._saved_status[name] = js.steps, js.status
+            self._stream_states[name] = state["stream"]
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file's bytes (1 MiB reads)."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,24 @@
+"""Explicit, versioned shims that let megatron-core 0.16.x run on CPU with gloo.
+
+Megatron-core assumes CUDA in a handful of places (``torch.cuda.current_device()``, its CUDA RNG
+tracker, ``device="cuda"`` buffers in the schedules and p2p). :func:`apply_cpu_patches` replaces exactly
+those, once, and only when CUDA is absent; on a GPU it does nothing. :func:`apply_recompute_state_hook`
+(LoRA routing under activation recomputation), :func:`apply_packed_rope_patch` (sync-free packed RoPE
+for models built with fused ops), :func:`apply_rope_positions_patch` (RoPE at explicit positions while
+decoding with a KV cache) and :func:`apply_stream_local_p2p_sync` (no device-wide synchronise in the
+pipeline p2p while a gradient-norm all-reduce is pending) work on CPU and GPU. Nothing is patched on import.
+"""
+
+from lorafusion.compat.megatron.cpu import apply_cpu_patches, cpu_patches_applied
+from lorafusion.compat.megatron.p2p import apply_stream_local_p2p_sync, stream_local_p2p_sync_applied
+from lorafusion.compat.megatron.recompute import apply_recompute_state_hook
+from lorafusion.compat.megatron.rope import (
+    apply_packed_rope_patch,
+    apply_rope_positions_patch,
+    packed_rope_patch_applied,
+    rope_positions_patch_applied,
+)
+
+__all__ = ["apply_cpu_patches", "cpu_patches_applied", "apply_stream_local_p2p_sync", "stream_local_p2p_sync_applied",
+           "apply_recompute_state_hook", "apply_packed_rope_patch", "packed_rope_patch_applied",
+           "apply_rope_positions_patch", "rope_positions_patch_applied"]

@@ -1,0 +1,82 @@
+"""Packed (thd) RoPE without host syncs, for models that ask for it (megatron-core 0.16).
+
+Megatron's ``apply_rotary_pos_emb`` with ``cu_seqlens`` runs ``_apply_rotary_pos_emb_thd``, which calls
+``.tolist()`` on ``cu_seqlens`` (a device→host sync) for every q and k of every layer and splits the
+microbatch per sample. :func:`apply_packed_rope_patch` replaces the name
+``megatron.core.transformer.attention.apply_rotary_pos_emb`` (the one ``Attention.forward`` calls) with a
+dispatcher: when the model's ``TransformerConfig`` carries ``lorafusion_rope_impl`` ("torch" or "triton",
+set by ``lorafusion.models.provider.build_model`` for fused ops) and the call is a packed, non-interleaved,
+full-rotary-dim call without context parallelism or mscale, it runs the ``packed_rope`` it was given
+(``lorafusion.models.fused.rope.packed_rope``: handed in, so this shim imports nothing of lorafusion); every
+other call goes to Megatron's own function unchanged. Explicit (nothing is patched on import) and idempotent.
+"""
+
+from __future__ import annotations
+
+_ORIGINAL = None
+
+
+def packed_rope_patch_applied() -> bool:
+    return _ORIGINAL is not None
+
+
+def apply_packed_rope_patch(packed_rope) -> None:
+    """``packed_rope(t, freqs, cu_seqlens, impl=...)``: the packed RoPE the dispatcher runs (the first call's)."""
+    global _ORIGINAL
+    if _ORIGINAL is not None:
+        return
+    from megatron.core.transformer import attention
+
+    original = attention.apply_rotary_pos_emb
+
+    def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None):
+        # stands in for megatron.core.models.common.embeddings.rope_utils.apply_rotary_pos_emb inside
+        # megatron.core.transformer.attention
+        impl = getattr(config, "lorafusion_rope_impl", None)
+        if (impl is None or cu_seqlens is None or mscale != 1.0 or config.rotary_interleaved
+                or config.multi_latent_attention or config.apply_rope_fusion or config.context_parallel_size != 1
+                or t.dim() != 3 or freqs.shape[-1] != t.shape[-1]):
+            return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
+        return packed_rope(t, freqs, cu_seqlens, impl=impl)
+
+    apply_rotary_pos_emb.__wrapped__ = original
+    attention.apply_rotary_pos_emb = apply_rotary_pos_emb
+    _ORIGINAL = original
+
+
+def rope_positions_patch_applied() -> bool:
+    from megatron.core.transformer import attention
+
+    return getattr(attention.apply_rotary_pos_emb, "_lorafusion_positions", False)
+
+
+def apply_rope_positions_patch() -> None:
+    """RoPE at explicit per-token positions for packed (thd) decoding with a KV cache.
+
+    Megatron's packed RoPE restarts positions at every ``cu_seqlens`` boundary, which is right for training
+    (each sample starts at 0) but not for a decoding step whose rows continue cached sequences. While a
+    model's ``TransformerConfig`` carries ``lorafusion_rope_positions`` (a [t] long tensor, set only inside
+    :func:`lorafusion.inference.kv_cache.decoding`), a packed call rotates row ``i`` by ``freqs[positions[i]]``
+    with Megatron's own math (what its thd path does per sample: the bshd rotation on gathered freqs);
+    without the attribute every call goes to the function it wraps, unchanged. Idempotent; re-wraps when
+    something else was installed over it since (e.g. :func:`apply_packed_rope_patch` by a later model build),
+    so call it right before decoding."""
+    from megatron.core.transformer import attention
+
+    current = attention.apply_rotary_pos_emb
+    if getattr(current, "_lorafusion_positions", False):
+        return
+
+    def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None):
+        positions = getattr(config, "lorafusion_rope_positions", None)
+        if positions is None or cu_seqlens is None or t.dim() != 3:
+            return current(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
+        from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+        return _apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[positions], rotary_interleaved=config.rotary_interleaved,
+                                          multi_latent_attention=config.multi_latent_attention,
+                                          mscale=mscale).squeeze(1)
+
+    apply_rotary_pos_emb.__wrapped__ = current
+    apply_rotary_pos_emb._lorafusion_positions = True
+    attention.apply_rotary_pos_emb = apply_rotary_pos_emb

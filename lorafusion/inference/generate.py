@@ -1,0 +1,378 @@
+"""``lorafusion generate RUN_DIR --prompts IN.jsonl --out OUT.jsonl``: batched multi-adapter decoding.
+
+The run's base is rebuilt (a preset from the run's seed, or ``model.path``), every job named by a prompt
+row gets its PEFT adapter loaded into the same multi-adapter LoRA layers, and the rows of all adapters (and
+of the bare base) are decoded together, S-LoRA style: each forward packs one segment per sequence (thd,
+as in training) with one LoRA routing segment per run of same-adapter sequences, so one pass through the
+model serves every adapter.
+
+Decoding uses a KV cache (:mod:`lorafusion.inference.kv_cache`): one packed prefill of the prompts, then one
+row per unfinished sequence per step. ``use_cache=False`` recomputes every sequence in full each step (the
+reference the cache is tested against). Greedy at temperature 0; otherwise temperature + top-p sampling,
+each row with its own generator seeded by (seed, row number), so a row's sample does not depend on which
+rows share its batch. A sequence ends at the tokenizer's eos (kept in ``output_ids``, as transformers'
+``generate`` does), after ``max_new_tokens``, or when it fills the model's context.
+
+What a run directory records of its base: ``RUN_DIR/base_model.json`` when present; otherwise the adapters'
+``base_model_name_or_path`` (a preset name or ``model.path``) and the checkpoints' ``state.json`` (seed,
+dtype, tokenizer type). A preset's random weights are drawn on CUDA when the machine has a GPU (as training
+does), so generate on the same kind of machine the run trained on, unless the record says otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from lorafusion.core.errors import ConfigError, MissingFileError, UserError
+from lorafusion.rundir.atomic import write_text_atomic
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ------------------------------------------------------------------------------------------------ the run
+@dataclass
+class RunInfo:
+    run_dir: Path
+    preset: str | None
+    path: str | None
+    seed: int
+    dtype: str
+    tokenizer: dict  # {"type": ..., "path": ...}
+    adapters: dict[str, Path]  # job -> PEFT adapter directory (final, else the latest checkpoint's)
+    init_device: str | None = None  # device type the preset's weights were drawn on (None: as training would)
+    base_precision: str = "bf16"  # model.base_precision of the run: generate quantizes the base as training did
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+
+def _latest_checkpoint_dir(job_dir: Path) -> Path | None:
+    from lorafusion.rundir.layout import latest_checkpoint
+
+    return latest_checkpoint(job_dir) if job_dir.is_dir() else None
+
+
+def load_run(run_dir: str | Path) -> RunInfo:
+    """What :func:`build_run_model` and :func:`run_tokenizer` need, from a ``lorafusion train`` output directory."""
+    from lorafusion.core.arch import PRESETS
+    from lorafusion.rundir.adapters import find_adapter, run_jobs
+
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise MissingFileError(f"{run}: no such run directory (expected the output_dir of lorafusion train)")
+    adapters: dict[str, Path] = {}
+    states: list[dict] = []
+    if (run / "summary.json").is_file():
+        _read_json(run / "summary.json")  # a garbled summary is one error here (find_adapter passes over it)
+    for name in run_jobs(run):  # (a job only in summary.json has neither: it gets no adapter and no state)
+        final = run / "adapters" / name
+        ckpt = _latest_checkpoint_dir(run / "checkpoints" / name)
+        if ckpt is not None and (ckpt / "state.json").is_file():
+            states.append(_read_json(ckpt / "state.json"))
+        try:  # as `lorafusion export` picks: the final adapter of a job that ended, else its latest checkpoint
+            adapters[name] = find_adapter(run, name)[0]
+        except UserError:  # no usable checkpoint: its final adapter if it has one
+            if (final / "adapter_config.json").is_file():
+                adapters[name] = final
+    if not adapters:
+        raise MissingFileError(f"{run}: no adapter under adapters/ or checkpoints/ (expected the output_dir of "
+                               f"lorafusion train)")
+    record = run / "base_model.json"
+    if record.is_file():  # the run's own record of its base
+        r = _read_json(record)
+        if not isinstance(r.get("seed"), int) or (r.get("preset") is None) == (r.get("path") is None):
+            raise ConfigError(f"{record}: expected an integer 'seed' and exactly one of 'preset' or 'path'")
+        tok = r.get("tokenizer") or {"type": "byte", "path": None}
+        return RunInfo(run, r.get("preset"), r.get("path"), r["seed"], r.get("dtype", "float32"), tok, adapters,
+                       r.get("init_device"), r.get("base_precision", "bf16"))
+    if not states:
+        raise MissingFileError(f"{run}: no checkpoint state.json (it records the run's seed, which rebuilds the "
+                               f"base); expected checkpoints/<job>/step_N/state.json")
+    state = states[0]
+    settings = state.get("settings") or {}
+    base = _read_json(next(iter(adapters.values())) / "adapter_config.json").get("base_model_name_or_path")
+    preset = path = None
+    if base in PRESETS:
+        preset = base
+    elif base and Path(base).is_dir():
+        path = base
+    else:
+        raise MissingFileError(f"{next(iter(adapters.values())) / 'adapter_config.json'}: base_model_name_or_path "
+                               f"{base!r} is neither a preset nor a HF model directory on this machine")
+    tok_type = settings.get("(run) tokenizer.type", "byte")
+    return RunInfo(run, preset, path, int(state["seed"]), settings.get("(run) model.dtype", "float32"),
+                   {"type": tok_type, "path": None}, adapters)
+
+
+def run_tokenizer(info: RunInfo):
+    from lorafusion.config.schema import TokenizerConfig
+    from lorafusion.data.tokenizer import build_tokenizer
+
+    tok = dict(info.tokenizer)
+    if tok["type"] == "sentencepiece" and not tok.get("path") and info.path:
+        tok["path"] = str(Path(info.path) / "tokenizer.model")
+    return build_tokenizer(TokenizerConfig(type=tok["type"], path=tok.get("path")), model_path=info.path)
+
+
+def build_run_model(info: RunInfo, jobs: Sequence[str], device=None):
+    """The run's base (TP = PP = 1) with the adapters of ``jobs`` loaded, in eval mode."""
+    from megatron.core import parallel_state
+
+    from lorafusion.core.arch import preset
+    from lorafusion.layers import get_lora_context
+    from lorafusion.dist import init_distributed
+    from lorafusion.export.peft import import_peft_adapter
+
+    if not parallel_state.model_parallel_is_initialized():
+        init_distributed(1, 1, seed=info.seed)
+    elif (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size()) != (1, 1):
+        raise ConfigError("generate: runs with tp = pp = 1 (one device); the parallel state here has another layout")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    kw = dict(params_dtype=DTYPES[info.dtype], device=device, seed=info.seed, base_precision=info.base_precision)
+    if info.path:
+        from lorafusion.models.hf_import import build_model_from_hf
+
+        model = build_model_from_hf(info.path, **kw)
+    else:
+        drawn = torch.device(device).type if device is not None else "cpu"
+        if info.init_device and info.init_device != drawn:
+            raise ConfigError(f"{info.run_dir / 'base_model.json'}: the run drew its random base weights on "
+                              f"{info.init_device}; generate on a machine of that kind (here: {drawn})")
+        from lorafusion.models.provider import build_model
+
+        model = build_model(preset(info.preset), **kw)
+    get_lora_context(model).impl = None
+    for job in jobs:
+        import_peft_adapter(model, job, info.adapters[job])
+    model.eval()
+    return model
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+@dataclass
+class Request:
+    row: dict  # the input row, kept as is
+    job: str | None  # adapter, or None for the base
+    prompt_ids: list[int]
+    where: str  # "FILE:LINE" of the row
+    output_ids: list[int] = field(default_factory=list)
+
+
+def encode_prompt(row: dict, tokenizer, where: str) -> list[int]:
+    """``[bos] + prompt`` as training builds a sample's prompt; ``messages`` (a chat history) is rendered with
+    the tokenizer's chat template and its generation prompt."""
+    if "messages" in row and "prompt" not in row:
+        msgs = row["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise ConfigError(f"{where}: messages: expected a non-empty list of {{role, content}}")
+        try:
+            text, _ = tokenizer.render_chat([*msgs, {"role": "assistant", "content": ""}])
+        except ValueError as e:
+            raise ConfigError(f"{where}: messages: {e}") from None
+    else:
+        text = row.get("prompt")
+        if not isinstance(text, str):
+            raise ConfigError(f"{where}: expected a string field 'prompt' (or 'messages'), got {text!r:.60}")
+        if not text:
+            raise ConfigError(f"{where}: the prompt is empty")
+    ids = tokenizer.encode(text)
+    if tokenizer.bos_id is not None and (not ids or ids[0] != tokenizer.bos_id):
+        ids = [tokenizer.bos_id, *ids]
+    return ids
+
+
+def read_prompts(path: str | Path, tokenizer, jobs: Sequence[str], context: int, run_dir: Path) -> list[Request]:
+    """Validate and encode every row of a prompts JSONL (one error naming the file and line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise MissingFileError(f"{path}: --prompts file not found")
+    out = []
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            where = f"{path}:{n}"
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"{where}: expected a JSON object with 'prompt' and optionally 'job'")
+            job = row.get("job")
+            if job is not None and job not in jobs:
+                raise ConfigError(f"{where}: job {job!r} is not a job of {run_dir} (jobs: {', '.join(sorted(jobs))}; "
+                                  f"null or no 'job' decodes with the base)")
+            ids = encode_prompt(row, tokenizer, where)
+            if len(ids) >= context:
+                raise ConfigError(f"{where}: the prompt has {len(ids)} tokens; the model's context is {context} "
+                                  f"(max_position_embeddings), which leaves no room to generate")
+            out.append(Request(row, job, ids, where))
+    if not out:
+        raise ConfigError(f"{path}: no prompts (expected one JSON object per line)")
+    return out
+
+
+# --------------------------------------------------------------------------------------------- decoding
+def _routing(jobs: Sequence[str | None], counts: Sequence[int]):
+    """One LoRA segment per run of same-adapter sequences (base rows: no segment); (routing, adapters)."""
+    from lorafusion.core.routing import Routing
+
+    names: list[str] = []
+    segs, start = [], 0
+    for job, n in zip(jobs, counts, strict=True):
+        if job is not None:
+            if job not in names:
+                names.append(job)
+            slot = names.index(job)
+            if segs and segs[-1][0] == slot and segs[-1][1] + segs[-1][2] == start:
+                segs[-1] = (slot, segs[-1][1], segs[-1][2] + n)
+            else:
+                segs.append((slot, start, n))
+        start += n
+    return Routing(segments=tuple(segs), num_rows=start), tuple(names)
+
+
+def _forward(model, jobs, seqs: Sequence[Sequence[int]], positions: torch.Tensor, device) -> torch.Tensor:
+    """One packed forward of ``seqs`` (rows of sequence i routed to ``jobs[i]``); the logits [n, V] of each
+    sequence's last row."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from lorafusion.layers import lora_batch
+
+    counts = [len(s) for s in seqs]
+    cu = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    rope_len = int(positions.max()) + 1
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu.to(device), cu_seqlens_kv=cu.to(device),
+                          max_seqlen_q=rope_len, max_seqlen_kv=rope_len)
+    tokens = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=device)[None]
+    routing, names = _routing(jobs, counts)
+    last = (cu[1:] - 1).to(device, torch.long)
+
+    def last_rows_only(_module, args, kwargs):  # the output layer sees each sequence's last row, not [T, V]
+        return (args[0].index_select(0, last), *args[1:]), kwargs
+
+    hook = model.output_layer.register_forward_pre_hook(last_rows_only, with_kwargs=True)
+    try:
+        with lora_batch(model, routing, names):
+            logits = model(tokens, positions.to(device)[None], attention_mask=None, packed_seq_params=psp)
+    finally:
+        hook.remove()
+    return logits[0].float()
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, gens: Sequence) -> list[int]:
+    if temperature == 0:
+        return logits.argmax(-1).tolist()
+    probs = torch.softmax(logits / temperature, dim=-1)
+    out = []
+    for p, g in zip(probs, gens, strict=True):
+        if top_p < 1.0:
+            sp, idx = p.sort(descending=True)
+            keep = (sp.cumsum(0) - sp) < top_p  # the smallest prefix whose mass reaches top_p (top-1 always)
+            p = torch.zeros_like(p).scatter_(0, idx[keep], sp[keep])
+        out.append(int(torch.multinomial(p, 1, generator=g)))
+    return out
+
+
+@torch.no_grad()
+def generate_ids(model, requests: Sequence[Request], *, eos_id: int, max_new_tokens: int, context: int,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, use_cache: bool = True,
+                 first_row: int = 0) -> None:
+    """Decode ``requests`` together (fills each one's ``output_ids``). Sequences are ordered by adapter so
+    that each adapter's rows form one routing segment; ``first_row`` numbers the rows for their seeds."""
+    from lorafusion.core.seeds import mix_seed
+    from lorafusion.inference.kv_cache import KVCache, decoding
+
+    device = next(model.parameters()).device
+    order = sorted(range(len(requests)), key=lambda i: (requests[i].job is not None, requests[i].job or ""))
+    reqs = [requests[i] for i in order]
+    gens = None
+    if temperature > 0:
+        gens = [torch.Generator(device=device).manual_seed(mix_seed(seed, first_row + i)) for i in order]
+    limit = [min(max_new_tokens, context - len(r.prompt_ids)) for r in reqs]
+    for r in reqs:
+        r.output_ids = []
+    live = [i for i in range(len(reqs)) if limit[i] > 0]
+    cache = KVCache(len(reqs), max(len(r.prompt_ids) + lim for r, lim in zip(reqs, limit)), device)
+    with decoding(model, cache) if use_cache else contextlib.nullcontext():
+        step = 0
+        while live:
+            jobs = [reqs[i].job for i in live]
+            if not use_cache:  # full recompute: every live sequence from its first token
+                seqs = [reqs[i].prompt_ids + reqs[i].output_ids for i in live]
+                positions = torch.cat([torch.arange(len(s)) for s in seqs])
+            elif step == 0:
+                seqs = [reqs[i].prompt_ids for i in live]
+                positions = cache.prefill(live, [len(s) for s in seqs])
+            else:
+                seqs = [[reqs[i].output_ids[-1]] for i in live]
+                positions = cache.decode(live)
+            logits = _forward(model, jobs, seqs, positions, device)
+            if use_cache:
+                cache.advance()
+            picked = _pick(logits, temperature, top_p, None if gens is None else [gens[i] for i in live])
+            still = []
+            for i, tok in zip(live, picked, strict=True):
+                reqs[i].output_ids.append(tok)
+                if tok != eos_id and len(reqs[i].output_ids) < limit[i]:
+                    still.append(i)
+            live = still
+            step += 1
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+def generate_file(run_dir, prompts, out, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+                  seed: int = 0, batch_size: int = 64, force: bool = False, use_cache: bool = True) -> dict:
+    """Everything ``lorafusion generate`` does; returns a summary."""
+    import time
+
+    out = Path(out)
+    if (out.exists() or out.is_symlink()) and not force:
+        raise ConfigError(f"{out}: --out already exists; choose another path or pass --force to replace it")
+    if temperature < 0 or not (0 < top_p <= 1):
+        raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1], got {temperature} and {top_p}")
+    info = load_run(run_dir)
+    tokenizer = run_tokenizer(info)
+    context = _context(info)
+    requests = read_prompts(prompts, tokenizer, list(info.adapters), context, info.run_dir)
+    jobs = sorted({r.job for r in requests if r.job is not None})
+    t0 = time.perf_counter()
+    model = build_run_model(info, jobs)
+    t1 = time.perf_counter()
+    for start in range(0, len(requests), batch_size):
+        generate_ids(model, requests[start:start + batch_size], eos_id=tokenizer.eos_id, max_new_tokens=max_new_tokens,
+                     context=context, temperature=temperature, top_p=top_p, seed=seed, use_cache=use_cache,
+                     first_row=start)
+    t2 = time.perf_counter()
+    lines = [json.dumps({**r.row, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
+                         "output": tokenizer.decode([t for t in r.output_ids if t != tokenizer.eos_id])},
+                        ensure_ascii=False) for r in requests]
+    write_text_atomic(out, "".join(line + "\n" for line in lines), mkdir=True)
+    new = sum(len(r.output_ids) for r in requests)
+    return {"rows": len(requests), "jobs": jobs, "new_tokens": new, "load_s": round(t1 - t0, 3),
+            "generate_s": round(t2 - t1, 3), "tokens_per_s": round(new / max(t2 - t1, 1e-9), 1), "out": str(out)}
+
+
+def _context(info: RunInfo) -> int:
+    from lorafusion.core.arch import preset
+
+    if info.path:
+        from lorafusion.models.hf_import import HFCheckpoint
+
+        return HFCheckpoint(info.path).arch.max_position_embeddings
+    return preset(info.preset).max_position_embeddings
+
+
+__all__ = ["Request", "RunInfo", "build_run_model", "encode_prompt", "generate_file", "generate_ids",
+           "load_run", "read_prompts", "run_tokenizer"]

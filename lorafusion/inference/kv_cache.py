@@ -1,0 +1,140 @@
+"""A key/value cache for decoding packed sequences through :class:`PackedDotProductAttention`.
+
+Each sequence being decoded owns a slot: per attention layer, keys and values live in
+``[num_slots, max_len, groups, head_dim]`` buffers (this rank's heads, allocated on first use with the
+activations' dtype and device). One forward serves every sequence at once, packed as in training (thd):
+
+- **prefill**: the prompts of some slots, back to back (``cu_seqlens``); attention is the packed varlen
+  attention of training, and every row's key/value is written to ``(its slot, its position)``;
+- **decode**: one new row per unfinished slot; its key/value is written at the slot's current length, then
+  each row attends to its own slot's cached keys (one batched SDPA over ``[slots, max cached length]``
+  with a length mask; no cross-sequence attention).
+
+RoPE: Megatron's packed RoPE restarts positions at each ``cu_seqlens`` boundary, so a decode row would be
+rotated as position 0. Inside :func:`decoding` the rows are rotated at their true positions instead
+(``lorafusion.compat.megatron.apply_rope_positions_patch``, which reads ``config.lorafusion_rope_positions``).
+
+Training never sees any of this: the attention checks one attribute (``kv_cache``, None outside
+:func:`decoding`) and the RoPE patch is installed only by :func:`decoding`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from lorafusion.models.attention import PackedDotProductAttention, _expand_kv, varlen_attention
+
+
+class KVCache:
+    """Per-slot keys/values of every attention layer (see the module docstring). ``lengths[slot]`` is the
+    number of tokens of that slot already cached; :meth:`prefill` or :meth:`decode` plans the next forward,
+    :meth:`advance` commits it once the forward (every layer) has run."""
+
+    def __init__(self, num_slots: int, max_len: int, device=None):
+        self.num_slots, self.max_len = int(num_slots), int(max_len)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.lengths = [0] * self.num_slots
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self._configs: list = []
+        self._plan = None
+
+    # -- planning (host side, once per forward) --------------------------------------------------------
+    def prefill(self, slots: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+        """Plan a forward of ``lengths[i]`` prompt rows for each empty slot ``slots[i]``, packed in that
+        order; returns the rows' positions."""
+        if any(self.lengths[s] for s in slots):
+            raise ValueError("KVCache.prefill: a slot already holds tokens (prefill starts empty slots)")
+        if any(n > self.max_len for n in lengths):
+            raise ValueError(f"KVCache.prefill: a prompt exceeds the cache length {self.max_len}")
+        rows_slot = torch.cat([torch.full((n,), s, dtype=torch.long) for s, n in zip(slots, lengths, strict=True)])
+        positions = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths])
+        cu = torch.tensor([0, *torch.tensor(list(lengths)).cumsum(0).tolist()], dtype=torch.int32)
+        self._set_plan("prefill", list(slots), list(lengths), rows_slot, positions, cu=cu, max_seqlen=max(lengths))
+        return positions
+
+    def decode(self, slots: Sequence[int]) -> torch.Tensor:
+        """Plan a forward of one new row per slot in ``slots`` (in that order); returns their positions."""
+        positions = torch.tensor([self.lengths[s] for s in slots], dtype=torch.long)
+        if int(positions.max()) >= self.max_len:
+            raise ValueError(f"KVCache.decode: a slot is full ({self.max_len} tokens)")
+        self._set_plan("decode", list(slots), [1] * len(slots), torch.tensor(list(slots), dtype=torch.long),
+                       positions, kv_len=int(positions.max()) + 1)
+        return positions
+
+    def _set_plan(self, kind, slots, counts, rows_slot, positions, **extra) -> None:
+        dev = self.device
+        plan = {"kind": kind, "slots": slots, "counts": counts, "rows_slot": rows_slot.to(dev),
+                "positions": positions.to(dev), **extra}
+        if kind == "decode":
+            plan["slots_t"] = plan["rows_slot"]
+            plan["key_mask"] = (torch.arange(extra["kv_len"])[None, :] <= positions[:, None]).to(dev)[:, None, None, :]
+        if "cu" in plan:
+            plan["cu"] = plan["cu"].to(dev)
+        self._plan = plan
+        for cfg in self._configs:
+            cfg.lorafusion_rope_positions = plan["positions"]
+
+    def advance(self) -> None:
+        """The planned forward has run: its rows now belong to their slots' cached prefixes."""
+        for s, n in zip(self._plan["slots"], self._plan["counts"], strict=True):
+            self.lengths[s] += n
+        self._plan = None
+
+    # -- the attention (called by every layer's core attention) ----------------------------------------
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [t, h, d], k/v [t, g, d] of the planned rows → [t, h, d]."""
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("KVCache: a forward ran inside decoding() without prefill()/decode() planned")
+        if layer not in self.keys:
+            shape = (self.num_slots, self.max_len, k.shape[1], k.shape[2])
+            self.keys[layer] = k.new_zeros(shape)
+            self.values[layer] = v.new_zeros(shape)
+        ck, cv = self.keys[layer], self.values[layer]
+        ck[plan["rows_slot"], plan["positions"]] = k
+        cv[plan["rows_slot"], plan["positions"]] = v
+        if plan["kind"] == "prefill":  # nothing cached before: exactly training's packed attention
+            return varlen_attention(q, k, v, plan["cu"], plan["max_seqlen"], scale)
+        n, h = q.shape[0], q.shape[1]
+        kv_len = plan["kv_len"]
+        keys = _expand_kv(ck[plan["slots_t"], :kv_len], h, 2).transpose(1, 2)  # [n, h, L, d]
+        vals = _expand_kv(cv[plan["slots_t"], :kv_len], h, 2).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q[:, :, None], keys, vals, attn_mask=plan["key_mask"], scale=scale)
+        return out.reshape(n, h, q.shape[2])
+
+
+def attention_modules(model) -> list[PackedDotProductAttention]:
+    return [layer.self_attention.core_attention for layer in model.decoder.layers
+            if isinstance(layer.self_attention.core_attention, PackedDotProductAttention)]
+
+
+@contextlib.contextmanager
+def decoding(model, cache: KVCache):
+    """Route every packed forward of ``model`` inside the block through ``cache`` (keys/values kept per
+    slot, RoPE at the planned positions). Plan each forward with ``cache.prefill``/``cache.decode`` and
+    commit it with ``cache.advance``."""
+    from lorafusion.compat.megatron import apply_rope_positions_patch
+
+    apply_rope_positions_patch()  # outermost, even over a RoPE patch installed since the last call
+    mods = attention_modules(model)
+    configs = list({id(c): c for c in [model.config, *(m.config for m in mods)]}.values())
+    for m in mods:
+        m.kv_cache = cache
+    cache._configs = configs
+    try:
+        yield cache
+    finally:
+        for m in mods:
+            m.kv_cache = None
+        for cfg in configs:
+            if hasattr(cfg, "lorafusion_rope_positions"):
+                del cfg.lorafusion_rope_positions
+        cache._configs = []
+
+
+__all__ = ["KVCache", "attention_modules", "decoding"]

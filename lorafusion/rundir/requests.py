@@ -1,0 +1,136 @@
+"""Requests to a run (``lorafusion submit`` / ``cancel``): files in ``RUN_DIR/requests/``, taken by the run at a
+chunk boundary (or when it starts, for a stopped run resumed later).
+
+A request is one JSON file written atomically (``submit``: the validated job, its paths absolute; ``cancel``: the
+job's name), named so that a directory listing is the order of arrival. Global rank 0 takes them and moves each
+to ``requests/done/`` (with the run's answer) once applied; every rank receives the same list by broadcast.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from lorafusion.core.errors import ConfigError, MissingFileError
+from lorafusion.rundir.atomic import write_text_atomic
+from lorafusion.rundir.layout import RunDir
+
+# job states in status.json after which a cancel has nothing to do (the run's own answer: live.LiveJobs._cancel)
+ENDED = ("done", "cancelled", "diverged", "early_stopped")
+
+
+def require_run_dir(run_dir: Path) -> None:
+    """One clear error unless ``run_dir`` is the output_dir of a run that has started."""
+    if not (Path(run_dir).is_dir() and any((Path(run_dir) / n).exists()
+                                           for n in ("status.json", "summary.json", "checkpoints", ".lock"))):
+        raise MissingFileError(f"{run_dir}: not a lorafusion run directory (the output_dir of a lorafusion train "
+                               f"run that has started)")
+
+
+def write_request(run_dir: Path, kind: str, payload: dict) -> Path:
+    """Queue one request for the run in ``run_dir``; returns its file."""
+    run_dir = Path(run_dir)
+    require_run_dir(run_dir)
+    d = RunDir(run_dir).requests
+    d.mkdir(exist_ok=True)
+    stamp = f"{time.time_ns():020d}"
+    path = d / f"{stamp}-{kind}-{payload.get('name', payload.get('job', ''))}.json"
+    write_text_atomic(path, json.dumps({"kind": kind, **payload}, indent=2) + "\n")
+    return path
+
+
+def _listed(run_dir: Path) -> list[tuple[Path, dict | Exception]]:
+    """Every request file in arrival order, with its request or why it cannot be read."""
+    d = RunDir(run_dir).requests
+    out: list[tuple[Path, dict | Exception]] = []
+    for path in sorted(p for p in d.glob("*.json") if not p.name.startswith(".")) if d.is_dir() else []:
+        try:
+            text = path.read_text()
+        except FileNotFoundError:  # taken by the run while the CLI was looking
+            continue
+        try:
+            req = json.loads(text)
+            if not isinstance(req, dict) or req.get("kind") not in ("submit", "cancel"):
+                raise ValueError(f"unknown kind {req.get('kind') if isinstance(req, dict) else req!r}")
+            out.append((path, req))
+        except (ValueError, UnicodeDecodeError) as e:
+            out.append((path, e))
+    return out
+
+
+def pending_requests(run_dir: Path) -> list[tuple[Path, dict]]:
+    """The queued requests in arrival order (unreadable files are answered with an error and set aside)."""
+    out = []
+    for path, req in _listed(run_dir):
+        if isinstance(req, Exception):
+            answer_request(path, {"kind": "?"}, f"refused: unreadable request ({req})")
+        else:
+            out.append((path, req))
+    return out
+
+
+def answer_request(path: Path, req: dict, answer: str) -> None:
+    """Move a taken request to ``requests/done/`` with the run's answer."""
+    done = path.parent / "done"
+    done.mkdir(exist_ok=True)
+    write_text_atomic(done / path.name, json.dumps({**req, "answer": answer}, indent=2) + "\n")
+    path.unlink(missing_ok=True)
+
+
+def unapplied_requests(run_dir: Path) -> list[dict]:
+    """Requests the run refused or could not apply (in ``requests/done/``), oldest first: ``file``, ``kind``,
+    ``job`` and the run's ``answer`` (``lorafusion status`` shows them)."""
+    d = RunDir(run_dir).requests / "done"
+    out = []
+    for path in sorted(d.glob("*.json")) if d.is_dir() else []:
+        try:
+            req = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError):
+            continue
+        answer = req.get("answer") if isinstance(req, dict) else None
+        if isinstance(answer, str) and answer.startswith(("refused", "failed")):
+            job = req.get("name", req.get("job"))
+            out.append({"file": path.name, "kind": str(req.get("kind")), "job": job if isinstance(job, str) else None,
+                        "answer": answer})
+    return out
+
+
+def _status_jobs(run_dir: Path) -> dict:
+    """``status.json``'s rows by job ({} when the run has written none, or none readable yet)."""
+    path = RunDir(run_dir).status
+    if not path.is_file():
+        return {}
+    try:
+        jobs = json.loads(path.read_text()).get("jobs", {})
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return {}
+    return jobs if isinstance(jobs, dict) else {}
+
+
+def known_job_names(run_dir: Path, status_jobs: dict | None = None) -> set[str]:
+    """Jobs the run has or will have: in its status (``status_jobs``, read when not given), and in submissions
+    not yet taken."""
+    names = set(_status_jobs(run_dir) if status_jobs is None else status_jobs)
+    # (the CLI only looks: the run takes the requests and answers unreadable ones)
+    names |= {r.get("name") for _, r in _listed(run_dir) if isinstance(r, dict) and r["kind"] == "submit"
+              and isinstance(r.get("name"), str)}
+    return names
+
+
+def check_cancel(run_dir: Path, job_name: str) -> None:
+    """A cancel names a job of the run that has not ended (as ``status.json`` says; the run answers the rest)."""
+    rows = _status_jobs(run_dir)
+    names = known_job_names(run_dir, rows)
+    if job_name not in names:
+        raise ConfigError(f"{run_dir}: --job: no job {job_name!r} in this run (jobs: {', '.join(sorted(names)) or 'none'})")
+    row = rows.get(job_name)
+    state = row.get("state") if isinstance(row, dict) else None  # (None: only submitted so far)
+    if state in ENDED:
+        raise ConfigError(f"{run_dir}: --job: job {job_name!r} is already {state}: nothing to cancel")
+
+
+def check_submission(run_dir: Path, job_name: str) -> None:
+    if job_name in known_job_names(run_dir):
+        raise ConfigError(f"{run_dir}: a job named {job_name!r} is already in this run (or submitted); "
+                          f"choose another name")

@@ -1,0 +1,90 @@
+"""``OUTPUT_DIR/status.json``: where every job of a run stands, rewritten (atomically) by global rank 0 at each
+chunk (as it starts) and at the end (:class:`lorafusion.runtime.telemetry.status.StatusWriter`);
+``lorafusion status RUN_DIR [--json]`` reads it (here: torch-free, beside a busy run).
+
+Per job: ``state`` (queued | running | waiting | cancelling | saving | done | cancelled | stopped | diverged |
+early_stopped; ``waiting``: admitted and unfinished, but the chunk now running has none of its batches — under
+``scheduler.policy`` shortest_first or fifo, other jobs go first; ``saving``: its last step ran and its final
+checkpoint and adapter are being written in the background — ``done`` once they are), ``step`` / ``max_steps``, ``tokens``, ``last_loss``, (jobs with an eval set) ``eval_loss``,
+``best_eval_loss``, ``best_step``,
+``tokens_per_s`` (this session's tokens of the job over the session's wall time) and ``eta_s`` (its remaining
+steps at its rate this session). The run: ``state`` (starting | running | serving | done | stopped), ``elapsed_s``, ``tokens_per_s``,
+``updated`` (UTC). A run whose status says running but whose output-dir lock nobody holds has ended without
+writing its end (killed): the reader reports it as ``stopped``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lorafusion.core.errors import MissingFileError
+from lorafusion.rundir.layout import RunDir
+from lorafusion.rundir.lock import lock_held
+from lorafusion.rundir.requests import unapplied_requests
+
+
+def read_status(run_dir: Path) -> dict:
+    """The status of the run in ``run_dir`` (see the module doc); one clear error if there is none."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise MissingFileError(f"{run_dir}: no such run directory (the output_dir of a lorafusion train run)")
+    path = RunDir(run_dir).status
+    if not path.is_file():
+        raise MissingFileError(f"{run_dir}: no {path.name} — not a lorafusion run directory, or its run has "
+                               f"not finished its first chunk yet")
+    try:
+        status = json.loads(path.read_text())
+        _check_shape(status)
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
+        raise MissingFileError(f"{path}: not a readable run status ({str(e).strip(chr(39))})") from None
+    if refused := unapplied_requests(run_dir):
+        status["requests"] = refused
+    if status["run"].get("state") in ("starting", "running", "serving") and not lock_held(run_dir):
+        status["run"]["state"] = "stopped"  # killed: nobody holds the lock and the end was never written
+        status["run"]["note"] = "no process holds the run's lock: it ended without writing its end (killed?)"
+        for row in status["jobs"].values():
+            if row.get("state") in ("running", "waiting", "cancelling", "saving"):
+                row["state"], row["eta_s"] = "stopped", None
+    return status
+
+
+_RUN_FIELDS = {"state": str, "elapsed_s": (int, float), "tokens_per_s": (int, float), "updated": str}
+_JOB_FIELDS = {"state": str, "step": int, "max_steps": int, "tokens": int, "tokens_per_s": (int, float),
+               "last_loss": (int, float, type(None)), "eta_s": (int, float, type(None))}
+
+
+def _check_shape(status) -> None:
+    """ValueError naming the first field of ``status`` that is missing or of the wrong type."""
+    def check(row, fields, where):
+        if not isinstance(row, dict):
+            raise ValueError(f"{where.rstrip('.') or '(top level)'}: expected an object, got {type(row).__name__}")
+        for key, kind in fields.items():
+            if key not in row or not isinstance(row[key], kind) or isinstance(row[key], bool):
+                raise ValueError(f"{where}{key}: missing or of the wrong type ({row.get(key)!r:.40})")
+
+    check(status, {"run": dict, "jobs": dict}, "")
+    check(status["run"], _RUN_FIELDS, "run.")
+    for name, row in status["jobs"].items():
+        check(row, _JOB_FIELDS, f"jobs.{name}.")
+
+
+def format_status(status: dict, run_dir: Path) -> str:
+    """A table for people: one line per job."""
+    run = status["run"]
+    lines = [f"{run_dir}: {run['state']}, {run['elapsed_s']:.0f}s this session, {run['tokens_per_s']:,.0f} tokens/s "
+             f"(updated {run['updated']})" + (f" — {run['note']}" if run.get("note") else "")]
+    lines.append(f"  {'job':<16} {'state':<9} {'step':>11} {'tokens':>12} {'last loss':>10} {'tokens/s':>10} {'ETA':>8}")
+    for name, j in status["jobs"].items():
+        loss = "-" if j.get("last_loss") is None else f"{j['last_loss']:.4f}"
+        eta = "-" if j.get("eta_s") is None else _duration(j["eta_s"])
+        lines.append(f"  {name:<16} {j['state']:<9} {j['step']:>5}/{j['max_steps']:<5} {j['tokens']:>12,} {loss:>10} "
+                     f"{j['tokens_per_s']:>10,.0f} {eta:>8}")
+    for r in status.get("requests", []):  # what the run refused: the user's submit said "submitted"
+        lines.append(f"  request {r['file']} ({r['kind']} {r['job'] or '?'}): {r['answer'].splitlines()[0]}")
+    return "\n".join(lines)
+
+
+def _duration(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"

@@ -1,0 +1,219 @@
+"""Jobs joining and leaving a running run (tLoRA-style online jobs): ``lorafusion submit`` / ``cancel``.
+
+At each chunk boundary :meth:`LiveJobs.poll` (collective) takes the requests in ``RUN_DIR/requests/`` on global
+rank 0, broadcasts them, and every rank applies them in the same order:
+
+- submit: the job is validated again (name free, ``dataset.max_seq_len`` within the token capacity, its data
+  readable), its adapter and optimizer are added to the model, and it is recorded in ``RUN_DIR/submitted/`` (a
+  resumed run takes it back from there). It is *admitted* when its memory fits (adapter, gradients and AdamW
+  moments in fp32, plus its LoRA activations at the token capacity, against the GPU's free memory); otherwise it
+  waits as ``queued``, by priority then arrival, and starts when a job leaves. Admitted jobs join the next chunk
+  that is drawn (the feed may already hold the one after the current chunk).
+- cancel: the job gets no more batches; once its planned batches have run it is checkpointed and exported and
+  its status is ``cancelled``. A queued job is cancelled at once.
+
+A job that ends (its last step ran, or it diverged or early-stopped) is *handed over* at the first boundary
+where no prepared chunk holds its batches: its final checkpoint and its PEFT adapter in ``adapters/<job>/``
+are taken to host memory and written in the background while the others train (checkpoint/handover.py;
+``status`` says ``done`` once they are complete, not at the end of the run); if the run goes on (other jobs
+remain, or it serves) its adapter and optimizer state also leave the model, so the memory is there for
+queued jobs.
+
+The answer to each request is written next to it in ``RUN_DIR/requests/done/``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lorafusion.config.load import job_config_from
+from lorafusion.config.schema import JobConfig, RunConfig
+from lorafusion.core.errors import ConfigError, UserError
+from lorafusion.dist import share_from_rank0
+from lorafusion.rundir.atomic import write_text_atomic
+from lorafusion.rundir.layout import RunDir
+from lorafusion.runtime.feed import Feed, JobState
+from lorafusion.rundir.requests import answer_request, pending_requests
+
+
+def submitted_jobs(out: Path) -> list[JobConfig]:
+    """Jobs a run accepted by ``submit`` (for a resume: they are not in the YAML)."""
+    d = RunDir(out).submitted
+    return [job_config_from(_read_json(p), str(p)) for p in sorted(d.glob("*.json"))] if d.is_dir() else []
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+
+def adapter_memory_bytes(model, name: str, token_capacity: int) -> int:
+    """Rough bytes adapter ``name`` (already on the model) still needs on this rank once it trains: fp32
+    gradients and two AdamW moments of its LoRA parameters, and its LoRA activations (r values per token per
+    adapted linear, kept for backward) at the token capacity."""
+    from lorafusion.layers import adapter_parameters
+
+    params = adapter_parameters(model, name)
+    numel = sum(p.numel() for p in params.values())
+    rank_sum = sum(p.shape[0] for k, p in params.items() if k.endswith("lora_A"))  # Σ r over adapted linears
+    return 12 * numel + 4 * rank_sum * token_capacity
+
+
+def device_memory_bytes() -> int:
+    """The memory one rank's adapters live in: the GPU's, or the host's without CUDA."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_adapter_fits(cfg: RunConfig, job: JobConfig, arch) -> None:
+    """ConfigError when job's adapter could never fit one rank's memory (its share of
+    :func:`lorafusion.core.lora.lora_memory_bytes` over tp*pp ranks above the device's whole memory): refused
+    before anything is allocated, for a YAML job, a resumed one or a submission alike."""
+    from lorafusion.core.lora import lora_memory_bytes
+
+    cap = cfg.scheduler.token_capacity if isinstance(cfg.scheduler.token_capacity, int) else 16384
+    need = lora_memory_bytes(job.lora, arch, cap) // (cfg.parallelism.tp * cfg.parallelism.pp)
+    if need > (total := device_memory_bytes()):
+        raise ConfigError(f"job {job.name!r}: lora.r = {job.lora.r}: its adapter needs about {need / 2**30:,.1f} GiB "
+                          f"a rank to train (weights, gradients, AdamW moments, activations at the token capacity "
+                          f"{cap}), more than the {total / 2**30:,.1f} GiB this device has; lower lora.r")
+
+
+class LiveJobs:
+    """See the module docstring. ``add_job(job_cfg) -> JobState`` builds a job (data, stream, adapter,
+    optimizer) on every rank; ``finish(name, release)`` hands an ended job over (checkpoint, export; with
+    ``release`` its adapter and optimizer leave the model)."""
+
+    def __init__(self, cfg: RunConfig, out: Path, model, feed: Feed, jobs: dict[str, JobState], *,
+                 is_logger: bool, add_job: Callable[[JobConfig], JobState], finish: Callable[[str, bool], None],
+                 log: Callable[[str], None] = print):
+        self.cfg, self.out, self.model, self.feed, self.jobs = cfg, Path(out), model, feed, jobs
+        self.is_logger, self._add_job, self._finish, self.log = is_logger, add_job, finish, log
+        self._wait: dict[str, int] = {}  # cancelling job -> chunk boundaries until its planned batches have run
+        self._queue: list[str] = [n for n, js in jobs.items() if js.status == "queued"]
+
+    # ------------------------------------------------------------------------------------------ requests
+    def _take(self) -> list[dict]:
+        """Rank 0's pending requests, on every rank (collective)."""
+        reqs: list = []
+        if self.is_logger:
+            reqs = [dict(r, _path=str(p)) for p, r in pending_requests(self.out)]
+        return share_from_rank0(reqs)
+
+    def poll(self) -> int:
+        """Take and apply the pending requests (collective); then end cancelled jobs whose batches have run
+        and admit queued jobs where there is room. Returns how many requests were applied."""
+        reqs = self._take()
+        for req in reqs:
+            try:
+                answer = self._submit(req) if req["kind"] == "submit" else self._cancel(req)
+            except UserError as e:  # the same on every rank (the data and the checks are the same)
+                answer = f"refused: {e}"
+            except BaseException as e:  # a bug or the machine: set aside first, so a resume does not meet it again
+                if self.is_logger:
+                    answer_request(Path(req.pop("_path")), req, f"failed: {type(e).__name__}: {e}")
+                raise
+            if self.is_logger:
+                answer_request(Path(req.pop("_path")), req, answer)
+                self.log(f"request {req['kind']} {req.get('name') or req.get('job')}: {answer}")
+        self._end_cancelled()
+        self._end_finished()
+        self._admit()
+        return len(reqs)
+
+    def _submit(self, req: dict) -> str:
+        job = job_config_from(req.get("job"), f"request {Path(req['_path']).name}: job")
+        if job.name in self.jobs:
+            raise ConfigError(f"jobs: a job named {job.name!r} is already in the run")
+        cap = self.cfg.scheduler.token_capacity
+        if isinstance(cap, int) and job.dataset.max_seq_len > cap:
+            raise ConfigError(f"job {job.name!r}: dataset.max_seq_len {job.dataset.max_seq_len} exceeds the run's "
+                              f"scheduler.token_capacity {cap}")
+        js = self._add_job(job)  # data, stream, adapter, optimizer (raises a DataError for bad data)
+        self.cfg.jobs.append(job)
+        if self.is_logger:
+            RunDir(self.out).submitted.mkdir(exist_ok=True)
+            write_text_atomic(RunDir(self.out).submitted / f"{job.name}.json", json.dumps(job.model_dump(mode="json")) + "\n")
+        js.status = "queued"
+        self.feed.update_jobs(lambda jobs: jobs.__setitem__(job.name, js))
+        self._queue.append(job.name)
+        return f"accepted at step boundary (queued until admitted; {len(self._queue)} in the queue)"
+
+    def _cancel(self, req: dict) -> str:
+        name = req.get("job")
+        js = self.jobs.get(name) if isinstance(name, str) else None
+        if js is None:
+            raise ConfigError(f"--job: no job {name!r} in this run")
+        if js.status == "queued":
+            self._queue.remove(name)
+            self.feed.update_jobs(lambda jobs: setattr(js, "status", "cancelled"))
+            return "cancelled (it had not started)"
+        if js.status != "running" or js.steps >= js.stream.total_steps:
+            return f"nothing to do: the job is {js.status if js.status != 'running' else 'done'}"
+        prepared = self.feed.update_jobs(lambda jobs: setattr(js, "status", "cancelling"))
+        self._wait[name] = 1 if name in prepared else 0
+        return "cancelling: it leaves once its planned batches have run"
+
+    # --------------------------------------------------------------------------------------- each boundary
+    def _end_cancelled(self) -> None:
+        for name in list(self._wait):
+            if self._wait[name] > 0:
+                self._wait[name] -= 1
+                continue
+            del self._wait[name]
+            self.jobs[name].status = "cancelled"
+            self._hand_over(name)
+            self.log(f"job {name}: cancelled at step {self.jobs[name].steps}; checkpointed and exported")
+
+    def _end_finished(self) -> None:
+        ended = [n for n, js in self.jobs.items() if js.ended and js.status != "cancelled" and not js.handed_over]
+        if not ended:
+            return
+        prepared = self.feed.update_jobs(lambda jobs: None)  # a halted job's planned batches run first
+        for name in ended:
+            if name not in prepared:
+                self._hand_over(name)
+                self.log(f"job {name}: {self.jobs[name].final_status} at step {self.jobs[name].steps}; its adapter "
+                         f"goes to {self.out / 'adapters' / name}")
+
+    def _hand_over(self, name: str) -> None:
+        # the memory goes back only if someone may use it: a run that ends now keeps the trained model whole
+        goes_on = self.cfg.serve or any(not js.ended for n, js in self.jobs.items() if n != name)
+        self._finish(name, goes_on)
+
+    def _fits(self, name: str) -> bool:
+        if not torch.cuda.is_available():
+            return True
+        free, _ = torch.cuda.mem_get_info()
+        free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()  # the allocator's cache is free too
+        cap = self.cfg.scheduler.token_capacity
+        need = adapter_memory_bytes(self.model, name, cap if isinstance(cap, int) else 16384)
+        ok = torch.tensor([int(free - (1 << 30) >= need)], device="cuda")
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # admitted only where every rank has room
+        return bool(ok.item())
+
+    def _admit(self) -> None:
+        """Start queued jobs by priority (then arrival) while they fit."""
+        order = sorted(self._queue, key=lambda n: (-self.jobs[n].cfg.priority, self._queue.index(n)))
+        for name in order:
+            if not self._fits(name):
+                break  # a job of higher priority waits first
+            self._queue.remove(name)
+            self.feed.update_jobs(lambda jobs, js=self.jobs[name]: setattr(js, "status", "running"))
+            self.log(f"job {name}: admitted (joins the next chunk drawn)")
+
+    @property
+    def busy(self) -> bool:
+        """Jobs still waiting to start or to end."""
+        return bool(self._queue or self._wait)
