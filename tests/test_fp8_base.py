@@ -150,6 +150,9 @@ def test_odd_hidden_sizes_take_the_fallback(megatron_single):
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
                     reason="needs an sm_89+ GPU")
 def test_cuda_fp8_base_with_the_fused_lora_kernels_equals_the_torch_lora_path(megatron_single):
+    """Per LoRA linear (the FP8 base term is the same op in both): output and every gradient with the Triton LoRA
+    kernels equal the torch LoRA path to bf16 precision. (Through a whole FP8 model the two differ by FP8 rounding
+    flips, which a bf16-sized change of an input can cause: the whole-model comparison is the bench's losses.)"""
     from lorafusion.layers import get_lora_context
 
     dev = torch.device("cuda")
@@ -160,15 +163,19 @@ def test_cuda_fp8_base_with_the_fused_lora_kernels_equals_the_torch_lora_path(me
     randomize_b(model, seed=5)
     model.train()
     batch = _batch().to(dev)
-    res = {}
-    for impl in ("fused", "reference"):
-        get_lora_context(model).impl = impl
-        model.zero_grad(set_to_none=True)
-        losses = adapter_losses(model, batch)
-        sum(losses.values()).backward()
-        res[impl] = ({k: v.item() for k, v in losses.items()}, lora_grads(model, "a"))
-    for n in res["fused"][0]:
-        assert res["fused"][0][n] == pytest.approx(res["reference"][0][n], rel=1e-2)
-    for k, g in res["fused"][1].items():
-        ref = res["reference"][1][k]
-        assert float((g - ref).float().norm() / ref.float().norm()) < 5e-2, k
+    T = batch.tokens.numel()
+    with lora_batch(model, batch.routing, batch.adapters, [7, 9]):
+        for key, mod in lora_modules(model):
+            x = torch.randn(T, 1, mod.input_size, device=dev, generator=torch.Generator(dev).manual_seed(1))
+            dy = torch.randn(T, 1, mod.weight_fp8.shape[0], device=dev, generator=torch.Generator(dev).manual_seed(2))
+            names = sorted(mod.lora_A)
+            res = {}
+            for impl in ("fused", "reference"):
+                get_lora_context(model).impl = impl
+                xi = x.to(torch.bfloat16).requires_grad_(True)
+                out, _ = mod(xi)
+                params = [xi, *[mod.lora_A[n] for n in names], *[mod.lora_B[n] for n in names]]
+                res[impl] = (out, *torch.autograd.grad(out, params, dy.to(torch.bfloat16)))
+            for got, want in zip(res["fused"], res["reference"]):
+                err = float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12))
+                assert err < 2e-2, (key, err)

@@ -17,7 +17,7 @@ Quantization (row-wise, "dequant" scales: ``v ≈ q·scale``):
 ``torch._scaled_mm`` (cuBLASLt on sm_89+, and CPU in torch >= 2.13, which CI uses) wants K and N multiples
 of 16; other shapes take :func:`scaled_gemm`'s fallback, the same quantized math as a float32 matmul of the
 dequantized operands (slower, same numbers up to fp32 summation order). X's row quantization runs as one
-Triton kernel on CUDA (:mod:`lorafusion.kernels.fp8_quant`, one read of each row up to 32k columns) and in
+Triton kernel on CUDA (:mod:`lorafusion.kernels.fp8_quant`) and in
 torch elsewhere.
 
 :func:`fp8_linear_reference` is the ground truth: the same quantization, the GEMM in float64.

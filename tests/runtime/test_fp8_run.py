@@ -39,7 +39,7 @@ def test_fp8_run_trains_and_records_its_base(fp8_run):
 
 
 def test_generate_uses_the_fp8_base(fp8_run, tmp_path, megatron_single):
-    from lorafusion.runtime.generate import build_run_model, load_run
+    from lorafusion.inference.generate import build_run_model, load_run
 
     _, _, out = fp8_run
     info = load_run(out)
