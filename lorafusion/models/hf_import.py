@@ -142,5 +142,6 @@ def build_model_from_hf(path: str | Path | HFCheckpoint, *, params_dtype: torch.
     precision = kw.pop("base_precision", "bf16")
     model = build_model(ckpt.arch, params_dtype=params_dtype, **kw)
     load_hf_weights(model, ckpt)
+    model.lorafusion_base = str(ckpt.path.resolve())  # what exported adapters name as their base
     quantize_base(model, precision)
     return model
