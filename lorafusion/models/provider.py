@@ -50,9 +50,8 @@ def lora_layer_spec(transformer_impl: str = "local", fused_ops: str = "off"):
 
 def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, pre_process: bool | None = None,
                 post_process: bool | None = None, recompute: bool = False, recompute_layers: int | None = None,
-                device: str | torch.device | None = None,
-                transformer_impl: str = "local", seed: int = 1234, fused_ops: str | None = None,
-                sequence_parallel: bool = False, stage_layers: list[int] | None = None,
+                device: str | torch.device | None = None, transformer_impl: str = "local", seed: int = 1234,
+                fused_ops: str | None = None, sequence_parallel: bool = False, stage_layers: list[int] | None = None,
                 base_precision: str = "bf16", **config_overrides) -> GPTModel:
     """Build this pipeline stage's ``GPTModel`` (requires ``parallel_state`` to be initialised).
 
@@ -62,9 +61,7 @@ def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, p
     ``model.lorafusion_fused_ops``. ``sequence_parallel`` (tp > 1): Megatron's sequence parallelism; the
     norms are then :class:`~lorafusion.models.fused.rms_norm.RMSNorm` even with ``fused_ops="off"`` (its
     "torch" implementation, ``F.rms_norm`` as ``torch.nn.RMSNorm``), since Megatron's ``WrappedTorchNorm``
-    refuses SP. ``base_precision="fp8"``: the decoder linears' base weights are quantized to FP8 after the
-    (random) init and their bf16 copies freed (:mod:`lorafusion.layers.fp8_base`); HF import quantizes after
-    loading the checkpoint instead (:func:`lorafusion.models.hf_import.build_model_from_hf`).
+    refuses SP. ``base_precision``: "fp8" quantizes the decoder linears after init (:mod:`..layers.fp8_base`).
     """
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
