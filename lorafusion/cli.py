@@ -213,6 +213,7 @@ def cmd_export(args) -> int:
     if (out.exists() or out.is_symlink()) and not args.force:
         raise ConfigError(f"{out}: --out already exists; choose another path or pass --force to replace it "
                           f"(atomically, once the new export is complete)")
+    note = ""
     if args.base:
         from lorafusion.export.hf import write_base
 
@@ -221,9 +222,10 @@ def cmd_export(args) -> int:
     else:
         adapter, what = find_adapter(src, args.job, best=args.best)
         if args.merged:
-            from lorafusion.export.hf import write_merged
+            from lorafusion.export.hf import fp8_note, read_record, write_merged
 
             fill, _ = write_merged(_run_dir_of(src), adapter)
+            note = fp8_note(read_record(_run_dir_of(src)))  # an FP8-trained base: merged into the original weights
             kind = "merged"
         else:
             fill = copier(adapter)
@@ -235,7 +237,7 @@ def cmd_export(args) -> int:
     else:
         out = fill_dir_atomically(out, fill)
     job = f" of job {args.job!r}" if args.job else ""
-    what = f"{what}{job}{' merged into the base' if kind == 'merged' else ''}"
+    what = f"{what}{job}{' merged into the base' + note if kind == 'merged' else ''}"
     print(f"exported {what} to {out}", file=sys.stderr)
     print(json.dumps({"job": args.job, "kind": kind, "exported": what,
                       "from": str(adapter) if adapter else str(src), "to": str(out)}))
