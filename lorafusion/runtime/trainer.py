@@ -87,7 +87,7 @@ class Trainer:
         self.model = build_base(self.arch, ckpt, dtype=cfg.model.dtype, device=self.device, seed=cfg.seed,
                                 **recompute_kwargs(cfg, self.memory_plan, stage, self.arch),
                                 sequence_parallel=cfg.parallelism.sequence_parallel,
-                                stage_layers=cfg.parallelism.stage_layers)
+                                stage_layers=cfg.parallelism.stage_layers, base_precision=cfg.model.base_precision)
         get_lora_context(self.model).impl = None if cfg.kernels == "auto" else cfg.kernels
         self.timers = StageTimers()
         self.model.config.timers = self.timers  # Megatron's schedules time their stages through this hook
