@@ -195,3 +195,20 @@ def test_workspace_and_margin_come_from_the_committed_file():
     c = load_coefficients()
     assert "calibrate_memory" in c.source and 0 < c.margin_frac < 0.2
     assert replace(c, margin_frac=0.0).margin_frac == 0.0
+
+
+def test_run_config_fp8_base_and_virtual_stages_reach_the_model():
+    from lorafusion.config import load_run_config
+    from lorafusion.scheduler.sizing import setup_from_run
+
+    cfg = load_run_config(ROOT / "configs/llama3.1-70b-4adapters.yaml", ["model.base_precision=fp8",
+                                                                          "parallelism.virtual_stages=2"],
+                          check_files=False)
+    s = setup_from_run(cfg, preset("llama3.1-70b"))
+    assert s.base_bytes_per_param == 1.0 and s.row_scale_bytes == 4 and s.virtual_stages == 2
+    assert s.stage_layers == (20, 20, 20, 20)
+    bf16 = setup_from_run(load_run_config(ROOT / "configs/llama3.1-70b-4adapters.yaml", check_files=False),
+                          preset("llama3.1-70b"))
+    w8, w16 = stage_memory(s, 1, 4096).weights, stage_memory(bf16, 1, 4096).weights
+    assert 0.5 < w8 / w16 < 0.51  # a middle stage holds decoder linears only (and norms)
+    assert stage_memory(s, 0, 4096).in_flight == 5.5 and stage_memory(bf16, 0, 4096).in_flight == 4
