@@ -138,5 +138,6 @@ def build_model_from_hf(path: str | Path | HFCheckpoint, *, params_dtype: torch.
 
     ckpt = path if isinstance(path, HFCheckpoint) else HFCheckpoint(path)
     model = build_model(ckpt.arch, params_dtype=params_dtype, **kw)
-    load_hf_weights(model, ckpt)
+    for chunk in (model if isinstance(model, torch.nn.ModuleList) else [model]):  # virtual pipeline: each chunk
+        load_hf_weights(chunk, ckpt)
     return model

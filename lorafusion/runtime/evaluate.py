@@ -59,12 +59,17 @@ def eval_losses(model, sets: dict[str, list[tuple[list[int], int]]], capacity: i
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from lorafusion.layers import set_batch
+    from lorafusion.runtime.pipeline import chunks_of
+    from lorafusion.scheduler.pipeorder import interleave_padding
 
     names = list(sets)
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     everything = pack_eval(sets, capacity)
     mine = everything[dp_rank::dp]
     per_rank = -(-len(everything) // dp)  # every DP rank runs the same number of microbatches
+    chunks = chunks_of(model)
+    if len(chunks) > 1:  # interleaved 1F1B runs a multiple of pp microbatches (Megatron's microbatch groups)
+        per_rank += interleave_padding(per_rank, parallel_state.get_pipeline_model_parallel_world_size(), len(chunks))
     mine += [noop_microbatch(eos_id)] * (per_rank - len(mine))
     pad = parallel_state.get_tensor_model_parallel_world_size() if model.config.sequence_parallel else 1
     dev = device or torch.device("cpu")
@@ -92,7 +97,8 @@ def eval_losses(model, sets: dict[str, list[tuple[list[int], int]]], capacity: i
     model.config.timers = None  # the stage timers measure training chunks only
     try:
         with torch.no_grad():
-            get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(mine), model=[model],
+            data = [iter(mine) for _ in chunks] if len(chunks) > 1 else iter(mine)
+            get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data, model=chunks,
                                         num_microbatches=len(mine),
                                         seq_length=max(-(-b.num_tokens // pad) * pad for b in mine),
                                         micro_batch_size=1, forward_only=True)

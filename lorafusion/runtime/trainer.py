@@ -21,7 +21,7 @@ from lorafusion.config.schema import RunConfig
 from lorafusion.core.errors import ConfigError
 from lorafusion.rundir.atomic import write_text_atomic
 from lorafusion.rundir.layout import RunDir
-from lorafusion.runtime.feed import Feed, job_state, load_jobs, scheduler_config
+from lorafusion.runtime.feed import Feed, job_state, load_jobs, scheduler_config, stage_split
 from lorafusion.rundir.lock import OutputDirLock, check_output_dir
 from lorafusion.runtime.online import check_adapter_fits
 
@@ -71,7 +71,8 @@ class Trainer:
                               f"none — use auto (fused on CUDA, reference elsewhere) or reference")
         check_output_dir(self.out, cfg.source, resume=self.resume)
         self.tokenizer, self.jobs = load_jobs(cfg)
-        info = init_distributed(cfg.parallelism.tp, cfg.parallelism.pp, seed=cfg.seed)
+        info = init_distributed(cfg.parallelism.tp, cfg.parallelism.pp, seed=cfg.seed,
+                                virtual_stages=cfg.parallelism.virtual_stages)
         self.is_logger = info["rank"] == 0
         self._lock.acquire(self.is_logger, share=share_from_rank0)
         dp_rank = parallel_state.get_data_parallel_rank()
@@ -90,7 +91,7 @@ class Trainer:
         kw = dict(params_dtype=DTYPES[cfg.model.dtype], recompute=cfg.model.recompute,
                   recompute_layers=cfg.model.recompute_layers, device=self.device,
                   seed=cfg.seed, sequence_parallel=cfg.parallelism.sequence_parallel,
-                  stage_layers=cfg.parallelism.stage_layers)
+                  stage_layers=stage_split(cfg, self.arch))
         self.model = build_model_from_hf(ckpt, **kw) if ckpt is not None else build_model(self.arch, **kw)
         get_lora_context(self.model).impl = None if cfg.kernels == "auto" else cfg.kernels
         self.timers = StageTimers()
