@@ -125,11 +125,13 @@ def _print_pipeline(cfg, stage, res, args, out: Path) -> None:
 def cmd_submit(args) -> int:
     """Validate the job now (one clear error, the run untouched), then queue it for the run."""
     from lorafusion.config.load import load_job_config
-    from lorafusion.rundir.requests import check_submission, write_request
+    from lorafusion.rundir.requests import check_against_run, check_submission, require_run_dir, write_request
 
     job = load_job_config(args.job, args.overrides, check_files=True)
     run = Path(args.run_dir)
-    check_submission(run, job.name)  # (write_request refuses a directory that is not a run's)
+    require_run_dir(run)
+    check_submission(run, job.name)
+    check_against_run(run, job)  # capacity, memory, data: what the run would refuse is refused now
     write_request(run, "submit", {"name": job.name, "job": job.model_dump(mode="json")})
     print(f"submitted job {job.name!r} to {run}: it joins at the next chunk boundary "
           f"(a stopped run takes it when resumed); watch it with: lorafusion status {run}")

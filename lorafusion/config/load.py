@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 from lorafusion.config.schema import JobConfig, RunConfig
 from lorafusion.config.yamlio import display as _display
 from lorafusion.config.yamlio import read_yaml as _read_yaml
+from lorafusion.config.init_from import check_init_from, fill_lora_from_init
 from lorafusion.config.yamlio import resolve_path as _resolve_path
 from lorafusion.config.yamlio import yaml_loader
 from lorafusion.core.arch import PRESETS
@@ -151,6 +152,8 @@ def _resolve_job_paths(job: Any, base: Path, where: str = "") -> None:
     for key in ("dataset", "eval_dataset"):
         if isinstance(job, dict) and isinstance(job.get(key), dict) and "path" in job[key]:
             job[key]["path"] = _resolve_path(job[key]["path"], base, f"{where}{key}.path: ")
+    if isinstance(job, dict) and isinstance(job.get("init_from"), str):
+        job["init_from"] = _resolve_path(job["init_from"], base, f"{where}init_from: ")
 
 
 def _resolve_run_paths(raw: dict, base: Path, shown: str) -> None:
@@ -241,7 +244,7 @@ def _select_job(raw: dict, parts: list[str], i: int, item: str, job_names: list[
 
 def _maybe_path(parts: list[str], value: Any, where: str) -> Any:
     if parts[-1] == "path" and len(parts) >= 2 and parts[-2] in ("dataset", "eval_dataset", "model", "tokenizer") \
-            or parts == ["output_dir"]:
+            or parts == ["output_dir"] or parts[-1] == "init_from":
         return _resolve_path(value, Path.cwd(), where)
     return value
 
@@ -312,6 +315,8 @@ def load_run_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> R
             return sources[loc[1]][0], loc[2:], note
         return run_shown, loc, note
 
+    for i, job in enumerate(raw.get("jobs") if isinstance(raw.get("jobs"), list) else []):
+        fill_lora_from_init(job, ["jobs", i], locate)
     try:
         cfg = RunConfig.model_validate(raw)
     except ValidationError as e:
@@ -352,6 +357,7 @@ def _check_files(cfg: RunConfig, run_shown: str, sources, locate) -> None:
         raise ConfigError(f"{run_shown}: output_dir: expected a directory (or a path to create), "
                           f"but {_display(out)} is a file{locate(['output_dir'])[2]}")
     for i, job in enumerate(cfg.jobs):
+        check_init_from(job, ["jobs", i], locate)
         for key, ds in (("dataset", job.dataset), ("eval_dataset", job.eval_dataset)):
             if ds is not None and not (p := Path(ds.path)).is_file():
                 file, inner, note = locate(["jobs", i, key, "path"])
@@ -379,10 +385,12 @@ def load_job_config(path: str | os.PathLike, overrides: Sequence[str] = (), *,
         hits = [ov for k, ov in overridden.items() if key == k or key.startswith(k + ".")]
         return shown, loc, f" (set by override {hits[-1]!r})" if hits else ""
 
+    fill_lora_from_init(raw, [], locate)
     try:
         job = JobConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(_format_errors(e, locate)) from None
+    check_init_from(job, [], locate)
     for key, ds in (("dataset", job.dataset), ("eval_dataset", job.eval_dataset)):
         if check_files and ds is not None and not Path(ds.path).is_file():
             raise ConfigError(f"{shown}: {key}.path: dataset file not found: {_display(Path(ds.path))}")

@@ -200,6 +200,9 @@ class JobConfig(_Strict):
     name: str
     dataset: DatasetConfig
     lora: LoRASpec
+    # a PEFT adapter directory to start from (continued training); its settings fill lora's keys left out and
+    # must agree with those given (config/init_from.py)
+    init_from: str | None = None
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     global_batch_size: int = Field(ge=1)  # samples per optimizer step
     max_steps: int | None = Field(None, ge=1)

@@ -19,9 +19,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from lorafusion.core.targets import megatron_targets, partial_groups, projections, resolve_target_modules
+from lorafusion.core.targets import PEFT_GROUPS, megatron_targets, partial_groups, projections, resolve_target_modules
 
-__all__ = ["ADAPTER_NAME_MAX", "ADAPTER_NAME_RE", "LoRASpec", "check_adapter_name", "lora_memory_bytes"]
+__all__ = ["ADAPTER_NAME_MAX", "ADAPTER_NAME_RE", "LoRASpec", "check_adapter_memory", "check_adapter_name",
+           "lora_memory_bytes"]
 
 ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9_\-]+")  # used with fullmatch (``$`` would let "name\n" through)
 # the longest file name a run derives from a job name is a request's temporary file,
@@ -113,6 +114,22 @@ def lora_memory_bytes(spec: LoRASpec, arch: Any, token_capacity: int) -> int:
     q, k = arch.num_attention_heads * kv, arch.num_query_groups * kv
     shapes = {"linear_qkv": [(h, q), (h, k), (h, k)], "linear_proj": [(q, h)],
               "linear_fc1": [(h, ffn), (h, ffn)], "linear_fc2": [(ffn, h)]}  # (in, out) of each projection
-    projections = [s for t in spec.target_modules for s in shapes[t]]
+    projections = [s for m in spec.megatron_targets for p, s in zip(PEFT_GROUPS[m], shapes[m], strict=True)
+                   if p in spec.projections(m)]
     numel = spec.r * sum(i + o for i, o in projections) * arch.num_layers
     return 16 * numel + 4 * spec.r * len(projections) * arch.num_layers * int(token_capacity)
+
+
+def check_adapter_memory(job: str, spec: LoRASpec, arch: Any, token_capacity: int | None, memory_bytes: int,
+                         model_parallel: int) -> None:
+    """ConfigError when job's adapter could never fit one rank: its :func:`lora_memory_bytes` (at the token
+    capacity; 16384 when it is chosen at run time) shared by ``model_parallel`` ranks, above a rank's whole
+    ``memory_bytes``. The run checks it before allocating anything, ``lorafusion submit`` before it answers."""
+    from lorafusion.core.errors import ConfigError
+
+    cap = token_capacity or 16384
+    need = lora_memory_bytes(spec, arch, cap) // model_parallel
+    if need > memory_bytes:
+        raise ConfigError(f"job {job!r}: lora.r = {spec.r}: its adapter needs about {need / 2**30:,.1f} GiB a rank "
+                          f"to train (weights, gradients, AdamW moments, activations at the token capacity {cap}), "
+                          f"more than the {memory_bytes / 2**30:,.1f} GiB a rank of this run has; lower lora.r")

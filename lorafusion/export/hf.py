@@ -33,10 +33,9 @@ from lorafusion.core.arch import ModelArch, arch_from_hf_config, arch_to_hf_conf
 from lorafusion.core.errors import ConfigError, MissingFileError
 
 RECORD = "base_model.json"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # tokenizer and generation files of a HF model directory, copied with it when present
 _HF_SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                  "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+                  "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 
 
 def base_reference(cfg, run_dir: Path, arch: ModelArch, device) -> str:
@@ -92,8 +91,8 @@ def _preset_base_state(record: dict, arch: ModelArch) -> Iterator[tuple[str, tor
     """The preset base of the run, rebuilt (TP = PP = 1) on the device type it was drawn on."""
     from megatron.core import parallel_state
 
+    from lorafusion.models.base import build_base
     from lorafusion.models.hf_export import hf_state_from_model
-    from lorafusion.models.provider import build_model
     from lorafusion.dist import init_distributed
 
     device = record.get("init_device", "cpu")
@@ -105,7 +104,7 @@ def _preset_base_state(record: dict, arch: ModelArch) -> Iterator[tuple[str, tor
             and parallel_state.get_pipeline_model_parallel_world_size() == 1):
         init_distributed(1, 1, seed=record["seed"])
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else None
-    model = build_model(arch, params_dtype=DTYPES[record["dtype"]], device=dev, seed=record["seed"])
+    model = build_base(arch, dtype=record["dtype"], device=dev, seed=record["seed"])
     yield from hf_state_from_model(model, arch)
 
 
@@ -118,7 +117,14 @@ def _path_base_state(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _write_tokenizer(record: dict, out: Path) -> str:
-    """Tokenizer files into ``out``; returns a short description."""
+    """Tokenizer files into ``out``, made to encode as training did (:func:`match_training`); returns a short
+    description."""
+    desc = _copy_tokenizer(record, out)
+    match_training(record, out)
+    return desc
+
+
+def _copy_tokenizer(record: dict, out: Path) -> str:
     tok = record["tokenizer"]
     if tok["type"] == "byte":
         write_byte_tokenizer(out)
@@ -135,6 +141,61 @@ def _write_tokenizer(record: dict, out: Path) -> str:
                 shutil.copyfile(src / n, out / n)
             copied.append(n)
     return f"tokenizer files {', '.join(copied)}" if copied else "no tokenizer files"
+
+
+def _run_tokenizer(record: dict):
+    from lorafusion.data.tokenizer import ByteTokenizer, HFTokenizer
+
+    tok = record["tokenizer"]
+    if tok["type"] == "byte":
+        return ByteTokenizer(), "<s>"
+    if tok["type"] == "hf":
+        t = HFTokenizer(tok["path"] or record["path"])
+        return t, t.bos_token
+    return None, None
+
+
+def match_training(record: dict, out: Path) -> None:
+    """Make the HF tokenizer files in ``out`` do what training did, so transformers needs no manual fix:
+
+    - encoding with special tokens (transformers' default) prepends bos exactly when training's samples start
+      with it (a ``TemplateProcessing`` step in tokenizer.json when the tokenizer would not);
+    - ``chat_template``: the tokenizer's own, else the built-in template training renders chat data with
+      (:func:`lorafusion.data.tokenizer.simple_chat_jinja`);
+    - ``generation_config.json`` (when the base has none): bos / eos / pad ids, eos ending generation as in
+      ``lorafusion generate``.
+
+    A sentencepiece tokenizer is copied as is (transformers builds its own from tokenizer.model)."""
+    from lorafusion.data.tokenizer import simple_chat_jinja
+
+    tok, bos_token = _run_tokenizer(record)
+    if tok is None or not (out / "tokenizer.json").is_file():
+        return
+    if tok.bos_id is not None:
+        _prepend_bos(out / "tokenizer.json", bos_token, tok.bos_id)
+    tc_file = out / "tokenizer_config.json"
+    tc = json.loads(tc_file.read_text()) if tc_file.is_file() else {}
+    tc["add_bos_token"] = tok.bos_id is not None
+    tc["add_eos_token"] = False
+    if not tc.get("chat_template") and not (out / "chat_template.jinja").is_file():
+        tc["chat_template"] = simple_chat_jinja(tok.bos_id is not None)
+    tc_file.write_text(json.dumps(tc, indent=2) + "\n")
+    if not (out / "generation_config.json").is_file():
+        gen = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+        (out / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if v is not None},
+                                                               indent=2) + "\n")
+
+
+def _prepend_bos(tok_json: Path, bos_token: str, bos_id: int) -> None:
+    from tokenizers import Tokenizer, processors
+
+    t = Tokenizer.from_file(str(tok_json))
+    if t.encode("a").ids[:1] == [bos_id]:
+        return
+    bos = processors.TemplateProcessing(single=f"{bos_token} $A", pair=f"{bos_token} $A {bos_token} $B:1",
+                                        special_tokens=[(bos_token, bos_id)])
+    t.post_processor = bos if t.post_processor is None else processors.Sequence([t.post_processor, bos])
+    t.save(str(tok_json))
 
 
 def write_byte_tokenizer(out: Path) -> None:

@@ -21,6 +21,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from lorafusion.core.errors import ConfigError, MissingFileError
 from lorafusion.core.lora import LoRASpec
+from lorafusion.core.peft_config import COMPARED, read_peft_config
 from lorafusion.layers.fused_proj import merge_rows, split_rows
 from lorafusion.layers.inject import add_adapter, get_lora_context, lora_modules
 from lorafusion.core.targets import PEFT_GROUPS, resolve_target_modules, to_peft_target_modules
@@ -126,7 +127,15 @@ def export_peft_adapter(model, name: str, out_dir: str | Path, arch: ModelArch |
 def peft_adapter_snapshot(model, name: str, arch: ModelArch | None = None,
                           base_model: str | None = None) -> tuple[dict[str, torch.Tensor], dict] | None:
     """Adapter ``name`` in host memory, ready for :func:`write_peft_adapter`: (PEFT-keyed fp32 tensors, its
-    ``adapter_config.json``) on global rank 0, None elsewhere (collective)."""
+    ``adapter_config.json``) on global rank 0, None elsewhere (collective). ``base_model``: what the config names
+    as its base (default: the directory a model built by ``build_model_from_hf`` came from)."""
+    from lorafusion.layers.inject import _chunks, _unwrap
+
+    base_model = base_model or getattr(_unwrap(_chunks(model)[0]), "lorafusion_base", None)
+    if base_model is None:
+        raise ConfigError("export_peft_adapter: base_model: expected the base model's HF name or directory, which "
+                          "the adapter config names for transformers (the model was not built by "
+                          "build_model_from_hf, which records it)")
     state = adapter_peft_state(model, name, arch or model_arch(model))
     if state is None:
         return None
@@ -157,33 +166,8 @@ def model_arch(model) -> ModelArch:
 def read_peft_adapter(path: str | Path) -> tuple[LoRASpec, dict[str, torch.Tensor]]:
     """Validate a PEFT adapter directory and return (spec, tensors with PEFT keys)."""
     path = Path(path)
-    cfg_file, st_file = path / "adapter_config.json", path / "adapter_model.safetensors"
-    if not cfg_file.is_file():
-        raise MissingFileError(f"{cfg_file}: missing (expected a PEFT adapter directory)")
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{cfg_file}: not valid JSON ({e})") from e
-    if cfg.get("peft_type") != "LORA":
-        raise ConfigError(f"{cfg_file}: peft_type: expected 'LORA', got {cfg.get('peft_type')!r}")
-    for field, ok in (("use_dora", False), ("bias", "none"), ("fan_in_fan_out", False), ("lora_bias", False)):
-        if cfg.get(field, ok) != ok:
-            raise ConfigError(f"{cfg_file}: {field}: expected {ok!r}, got {cfg.get(field)!r}")
-    for field in ("rank_pattern", "alpha_pattern"):
-        if cfg.get(field):
-            raise ConfigError(f"{cfg_file}: {field}: per-module ranks/alphas cannot be imported (expected empty)")
-    for field in ("modules_to_save", "layers_to_transform", "layer_replication", "trainable_token_indices"):
-        if cfg.get(field):
-            raise ConfigError(f"{cfg_file}: {field}: expected null, got {cfg.get(field)!r}")
-    targets = cfg.get("target_modules")
-    if isinstance(targets, str) and targets != "all-linear":
-        raise ConfigError(f"{cfg_file}: target_modules: a regex string cannot be mapped exactly; expected a list")
-    try:
-        spec = LoRASpec(r=cfg.get("r"), lora_alpha=cfg.get("lora_alpha"), lora_dropout=cfg.get("lora_dropout", 0.0),
-                        target_modules=tuple(targets) if isinstance(targets, list) else targets,
-                        use_rslora=bool(cfg.get("use_rslora", False)))
-    except ValueError as e:
-        raise ConfigError(f"{cfg_file}: {e}") from e
+    st_file = path / "adapter_model.safetensors"
+    _, spec = read_peft_config(path)
     if not st_file.is_file():
         raise MissingFileError(f"{st_file}: missing (only safetensors adapters are supported)")
     try:
@@ -200,7 +184,7 @@ def job_spec_for_adapter(file_spec: LoRASpec, job_spec: LoRASpec | None, where: 
     (ConfigError naming ``where``'s field otherwise)."""
     if job_spec is None:
         return file_spec
-    for f in ("r", "lora_alpha", "use_rslora", "target_modules"):
+    for f in COMPARED:
         if getattr(job_spec, f) != getattr(file_spec, f):
             got = getattr(file_spec, f)
             raise ConfigError(f"{where}.lora.{f}: the adapter in init_from has {got!r}, the job "

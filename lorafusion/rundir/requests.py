@@ -130,6 +130,36 @@ def check_cancel(run_dir: Path, job_name: str) -> None:
         raise ConfigError(f"{run_dir}: --job: job {job_name!r} is already {state}: nothing to cancel")
 
 
+def check_against_run(run_dir: Path, job) -> None:
+    """What ``submit`` checks before it answers, against the run's record (``base_model.json``: its model and
+    tokenizer) and limits (``status.json``'s ``run.limits``), as the run checks it at the boundary: the job's
+    ``dataset.max_seq_len`` within the token capacity, its adapter's memory, its data read and tokenized (every
+    sample valid and within max_seq_len; the eval share too). A run that has written neither yet (starting, or
+    written before the limits were recorded) checks it itself."""
+    from lorafusion.core.arch import arch_from_hf_config
+    from lorafusion.core.lora import check_adapter_memory
+
+    rd = RunDir(run_dir)
+    try:
+        record = json.loads(rd.base_record.read_text(encoding="utf-8"))
+        limits = json.loads(rd.status.read_text(encoding="utf-8"))["run"]["limits"]
+        cap, memory, mp = limits["token_capacity"], limits["memory_bytes"], limits["model_parallel"]
+        arch = arch_from_hf_config(record["config"], str(rd.base_record))
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if isinstance(cap, int) and job.dataset.max_seq_len > cap:
+        raise ConfigError(f"job {job.name!r}: dataset.max_seq_len {job.dataset.max_seq_len} exceeds the run's "
+                          f"scheduler.token_capacity {cap} ({run_dir})")
+    check_adapter_memory(job.name, job.lora, arch, cap, memory, mp)
+    from lorafusion.config.schema import TokenizerConfig
+    from lorafusion.data.dataset import load_job_samples
+    from lorafusion.data.evalset import split_job_samples
+    from lorafusion.data.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(TokenizerConfig(**record["tokenizer"]), record.get("path"))
+    split_job_samples(job, load_job_samples(job, tokenizer).samples, tokenizer, record["seed"])
+
+
 def check_submission(run_dir: Path, job_name: str) -> None:
     if job_name in known_job_names(run_dir):
         raise ConfigError(f"{run_dir}: a job named {job_name!r} is already in this run (or submitted); "

@@ -76,17 +76,19 @@ def device_memory_bytes() -> int:
 
 
 def check_adapter_fits(cfg: RunConfig, job: JobConfig, arch) -> None:
-    """ConfigError when job's adapter could never fit one rank's memory (its share of
-    :func:`lorafusion.core.lora.lora_memory_bytes` over tp*pp ranks above the device's whole memory): refused
-    before anything is allocated, for a YAML job, a resumed one or a submission alike."""
-    from lorafusion.core.lora import lora_memory_bytes
+    """:func:`lorafusion.core.lora.check_adapter_memory` for this run: before anything is allocated, for a YAML
+    job, a resumed one or a submission alike."""
+    from lorafusion.core.lora import check_adapter_memory
 
-    cap = cfg.scheduler.token_capacity if isinstance(cfg.scheduler.token_capacity, int) else 16384
-    need = lora_memory_bytes(job.lora, arch, cap) // (cfg.parallelism.tp * cfg.parallelism.pp)
-    if need > (total := device_memory_bytes()):
-        raise ConfigError(f"job {job.name!r}: lora.r = {job.lora.r}: its adapter needs about {need / 2**30:,.1f} GiB "
-                          f"a rank to train (weights, gradients, AdamW moments, activations at the token capacity "
-                          f"{cap}), more than the {total / 2**30:,.1f} GiB this device has; lower lora.r")
+    check_adapter_memory(job.name, job.lora, arch, **run_limits(cfg))
+
+
+def run_limits(cfg: RunConfig) -> dict:
+    """What a job must fit to join this run (``status.json``'s ``run.limits``; ``lorafusion submit`` checks a job
+    against them before it answers, :func:`check_adapter_fits` and :meth:`LiveJobs._submit` again at the boundary)."""
+    cap = cfg.scheduler.token_capacity
+    return {"token_capacity": cap if isinstance(cap, int) else None, "memory_bytes": device_memory_bytes(),
+            "model_parallel": cfg.parallelism.tp * cfg.parallelism.pp}
 
 
 class LiveJobs:

@@ -23,9 +23,8 @@ from lorafusion.rundir.atomic import write_text_atomic
 from lorafusion.rundir.layout import RunDir
 from lorafusion.runtime.feed import Feed, job_state, load_jobs, scheduler_config, stage_split
 from lorafusion.rundir.lock import OutputDirLock, check_output_dir
-from lorafusion.runtime.online import check_adapter_fits
+from lorafusion.runtime.online import check_adapter_fits, run_limits
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Trainer:
@@ -56,10 +55,9 @@ class Trainer:
     def _setup(self) -> None:
         from megatron.core import parallel_state
 
-        from lorafusion.core.arch import preset
         from lorafusion.layers import get_lora_context
+        from lorafusion.models.base import base_arch, build_base
         from lorafusion.runtime.evaluate import Evaluator
-        from lorafusion.models.provider import build_model
         from lorafusion.dist import init_distributed, share_from_rank0
         from lorafusion.checkpoint.policy import JobCheckpoints
         from lorafusion.runtime.telemetry.timers import StageTimers
@@ -77,22 +75,14 @@ class Trainer:
         self._lock.acquire(self.is_logger, share=share_from_rank0)
         dp_rank = parallel_state.get_data_parallel_rank()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        ckpt = None
-        if cfg.model.path:
-            from lorafusion.models.hf_import import HFCheckpoint, build_model_from_hf
-
-            ckpt = HFCheckpoint(cfg.model.path)
-            self.arch = ckpt.arch
-        else:
-            self.arch = preset(cfg.model.preset)
+        self.arch, ckpt = base_arch(cfg.model.path, cfg.model.preset)
         if self.tokenizer.vocab_size > self.arch.vocab_size:
             raise ConfigError(f"{cfg.source}: tokenizer: vocab_size {self.tokenizer.vocab_size} exceeds the "
                               f"model's vocab_size {self.arch.vocab_size}")
-        kw = dict(params_dtype=DTYPES[cfg.model.dtype], recompute=cfg.model.recompute,
-                  recompute_layers=cfg.model.recompute_layers, device=self.device,
-                  seed=cfg.seed, sequence_parallel=cfg.parallelism.sequence_parallel,
-                  stage_layers=stage_split(cfg, self.arch))
-        self.model = build_model_from_hf(ckpt, **kw) if ckpt is not None else build_model(self.arch, **kw)
+        self.model = build_base(self.arch, ckpt, dtype=cfg.model.dtype, recompute=cfg.model.recompute,
+                                recompute_layers=cfg.model.recompute_layers, device=self.device, seed=cfg.seed,
+                                sequence_parallel=cfg.parallelism.sequence_parallel,
+                                stage_layers=stage_split(cfg, self.arch))
         get_lora_context(self.model).impl = None if cfg.kernels == "auto" else cfg.kernels
         self.timers = StageTimers()
         self.model.config.timers = self.timers  # Megatron's schedules time their stages through this hook
@@ -124,7 +114,13 @@ class Trainer:
         from lorafusion.runtime.optim import AdapterOptimizer
 
         check_adapter_fits(self.cfg, js.cfg, self.arch)  # before allocating: lora.r = 10**12 is one clear error
-        add_adapter(self.model, js.cfg.name, js.cfg.lora, seed=self.cfg.seed)
+        if js.cfg.init_from is not None:  # continued training of a PEFT adapter (a resume then loads its checkpoint)
+            from lorafusion.export.peft import import_peft_adapter
+
+            import_peft_adapter(self.model, js.cfg.name, js.cfg.init_from, spec=js.cfg.lora,
+                                where=f"{self.cfg.source}: jobs.{js.cfg.name}")
+        else:
+            add_adapter(self.model, js.cfg.name, js.cfg.lora, seed=self.cfg.seed)
         params = list(adapter_parameters(self.model, js.cfg.name).values())
         js.optimizer = AdapterOptimizer.from_config(params, js.cfg.optimizer, js.stream.total_steps)
 
@@ -157,7 +153,10 @@ class Trainer:
             metrics = MetricsWriter(self.out, tensorboard=cfg.logging.tensorboard)
             progress = Progress({n: js.stream.total_steps for n, js in self.jobs.items()},
                                 enabled=cfg.logging.progress, log_every=cfg.logging.log_every)
-            status = StatusWriter(self.out, self.jobs)  # OUTPUT_DIR/status.json (lorafusion status)
+            from lorafusion.export.hf import base_reference
+
+            base_reference(cfg, self.out, self.arch, self.device)  # base_model.json: for export, and submit's checks
+            status = StatusWriter(self.out, self.jobs, limits=run_limits(cfg))  # status.json (lorafusion status)
         self.handover = Handover()  # writes what ended jobs leave while the others train
         t_start = time.perf_counter()
         windows = plan_s = noops = total_tokens = 0

@@ -107,3 +107,37 @@ def test_status_json_of_the_wrong_shape(tmp_path, capsys, text, needle):
     err = capsys.readouterr().err
     assert err.startswith(f"lorafusion status: error: {tmp_path / 'status.json'}: not a readable run status")
     assert needle in err and err.count("\n") == 1, err
+
+
+def _submit_job(tmp_path, name="extra", **dataset):
+    import yaml
+
+    data = write_dataset(tmp_path / "d" / f"{name}.jsonl", 5)
+    job = job_dict(name, data, r=4)
+    job["dataset"].update(dataset)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path, data
+
+
+@pytest.mark.parametrize("case", ["invalid_json", "over_capacity", "long_sample", "huge_r"])
+def test_submit_refuses_what_the_run_would_refuse(tmp_path, capsys, three_jobs, case):
+    out = three_jobs[3]
+    path, data = _submit_job(tmp_path, max_seq_len=200 if case == "over_capacity" else 64)
+    overrides, words = [], []
+    if case == "invalid_json":
+        data.write_text(data.read_text() + '{"prompt": "x", "response": \n')
+        words = [str(data), "line 25", "invalid JSON"]
+    elif case == "over_capacity":
+        words = ["dataset.max_seq_len 200 exceeds the run's scheduler.token_capacity 96"]
+    elif case == "long_sample":
+        data.write_text(data.read_text() + json.dumps({"prompt": "p" * 100, "response": "r"}) + "\n")
+        words = [str(data), "sample 24 (row 24) is 103 tokens, longer than dataset.max_seq_len = 64"]
+    else:
+        overrides, words = ["lora.r=1000000000000"], ["job 'extra': lora.r = 1000000000000: its adapter needs"]
+    before = sorted(str(p) for p in out.rglob("*"))
+    assert main(["submit", str(out), str(path), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lorafusion submit: error: ") and err.count("\n") == 1, err
+    assert all(w in err for w in words), err
+    assert sorted(str(p) for p in out.rglob("*")) == before  # nothing queued

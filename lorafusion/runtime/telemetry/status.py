@@ -16,9 +16,10 @@ class StatusWriter:
     ``stream.total_steps``); a job's counts when first seen are its start in this session (a resumed run, a
     job that joined later), from which its tokens/s and ETA are taken."""
 
-    def __init__(self, out: Path, jobs: dict):
+    def __init__(self, out: Path, jobs: dict, limits: dict | None = None):
         self.path = RunDir(out).status
         self.jobs = jobs
+        self.limits = limits  # what `lorafusion submit` checks a job against (runtime.online.run_limits)
         self._t0 = time.perf_counter()
         self._start: dict[str, tuple[int, int, float]] = {}  # job -> (steps, tokens, time) when first seen
         self.write("starting")
@@ -50,7 +51,8 @@ class StatusWriter:
                        "eta_s": None if eta is None else round(eta, 1), **eval_fields(js)}
         status = {"run": {"state": run_state, "elapsed_s": round(elapsed, 3),
                           "tokens_per_s": round(session_tokens / elapsed, 1),
-                          "updated": datetime.now(timezone.utc).isoformat(timespec="seconds")},
+                          "updated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                          **({"limits": self.limits} if self.limits else {})},
                   "jobs": rows}
         write_text_atomic(self.path, json.dumps(status, indent=2) + "\n")
         return status
