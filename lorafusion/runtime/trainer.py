@@ -81,7 +81,7 @@ class Trainer:
         self.model = build_base(self.arch, ckpt, dtype=cfg.model.dtype, recompute=cfg.model.recompute,
                                 recompute_layers=cfg.model.recompute_layers, device=self.device, seed=cfg.seed,
                                 sequence_parallel=cfg.parallelism.sequence_parallel,
-                                stage_layers=cfg.parallelism.stage_layers)
+                                stage_layers=cfg.parallelism.stage_layers, base_precision=cfg.model.base_precision)
         get_lora_context(self.model).impl = None if cfg.kernels == "auto" else cfg.kernels
         self.timers = StageTimers()
         self.model.config.timers = self.timers  # Megatron's schedules time their stages through this hook
