@@ -238,7 +238,7 @@ def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, o
            "final_loss": {n: j["final_loss"] for n, j in summary["jobs"].items()},
            "steps_per_job": {n: j["steps"] for n, j in summary["jobs"].items()},
            "timed_steps_per_job": {n: len([r for r in timed if r["job"] == n]) for n in summary["jobs"]},
-           "parallelism": summary["parallelism"]}
+           "parallelism": summary["parallelism"], "memory_plan": summary.get("memory_plan")}
     if DIST or any(r["bubble_per_chunk"] for r in per_rank):
         res["peak_mem_gib_per_rank"] = [r["peak_mem_gib"] for r in per_rank]
         res["bubble_ratio_per_rank"] = [r["bubble_steady"] for r in per_rank]
