@@ -133,6 +133,8 @@ class JobCheckpoints:
             flat.update({"(run) seed": cfg.seed, "(run) model.dtype": cfg.model.dtype,
                          "(run) model": Path(cfg.model.path).name if cfg.model.path else cfg.model.preset,
                          "(run) tokenizer.type": cfg.tokenizer.type})
+            if cfg.model.base_precision != "bf16":  # (absent = bf16: checkpoints written before the field resume)
+                flat["(run) model.base_precision"] = cfg.model.base_precision
             self._fingerprints[name] = flat
         return self._fingerprints[name]
 

@@ -21,6 +21,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 
+from lorafusion.layers.fp8_base import quantize_base
 from lorafusion.layers.inject import attach_lora_context, get_lora_context
 from lorafusion.layers.lora_linear import LoRAColumnParallelLinear, LoRARowParallelLinear
 from lorafusion.models.attention import PackedDotProductAttention
@@ -49,10 +50,9 @@ def lora_layer_spec(transformer_impl: str = "local", fused_ops: str = "off"):
 
 def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, pre_process: bool | None = None,
                 post_process: bool | None = None, recompute: bool = False, recompute_layers: int | None = None,
-                device: str | torch.device | None = None,
-                transformer_impl: str = "local", seed: int = 1234, fused_ops: str | None = None,
-                sequence_parallel: bool = False, stage_layers: list[int] | None = None,
-                **config_overrides) -> GPTModel | ModelChunks:
+                device: str | torch.device | None = None, transformer_impl: str = "local", seed: int = 1234,
+                fused_ops: str | None = None, sequence_parallel: bool = False, stage_layers: list[int] | None = None,
+                base_precision: str = "bf16", **config_overrides) -> GPTModel | ModelChunks:
     """Build this pipeline stage's ``GPTModel`` (requires ``parallel_state`` to be initialised).
 
     Base weights are frozen (``requires_grad=False``); initialise them with :mod:`lorafusion.models.hf_import`
@@ -61,7 +61,7 @@ def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, p
     ``model.lorafusion_fused_ops``. ``sequence_parallel`` (tp > 1): Megatron's sequence parallelism; the
     norms are then :class:`~lorafusion.models.fused.rms_norm.RMSNorm` even with ``fused_ops="off"`` (its
     "torch" implementation, ``F.rms_norm`` as ``torch.nn.RMSNorm``), since Megatron's ``WrappedTorchNorm``
-    refuses SP.
+    refuses SP. ``base_precision``: "fp8" quantizes the decoder linears after init (:mod:`..layers.fp8_base`).
 
     With Megatron's virtual pipeline (``parallel_state`` initialised with V model chunks per rank) this rank's
     V chunks come back as :class:`ModelChunks` (one LoRA context, one config); ``stage_layers`` then counts
@@ -80,13 +80,16 @@ def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, p
         chunks = ModelChunks([_build_chunk(arch, cfg, transformer_impl, mode, impl, sequence_parallel, device, seed,
                                            recompute, vp_stage=c) for c in range(V)])
         attach_lora_context(chunks, get_lora_context(chunks[0]))  # one context (routing, adapters) for all chunks
+        quantize_base(chunks, base_precision)
         return chunks
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-    return _build_chunk(arch, cfg, transformer_impl, mode, impl, sequence_parallel, device, seed, recompute,
-                        pre_process=pre_process, post_process=post_process)
+    model = _build_chunk(arch, cfg, transformer_impl, mode, impl, sequence_parallel, device, seed, recompute,
+                         pre_process=pre_process, post_process=post_process)
+    quantize_base(model, base_precision)
+    return model
 
 
 class ModelChunks(torch.nn.ModuleList):
