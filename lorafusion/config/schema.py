@@ -45,14 +45,23 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, validate_default=False, allow_inf_nan=False)
 
 
+def _recompute_layers(v: Any) -> Any:
+    if v is None or (isinstance(v, str) and v == "auto"):
+        return v
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"expected an integer >= 1 or 'auto', got {v!r}")
+    return v
+
+
 class ModelConfig(_Strict):
     preset: str | None = None
     path: str | None = None  # HF model directory (config.json + safetensors)
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     recompute: bool = False
     # with recompute: only the first N decoder layers of each pipeline stage are recomputed (Megatron's "block"
-    # method), the others keep their activations: less recompute where the GPU has memory to spare
-    recompute_layers: int | None = Field(None, ge=1)
+    # method), the others keep their activations: less recompute where the GPU has memory to spare. "auto": the
+    # fewest per stage that make the run fit the GPU (lorafusion/scheduler/sizing.py; every layer on a CPU)
+    recompute_layers: Annotated[int | Literal["auto"] | None, BeforeValidator(_recompute_layers)] = None
     # precision of the frozen base's decoder linears (qkv, proj, fc1, fc2). "fp8": each weight is quantized once
     # at load to float8_e4m3fn with one scale per output channel (its bf16 copy freed: half the bytes), X and dY
     # are quantized per row on the fly and the forward and input-gradient GEMMs run in FP8 (torch._scaled_mm;
