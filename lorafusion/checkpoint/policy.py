@@ -136,6 +136,8 @@ class JobCheckpoints:
                          "(run) model.digest": model_digest(Path(cfg.model.path)) if cfg.model.path else None,
                          "(run) tokenizer.type": cfg.tokenizer.type,
                          **{f"(run) scheduler.{k}": getattr(cfg.scheduler, k) for k in _PACKING}})
+            if cfg.model.base_precision != "bf16":  # (absent = bf16: checkpoints written before the field resume)
+                flat["(run) model.base_precision"] = cfg.model.base_precision
             self._fingerprints[name] = flat
         return self._fingerprints[name]
 

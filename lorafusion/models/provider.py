@@ -21,6 +21,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 
+from lorafusion.layers.fp8_base import quantize_base
 from lorafusion.layers.inject import attach_lora_context
 from lorafusion.layers.lora_linear import LoRAColumnParallelLinear, LoRARowParallelLinear
 from lorafusion.models.attention import PackedDotProductAttention
@@ -49,10 +50,9 @@ def lora_layer_spec(transformer_impl: str = "local", fused_ops: str = "off"):
 
 def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, pre_process: bool | None = None,
                 post_process: bool | None = None, recompute: bool = False, recompute_layers: int | None = None,
-                device: str | torch.device | None = None,
-                transformer_impl: str = "local", seed: int = 1234, fused_ops: str | None = None,
-                sequence_parallel: bool = False, stage_layers: list[int] | None = None,
-                **config_overrides) -> GPTModel:
+                device: str | torch.device | None = None, transformer_impl: str = "local", seed: int = 1234,
+                fused_ops: str | None = None, sequence_parallel: bool = False, stage_layers: list[int] | None = None,
+                base_precision: str = "bf16", **config_overrides) -> GPTModel:
     """Build this pipeline stage's ``GPTModel`` (requires ``parallel_state`` to be initialised).
 
     Base weights are frozen (``requires_grad=False``); initialise them with :mod:`lorafusion.models.hf_import`
@@ -61,7 +61,7 @@ def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, p
     ``model.lorafusion_fused_ops``. ``sequence_parallel`` (tp > 1): Megatron's sequence parallelism; the
     norms are then :class:`~lorafusion.models.fused.rms_norm.RMSNorm` even with ``fused_ops="off"`` (its
     "torch" implementation, ``F.rms_norm`` as ``torch.nn.RMSNorm``), since Megatron's ``WrappedTorchNorm``
-    refuses SP.
+    refuses SP. ``base_precision``: "fp8" quantizes the decoder linears after init (:mod:`..layers.fp8_base`).
     """
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -106,6 +106,7 @@ def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, p
         model.to(device)
     init_random_weights(model, seed)
     attach_lora_context(model)
+    quantize_base(model, base_precision)
     if recompute:
         enable_lora_recompute(model)
     return model
