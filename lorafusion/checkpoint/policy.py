@@ -213,7 +213,12 @@ class JobCheckpoints:
                 for k, p in params.items():
                     if k not in tensors["adapter"] or tensors["adapter"][k].shape != p.shape:
                         raise ConfigError(f"{path}: adapter tensor {k} is missing or has another shape; "
-                                          f"the checkpoint does not match job {name!r}'s lora settings")
+                                          f"the checkpoint does not match job {name!r}'s lora settings" + (
+                                              " (a checkpoint from before lora.shared_fused_a existed has one A "
+                                              "shared by q/k/v and gate/up: set lora.shared_fused_a: true)"
+                                              if k in tensors["adapter"] and k.endswith(("linear_qkv.lora_A",
+                                                                                        "linear_fc1.lora_A"))
+                                              else ""))
                     p.copy_(tensors["adapter"][k])
             self._check_total(name, path, state)
             js.optimizer.load_state_dict(tensors["optimizer"])

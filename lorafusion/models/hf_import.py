@@ -148,7 +148,8 @@ def build_model_from_hf(path: str | Path | HFCheckpoint, *, params_dtype: torch.
     ckpt = path if isinstance(path, HFCheckpoint) else HFCheckpoint(path)
     precision = kw.pop("base_precision", "bf16")
     model = build_model(ckpt.arch, params_dtype=params_dtype, **kw)
-    load_hf_weights(model, ckpt)
-    model.lorafusion_base = str(ckpt.path.resolve())  # what exported adapters name as their base
+    for chunk in (model if isinstance(model, torch.nn.ModuleList) else [model]):  # virtual pipeline: each chunk
+        load_hf_weights(chunk, ckpt)
+        chunk.lorafusion_base = str(ckpt.path.resolve())  # what exported adapters name as their base
     quantize_base(model, precision)
     return model
