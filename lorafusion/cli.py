@@ -23,6 +23,9 @@ _ENVIRONMENT_ERRNOS = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, err
                        errno.ENOTDIR, errno.EISDIR, errno.EEXIST}
 
 
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
 def _load(args):
     from lorafusion.config import load_run_config
 
@@ -30,6 +33,9 @@ def _load(args):
 
 
 def cmd_train(args) -> int:
+    from lorafusion.runtime.signals import exit_on_stop_outside_run
+
+    exit_on_stop_outside_run()  # a stop while starting or after the end: exit 0, nothing to checkpoint
     cfg = _load(args)  # before torch and Megatron are imported: a config error in well under a second
     from lorafusion.rundir.atomic import remove_partial_outputs
     from lorafusion.runtime.trainer import Trainer
@@ -38,7 +44,11 @@ def cmd_train(args) -> int:
         cfg.serve = True
     out = Path(cfg.output_dir)
     created = not out.exists()
-    trainer = Trainer(cfg, resume=args.resume)
+    if args.allow_different_result and not args.resume:
+        from lorafusion.core.errors import ConfigError
+
+        raise ConfigError("--allow-different-result goes with --resume")
+    trainer = Trainer(cfg, resume=args.resume, allow_different_result=args.allow_different_result)
     try:
         summary = trainer.run()
     except BaseException:
@@ -186,34 +196,12 @@ def _run_dir_of(src: Path) -> Path:
     return src
 
 
-def _check_export_out(src: Path, out: Path, base: bool) -> None:
-    """``--out`` (replaced with --force) never holds nor lies inside the run it exports from — except RUN/base
-    for --base, the base the adapters of a preset run name — and is never another run's directory."""
-    from lorafusion.core.errors import ConfigError
-
-    try:
-        o = out.resolve()
-        step = src.resolve()  # a checkpoints/<job>/step_N directory: its run is protected too
-        runs = {step} | ({step.parents[2]} if (src / "state.json").is_file() and step.parents[1].name == "checkpoints"
-                         else set())
-    except (OSError, RuntimeError, IndexError) as e:
-        raise ConfigError(f"{out}: cannot resolve --out ({e})") from None
-    for run in runs:
-        if o == run or o in run.parents:
-            raise ConfigError(f"{out}: --out holds the run directory {run} it exports from; choose a path outside it")
-        if run in o.parents and not (base and o == run / "base"):
-            raise ConfigError(f"{out}: --out is inside the run directory {run}; choose a path outside it")
-    if out.is_dir() and any((out / n).exists() for n in ("status.json", "summary.json", "checkpoints", ".lock")):
-        raise ConfigError(f"{out}: --out is a lorafusion run directory; export replaces only exports, choose "
-                          f"another path")
-
-
 def cmd_export(args) -> int:
     """Copy a job's PEFT adapter out of a run directory or one checkpoint, or write the run's base model or
     a job's adapter merged into it (HF format); atomically, never over an existing --out without --force."""
     from lorafusion.core.errors import ConfigError
     from lorafusion.core.lora import check_adapter_name
-    from lorafusion.rundir.adapters import find_adapter
+    from lorafusion.rundir.adapters import check_export_out, find_adapter
     from lorafusion.rundir.atomic import copier, fill_dir_atomically
 
     src = Path(args.checkpoint)
@@ -229,7 +217,7 @@ def cmd_export(args) -> int:
             check_adapter_name(args.job, "--job")
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    _check_export_out(src, out, base=args.base)
+    check_export_out(src, out, base=args.base)
     if (out.exists() or out.is_symlink()) and not args.force:
         raise ConfigError(f"{out}: --out already exists; choose another path or pass --force to replace it "
                           f"(atomically, once the new export is complete)")
@@ -296,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("config")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. scheduler.token_capacity=8192")
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint of each job")
+    t.add_argument("--allow-different-result", action="store_true", help="with --resume: accept changed "
+                   "scheduler settings (token_capacity, lookahead_batches, grouping, policy, solver), which pack the "
+                   "data otherwise; the result then differs (slightly) from an uninterrupted run")
     t.add_argument("--serve", action="store_true", help="after the last job ends, keep waiting for "
                    "`lorafusion submit` (serve: true; ends after serve_idle_minutes without jobs)")
     pl = sub.add_parser("plan", help="schedule a run's data and draw the plan (no model)")
@@ -355,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:
         # a flag between the overrides would end them (argparse: "unrecognized arguments"); they may go anywhere
-        flags = [a for a in ("--resume", "--serve") if a in argv]
+        flags = [a for a in ("--resume", "--serve", "--allow-different-result") if a in argv]
         argv = [a for a in argv if a not in flags] + flags
     args = build_parser().parse_args(argv)
     from lorafusion.runtime.signals import install_stack_dump
@@ -375,9 +366,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # the machine, not the program: a read-only or full disk, a file size limit, a file where a directory
         # should be. Checkpoints and exports are written whole or not at all, so nothing complete is lost.
-        where = f" {e.filename}" if e.filename else ""
+        # a copy's error names the source first (shutil): the destination is what a full disk refuses
+        name = e.filename2 if e.filename2 and e.errno in _FULL else e.filename
+        where = f" {name}" if name else ""
         code = errno.errorcode.get(e.errno, e.errno)
-        print(f"lorafusion {args.cmd}: error: cannot write{where}: {e.strerror or e} ({code}); "
+        verb = "cannot write" if e.errno in _FULL + (errno.EROFS,) else "cannot access"
+        print(f"lorafusion {args.cmd}: error: {verb}{where}: {e.strerror or e} ({code}); "
               f"complete checkpoints and exports are intact — fix it and run again (train: --resume continues)",
               file=sys.stderr)
         return 2

@@ -51,6 +51,17 @@ def pack_eval(sets: dict[str, list[tuple[list[int], int]]], capacity: int) -> li
     return packed
 
 
+def _per_rank(total: int, dp: int, virtual_stages: int) -> int:
+    """Microbatches every DP rank runs: the same number on each, and under interleaved 1F1B a multiple of pp
+    (Megatron's microbatch groups)."""
+    from megatron.core import parallel_state
+
+    from lorafusion.scheduler.pipeorder import interleave_padding
+
+    n = -(-total // dp)
+    return n + interleave_padding(n, parallel_state.get_pipeline_model_parallel_world_size(), virtual_stages)
+
+
 def eval_losses(model, sets: dict[str, list[tuple[list[int], int]]], capacity: int, *, device=None,
                 eos_id: int = 0) -> dict[str, tuple[float, int]]:
     """{job: (token-mean loss over its eval samples, loss tokens)} of the model as it is (collective over
@@ -58,14 +69,15 @@ def eval_losses(model, sets: dict[str, list[tuple[list[int], int]]], capacity: i
     from megatron.core import parallel_state
 
     from lorafusion.layers import set_batch
-    from lorafusion.runtime.pipeline import forward_packed, run_schedule, segments, sp_pad, sum_from_last_stage
+    from lorafusion.runtime.pipeline import (chunks_of, forward_packed, run_schedule, segments, sp_pad,
+                                             sum_from_last_stage)
 
     names = list(sets)
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     everything = pack_eval(sets, capacity)
     mine = everything[dp_rank::dp]
-    per_rank = -(-len(everything) // dp)  # every DP rank runs the same number of microbatches
-    mine += [noop_microbatch(eos_id)] * (per_rank - len(mine))
+    chunks = chunks_of(model)
+    mine += [noop_microbatch(eos_id)] * (_per_rank(len(everything), dp, len(chunks)) - len(mine))
     pad = sp_pad(model)
     dev = device or torch.device("cpu")
     sums = torch.zeros(2 * len(names), dtype=torch.float64, device=dev)  # [loss sums..., token counts...]
@@ -88,7 +100,7 @@ def eval_losses(model, sets: dict[str, list[tuple[list[int], int]]], capacity: i
     model.config.timers = None  # the stage timers measure training chunks only
     try:
         with torch.no_grad():
-            run_schedule(model, forward_step, mine, lambda b: b.num_tokens, pad, forward_only=True)
+            run_schedule(chunks, forward_step, mine, lambda b: b.num_tokens, pad, forward_only=True)
     finally:
         set_batch(model, None, ())
         model.train(was_training)

@@ -22,7 +22,7 @@ from lorafusion.config.schema import RunConfig
 from lorafusion.core.errors import ConfigError
 from lorafusion.rundir.atomic import write_text_atomic
 from lorafusion.rundir.layout import RunDir
-from lorafusion.runtime.feed import Feed, scheduler_config
+from lorafusion.runtime.feed import Feed, scheduler_config, stage_split
 from lorafusion.runtime.jobs import JobStatus, job_state, load_jobs
 from lorafusion.rundir.lock import OutputDirLock, check_output_dir
 from lorafusion.runtime.online import check_adapter_fits, run_limits
@@ -38,10 +38,11 @@ class Trainer:
     SERVE_POLL_S = 2.0  # serving (no job left): how often the run looks for submissions
 
     def __init__(self, cfg: RunConfig, *, resume: bool = False, background_planning: bool = True,
-                 callbacks: Sequence = ()):
+                 allow_different_result: bool = False, callbacks: Sequence = ()):
         self.cfg = cfg
         self._user_callbacks = list(callbacks)  # see TrainerCallback
         self.resume = resume
+        self.allow_different_result = allow_different_result  # resume despite settings that change the numbers
         self.background_planning = background_planning
         self.out = Path(cfg.output_dir)
         self._lock = OutputDirLock(self.out, cfg.source)
@@ -74,7 +75,8 @@ class Trainer:
                               f"none — use auto (fused on CUDA, reference elsewhere) or reference")
         check_output_dir(self.out, cfg.source, resume=self.resume)
         self.tokenizer, self.jobs = load_jobs(cfg)
-        info = init_distributed(cfg.parallelism.tp, cfg.parallelism.pp, seed=cfg.seed)
+        info = init_distributed(cfg.parallelism.tp, cfg.parallelism.pp, seed=cfg.seed,
+                                virtual_stages=cfg.parallelism.virtual_stages)
         self.is_logger = info["rank"] == 0
         dp_rank = parallel_state.get_data_parallel_rank()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
@@ -91,13 +93,14 @@ class Trainer:
         self.model = build_base(self.arch, ckpt, dtype=cfg.model.dtype, device=self.device, seed=cfg.seed,
                                 **recompute_kwargs(cfg, self.memory_plan, stage, self.arch),
                                 sequence_parallel=cfg.parallelism.sequence_parallel,
-                                stage_layers=cfg.parallelism.stage_layers, base_precision=cfg.model.base_precision)
+                                stage_layers=stage_split(cfg, self.arch), base_precision=cfg.model.base_precision)
         get_lora_context(self.model).impl = None if cfg.kernels == "auto" else cfg.kernels
         self.timers = StageTimers()
         self.model.config.timers = self.timers  # Megatron's schedules time their stages through this hook
         for name, js in self.jobs.items():
             self._attach(js)
-        self.checkpoints = JobCheckpoints(cfg, self.jobs, self.model, self.export, is_logger=self.is_logger)
+        self.checkpoints = JobCheckpoints(cfg, self.jobs, self.model, self.export, is_logger=self.is_logger,
+                                          allow_different_result=self.allow_different_result)
         self.evaluator = Evaluator(self.model, self.jobs, self.checkpoints, self.device, self.tokenizer.eos_id)
         if self.resume:  # jobs added by `lorafusion submit` are not in the YAML: they come back from the run dir
             from lorafusion.runtime.online import submitted_jobs
