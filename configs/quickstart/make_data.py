@@ -43,17 +43,22 @@ def successor(rng: np.random.Generator) -> list[dict]:
     return rows
 
 
-def vowel(rng: np.random.Generator) -> list[dict]:
-    rows = []
-    for k in range(ROWS):
-        n = int(rng.integers(3, 8))
-        word = "".join(LETTERS[j] for j in rng.integers(0, 26, size=n - 1))
-        last = VOWELS if k % 2 == 0 else CONSONANTS
-        word += last[int(rng.integers(0, len(last)))]
-        answer = "vowel" if word[-1] in VOWELS else "consonant"
-        rows.append({"messages": [{"role": "user", "content": word},
-                                  {"role": "assistant", "content": answer}]})
-    return rows
+def _word(rng: np.random.Generator) -> str:
+    return "".join(LETTERS[j] for j in rng.integers(0, 26, size=int(rng.integers(3, 8))))
+
+
+def shout(rng: np.random.Generator, rows: int = ROWS, avoid: set[str] = frozenset()) -> list[dict]:
+    rows_out = []
+    while len(rows_out) < rows:
+        word = _word(rng)
+        if len(rows_out) % 2 == 0:
+            word = word.upper()
+        if word in avoid:
+            continue
+        answer = "loud" if word.isupper() else "quiet"
+        rows_out.append({"messages": [{"role": "user", "content": word},
+                                      {"role": "assistant", "content": answer}]})
+    return rows_out
 
 
 def count(rng: np.random.Generator) -> list[dict]:

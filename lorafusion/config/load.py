@@ -423,8 +423,12 @@ def _check_files(cfg: RunConfig, run_shown: str, sources, locate) -> None:
         for key, ds in (("dataset", job.dataset), ("eval_dataset", job.eval_dataset)):
             if ds is not None and not (p := Path(ds.path)).is_file():
                 file, inner, note = locate(["jobs", i, key, "path"])
+                hint = ""
+                if not p.exists() and p.parent.name == "bench" and p.parent.parent.name == "data":
+                    hint = (f" (the benchmark datasets are made, not shipped: python scripts/make_bench_data.py "
+                            f"--out {_display(p.parent)})")
                 raise ConfigError(f"{file}: {_loc(inner)}: dataset file "
-                                  f"{'not found' if not p.exists() else 'is not a file'}: {_display(p)}{note}")
+                                  f"{'not found' if not p.exists() else 'is not a file'}: {_display(p)}{note}{hint}")
 
 
 def load_job_config(path: str | os.PathLike, overrides: Sequence[str] = (), *,

@@ -38,7 +38,7 @@ Output: ``plan(jobs, config) -> Plan``
 
 Pieces: ``AdapterGrouper`` (grouper), ``DataBatcher`` (batcher: PuLP MILP, greedy FFD warm start and
 fallback), ``merge_tails`` (merge), ``sequence``/``verify_plan`` (verify), ``simulate_1f1b`` /
-``simulate_plan`` / ``render_gantt`` / ``render_packing`` (simulate), ``CostModel`` /
+``simulate_plan`` (simulate), ``render_gantt`` / ``render_packing`` / ``render_chunks`` (charts), ``CostModel`` /
 ``fit_cost_model`` / ``auto_token_capacity`` (costmodel), ``OnlineScheduler`` (online); for evaluation,
 ``lorafusion.scheduler.trace`` (arrival traces of jobs: read, validate, generate) and
 ``lorafusion.scheduler.replay`` (a trace under sequential FIFO, static batching and online policies).
@@ -50,12 +50,11 @@ from .grouper import AdapterGrouper, JobLoad
 from .merge import merge_tails
 from .online import JobReport, OnlineScheduler, concat_plans
 from .planner import plan, resolve_capacity
+from .charts import render_chunks, render_gantt, render_packing
 from .simulate import (
     Timeline,
     bubble_ratio,
     job_spans,
-    render_gantt,
-    render_packing,
     simulate_1f1b,
     simulate_plan,
 )
@@ -102,6 +101,7 @@ __all__ = [
     "merge_tails",
     "pack_objective",
     "plan",
+    "render_chunks",
     "render_gantt",
     "render_packing",
     "resolve_capacity",
