@@ -26,7 +26,7 @@ def _load(args):
 
 def cmd_train(args) -> int:
     cfg = _load(args)  # before torch and Megatron are imported: a config error in well under a second
-    from lorafusion.rundir.lock import remove_partial_outputs
+    from lorafusion.rundir.atomic import remove_partial_outputs
     from lorafusion.runtime.trainer import Trainer
 
     if args.serve:
@@ -78,28 +78,55 @@ def _holds_only_our_lock(out: Path) -> bool:
 def cmd_plan(args) -> int:
     cfg = _load(args)  # before torch is imported
     from lorafusion.runtime.feed import Feed, load_jobs, scheduler_config
-    from lorafusion.runtime.telemetry.report import write_plan_report
+    from lorafusion.runtime.telemetry.report import stage_model, write_plan_report
 
     _, jobs = load_jobs(cfg)
     out = Path(args.out) if args.out else Path(cfg.output_dir) / "plan"
-    res = write_plan_report(Feed(jobs, scheduler_config(cfg), dp_rank=None), out, max_chunks=args.windows)
+    stage = stage_model(cfg)
+    res = write_plan_report(Feed(jobs, scheduler_config(cfg), dp_rank=None), out, max_chunks=args.windows,
+                            stage=stage)
     print(f"{'window':>6} {'jobs':>4} {'mbs':>5} {'noops':>5} {'fill':>6} {'imbal':>6} {'bubble':>7} {'plan_s':>7}")
     for w in res["windows"]:
         print(f"{w['window']:>6} {len(w['jobs']):>4} {w['microbatches']:>5} {w['noops']:>5} {w['fill']:>6.3f} "
               f"{w['imbalance'] or 0:>6.3f} {w['simulated_bubble']:>7.3f} {w['plan_s']:>7.3f}")
     charts = "" if any(f.endswith(".png") for f in res["files"]) else " (no chunk planned: no charts)"
     print(f"written to {res['dir']}: {', '.join(res['files'])}{charts}")
+    _print_pipeline(cfg, stage, res, args, out)
     return 0
+
+
+def _print_pipeline(cfg, stage, res, args, out: Path) -> None:
+    """The simulated steady bubble per stage of the run's pipeline, and with --virtual-sweep the best V/split."""
+    from lorafusion.runtime.telemetry.report import steady_bubble, sweep_virtual
+    from lorafusion.scheduler.stages import CALIBRATION
+
+    if cfg.parallelism.pp == 1 or (b := steady_bubble(res["windows"])) is None:
+        return
+    print(f"pipeline: pp={cfg.parallelism.pp} virtual_stages={stage.virtual_stages} stage_layers={stage.split} "
+          f"(output layer + loss = {stage.loss_layers:.2f} layers of work on the last)")
+    print(f"simulated steady bubble {b[0]:.3f}, per stage {' '.join(f'{x:.3f}' for x in b[1])}  [{CALIBRATION}]")
+    if args.virtual_sweep:
+        rows = sweep_virtual(cfg, args.virtual_sweep, args.windows, out / "sweep")
+        print(f"{'V':>3} {'split':>5} {'bubble':>7}  per stage / stage_layers")
+        for r in rows:
+            print(f"{r['virtual_stages']:>3} {r['split']:>5} {r['bubble']:>7.3f}  "
+                  f"{' '.join(f'{x:.3f}' for x in r['bubble_per_stage'])}  {r['stage_layers']}")
+        if rows:
+            best = min(rows, key=lambda r: r["bubble"])
+            print(f"best: parallelism.virtual_stages={best['virtual_stages']} parallelism.stage_layers="
+                  f"{best['split'] if best['split'] == 'auto' else 'null'} (simulated {best['bubble']:.3f})")
 
 
 def cmd_submit(args) -> int:
     """Validate the job now (one clear error, the run untouched), then queue it for the run."""
     from lorafusion.config.load import load_job_config
-    from lorafusion.rundir.requests import check_submission, write_request
+    from lorafusion.rundir.requests import check_against_run, check_submission, require_run_dir, write_request
 
     job = load_job_config(args.job, args.overrides, check_files=True)
     run = Path(args.run_dir)
-    check_submission(run, job.name)  # (write_request refuses a directory that is not a run's)
+    require_run_dir(run)
+    check_submission(run, job.name)
+    check_against_run(run, job)  # capacity, memory, data: what the run would refuse is refused now
     write_request(run, "submit", {"name": job.name, "job": job.model_dump(mode="json")})
     print(f"submitted job {job.name!r} to {run}: it joins at the next chunk boundary "
           f"(a stopped run takes it when resumed); watch it with: lorafusion status {run}")
@@ -138,7 +165,8 @@ def cmd_export(args) -> int:
     """Copy a job's PEFT adapter out of a run directory or one checkpoint, or write the run's base model or
     a job's adapter merged into it (HF format); atomically, never over an existing --out without --force."""
     from lorafusion.core.errors import ConfigError
-    from lorafusion.export.peft import copier, fill_dir_atomically, find_adapter
+    from lorafusion.rundir.adapters import find_adapter
+    from lorafusion.rundir.atomic import copier, fill_dir_atomically
 
     src = Path(args.checkpoint)
     out = Path(args.out)
@@ -204,6 +232,10 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _int_list(text: str) -> list[int]:
+    return [_positive_int(x) for x in text.split(",")]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lorafusion", description="Train many LoRA adapters of one base model at once.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -219,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--windows", type=_positive_int, default=20,
                     help="how many windows (chunks of scheduler.lookahead_batches global batches per job) to plan")
     pl.add_argument("--out", help="directory for tables and charts (default OUTPUT_DIR/plan)")
+    pl.add_argument("--virtual-sweep", type=_int_list, default=None, metavar="V,V,...",
+                    help="also simulate these parallelism.virtual_stages with the even and the auto split")
     sb = sub.add_parser("submit", help="add a job to a running (or stopped, before --resume) run")
     sb.add_argument("run_dir", help="the run's output_dir")
     sb.add_argument("job", help="the job's YAML (paths in it are relative to it)")

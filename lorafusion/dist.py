@@ -55,6 +55,15 @@ def init_distributed(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str
     return {"rank": dist.get_rank(), "world": world, "tp": tp, "pp": pp, "dp": world // (tp * pp)}
 
 
+def share_from_rank0(value, group=None):
+    """``value`` as global rank 0 has it, on every rank of ``group`` (collective; a single process: ``value``)."""
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
 def destroy_distributed() -> None:
     from megatron.core import parallel_state
 

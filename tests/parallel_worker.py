@@ -28,6 +28,18 @@ def microbatches(workdir: Path):
     return [pack_microbatch([tuple(s) for s in mb["samples"]], row_ids=mb["row_ids"]) for mb in spec["mbs"]], spec
 
 
+def import_spec(workdir: Path, name: str):
+    """The LoRA settings to import adapter ``name`` with: its file's, with one shared A on the fused linears when
+    WORKDIR/shared_a.json lists it (PEFT's files cannot say so), else None (the file's own)."""
+    from lorafusion.core.lora import LoRASpec
+    from lorafusion.export.peft import read_peft_adapter
+
+    f = workdir / "shared_a.json"
+    if not f.exists() or name not in json.loads(f.read_text()):
+        return None
+    return LoRASpec(**{**read_peft_adapter(workdir / "adapters" / name)[0].model_dump(), "shared_fused_a": True})
+
+
 def loss_terms(loss, batch, denom):
     """Σ_a (adapter a's token-loss sum in this microbatch) / (adapter a's tokens over all microbatches)."""
     total = 0.0
@@ -53,7 +65,7 @@ def run_one(mode: str, fused: str, workdir: Path) -> None:
     init_distributed(tp, pp)
     model = build_model_from_hf(workdir / "base", fused_ops=fused, sequence_parallel=mode == "tpsp")
     for name in sorted(os.listdir(workdir / "adapters")):
-        import_peft_adapter(model, name, workdir / "adapters" / name)
+        import_peft_adapter(model, name, workdir / "adapters" / name, spec=import_spec(workdir, name))
     model.train()
     mbs, spec = microbatches(workdir)
     denom = spec["denom"]

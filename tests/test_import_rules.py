@@ -1,11 +1,21 @@
-"""Imports point down the data flow (DESIGN.md §1), checked on the source of every module:
-``core`` imports nothing of ours and no torch at module level; ``config`` and ``scheduler`` import neither
-torch nor megatron; ``kernels`` imports only ``core`` of ours; ``data`` never imports ``ops``, ``layers``,
-``models`` or ``runtime``; no file of ``lorafusion/`` has more than 450 lines."""
+"""Imports point down the data flow (DESIGN.md §1), checked on the source of every module (imports inside
+functions included):
+
+- ``core`` imports nothing of ours and no torch at module level; ``compat`` imports nothing of ours;
+- ``config``, ``scheduler`` and ``rundir`` import neither torch nor Megatron nor Triton (and start without them);
+- the model chain ``kernels ← ops ← layers ← models ← runtime ← cli``: each imports only what is below it;
+- ``checkpoint``, ``export`` and ``inference`` never import ``runtime`` (nor cli); ``data`` never imports
+  ``ops``, ``layers``, ``models`` or ``runtime``;
+- every package of ``lorafusion/`` has a rule; no file has more than 400 lines and no function outside
+  ``kernels`` more than 60 (the ones longer today are listed and may only shrink).
+
+``test_the_rules_catch_violations`` plants a violation of each rule in a copy of the tree and checks it is seen.
+"""
 
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -13,11 +23,58 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "lorafusion"
+HEAVY = frozenset({"torch", "megatron", "triton"})
+LOW = {"core", "compat"}  # the ground floor: may be imported from anywhere
+# package -> the packages of ours it may import besides itself and LOW (STRICT ones: exactly those listed)
+ALLOWED: dict[str, set[str]] = {
+    "core": set(),
+    "compat": set(),
+    "config": {"core"},
+    "scheduler": {"core"},
+    "rundir": {"core"},
+    "kernels": {"core"},
+    "ops": {"kernels"},
+    "layers": {"ops"},
+    "models": {"ops", "layers"},
+    "dist": set(),
+    "data": {"config"},
+    "checkpoint": {"rundir", "export", "layers", "models", "dist"},
+    "export": {"rundir", "layers", "models", "data", "dist", "config"},
+    "inference": {"rundir", "export", "checkpoint", "layers", "models", "data", "dist", "config"},
+    "runtime": {"config", "scheduler", "rundir", "data", "ops", "layers", "models", "dist", "checkpoint",
+                "export", "inference"},
+    "cli": {"config", "scheduler", "rundir", "data", "models", "dist", "checkpoint", "export", "inference",
+            "runtime"},
+}
+STRICT = {"core": set(), "compat": set(), "kernels": {"core"}}  # no LOW for these: exactly what is listed
+TORCH_FREE = ("config", "scheduler", "rundir")
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
+# functions longer than MAX_FUNCTION_LINES today (issue 26): each may only shrink; new ones are refused
+LONG_FUNCTIONS = {
+    "lorafusion/config/load.py:load_run_config": 73,
+    "lorafusion/core/arch.py:arch_from_hf_config": 61,
+    "lorafusion/models/provider.py:build_model": 62,
+    "lorafusion/models/spec.py:transformer_config": 73,
+    "lorafusion/runtime/pipeline.py:run_chunk": 61,
+    "lorafusion/runtime/trainer.py:_run": 146,
+    "lorafusion/scheduler/verify.py:sequence": 63,
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _parse(path: Path, stamp: tuple[int, int]) -> ast.Module:
+    return ast.parse(path.read_text(), str(path))
+
+
+def _tree(path: Path) -> ast.Module:
+    st = path.stat()
+    return _parse(path, (st.st_mtime_ns, st.st_size))
 
 
 def _imports(path: Path, module_level_only: bool = False) -> list[str]:
-    """Absolute module names ``path`` imports (relative imports resolved against its package)."""
-    tree = ast.parse(path.read_text(), str(path))
+    """Absolute module names ``path`` imports (relative imports resolved against its package;
+    ``from lorafusion import ops`` counts as importing ``lorafusion.ops``)."""
+    tree = _tree(path)
     nodes = tree.body if module_level_only else list(ast.walk(tree))
     package = ["lorafusion", *path.relative_to(PKG).parent.parts]
     out = []
@@ -28,13 +85,22 @@ def _imports(path: Path, module_level_only: bool = False) -> list[str]:
             if node.level:
                 base = package[: len(package) - node.level + 1]
                 out.append(".".join(base + ([node.module] if node.module else [])))
+            elif node.module == "lorafusion":
+                out += [f"lorafusion.{a.name}" for a in node.names]
             else:
                 out.append(node.module or "")
     return out
 
 
+def _package(path: Path) -> str:
+    """The package of ours a file belongs to (a top-level module: its name, e.g. ``cli``, ``dist``)."""
+    rel = path.relative_to(PKG)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
 def _files(sub: str) -> list[Path]:
-    files = sorted((PKG / sub).rglob("*.py"))
+    files = sorted((PKG / sub).rglob("*.py")) if (PKG / sub).is_dir() else [PKG / f"{sub}.py"]
+    files = [f for f in files if f.is_file()]
     assert files, sub
     return files
 
@@ -63,31 +129,82 @@ def _offences(sub: str, allowed_ours: set[str] | None = None, forbidden_ours: se
     return bad
 
 
+def _rule(sub: str) -> set[str]:
+    return STRICT[sub] if sub in STRICT else ALLOWED[sub] | LOW
+
+
+def _packages() -> list[str]:
+    return sorted({_package(p) for p in PKG.rglob("*.py")} - {"__init__"})
+
+
 def test_core_imports_nothing_of_ours_and_no_torch_at_module_level():
-    assert _offences("core", allowed_ours=set(), module_level_top={"torch", "megatron", "triton"}) == []
+    assert _offences("core", allowed_ours=set(), module_level_top=HEAVY) == []
 
 
 def test_config_and_scheduler_import_neither_torch_nor_megatron():
     for sub in ("config", "scheduler"):
-        assert _offences(sub, forbidden_top={"torch", "megatron", "triton"}) == []
+        assert _offences(sub, forbidden_top=HEAVY) == []
+
+
+def test_rundir_imports_neither_torch_nor_megatron():
+    assert _offences("rundir", forbidden_top=HEAVY) == []
 
 
 def test_kernels_import_only_core():
     assert _offences("kernels", allowed_ours={"core"}) == []
 
 
+def test_compat_imports_nothing_of_ours():
+    assert _offences("compat", allowed_ours=set()) == []
+
+
 def test_data_never_imports_ops_layers_models_or_runtime():
     assert _offences("data", forbidden_ours={"ops", "layers", "models", "runtime"}) == []
 
 
-def test_no_file_over_450_lines():
+def test_checkpoint_export_inference_never_import_runtime():
+    for sub in ("checkpoint", "export", "inference"):
+        assert _offences(sub, forbidden_ours={"runtime", "cli"}) == []
+
+
+@pytest.mark.parametrize("sub", sorted(ALLOWED))
+def test_each_package_imports_only_what_is_below_it(sub):
+    """The whole chain: ``kernels ← ops ← layers ← models ← runtime ← cli`` and the rooms beside it."""
+    assert _offences(sub, allowed_ours=_rule(sub)) == []
+
+
+def test_every_package_has_a_rule():
+    assert [p for p in _packages() if p not in ALLOWED] == []
+
+
+def test_no_file_over_400_lines():
     long = {str(p.relative_to(PKG.parent)): n for p in PKG.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 450}
+            if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES}
     assert long == {}
 
 
+def _long_functions() -> dict[str, int]:
+    out = {}
+    for path in PKG.rglob("*.py"):
+        if _package(path) == "kernels":
+            continue
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    out[f"{path.relative_to(PKG.parent)}:{node.name}"] = n
+    return out
+
+
+def test_no_function_over_60_lines_outside_kernels():
+    grown = {k: n for k, n in _long_functions().items() if n > LONG_FUNCTIONS.get(k, MAX_FUNCTION_LINES)}
+    assert grown == {}
+
+
 @pytest.mark.parametrize("module", ["lorafusion.core.arch", "lorafusion.core.lora", "lorafusion.config",
-                                    "lorafusion.scheduler"])
+                                    "lorafusion.scheduler", "lorafusion.rundir.requests", "lorafusion.rundir.status",
+                                    "lorafusion.rundir.adapters", "lorafusion.rundir.atomic",
+                                    "lorafusion.rundir.lock"])
 def test_torch_free_packages_import_without_torch(module):
     out = subprocess.run([sys.executable, "-c", f"import sys, {module}; print(sorted(m for m in ('torch', "
                           f"'megatron', 'triton') if m in sys.modules))"],
@@ -104,3 +221,46 @@ def test_the_checks_see_violations(tmp_path, monkeypatch):
     assert _offences("core", allowed_ours=set(), module_level_top={"torch"}) == [
         "lorafusion/core/x.py imports lorafusion.ops", "lorafusion/core/x.py imports lorafusion.data",
         "lorafusion/core/x.py imports torch at module level"]
+
+
+# one planted violation per rule: (file, source, the test that must fail)
+PLANTED = [
+    ("ops/bad.py", "from lorafusion.runtime import trainer\n", "test_each_package_imports_only_what_is_below_it"),
+    ("layers/bad.py", "def f():\n    from lorafusion import models\n", "test_each_package_imports_only_what_is_below_it"),
+    ("models/bad.py", "from lorafusion.runtime.feed import Feed\n", "test_each_package_imports_only_what_is_below_it"),
+    ("runtime/bad.py", "import lorafusion.cli\n", "test_each_package_imports_only_what_is_below_it"),
+    ("kernels/bad.py", "from lorafusion.ops.tables import TableCache\n", "test_kernels_import_only_core"),
+    ("compat/megatron/bad.py", "from lorafusion.models import provider\n", "test_compat_imports_nothing_of_ours"),
+    ("rundir/bad.py", "def f():\n    import torch.distributed\n", "test_rundir_imports_neither_torch_nor_megatron"),
+    ("scheduler/bad.py", "import megatron.core\n", "test_config_and_scheduler_import_neither_torch_nor_megatron"),
+    ("export/bad.py", "from ..runtime import trainer\n", "test_checkpoint_export_inference_never_import_runtime"),
+    ("checkpoint/bad.py", "from lorafusion.runtime.feed import JobState\n",
+     "test_checkpoint_export_inference_never_import_runtime"),
+    ("data/bad.py", "from lorafusion.layers import inject\n", "test_data_never_imports_ops_layers_models_or_runtime"),
+    ("core/bad.py", "import torch\n", "test_core_imports_nothing_of_ours_and_no_torch_at_module_level"),
+    ("newroom/x.py", "X = 1\n", "test_every_package_has_a_rule"),
+    ("ops/long.py", "\n" * 401, "test_no_file_over_400_lines"),
+    ("ops/fn.py", "def f():\n" + "    x = 1\n" * 60, "test_no_function_over_60_lines_outside_kernels"),
+]
+
+
+def _run_rule(name: str, sub: str) -> None:
+    test = globals()[name]
+    test(sub) if name == "test_each_package_imports_only_what_is_below_it" else test()
+
+
+@pytest.mark.parametrize("planted", PLANTED, ids=[p[0] for p in PLANTED])
+def test_the_rules_catch_violations(planted, tmp_path, monkeypatch):
+    """A copy of the real tree passes every rule; with one violation planted, its rule fails."""
+    import shutil
+
+    fake = tmp_path / "lorafusion"
+    shutil.copytree(PKG, fake, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(sys.modules[__name__], "PKG", fake)
+    rel, source, rule = planted
+    sub = rel.split("/")[0]
+    _run_rule(rule, sub)  # the copy is clean
+    (fake / rel).parent.mkdir(parents=True, exist_ok=True)
+    (fake / rel).write_text(source)
+    with pytest.raises(AssertionError):
+        _run_rule(rule, sub)

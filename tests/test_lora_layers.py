@@ -128,8 +128,9 @@ def test_routing_to_unknown_adapter_is_an_error(megatron_single):
     (dict(r=4, lora_alpha=-1.0), "lora.lora_alpha"),
     (dict(r=4, lora_alpha=8, lora_dropout=1.0), "lora.lora_dropout"),
     (dict(r=4, lora_alpha=8, lora_dropout=-0.1), "lora.lora_dropout"),
-    (dict(r=4, lora_alpha=8, target_modules=("q_proj", "v_proj")), "must be targeted together"),
-    (dict(r=4, lora_alpha=8, target_modules=("gate_proj",)), "must be targeted together"),
+    (dict(r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"), shared_fused_a=True),
+     "lora.target_modules: q_proj, v_proj is part of the fused linear_qkv; one shared A"),
+    (dict(r=4, lora_alpha=8, target_modules=("gate_proj",), shared_fused_a=True), "shared_fused_a: false"),
     (dict(r=4, lora_alpha=8, target_modules=("lm_head",)), "unknown module 'lm_head'"),
     (dict(r=4, lora_alpha=8, target_modules=()), "at least one"),
 ])
@@ -142,6 +143,12 @@ def test_target_mapping_is_exact():
     assert resolve_target_modules("all-linear") == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
     assert resolve_target_modules(["down_proj", "q_proj", "k_proj", "v_proj"]) == ("linear_qkv", "linear_fc2")
     assert resolve_target_modules(["gate_proj", "up_proj", "linear_proj"]) == ("linear_proj", "linear_fc1")
+    # a subset of a fused linear's projections keeps its PEFT names (each its own A and B)
+    assert resolve_target_modules(["v_proj", "q_proj"]) == ("q_proj", "v_proj")
+    assert resolve_target_modules(["down_proj", "gate_proj", "q_proj"]) == ("q_proj", "gate_proj", "linear_fc2")
+    spec = LoRASpec(r=2, lora_alpha=2, target_modules=["v_proj", "up_proj", "o_proj"])
+    assert spec.megatron_targets == ("linear_qkv", "linear_proj", "linear_fc1")
+    assert spec.projections("linear_qkv") == ("v_proj",) and spec.projections("linear_fc2") == ()
 
 
 @pytest.mark.parametrize("segments, msg", [
@@ -170,20 +177,25 @@ arch = ModelArch(family="llama", vocab_size=64, hidden_size=32, num_layers=2, nu
 model = build_model(arch, seed=1)
 add_adapter(model, "a", LoRASpec(r=4, lora_alpha=8, lora_dropout=0.1), seed=0)
 add_adapter(model, "b", LoRASpec(r=16, lora_alpha=8, target_modules=("q_proj", "k_proj", "v_proj")), seed=0)
+add_adapter(model, "c", LoRASpec(r=3, lora_alpha=6, lora_dropout=0.2, target_modules=("q_proj", "v_proj", "up_proj")),
+            seed=0)
+add_adapter(model, "d", LoRASpec(r=5, lora_alpha=8, shared_fused_a=True), seed=0)
 randomize_b(model, seed=2)
 model.train()
 g = torch.Generator().manual_seed(0)
 batch = pack_microbatch([("a", torch.randint(0, 64, (13,), generator=g).tolist()),
                          ("b", torch.randint(0, 64, (9,), generator=g).tolist()),
-                         ("a", torch.randint(0, 64, (7,), generator=g).tolist())], row_ids=[0, 1, 2])
+                         ("c", torch.randint(0, 64, (6,), generator=g).tolist()),
+                         ("d", torch.randint(0, 64, (5,), generator=g).tolist()),
+                         ("a", torch.randint(0, 64, (7,), generator=g).tolist())], row_ids=[0, 1, 2, 3, 4])
 out = {}
 for impl in ("reference", "fused"):
     get_lora_context(model).impl = impl
     model.zero_grad(set_to_none=True)
     losses = adapter_losses(model, batch)
     sum(losses.values()).backward()
-    out[impl] = ({k: v.item() for k, v in losses.items()}, {n: lora_grads(model, n) for n in ("a", "b")})
-for n in ("a", "b"):
+    out[impl] = ({k: v.item() for k, v in losses.items()}, {n: lora_grads(model, n) for n in "abcd"})
+for n in "abcd":
     assert abs(out["fused"][0][n] - out["reference"][0][n]) <= 1e-5 * abs(out["reference"][0][n]), out
     for k, v in out["reference"][1][n].items():
         err = (out["fused"][1][n][k] - v).norm() / v.norm().clamp_min(1e-12)

@@ -23,6 +23,9 @@ SPECS = {
     "a": LoRASpec(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=("all-linear",)),
     "b": LoRASpec(r=8, lora_alpha=16, target_modules=("q_proj", "k_proj", "v_proj", "down_proj")),
     "c": LoRASpec(r=2, lora_alpha=4, lora_dropout=0.3, target_modules=("o_proj", "gate_proj", "up_proj")),
+    # PEFT's A per projection on a subset of the fused linears (GQA-interleaved q/v rows, gate rows)
+    "d": LoRASpec(r=8, lora_alpha=16, lora_dropout=0.1, target_modules=("q_proj", "v_proj", "gate_proj")),
+    "e": LoRASpec(r=3, lora_alpha=6, target_modules=("all-linear",), shared_fused_a=True),
 }
 
 
@@ -31,10 +34,11 @@ def _tok(seed, n):
 
 
 MBS = [
-    {"samples": [["a", _tok(1, 9)], ["b", _tok(2, 7)], ["c", _tok(3, 5)]], "row_ids": [0, 1, 2]},
-    {"samples": [["a", _tok(4, 4)], ["c", _tok(5, 11)]], "row_ids": [3, 4]},
+    {"samples": [["a", _tok(1, 9)], ["b", _tok(2, 7)], ["c", _tok(3, 5)], ["d", _tok(10, 6)]], "row_ids": [0, 1, 2, 9]},
+    {"samples": [["a", _tok(4, 4)], ["c", _tok(5, 11)], ["e", _tok(11, 4)]], "row_ids": [3, 4, 10]},
     {"samples": [["b", _tok(6, 13)]], "row_ids": [5]},
-    {"samples": [["c", _tok(7, 6)], ["b", _tok(8, 3)], ["a", _tok(9, 8)]], "row_ids": [6, 7, 8]},
+    {"samples": [["c", _tok(7, 6)], ["d", _tok(12, 4)], ["b", _tok(8, 3)], ["e", _tok(13, 2)], ["a", _tok(9, 8)]],
+     "row_ids": [6, 11, 7, 12, 8]},
 ]
 
 
@@ -56,6 +60,7 @@ def _build_and_launch(d: Path) -> None:
     randomize_b(model, seed=1)
     for n in SPECS:
         export_peft_adapter(model, n, d / "adapters" / n)
+    (d / "shared_a.json").write_text(json.dumps([n for n, s in SPECS.items() if s.shared_fused_a]))
     denom = {n: 0 for n in SPECS}
     from parallel_worker import microbatches
 
@@ -76,12 +81,14 @@ def workdir(tmp_path_factory, megatron_single):
     d = shared_dir(tmp_path_factory, "parallel", _build_and_launch)
     from lorafusion.export.peft import import_peft_adapter
     from model_utils import per_token_loss
-    from parallel_worker import loss_terms, microbatches
+    from parallel_worker import import_spec, loss_terms, microbatches
 
     mbs, spec = microbatches(d)
     ref = build_model_from_hf(d / "base")
     for n in SPECS:
-        import_peft_adapter(ref, n, d / "adapters" / n)
+        import_peft_adapter(ref, n, d / "adapters" / n, spec=import_spec(d, n))
+    assert [n for n in SPECS if n in ref.decoder.layers[0].mlp.linear_fc1.lora_A
+            and n not in ref.decoder.layers[0].mlp.linear_fc1.lora_proj] == ["e"]
     ref.train()
     losses, per_token = [], []
     for b in mbs:

@@ -18,6 +18,10 @@ ADAPTERS = {
     "alpha": LoRASpec(r=4, lora_alpha=8, target_modules=("all-linear",)),
     "beta": LoRASpec(r=8, lora_alpha=4, target_modules=("q_proj", "k_proj", "v_proj", "down_proj")),
     "gamma": LoRASpec(r=16, lora_alpha=32, target_modules=("linear_fc1", "linear_proj"), use_rslora=True),
+    "qv": LoRASpec(r=8, lora_alpha=16, target_modules=("q_proj", "v_proj")),
+    "gd": LoRASpec(r=4, lora_alpha=4, target_modules=("gate_proj", "down_proj"), use_rslora=True),
+    "kup": LoRASpec(r=2, lora_alpha=4, target_modules=("k_proj", "up_proj", "o_proj")),
+    "shared": LoRASpec(r=4, lora_alpha=8, target_modules=("all-linear",), shared_fused_a=True),
 }
 ARCHS = {
     "llama-gqa": preset("tiny-llama"),
@@ -62,7 +66,7 @@ def test_exported_adapters_reproduce_logits_in_peft(setup):
     arch, hf, model, d = setup
     ids = torch.randint(0, arch.vocab_size, (2, 13), generator=torch.Generator().manual_seed(1))
     pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), d / "adapters" / "alpha", adapter_name="alpha")
-    for name in ("beta", "gamma"):
+    for name in list(ADAPTERS)[1:]:
         pm.load_adapter(d / "adapters" / name, adapter_name=name)
     pm.eval()
     model.eval()
@@ -105,7 +109,8 @@ def test_loss_and_grads_match_peft(setup):
         for k, g_ref in grads.items():
             kk = k.replace(f".{name}.weight", ".weight").replace(".default.weight", ".weight")
             g_ours = gstate[kk]
-            if ".lora_A." in kk and any(m in kk for m in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+            if name == "shared" and ".lora_A." in kk and any(
+                    m in kk for m in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
                 # fused linear: our dA is the sum of PEFT's per-projection dA
                 group = ("q_proj", "k_proj", "v_proj") if "_proj" in kk and "self_attn" in kk else ("gate_proj", "up_proj")
                 here = next(m for m in group if m in kk)

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from lorafusion.core.errors import MissingFileError
-from lorafusion.export.peft import write_bytes
-from lorafusion.rundir.lock import write_text_atomic
+from lorafusion.rundir.atomic import write_bytes, write_text_atomic
+from lorafusion.rundir.layout import best_checkpoint, latest_checkpoint, read_state, step_name
 
 
 def _barrier():
@@ -110,7 +110,7 @@ def _rank0() -> bool:
 
 
 def _step_dirs(job_dir: Path, step: int) -> tuple[Path, Path]:
-    return job_dir / f"step_{step:06d}", job_dir / f".step_{step:06d}.tmp"
+    return job_dir / step_name(step), job_dir / f".{step_name(step)}.tmp"
 
 
 def _make_tmp(job_dir: Path, tmp: Path, rank0: bool) -> None:
@@ -179,28 +179,7 @@ def prune_checkpoints(job_dir: Path, keep_last: int) -> None:
 
 def mark_best(job_dir: Path, step: int) -> None:
     """Name checkpoint ``step_<step>`` (complete) as the job's best-eval checkpoint (``job_dir/best``)."""
-    write_text_atomic(Path(job_dir) / "best", f"step_{step:06d}\n")
-
-
-def _named_checkpoint(job_dir: Path, pointer_name: str) -> Path | None:
-    """The checkpoint the pointer file ``job_dir/<pointer_name>`` names (None without the pointer)."""
-    pointer = Path(job_dir) / pointer_name
-    if not pointer.is_file():
-        return None
-    path = Path(job_dir) / pointer.read_text().strip()
-    if not (path / "state.json").is_file():
-        raise MissingFileError(f"{pointer}: names {path.name}, which is not a complete checkpoint")
-    return path
-
-
-def best_checkpoint(job_dir: Path) -> Path | None:
-    """The checkpoint ``job_dir/best`` names (None when the job has none)."""
-    return _named_checkpoint(job_dir, "best")
-
-
-def latest_checkpoint(job_dir: Path) -> Path | None:
-    """The checkpoint ``job_dir/latest`` names (None when the job has none)."""
-    return _named_checkpoint(job_dir, "latest")
+    write_text_atomic(Path(job_dir) / "best", f"{step_name(step)}\n")
 
 
 def load_newest_usable(job_dir: Path) -> tuple[Path | None, dict | None, dict | None, list[tuple[Path, str]]]:
@@ -230,26 +209,6 @@ def load_newest_usable(job_dir: Path) -> tuple[Path | None, dict | None, dict | 
     return None, None, None, skipped
 
 
-def read_state(path: Path) -> dict:
-    """A checkpoint's ``state.json``: a JSON object with at least ``job``, ``step`` and ``stream``, else a
-    :class:`MissingFileError` naming the file."""
-    file = Path(path) / "state.json"
-    try:
-        state = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise MissingFileError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(state, dict):
-        raise MissingFileError(f"{file}: expected a JSON object, got {type(state).__name__}")
-    missing = [k for k in ("job", "step", "stream") if k not in state]
-    if missing:
-        raise MissingFileError(f"{file}: no {', '.join(missing)} (expected a lorafusion checkpoint state)")
-    if not isinstance(state["step"], int) or isinstance(state["step"], bool) or state["step"] < 0 \
-            or not isinstance(state["stream"], dict):
-        raise MissingFileError(f"{file}: step: expected an integer >= 0 and stream an object, got "
-                               f"{state['step']!r} and {type(state['stream']).__name__}")
-    return state
-
-
 def load_job_checkpoint(path: Path) -> tuple[dict, dict]:
     """(state.json contents, this rank's tensors: {"adapter": ..., "optimizer": ...})."""
     path = Path(path)
@@ -265,3 +224,7 @@ def load_job_checkpoint(path: Path) -> tuple[dict, dict]:
     except Exception as e:  # noqa: BLE001 - a truncated or garbled file, whatever torch raises for it
         raise MissingFileError(f"{rank_file}: cannot be read ({type(e).__name__}: {e})") from None
     return state, tensors
+
+
+__all__ = ["best_checkpoint", "latest_checkpoint", "load_job_checkpoint", "load_newest_usable", "mark_best",
+           "prune_checkpoints", "read_state", "save_job_checkpoint", "start_job_checkpoint"]

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from lorafusion.core.errors import ConfigError, MissingFileError
+from lorafusion.rundir.layout import RunDir
 
 
 class JobCheckpoints:
@@ -19,7 +20,7 @@ class JobCheckpoints:
 
     def __init__(self, cfg, jobs: dict, model, export, *, is_logger: bool):
         self.cfg, self.jobs, self.model, self.export, self.is_logger = cfg, jobs, model, export, is_logger
-        self.root = Path(cfg.output_dir) / "checkpoints"
+        self.root = RunDir(cfg.output_dir).checkpoints
         self._fingerprints: dict[str, dict] = {}
         self._saved_step: dict[str, int] = {}  # job -> step of its newest checkpoint
         self._saved_status: dict[str, str] = {}  # job -> the status that checkpoint recorded
@@ -138,6 +139,8 @@ class JobCheckpoints:
     def _check_settings(self, name: str, path: Path, saved: dict | None) -> None:
         if saved is None:  # a checkpoint written before settings were recorded
             return
+        if "lora.r" in saved and "lora.shared_fused_a" not in saved:  # before PEFT's A per projection: one shared A
+            saved = {**saved, "lora.shared_fused_a": True}
         index = next(i for i, j in enumerate(self.cfg.jobs) if j.name == name)
         now = self._settings(name)
         for key in sorted(set(saved) | set(now)):
@@ -146,6 +149,9 @@ class JobCheckpoints:
                     f"jobs.{index}.{key.replace('dataset.sha256', 'dataset.path')}"
                 what = "the data file's contents changed" if key == "dataset.sha256" else \
                     f"the checkpoint has {saved.get(key)!r}, the config {now.get(key)!r}"
+                if key == "lora.shared_fused_a" and saved.get(key):
+                    what += (" (the checkpoint's fused q/k/v and gate/up share one A; set lora.shared_fused_a: "
+                             "true to resume it)")
                 raise ConfigError(f"{self.cfg.source}: {field}: cannot resume job {name!r} from {path}: {what}; "
                                   f"resuming would change its result (raising max_steps/num_epochs is allowed; "
                                   f"otherwise use a new output_dir)")

@@ -1,4 +1,4 @@
-"""Reading run and job YAMLs: the only place YAML is parsed.
+"""Reading run and job YAMLs (parsed by :mod:`.yamlio`, the only place YAML is parsed).
 
 A **run YAML** lists its jobs as paths of **job YAMLs** (relative to the run YAML's directory) and/or inline
 job mappings. Relative ``dataset.path`` / ``model.path`` / ``tokenizer.path`` / ``output_dir`` are resolved
@@ -24,77 +24,15 @@ from typing import Annotated, Any, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 
 from lorafusion.config.schema import JobConfig, RunConfig
+from lorafusion.config.yamlio import display as _display
+from lorafusion.config.yamlio import read_yaml as _read_yaml
+from lorafusion.config.init_from import check_init_from, fill_lora_from_init
+from lorafusion.config.yamlio import resolve_path as _resolve_path
+from lorafusion.config.yamlio import yaml_loader
 from lorafusion.core.arch import PRESETS
 from lorafusion.core.errors import ConfigError
 
-__all__ = ["load_job_config", "load_run_config"]
-
-
-# ----------------------------------------------------------------------------------------------- YAML
-def _display(path: Path | str) -> str:
-    p = Path(path)
-    try:
-        rel = os.path.relpath(p)
-    except ValueError:
-        return str(p)
-    return str(p) if rel.startswith("..") else rel
-
-
-class _UniqueKeyLoader:
-    """A yaml SafeLoader that rejects duplicate keys in a mapping (built lazily to keep yaml local)."""
-
-    _cls = None
-
-    @classmethod
-    def get(cls):
-        if cls._cls is None:
-            import yaml
-
-            class Loader(yaml.SafeLoader):
-                pass
-
-            def construct_mapping(loader, node, deep=False):
-                keys = set()
-                for key_node, _ in node.value:
-                    if (key := loader.construct_object(key_node, deep=deep)) in keys:
-                        raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-                    keys.add(key)
-                return yaml.SafeLoader.construct_mapping(loader, node, deep)
-
-            Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
-            # YAML 1.2 floats: PyYAML (YAML 1.1) reads `lr: 1e-4` as the string "1e-4"
-            Loader.add_implicit_resolver(
-                "tag:yaml.org,2002:float",
-                re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-                list("-+0123456789"))
-            cls._cls = Loader
-        return cls._cls
-
-
-def _read_yaml(path: Path, what: str) -> dict:
-    import yaml
-
-    shown = _display(path)
-    if not path.exists():
-        raise ConfigError(f"{shown}: file not found (expected {what})")
-    if not path.is_file():
-        raise ConfigError(f"{shown}: not a file (expected {what})")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{shown}: cannot read ({e})") from None
-    try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader.get())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e)
-        ctx = getattr(e, "context", None)
-        raise ConfigError(f"{shown}: {where}invalid YAML: {problem}" + (f" ({ctx})" if ctx else "")) from None
-    if not isinstance(data, dict):
-        got = "an empty file" if data is None else type(data).__name__
-        raise ConfigError(f"{shown}: expected a mapping ({what}) at the top level, got {got}")
-    return data
+__all__ = ["job_config_from", "load_job_config", "load_run_config"]
 
 
 # ----------------------------------------------------------------------------------------------- errors
@@ -107,8 +45,10 @@ def _fmt_input(v: Any) -> str:
     return s if len(s) <= 80 else s[:77] + "..."
 
 
-def _kind(v: Any) -> str:
-    return "an integer" if isinstance(v, int) and not isinstance(v, bool) else "a number"
+def _kind(v: Any, bound: Any) -> str:
+    """'an integer' for an integer field (its bound is an int), else 'a number' (a float field given 0 is not
+    expected to be an integer)."""
+    return "an integer" if isinstance(bound, int) and isinstance(v, int) and not isinstance(v, bool) else "a number"
 
 
 def _explain(err: dict) -> str:
@@ -134,13 +74,13 @@ def _explain(err: dict) -> str:
     if t == "literal_error":
         return f"expected one of {ctx.get('expected', '')}" + got
     if t == "greater_than":
-        return f"expected {_kind(v)} > {ctx['gt']}" + got
+        return f"expected {_kind(v, ctx['gt'])} > {ctx['gt']}" + got
     if t == "greater_than_equal":
-        return f"expected {_kind(v)} >= {ctx['ge']}" + got
+        return f"expected {_kind(v, ctx['ge'])} >= {ctx['ge']}" + got
     if t == "less_than":
-        return f"expected {_kind(v)} < {ctx['lt']}" + got
+        return f"expected {_kind(v, ctx['lt'])} < {ctx['lt']}" + got
     if t == "less_than_equal":
-        return f"expected {_kind(v)} <= {ctx['le']}" + got
+        return f"expected {_kind(v, ctx['le'])} <= {ctx['le']}" + got
     if t == "too_short":
         return f"expected at least {ctx.get('min_length', 1)} item(s)" + got
     if t == "too_long":
@@ -208,26 +148,20 @@ def _allowed(loc: Sequence[Any]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- paths
-def _resolve_path(value: Any, base: Path) -> Any:
-    """Absolute form of a path written in a YAML file (``~`` expanded; relative → against ``base``)."""
-    if isinstance(value, str) and value:
-        p = Path(value).expanduser()
-        return str(p if p.is_absolute() else (base / p).resolve())
-    return value
-
-
-def _resolve_job_paths(job: Any, base: Path) -> None:
+def _resolve_job_paths(job: Any, base: Path, where: str = "") -> None:
     for key in ("dataset", "eval_dataset"):
         if isinstance(job, dict) and isinstance(job.get(key), dict) and "path" in job[key]:
-            job[key]["path"] = _resolve_path(job[key]["path"], base)
+            job[key]["path"] = _resolve_path(job[key]["path"], base, f"{where}{key}.path: ")
+    if isinstance(job, dict) and isinstance(job.get("init_from"), str):
+        job["init_from"] = _resolve_path(job["init_from"], base, f"{where}init_from: ")
 
 
-def _resolve_run_paths(raw: dict, base: Path) -> None:
+def _resolve_run_paths(raw: dict, base: Path, shown: str) -> None:
     if isinstance(raw.get("output_dir"), str):  # the same rule as every other path in a YAML
-        raw["output_dir"] = _resolve_path(raw["output_dir"], base)
+        raw["output_dir"] = _resolve_path(raw["output_dir"], base, f"{shown}: output_dir: ")
     for section in ("model", "tokenizer"):
         if isinstance(raw.get(section), dict) and "path" in raw[section]:
-            raw[section]["path"] = _resolve_path(raw[section]["path"], base)
+            raw[section]["path"] = _resolve_path(raw[section]["path"], base, f"{shown}: {section}.path: ")
 
 
 # ----------------------------------------------------------------------------------------------- overrides
@@ -242,7 +176,7 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     if not key or any(not p for p in parts):
         raise ConfigError(f"override {item!r}: expected a dotted key such as jobs.0.optimizer.lr")
     try:
-        value = yaml.load(text, Loader=_UniqueKeyLoader.get()) if text.strip() else ""
+        value = yaml.load(text, Loader=yaml_loader()) if text.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"override {item!r}: value is not valid YAML ({getattr(e, 'problem', e)})") from None
     return parts, value
@@ -273,7 +207,7 @@ def _apply_override(raw: dict, item: str, job_names: list[Any], root: type[BaseM
             continue
         loc.append(part)
         if i == len(parts) - 1:
-            node[part] = _maybe_path(parts, value)
+            node[part] = _maybe_path(parts, value, f"override {item!r}: ")
             return loc
         sub = node.get(part)
         if sub is None:
@@ -308,9 +242,10 @@ def _select_job(raw: dict, parts: list[str], i: int, item: str, job_names: list[
     return jobs[idx], ["jobs", idx]
 
 
-def _maybe_path(parts: list[str], value: Any) -> Any:
-    if parts[-1] == "path" and len(parts) >= 2 and parts[-2] in ("dataset", "eval_dataset", "model", "tokenizer"):
-        return _resolve_path(value, Path.cwd())
+def _maybe_path(parts: list[str], value: Any, where: str) -> Any:
+    if parts[-1] == "path" and len(parts) >= 2 and parts[-2] in ("dataset", "eval_dataset", "model", "tokenizer") \
+            or parts == ["output_dir"] or parts[-1] == "init_from":
+        return _resolve_path(value, Path.cwd(), where)
     return value
 
 
@@ -321,10 +256,10 @@ def load_run_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> R
     Raises :class:`ConfigError` (one exception; its message names file, field and expectation).
     """
     run_path = Path(path)
-    run_abs = run_path.resolve()
     run_shown = _display(run_path)
     raw = _read_yaml(run_path, "a run config")
-    _resolve_run_paths(raw, run_abs.parent)
+    run_abs = run_path.resolve()
+    _resolve_run_paths(raw, run_abs.parent, run_shown)
 
     # job sources: index → (display file, prefix inside that file)
     sources: dict[int, tuple[str, list[Any]]] = {}
@@ -333,16 +268,16 @@ def load_run_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> R
         loaded = []
         for i, item in enumerate(jobs):
             if isinstance(item, str):
-                jpath = Path(_resolve_path(item, run_abs.parent))
+                jpath = Path(_resolve_path(item, run_abs.parent, f"{run_shown}: jobs.{i}: "))
                 if not jpath.exists():
                     raise ConfigError(f"{run_shown}: jobs.{i}: file not found: {_display(jpath)} "
                                       f"(expected a job YAML, relative to {_display(run_abs.parent) or '.'})")
                 job = _read_yaml(jpath, "an adapter job")
-                _resolve_job_paths(job, jpath.parent)
+                _resolve_job_paths(job, jpath.parent, f"{_display(jpath)}: ")
                 sources[i] = (_display(jpath), [])
                 loaded.append(job)
             else:
-                _resolve_job_paths(item, run_abs.parent)
+                _resolve_job_paths(item, run_abs.parent, f"{run_shown}: jobs.{i}.")
                 loaded.append(item)
         raw["jobs"] = loaded
 
@@ -380,6 +315,8 @@ def load_run_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> R
             return sources[loc[1]][0], loc[2:], note
         return run_shown, loc, note
 
+    for i, job in enumerate(raw.get("jobs") if isinstance(raw.get("jobs"), list) else []):
+        fill_lora_from_init(job, ["jobs", i], locate)
     try:
         cfg = RunConfig.model_validate(raw)
     except ValidationError as e:
@@ -420,6 +357,7 @@ def _check_files(cfg: RunConfig, run_shown: str, sources, locate) -> None:
         raise ConfigError(f"{run_shown}: output_dir: expected a directory (or a path to create), "
                           f"but {_display(out)} is a file{locate(['output_dir'])[2]}")
     for i, job in enumerate(cfg.jobs):
+        check_init_from(job, ["jobs", i], locate)
         for key, ds in (("dataset", job.dataset), ("eval_dataset", job.eval_dataset)):
             if ds is not None and not (p := Path(ds.path)).is_file():
                 file, inner, note = locate(["jobs", i, key, "path"])
@@ -438,7 +376,7 @@ def load_job_config(path: str | os.PathLike, overrides: Sequence[str] = (), *,
     jpath = Path(path)
     shown = _display(jpath)
     raw = _read_yaml(jpath, "an adapter job")
-    _resolve_job_paths(raw, jpath.resolve().parent)
+    _resolve_job_paths(raw, jpath.resolve().parent, f"{shown}: ")
     overridden: dict[str, str] = {}
     for item in overrides:  # the keys as the user typed them, e.g. optimizer.lr (not jobs.0.optimizer.lr)
         try:
@@ -451,11 +389,24 @@ def load_job_config(path: str | os.PathLike, overrides: Sequence[str] = (), *,
         hits = [ov for k, ov in overridden.items() if key == k or key.startswith(k + ".")]
         return shown, loc, f" (set by override {hits[-1]!r})" if hits else ""
 
+    fill_lora_from_init(raw, [], locate)
     try:
         job = JobConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(_format_errors(e, locate)) from None
+    check_init_from(job, [], locate)
     for key, ds in (("dataset", job.dataset), ("eval_dataset", job.eval_dataset)):
         if check_files and ds is not None and not Path(ds.path).is_file():
             raise ConfigError(f"{shown}: {key}.path: dataset file not found: {_display(Path(ds.path))}")
     return job
+
+
+def job_config_from(raw: Any, shown: str) -> JobConfig:
+    """A job mapping that did not come from a YAML file (a submit request's) validated like one: one
+    :class:`ConfigError` whose lines name ``shown`` and the field."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{shown}: expected a job mapping, got {type(raw).__name__}")
+    try:
+        return JobConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, lambda loc: (shown, loc, ""))) from None

@@ -85,22 +85,28 @@ class ParallelismConfig(_Strict):
     dp: Annotated[int | Literal["auto"], BeforeValidator(_dp)] = 1
     # Megatron sequence parallelism: activations between TP regions split along the sequence (needs tp > 1)
     sequence_parallel: bool = False
-    # decoder layers of each pipeline stage, first to last (None: the same on every stage); the middle stages
-    # hold equal counts (Megatron's num_layers_in_first/last_pipeline_stage): e.g. one layer less on the last
-    # stage, which also holds the output layer and the loss
-    stage_layers: list[Annotated[int, Field(ge=1)]] | None = None
+    # decoder layers of each pipeline stage, first to last (None: the same on every stage); with virtual_stages
+    # V > 1 one count per virtual stage, pp*V in layer order (virtual stage c*pp + r is chunk c of rank r).
+    # "auto": balanced by the scheduler's stage cost model with the output layer and loss counted as work on
+    # the last stage (scheduler/stages.py). Uneven splits become Megatron's first/last-stage counts or its
+    # pipeline_model_parallel_layout
+    stage_layers: list[Annotated[int, Field(ge=1)]] | Literal["auto"] | None = None
+    # model chunks per pipeline rank: Megatron-core's interleaved 1F1B (virtual_pipeline_model_parallel_size)
+    virtual_stages: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _sp_needs_tp(self) -> "ParallelismConfig":
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel: true needs tp > 1 (it splits activations over the TP group)")
-        if self.stage_layers is not None:
-            if len(self.stage_layers) != self.pp:
-                raise ValueError(f"stage_layers: expected one count per pipeline stage (pp = {self.pp}), got "
+        if self.virtual_stages > 1 and self.pp == 1:
+            raise ValueError(f"virtual_stages: {self.virtual_stages} needs a pipeline (pp > 1)")
+        if isinstance(self.stage_layers, list):
+            n = self.pp * self.virtual_stages
+            if len(self.stage_layers) != n:
+                per = "pipeline stage" if self.virtual_stages == 1 else \
+                    f"virtual stage (pp x virtual_stages = {n}, in layer order)"
+                raise ValueError(f"stage_layers: expected one count per {per} (pp = {self.pp}), got "
                                  f"{self.stage_layers}")
-            if len(set(self.stage_layers[1:-1])) > 1:
-                raise ValueError(f"stage_layers: the middle stages must hold equal counts (only the first and last "
-                                 f"may differ), got {self.stage_layers}")
         return self
 
     @property
@@ -194,6 +200,9 @@ class JobConfig(_Strict):
     name: str
     dataset: DatasetConfig
     lora: LoRASpec
+    # a PEFT adapter directory to start from (continued training); its settings fill lora's keys left out and
+    # must agree with those given (config/init_from.py)
+    init_from: str | None = None
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     global_batch_size: int = Field(ge=1)  # samples per optimizer step
     max_steps: int | None = Field(None, ge=1)
@@ -256,11 +265,18 @@ class RunConfig(_Strict):
     kernels: Literal["auto", "fused", "reference"] = "auto"
     jobs: list[JobConfig] = Field(min_length=1)
     output_dir: str
-    seed: int = Field(1234, ge=0)
+    seed: int = Field(1234, ge=0, le=2**63 - 1)  # torch and Megatron take seeds of at most 64 bits
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     serve: bool = False  # after the last job ends, keep waiting for `lorafusion submit` (until serve_idle_minutes)
     serve_idle_minutes: float = Field(30.0, gt=0)
+
+    @field_validator("output_dir")
+    @classmethod
+    def _output_dir(cls, v: str) -> str:
+        if not v:  # "" would train into the current directory
+            raise ValueError(f"expected a directory path (the run's own directory), got {v!r}")
+        return v
 
     @model_validator(mode="after")
     def _cross(self):

@@ -3,7 +3,12 @@
 :class:`LoRASpec` is a frozen pydantic model. The run config validates job YAMLs through it (so a bad
 ``lora`` section is reported with file and field like every other), and code builds it directly
 (``LoRASpec(r=8, lora_alpha=16)``; a bad value raises one ``ValueError`` naming ``lora.<field>``).
-``target_modules`` is normalised to Megatron linear names (see :mod:`lorafusion.core.targets`).
+``target_modules`` is normalised (see :func:`lorafusion.core.targets.resolve_target_modules`): Megatron names
+for linears targeted whole, PEFT names for a subset of a fused linear's projections (``q_proj``, ``v_proj``).
+
+On the fused linears (``linear_qkv`` = q/k/v, ``linear_fc1`` = gate/up) each targeted projection has its own A
+and B, as in PEFT (the default); ``shared_fused_a: true`` gives the fused linear one A shared by its
+projections (LoRAFusion's merged-QKV LoRA: fewer parameters, a different model than PEFT's at the same r).
 """
 
 from __future__ import annotations
@@ -12,21 +17,28 @@ import math
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from lorafusion.core.targets import resolve_target_modules
+from lorafusion.core.targets import PEFT_GROUPS, megatron_targets, partial_groups, projections, resolve_target_modules
 
-__all__ = ["ADAPTER_NAME_RE", "LoRASpec", "check_adapter_name"]
+__all__ = ["ADAPTER_NAME_MAX", "ADAPTER_NAME_RE", "LoRASpec", "check_adapter_memory", "check_adapter_name",
+           "lora_memory_bytes"]
 
-ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9_\-]+$")
+ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9_\-]+")  # used with fullmatch (``$`` would let "name\n" through)
+# the longest file name a run derives from a job name is a request's temporary file,
+# ``.<20-digit stamp>-submit-<name>.json.tmp`` (38 characters more): 128 keeps every one far below NAME_MAX (255)
+ADAPTER_NAME_MAX = 128
 
 
 def check_adapter_name(name: Any, field: str | None = "adapter name") -> str:
-    """``name`` if it is a valid adapter/job name (letters, digits, '_' or '-'), else a ValueError whose
-    message starts with ``field`` (None: pydantic names the field)."""
-    if not isinstance(name, str) or not ADAPTER_NAME_RE.match(name):
-        raise ValueError(("" if field is None else f"{field}: ") + f"expected letters, digits, '_' or '-', "
-                         f"got {name!r}")
+    """``name`` if it is a valid adapter/job name (1 to :data:`ADAPTER_NAME_MAX` letters, digits, '_' or '-'),
+    else a ValueError whose message starts with ``field`` (None: pydantic names the field)."""
+    prefix = "" if field is None else f"{field}: "
+    if not isinstance(name, str) or not ADAPTER_NAME_RE.fullmatch(name):
+        raise ValueError(prefix + f"expected letters, digits, '_' or '-', got {name!r}"[:200])
+    if len(name) > ADAPTER_NAME_MAX:
+        raise ValueError(prefix + f"expected at most {ADAPTER_NAME_MAX} characters (file names are derived from "
+                         f"it), got {len(name)}: {name[:40]!r}...")
     return name
 
 
@@ -38,6 +50,8 @@ class LoRASpec(BaseModel):
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     target_modules: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # all-linear
     use_rslora: bool = False
+    # one A shared by the projections of a fused linear (q/k/v, gate/up) instead of PEFT's one A each
+    shared_fused_a: bool = False
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -47,7 +61,7 @@ class LoRASpec(BaseModel):
             for err in e.errors(include_url=False):
                 loc = ".".join(str(p) for p in err["loc"])
                 msg = str((err.get("ctx") or {}).get("error", err["msg"]))
-                lines.append(f"lora.{loc}: {msg}" + ("" if err["type"] == "value_error" else
+                lines.append((f"lora.{loc}: {msg}" if loc else f"lora.{msg}") + ("" if err["type"] == "value_error" else
                                                       f", got {err.get('input')!r}"))
             raise ValueError("\n".join(lines)) from None
 
@@ -66,6 +80,56 @@ class LoRASpec(BaseModel):
         except ValueError as e:  # pydantic puts the field in front itself
             raise ValueError(str(e).removeprefix("lora.target_modules: ")) from None
 
+    @model_validator(mode="after")
+    def _shared_needs_whole_groups(self):
+        part = partial_groups(self.target_modules)
+        if self.shared_fused_a and part:
+            kind, got = next(iter(part.items()))
+            raise ValueError(f"target_modules: {', '.join(got)} is part of the fused {kind}; one shared A "
+                             f"(shared_fused_a: true) has no exact LoRA for a subset: target the whole group or "
+                             f"set shared_fused_a: false")
+        return self
+
+    @property
+    def megatron_targets(self) -> tuple[str, ...]:
+        """The Megatron linears this adapter touches, in layer order."""
+        return megatron_targets(self.target_modules)
+
+    def projections(self, kind: str) -> tuple[str, ...]:
+        """The PEFT projections of Megatron linear ``kind`` this adapter targets (() when none)."""
+        return projections(self.target_modules, kind)
+
     @property
     def scaling(self) -> float:
         return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+
+def lora_memory_bytes(spec: LoRASpec, arch: Any, token_capacity: int) -> int:
+    """Bytes an adapter of ``spec`` on ``arch`` (a :class:`lorafusion.core.arch.ModelArch`) needs to train, over
+    all ranks, from the shapes alone (nothing is allocated; exact integers, whatever ``r``): fp32 weights,
+    gradients and two AdamW moments (16 bytes a parameter) and its LoRA activations (``r`` fp32 values per token
+    per adapted projection) at ``token_capacity``. The projections of a fused linear count with an A each
+    (PEFT's layout)."""
+    h, kv, ffn = arch.hidden_size, arch.kv_channels, arch.ffn_hidden_size
+    q, k = arch.num_attention_heads * kv, arch.num_query_groups * kv
+    shapes = {"linear_qkv": [(h, q), (h, k), (h, k)], "linear_proj": [(q, h)],
+              "linear_fc1": [(h, ffn), (h, ffn)], "linear_fc2": [(ffn, h)]}  # (in, out) of each projection
+    projections = [s for m in spec.megatron_targets for p, s in zip(PEFT_GROUPS[m], shapes[m], strict=True)
+                   if p in spec.projections(m)]
+    numel = spec.r * sum(i + o for i, o in projections) * arch.num_layers
+    return 16 * numel + 4 * spec.r * len(projections) * arch.num_layers * int(token_capacity)
+
+
+def check_adapter_memory(job: str, spec: LoRASpec, arch: Any, token_capacity: int | None, memory_bytes: int,
+                         model_parallel: int) -> None:
+    """ConfigError when job's adapter could never fit one rank: its :func:`lora_memory_bytes` (at the token
+    capacity; 16384 when it is chosen at run time) shared by ``model_parallel`` ranks, above a rank's whole
+    ``memory_bytes``. The run checks it before allocating anything, ``lorafusion submit`` before it answers."""
+    from lorafusion.core.errors import ConfigError
+
+    cap = token_capacity or 16384
+    need = lora_memory_bytes(spec, arch, cap) // model_parallel
+    if need > memory_bytes:
+        raise ConfigError(f"job {job!r}: lora.r = {spec.r}: its adapter needs about {need / 2**30:,.1f} GiB a rank "
+                          f"to train (weights, gradients, AdamW moments, activations at the token capacity {cap}), "
+                          f"more than the {memory_bytes / 2**30:,.1f} GiB a rank of this run has; lower lora.r")

@@ -18,11 +18,9 @@ ROW_PARALLEL = ("linear_proj", "linear_fc2")
 
 
 def resolve_target_modules(target_modules: str | Iterable[str], field: str = "lora.target_modules") -> tuple[str, ...]:
-    """Megatron names (sorted in layer order) for Megatron names, PEFT names or ``"all-linear"``.
-
-    PEFT names that are fused in Megatron must come together ({q,k,v}_proj, {gate,up}_proj): a subset
-    cannot be represented exactly by one low-rank update of the fused weight, so it is an error.
-    """
+    """The normal form of Megatron names, PEFT names or ``"all-linear"``, in layer order: a Megatron linear
+    targeted whole is its Megatron name (``linear_qkv``); a subset of a fused linear's projections is those
+    PEFT names (``q_proj``, ``v_proj``: each has its own A and B, PEFT's semantics)."""
     names = [target_modules] if isinstance(target_modules, str) else list(target_modules)
     if not names:
         raise ValueError(f"{field}: expected at least one module name, got an empty list")
@@ -42,22 +40,39 @@ def resolve_target_modules(target_modules: str | Iterable[str], field: str = "lo
                 f"{field}: unknown module {name!r}; expected Megatron names {list(MEGATRON_TARGETS)}, "
                 f"PEFT names {sorted(PEFT_TO_MEGATRON)} or 'all-linear'"
             )
+    out: list[str] = []
     for meg, group in PEFT_GROUPS.items():
         present = [p for p in group if p in peft_seen]
-        if present and len(present) != len(group):
-            raise ValueError(
-                f"{field}: {'/'.join(group)} are fused into {meg} and must be targeted together "
-                f"(got only {', '.join(present)}); a subset has no exact LoRA on the fused weight"
-            )
-        if present:
-            chosen.add(meg)
-    return tuple(m for m in MEGATRON_TARGETS if m in chosen)
+        if meg in chosen or len(present) == len(group):
+            out.append(meg)
+        else:
+            out.extend(present)
+    return tuple(out)
 
 
-def to_peft_target_modules(megatron_targets: Iterable[str]) -> list[str]:
-    """The PEFT ``target_modules`` list equivalent to Megatron targets."""
-    out: list[str] = []
-    for m in MEGATRON_TARGETS:
-        if m in megatron_targets:
-            out.extend(PEFT_GROUPS[m])
-    return out
+def projections(targets: Iterable[str], kind: str) -> tuple[str, ...]:
+    """The PEFT projections of Megatron linear ``kind`` that normalised ``targets`` name (all of its group
+    when ``kind`` itself is named, () when none)."""
+    targets = tuple(targets)
+    if kind in targets:
+        return PEFT_GROUPS[kind]
+    return tuple(p for p in PEFT_GROUPS[kind] if p in targets)
+
+
+def megatron_targets(targets: Iterable[str]) -> tuple[str, ...]:
+    """The Megatron linears that normalised ``targets`` touch, in layer order."""
+    targets = tuple(targets)
+    return tuple(m for m in MEGATRON_TARGETS if projections(targets, m))
+
+
+def partial_groups(targets: Iterable[str]) -> dict[str, tuple[str, ...]]:
+    """{fused Megatron linear: its targeted projections} for the fused linears targeted only in part."""
+    targets = tuple(targets)
+    return {m: projections(targets, m) for m in COLUMN_PARALLEL
+            if projections(targets, m) and m not in targets}
+
+
+def to_peft_target_modules(targets: Iterable[str]) -> list[str]:
+    """The PEFT ``target_modules`` list equivalent to normalised (or Megatron) targets."""
+    targets = tuple(targets)
+    return [p for m in MEGATRON_TARGETS for p in projections(targets, m)]

@@ -46,7 +46,7 @@ def base_reference(cfg, run_dir: Path, arch: ModelArch, device) -> str:
     ref = str(Path(cfg.model.path).resolve()) if cfg.model.path else str(run_dir.resolve() / "base")
     if dist.is_initialized() and dist.get_rank() != 0:
         return ref
-    from lorafusion.checkpoint.format import write_text_atomic
+    from lorafusion.rundir.atomic import write_text_atomic
 
     record = {
         "preset": cfg.model.preset, "path": str(Path(cfg.model.path).resolve()) if cfg.model.path else None,
@@ -165,7 +165,7 @@ def write_byte_tokenizer(out: Path) -> None:
 
 
 def write_base(run_dir: Path, out: Path, *, max_shard_bytes: int | None = None):
-    """A filler for :func:`lorafusion.export.peft.fill_dir_atomically` that writes the run's base, and a
+    """A filler for :func:`lorafusion.rundir.atomic.fill_dir_atomically` that writes the run's base, and a
     description of what it wrote (from the record, before anything is written)."""
     from lorafusion.models.hf_export import DEFAULT_SHARD_BYTES, write_hf_weights
 

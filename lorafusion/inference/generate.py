@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +30,7 @@ from pathlib import Path
 import torch
 
 from lorafusion.core.errors import ConfigError, MissingFileError, UserError
+from lorafusion.rundir.atomic import write_text_atomic
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,7 +56,7 @@ def _read_json(path: Path) -> dict:
 
 
 def _latest_checkpoint_dir(job_dir: Path) -> Path | None:
-    from lorafusion.checkpoint.format import latest_checkpoint
+    from lorafusion.rundir.layout import latest_checkpoint
 
     return latest_checkpoint(job_dir) if job_dir.is_dir() else None
 
@@ -65,7 +64,7 @@ def _latest_checkpoint_dir(job_dir: Path) -> Path | None:
 def load_run(run_dir: str | Path) -> RunInfo:
     """What :func:`build_run_model` and :func:`run_tokenizer` need, from a ``lorafusion train`` output directory."""
     from lorafusion.core.arch import PRESETS
-    from lorafusion.export.peft import find_adapter, run_jobs
+    from lorafusion.rundir.adapters import find_adapter, run_jobs
 
     run = Path(run_dir)
     if not run.is_dir():
@@ -355,9 +354,16 @@ def generate_file(run_dir, prompts, out, *, max_new_tokens: int = 128, temperatu
                      context=context, temperature=temperature, top_p=top_p, seed=seed, use_cache=use_cache,
                      first_row=start)
     t2 = time.perf_counter()
+<<<<<<< HEAD
     rows = [{**r.row, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
              "output": tokenizer.decode([t for t in r.output_ids if t != tokenizer.eos_id])} for r in requests]
     _write_atomic(out, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+=======
+    lines = [json.dumps({**r.row, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
+                         "output": tokenizer.decode([t for t in r.output_ids if t != tokenizer.eos_id])},
+                        ensure_ascii=False) for r in requests]
+    write_text_atomic(out, "".join(line + "\n" for line in lines), mkdir=True)
+>>>>>>> main
     new = sum(len(r.output_ids) for r in requests)
     return {"rows": len(requests), "jobs": jobs, "new_tokens": new, "load_s": round(t1 - t0, 3),
             "generate_s": round(t2 - t1, 3), "tokens_per_s": round(new / max(t2 - t1, 1e-9), 1), "out": str(out),
@@ -385,6 +391,7 @@ def _context(info: RunInfo) -> int:
     return preset(info.preset).max_position_embeddings
 
 
+<<<<<<< HEAD
 def _write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -397,4 +404,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 __all__ = ["Request", "RunInfo", "build_run_model", "encode_prompt", "expected_matches", "generate_file", "generate_ids",
+=======
+__all__ = ["Request", "RunInfo", "build_run_model", "encode_prompt", "generate_file", "generate_ids",
+>>>>>>> main
            "load_run", "read_prompts", "run_tokenizer"]

@@ -71,6 +71,10 @@ TUNED: dict[tuple[str, tuple[int, int, int]], dict] = {
 # once from LORAFUSION_MAIN_GEMM at import for benchmark runs.
 # Measured (docs/BENCHMARKS.md): cuBLAS is ~15-20% faster than this Triton GEMM on Hopper, which outweighs the
 # extra write/read of the low-rank term, so "cublas" is the default.
+# "cublas_fold" is "cublas" with the dX order reversed (low-rank term first, cuBLAS adds dY·W into it); on one
+# H100 at the 8B's linears it was -6% to +9% per linear with no consistent sign (docs/BENCHMARKS.md, issue 24),
+# so it is an option, not the default.
+MAIN_GEMMS = ("cublas", "cublas_fold", "triton")
 MAIN_GEMM = os.environ.get("LORAFUSION_MAIN_GEMM", "cublas")
 
 

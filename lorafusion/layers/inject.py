@@ -66,7 +66,7 @@ def add_adapter(model, name: str, spec: LoRASpec, seed: int = 0) -> None:
     if name in ctx.specs:
         raise ValueError(f"adapter name clash: {name!r} is already on the model")
     for key, mod in lora_modules(model):
-        if mod.lora_kind in spec.target_modules:
+        if mod.lora_kind in spec.megatron_targets:
             mod.add_lora(name, spec, seed)
     ctx.specs[name] = spec
     ctx._local.clear()

@@ -35,6 +35,8 @@ from lorafusion import ops
 from lorafusion.core.lora import LoRASpec
 from lorafusion.core.routing import Routing
 from lorafusion.core.seeds import mix_seed, name_key
+from lorafusion.core.targets import PEFT_GROUPS
+from lorafusion.layers.fused_proj import BlockIndex, block_b, fused_projection_index
 from lorafusion.ops.tables import TableCache, seed_tensor
 
 
@@ -154,6 +156,9 @@ class _LoRAMixin:
         self.lora_B = torch.nn.ParameterDict()
         self.lora_ctx: LoRAContext | None = None
         self.lora_key: str = ""  # "<global layer number>.<kind>", set at injection
+        # fused linears: adapter -> indices (into PEFT_GROUPS[kind]) of its projections, each with its own A/B
+        self.lora_proj: dict[str, tuple[int, ...]] = {}
+        self._block_index: dict = {}
 
     # -- geometry ---------------------------------------------------------------------------------------
     def _tp(self) -> tuple[int, int]:
@@ -164,6 +169,16 @@ class _LoRAMixin:
         return self.input_size, self.output_size
 
     # -- adapters ---------------------------------------------------------------------------------------
+    def projection_index(self) -> torch.Tensor:
+        """The projection of each of this rank's output rows of a fused linear (see fused_projection_index)."""
+        if "proj" not in self._block_index:
+            tp, c = self._tp()[0], self.config
+            groups = c.num_query_groups or c.num_attention_heads
+            self._block_index["proj"] = fused_projection_index(
+                self.lora_kind, self.output_size_per_partition, groups // tp, c.num_attention_heads // groups,
+                c.kv_channels)
+        return self._block_index["proj"]
+
     def add_lora(self, name: str, spec: LoRASpec, seed: int) -> None:
         if name in self.lora_A:
             raise ValueError(f"adapter name clash: {name!r} is already on {self.lora_key}")
@@ -174,6 +189,12 @@ class _LoRAMixin:
             local = fin // tp
             a = a_full[:, rank * local:(rank + 1) * local].clone()
             b = torch.zeros(fout, spec.r)
+        elif self.lora_kind in PEFT_GROUPS and len(PEFT_GROUPS[self.lora_kind]) > 1 and not spec.shared_fused_a:
+            chosen = tuple(PEFT_GROUPS[self.lora_kind].index(p) for p in spec.projections(self.lora_kind))
+            a = torch.cat([kaiming_uniform_full((spec.r, fin), mix_seed(seed, name_key(name), name_key(
+                self.lora_key), name_key(PEFT_GROUPS[self.lora_kind][p]))) for p in chosen])
+            b = torch.zeros(int(torch.isin(self.projection_index(), torch.tensor(chosen)).sum()), spec.r)
+            self.lora_proj[name] = chosen
         else:
             a = a_full
             b = torch.zeros(fout // tp, spec.r)
@@ -189,6 +210,18 @@ class _LoRAMixin:
     def remove_lora(self, name: str) -> None:
         del self.lora_A[name]
         del self.lora_B[name]
+        self.lora_proj.pop(name, None)
+
+    def _lora_b(self, name: str) -> torch.Tensor:
+        """Adapter ``name``'s B as the LoRA ops take it: the block B of a fused linear's own projections."""
+        b = self.lora_B[name]
+        chosen = self.lora_proj.get(name)
+        if chosen is None:
+            return b
+        key = (chosen, str(b.device))
+        if key not in self._block_index:
+            self._block_index[key] = BlockIndex(self.projection_index(), chosen, b.device)
+        return block_b(b, self._block_index[key])
 
     # -- forward ----------------------------------------------------------------------------------------
     def _lora_args(self, x: torch.Tensor):
@@ -204,7 +237,7 @@ class _LoRAMixin:
         routing, names, _ = plan
         seeds, seed_table = ctx.layer_seeds(present, self.lora_key, x.device)
         specs = [ctx.specs[n] for n in names]
-        return (routing, [self.lora_A[n] for n in names], [self.lora_B[n] for n in names],
+        return (routing, [self.lora_A[n] for n in names], [self._lora_b(n) for n in names],
                 [s.scaling for s in specs], [s.lora_dropout if self.training else 0.0 for s in specs],
                 seeds, seed_table)
 

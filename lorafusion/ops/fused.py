@@ -8,7 +8,9 @@ Same contracts as :mod:`lorafusion.ops.reference` (see :func:`lorafusion.ops.mul
   The main GEMM (``main_gemm`` argument; default ``lorafusion.kernels.tuning.MAIN_GEMM``):
   "cublas" (default; measured faster on Hopper) — the low-rank term is written by a Triton kernel and cuBLAS
   adds X·Wᵀ to it; in backward cuBLAS computes dY·W and one Triton pass adds keep⊙(dS·A)/(1-p) and produces
-  dA with the same mask. "triton" — one Triton GEMM with the low-rank term as its initial accumulator
+  dA with the same mask. "cublas_fold" — the same forward; in backward the Triton pass writes the low-rank
+  dX term (and dA) first and cuBLAS adds dY·W into it (beta = 1, as the forward does), so dX is not read
+  back by a memory-bound pass. "triton" — one Triton GEMM with the low-rank term as its initial accumulator
   (forward and dX), dA in its own pass.
 - :func:`multi_lora_delta_fused`: the LoRA term alone, as shrink → tensor-parallel collective on S → expand,
   so "row" (all-reduce S in forward) and "column" (all-reduce dS in backward) compose as in the reference.
@@ -59,8 +61,8 @@ class _Plan:
         self.k_offset = int(k_offset)
         self.k_total = self.k if k_total is None else int(k_total)
         self.main_gemm = main_gemm or tuning.MAIN_GEMM
-        if self.main_gemm not in ("cublas", "triton"):
-            raise ValueError(f"main_gemm: expected 'cublas' or 'triton', got {self.main_gemm!r}")
+        if self.main_gemm not in tuning.MAIN_GEMMS:
+            raise ValueError(f"main_gemm: expected one of {tuning.MAIN_GEMMS}, got {self.main_gemm!r}")
         self.cache = cache if cache is not None else TableCache()
         self.st = self.cache.slot_tables(self.ranks, scaling, dropout_p,
                                          seeds if seed_table is None else seed_table, x2d.device)
@@ -93,7 +95,7 @@ class _FusedMultiLoRALinear(torch.autograd.Function):
         S = K.lora_shrink(x2d, A_cat, st, plan.routing, plan.row_ids, k_total=plan.k_total, cache=plan.cache)
         w = weight.to(x2d.dtype)
         Bt = B_cat.t().contiguous()  # [R_tot, n]: coalesced loads of the low-rank operand
-        if plan.main_gemm == "cublas":
+        if plan.main_gemm != "triton":
             y = K.lora_gemm(None, None, bias, S, Bt, st.scale, st, plan.routing, n=plan.n, cache=plan.cache)
             y.addmm_(x2d, w.t())  # in place: out-of-place addmm first copies the low-rank term into a new tensor
         else:
@@ -117,7 +119,12 @@ class _FusedMultiLoRALinear(torch.autograd.Function):
         dx = None
         dA = [None] * ns
         w = weight.to(x2d.dtype)
-        if need_x and plan.main_gemm == "cublas":
+        if need_x and plan.main_gemm == "cublas_fold":
+            # the low-rank dX term (and dA, same mask) by one Triton pass, then cuBLAS adds dY·W into it
+            dx, dA = K.lora_da_dx(x2d, dS, A_cat, None, st, plan.routing, plan.row_ids, k_total=plan.k_total,
+                                  need_da=need_da, cache=plan.cache)
+            dx.addmm_(dy, w)
+        elif need_x and plan.main_gemm == "cublas":
             # dX = dY·W by cuBLAS, then one pass adds keep⊙(dS·A)/(1-p) and produces dA with the same mask
             dx = dy @ w
             dx, dA = K.lora_da_dx(x2d, dS, A_cat, dx, st, plan.routing, plan.row_ids, k_total=plan.k_total,

@@ -1,14 +1,13 @@
-"""A run's output directory: whether a fresh run may use it, one run at a time (a lock), writing its small
-files atomically, and removing the temporary files a failed run left. (No torch here: ``lorafusion submit``,
-``cancel`` and ``status`` import this beside a busy run, and must start quickly.)"""
+"""A run's output directory: whether a fresh run may use it, and one run at a time (a lock). (No torch here:
+``lorafusion submit``, ``cancel`` and ``status`` import this beside a busy run, and must start quickly.)"""
 
 from __future__ import annotations
 
-import os
-import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from lorafusion.core.errors import ConfigError
+from lorafusion.rundir.layout import RunDir
 
 
 def check_output_dir(out: Path, source, *, resume: bool) -> None:
@@ -34,17 +33,16 @@ class OutputDirLock:
         self.owned = False  # this process holds the lock (so may clean the directory up after a failure)
         self._file = None
 
-    def acquire(self, is_logger: bool) -> None:
-        """Collective: rank 0 (``is_logger``) takes the lock; every rank raises if another run holds it."""
+    def acquire(self, is_logger: bool, share: Callable[[str], str] = lambda holder: holder) -> None:
+        """Collective: rank 0 (``is_logger``) takes the lock; every rank raises if another run holds it.
+        ``share``: rank 0's value on every rank (``lorafusion.dist.share_from_rank0`` in a multi-process run)."""
         import fcntl
         import os
-
-        import torch.distributed as dist
 
         holder = ""
         if is_logger:
             self.out.mkdir(parents=True, exist_ok=True)
-            path = self.out / ".lock"
+            path = RunDir(self.out).lock
             self._file = path.open("a+")
             try:
                 fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -58,10 +56,7 @@ class OutputDirLock:
                 holder = self._file.read().strip() or "?"
                 self._file.close()
                 self._file = None
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            box = [holder]
-            dist.broadcast_object_list(box, src=0)
-            holder = box[0]
+        holder = share(holder)
         if holder:
             raise ConfigError(f"{self.source}: output_dir: {self.out} is in use by another lorafusion train "
                               f"(pid {holder}); wait for it to end or choose another output_dir")
@@ -76,7 +71,7 @@ def lock_held(out: Path) -> bool:
     """Whether a process (a ``lorafusion train``) holds ``out``'s lock now (a probe: taken and released at once)."""
     import fcntl
 
-    path = Path(out) / ".lock"
+    path = RunDir(out).lock
     if not path.is_file():
         return False
     with path.open("a+") as f:
@@ -86,19 +81,3 @@ def lock_held(out: Path) -> bool:
             return True
         fcntl.flock(f, fcntl.LOCK_UN)
         return False
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary sibling (``.NAME.tmp``, which :func:`remove_partial_outputs` removes),
-    then rename it over ``path``: a reader sees the old file or the new one, never a part."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def remove_partial_outputs(out: Path) -> None:
-    """Remove temporary files a failed run left behind (never complete checkpoints or exports)."""
-    if not out.exists():
-        return
-    for p in list(out.rglob(".*.tmp*")):
-        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)

@@ -13,12 +13,11 @@ import time
 from pathlib import Path
 
 from lorafusion.core.errors import ConfigError, MissingFileError
-from lorafusion.rundir.lock import write_text_atomic
+from lorafusion.rundir.atomic import write_text_atomic
+from lorafusion.rundir.layout import RunDir
 
 # job states in status.json after which a cancel has nothing to do (the run's own answer: live.LiveJobs._cancel)
 ENDED = ("done", "cancelled", "diverged", "early_stopped")
-
-REQUESTS = "requests"
 
 
 def require_run_dir(run_dir: Path) -> None:
@@ -33,7 +32,7 @@ def write_request(run_dir: Path, kind: str, payload: dict) -> Path:
     """Queue one request for the run in ``run_dir``; returns its file."""
     run_dir = Path(run_dir)
     require_run_dir(run_dir)
-    d = run_dir / REQUESTS
+    d = RunDir(run_dir).requests
     d.mkdir(exist_ok=True)
     stamp = f"{time.time_ns():020d}"
     path = d / f"{stamp}-{kind}-{payload.get('name', payload.get('job', ''))}.json"
@@ -43,7 +42,7 @@ def write_request(run_dir: Path, kind: str, payload: dict) -> Path:
 
 def _listed(run_dir: Path) -> list[tuple[Path, dict | Exception]]:
     """Every request file in arrival order, with its request or why it cannot be read."""
-    d = Path(run_dir) / REQUESTS
+    d = RunDir(run_dir).requests
     out: list[tuple[Path, dict | Exception]] = []
     for path in sorted(p for p in d.glob("*.json") if not p.name.startswith(".")) if d.is_dir() else []:
         try:
@@ -79,9 +78,27 @@ def answer_request(path: Path, req: dict, answer: str) -> None:
     path.unlink(missing_ok=True)
 
 
+def unapplied_requests(run_dir: Path) -> list[dict]:
+    """Requests the run refused or could not apply (in ``requests/done/``), oldest first: ``file``, ``kind``,
+    ``job`` and the run's ``answer`` (``lorafusion status`` shows them)."""
+    d = RunDir(run_dir).requests / "done"
+    out = []
+    for path in sorted(d.glob("*.json")) if d.is_dir() else []:
+        try:
+            req = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError):
+            continue
+        answer = req.get("answer") if isinstance(req, dict) else None
+        if isinstance(answer, str) and answer.startswith(("refused", "failed")):
+            job = req.get("name", req.get("job"))
+            out.append({"file": path.name, "kind": str(req.get("kind")), "job": job if isinstance(job, str) else None,
+                        "answer": answer})
+    return out
+
+
 def _status_jobs(run_dir: Path) -> dict:
     """``status.json``'s rows by job ({} when the run has written none, or none readable yet)."""
-    path = Path(run_dir) / "status.json"
+    path = RunDir(run_dir).status
     if not path.is_file():
         return {}
     try:
@@ -96,7 +113,8 @@ def known_job_names(run_dir: Path, status_jobs: dict | None = None) -> set[str]:
     not yet taken."""
     names = set(_status_jobs(run_dir) if status_jobs is None else status_jobs)
     # (the CLI only looks: the run takes the requests and answers unreadable ones)
-    names |= {r.get("name") for _, r in _listed(run_dir) if isinstance(r, dict) and r["kind"] == "submit"}
+    names |= {r.get("name") for _, r in _listed(run_dir) if isinstance(r, dict) and r["kind"] == "submit"
+              and isinstance(r.get("name"), str)}
     return names
 
 
@@ -110,6 +128,36 @@ def check_cancel(run_dir: Path, job_name: str) -> None:
     state = row.get("state") if isinstance(row, dict) else None  # (None: only submitted so far)
     if state in ENDED:
         raise ConfigError(f"{run_dir}: --job: job {job_name!r} is already {state}: nothing to cancel")
+
+
+def check_against_run(run_dir: Path, job) -> None:
+    """What ``submit`` checks before it answers, against the run's record (``base_model.json``: its model and
+    tokenizer) and limits (``status.json``'s ``run.limits``), as the run checks it at the boundary: the job's
+    ``dataset.max_seq_len`` within the token capacity, its adapter's memory, its data read and tokenized (every
+    sample valid and within max_seq_len; the eval share too). A run that has written neither yet (starting, or
+    written before the limits were recorded) checks it itself."""
+    from lorafusion.core.arch import arch_from_hf_config
+    from lorafusion.core.lora import check_adapter_memory
+
+    rd = RunDir(run_dir)
+    try:
+        record = json.loads(rd.base_record.read_text(encoding="utf-8"))
+        limits = json.loads(rd.status.read_text(encoding="utf-8"))["run"]["limits"]
+        cap, memory, mp = limits["token_capacity"], limits["memory_bytes"], limits["model_parallel"]
+        arch = arch_from_hf_config(record["config"], str(rd.base_record))
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if isinstance(cap, int) and job.dataset.max_seq_len > cap:
+        raise ConfigError(f"job {job.name!r}: dataset.max_seq_len {job.dataset.max_seq_len} exceeds the run's "
+                          f"scheduler.token_capacity {cap} ({run_dir})")
+    check_adapter_memory(job.name, job.lora, arch, cap, memory, mp)
+    from lorafusion.config.schema import TokenizerConfig
+    from lorafusion.data.dataset import load_job_samples
+    from lorafusion.data.evalset import split_job_samples
+    from lorafusion.data.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(TokenizerConfig(**record["tokenizer"]), record.get("path"))
+    split_job_samples(job, load_job_samples(job, tokenizer).samples, tokenizer, record["seed"])
 
 
 def check_submission(run_dir: Path, job_name: str) -> None:

@@ -1,5 +1,6 @@
 """``OUTPUT_DIR/status.json``: where every job of a run stands, rewritten (atomically) by global rank 0 at each
-chunk (as it starts) and at the end; ``lorafusion status RUN_DIR [--json]`` reads it.
+chunk (as it starts) and at the end (:class:`lorafusion.runtime.telemetry.status.StatusWriter`);
+``lorafusion status RUN_DIR [--json]`` reads it (here: torch-free, beside a busy run).
 
 Per job: ``state`` (queued | running | waiting | cancelling | saving | done | cancelled | stopped | diverged |
 early_stopped; ``waiting``: admitted and unfinished, but the chunk now running has none of its batches — under
@@ -15,68 +16,12 @@ writing its end (killed): the reader reports it as ``stopped``.
 from __future__ import annotations
 
 import json
-import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 from lorafusion.core.errors import MissingFileError
+from lorafusion.rundir.layout import RunDir
 from lorafusion.rundir.lock import lock_held
-
-STATUS_FILE = "status.json"
-
-
-class StatusWriter:
-    """Rank 0's writer. ``jobs``: name → JobState (``steps``, ``tokens``, ``last_loss``, ``status``,
-    ``stream.total_steps``); a job's counts when first seen are its start in this session (a resumed run, a
-    job that joined later), from which its tokens/s and ETA are taken."""
-
-    def __init__(self, out: Path, jobs: dict):
-        self.path = Path(out) / STATUS_FILE
-        self.jobs = jobs
-        self._t0 = time.perf_counter()
-        self._start: dict[str, tuple[int, int, float]] = {}  # job -> (steps, tokens, time) when first seen
-        self.write("starting")
-
-    def write(self, run_state: str = "running", job_states: dict[str, str] | None = None,
-              in_chunk: set[str] | None = None) -> dict:
-        """``in_chunk``: the jobs the chunk now starting holds (the other running ones are waiting)."""
-        from lorafusion.rundir.lock import write_text_atomic
-
-        now = time.perf_counter()
-        elapsed = max(1e-9, now - self._t0)
-        rows, session_tokens = {}, 0
-        for n, js in self.jobs.items():
-            steps0, tokens0, t_join = self._start.setdefault(n, (js.steps, js.tokens, now))  # a job may join later
-            job_elapsed = max(1e-9, now - t_join)
-            done_steps, done_tokens = js.steps - steps0, js.tokens - tokens0
-            session_tokens += done_tokens
-            total = js.stream.total_steps
-            state = (job_states or {}).get(n) or (
-                js.status if js.status != "running" else
-                "done" if js.written else  # its final checkpoint and adapter are written
-                "saving" if js.handed_over else
-                "running" if js.steps >= total else
-                "stopped" if run_state == "stopped" else
-                "waiting" if in_chunk is not None and n not in in_chunk else "running")
-            remaining = max(0, total - js.steps)
-            eta = (remaining * job_elapsed / done_steps) if done_steps and state == "running" else (
-                0.0 if state == "done" else None)
-            rows[n] = {"state": state, "step": js.steps, "max_steps": total, "tokens": js.tokens,
-                       "last_loss": js.last_loss, "tokens_per_s": round(done_tokens / job_elapsed, 1),
-                       "eta_s": None if eta is None else round(eta, 1), **eval_fields(js)}
-        status = {"run": {"state": run_state, "elapsed_s": round(elapsed, 3),
-                          "tokens_per_s": round(session_tokens / elapsed, 1),
-                          "updated": datetime.now(timezone.utc).isoformat(timespec="seconds")},
-                  "jobs": rows}
-        write_text_atomic(self.path, json.dumps(status, indent=2) + "\n")
-        return status
-
-
-def eval_fields(js) -> dict:
-    """A job with an eval set: its last and best eval loss and the best's step."""
-    if getattr(js, "eval_samples", None) is None:
-        return {}
-    return {"eval_loss": js.last_eval, "best_eval_loss": js.best_eval, "best_step": js.best_step}
+from lorafusion.rundir.requests import unapplied_requests
 
 
 def read_status(run_dir: Path) -> dict:
@@ -84,15 +29,17 @@ def read_status(run_dir: Path) -> dict:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise MissingFileError(f"{run_dir}: no such run directory (the output_dir of a lorafusion train run)")
-    path = run_dir / STATUS_FILE
+    path = RunDir(run_dir).status
     if not path.is_file():
-        raise MissingFileError(f"{run_dir}: no {STATUS_FILE} — not a lorafusion run directory, or its run has "
+        raise MissingFileError(f"{run_dir}: no {path.name} — not a lorafusion run directory, or its run has "
                                f"not finished its first chunk yet")
     try:
         status = json.loads(path.read_text())
-        status["run"], status["jobs"]  # noqa: B018 - the two keys every reader needs
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-        raise MissingFileError(f"{path}: not a readable run status ({e})") from None
+        _check_shape(status)
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
+        raise MissingFileError(f"{path}: not a readable run status ({str(e).strip(chr(39))})") from None
+    if refused := unapplied_requests(run_dir):
+        status["requests"] = refused
     if status["run"].get("state") in ("starting", "running", "serving") and not lock_held(run_dir):
         status["run"]["state"] = "stopped"  # killed: nobody holds the lock and the end was never written
         status["run"]["note"] = "no process holds the run's lock: it ended without writing its end (killed?)"
@@ -100,6 +47,26 @@ def read_status(run_dir: Path) -> dict:
             if row.get("state") in ("running", "waiting", "cancelling", "saving"):
                 row["state"], row["eta_s"] = "stopped", None
     return status
+
+
+_RUN_FIELDS = {"state": str, "elapsed_s": (int, float), "tokens_per_s": (int, float), "updated": str}
+_JOB_FIELDS = {"state": str, "step": int, "max_steps": int, "tokens": int, "tokens_per_s": (int, float),
+               "last_loss": (int, float, type(None)), "eta_s": (int, float, type(None))}
+
+
+def _check_shape(status) -> None:
+    """ValueError naming the first field of ``status`` that is missing or of the wrong type."""
+    def check(row, fields, where):
+        if not isinstance(row, dict):
+            raise ValueError(f"{where.rstrip('.') or '(top level)'}: expected an object, got {type(row).__name__}")
+        for key, kind in fields.items():
+            if key not in row or not isinstance(row[key], kind) or isinstance(row[key], bool):
+                raise ValueError(f"{where}{key}: missing or of the wrong type ({row.get(key)!r:.40})")
+
+    check(status, {"run": dict, "jobs": dict}, "")
+    check(status["run"], _RUN_FIELDS, "run.")
+    for name, row in status["jobs"].items():
+        check(row, _JOB_FIELDS, f"jobs.{name}.")
 
 
 def format_status(status: dict, run_dir: Path) -> str:
@@ -116,6 +83,8 @@ def format_status(status: dict, run_dir: Path) -> str:
         lines.append(f"  {name:<16} {j['state']:<9} {j['step']:>5}/{j['max_steps']:<5} {j['tokens']:>12,} "
                      f"{num(j.get('last_loss')):>10} {num(j.get('eval_loss')):>10} {best:>16} "
                      f"{j['tokens_per_s']:>10,.0f} {eta:>8}")
+    for r in status.get("requests", []):  # what the run refused: the user's submit said "submitted"
+        lines.append(f"  request {r['file']} ({r['kind']} {r['job'] or '?'}): {r['answer'].splitlines()[0]}")
     return "\n".join(lines)
 
 

@@ -170,6 +170,6 @@ class Evaluator:
     @staticmethod
     def summary(js) -> dict:
         """A job's eval fields of summary.json (none without an eval set)."""
-        from lorafusion.rundir.status import eval_fields
+        from lorafusion.runtime.telemetry.status import eval_fields
 
         return eval_fields(js)

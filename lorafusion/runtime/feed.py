@@ -29,7 +29,8 @@ from lorafusion.config.schema import JobConfig, RunConfig
 from lorafusion.data import JobStream, build_tokenizer, load_job_samples
 from lorafusion.data.evalset import split_job_samples
 from lorafusion.data.packing import PackedBatch, loss_token_count, noop_microbatch, pack_microbatch
-from lorafusion.scheduler import JobSpec, Microbatch, Plan, SchedulerConfig, plan, policy, resolve_capacity, verify_plan
+from lorafusion.scheduler import (JobSpec, Microbatch, Plan, SchedulerConfig, dependency_distance, plan, policy,
+                                  resolve_capacity, verify_plan)
 
 Key = tuple[str, int]  # (job name, global batch index)
 
@@ -39,7 +40,7 @@ def scheduler_config(cfg: RunConfig) -> SchedulerConfig:
     if cfg.parallelism.dp == "auto":
         cfg.check_world_size()  # dp: auto → world / (tp*pp), or one clear error
     return SchedulerConfig(pipeline_depth=cfg.parallelism.pp, dp_size=cfg.parallelism.dp,
-                           **cfg.scheduler.model_dump())
+                           virtual_stages=cfg.parallelism.virtual_stages, **cfg.scheduler.model_dump())
 
 
 @dataclass
@@ -223,7 +224,8 @@ class Feed:
                 if draw(name) is None:
                     break
         if fill_order:
-            room = policy.idle_slots(self.sched.pipeline_depth, self.sched.dp_size,
+            room = policy.idle_slots(dependency_distance(self.sched.pipeline_depth, self.sched.virtual_stages),
+                                     self.sched.dp_size,
                                      max((len(batches.get(n, ())) for n in main), default=0))
             policy.take_fill(fill_order, lambda n: None if (got := draw(n)) is None else [len(s.tokens) for s in got],
                              self._capacity(batches), room)
@@ -254,16 +256,18 @@ class Feed:
         """Global rank 0's plan, on every rank. A planning error on rank 0 is raised on every rank."""
         if not self._multi:
             return plan(specs, self.sched, fill=fill)
-        box: list = [None]
+        from lorafusion.dist import share_from_rank0
+
+        result = None
         if dist.get_rank() == 0:
             try:
-                box[0] = plan(specs, self.sched, fill=fill)
+                result = plan(specs, self.sched, fill=fill)
             except Exception as e:  # every rank must leave the broadcast, then raise the same error
-                box[0] = e
-        dist.broadcast_object_list(box, src=0, group=self._group)
-        if isinstance(box[0], Exception):
-            raise box[0]
-        return box[0]
+                result = e
+        result = share_from_rank0(result, group=self._group)
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     def _pack(self, mb: Microbatch, by_key: dict[tuple[str, int], Sample]) -> tuple[PackedBatch, dict[str, int]]:
         if mb.is_noop or not mb.entries:
@@ -285,7 +289,7 @@ class Feed:
         t0 = time.perf_counter()
         specs = self._specs(batches)
         the_plan = self._share([s for s in specs if s.name not in fill], [s for s in specs if s.name in fill])
-        verify_plan(the_plan, specs, self.sched.pipeline_depth, self.sched.dp_size)
+        verify_plan(the_plan, specs, self.sched.pipeline_depth, self.sched.dp_size, self.sched.virtual_stages)
         chunk = Chunk(batches, the_plan, time.perf_counter() - t0, states)
         if self.dp_rank is not None:
             by_key = {(name, s.id): s for name, bs in batches.items() for _, samples in bs for s in samples}

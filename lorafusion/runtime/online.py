@@ -31,19 +31,27 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from lorafusion.config.load import job_config_from
 from lorafusion.config.schema import JobConfig, RunConfig
-from lorafusion.core.errors import UserError
-from lorafusion.rundir.lock import write_text_atomic
+from lorafusion.core.errors import ConfigError, UserError
+from lorafusion.dist import share_from_rank0
+from lorafusion.rundir.atomic import write_text_atomic
+from lorafusion.rundir.layout import RunDir
 from lorafusion.runtime.feed import Feed, JobState
 from lorafusion.rundir.requests import answer_request, pending_requests
-
-SUBMITTED = "submitted"
 
 
 def submitted_jobs(out: Path) -> list[JobConfig]:
     """Jobs a run accepted by ``submit`` (for a resume: they are not in the YAML)."""
-    d = Path(out) / SUBMITTED
-    return [JobConfig.model_validate(json.loads(p.read_text())) for p in sorted(d.glob("*.json"))] if d.is_dir() else []
+    d = RunDir(out).submitted
+    return [job_config_from(_read_json(p), str(p)) for p in sorted(d.glob("*.json"))] if d.is_dir() else []
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
 
 
 def adapter_memory_bytes(model, name: str, token_capacity: int) -> int:
@@ -56,6 +64,31 @@ def adapter_memory_bytes(model, name: str, token_capacity: int) -> int:
     numel = sum(p.numel() for p in params.values())
     rank_sum = sum(p.shape[0] for k, p in params.items() if k.endswith("lora_A"))  # Σ r over adapted linears
     return 12 * numel + 4 * rank_sum * token_capacity
+
+
+def device_memory_bytes() -> int:
+    """The memory one rank's adapters live in: the GPU's, or the host's without CUDA."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_adapter_fits(cfg: RunConfig, job: JobConfig, arch) -> None:
+    """:func:`lorafusion.core.lora.check_adapter_memory` for this run: before anything is allocated, for a YAML
+    job, a resumed one or a submission alike."""
+    from lorafusion.core.lora import check_adapter_memory
+
+    check_adapter_memory(job.name, job.lora, arch, **run_limits(cfg))
+
+
+def run_limits(cfg: RunConfig) -> dict:
+    """What a job must fit to join this run (``status.json``'s ``run.limits``; ``lorafusion submit`` checks a job
+    against them before it answers, :func:`check_adapter_fits` and :meth:`LiveJobs._submit` again at the boundary)."""
+    cap = cfg.scheduler.token_capacity
+    return {"token_capacity": cap if isinstance(cap, int) else None, "memory_bytes": device_memory_bytes(),
+            "model_parallel": cfg.parallelism.tp * cfg.parallelism.pp}
 
 
 class LiveJobs:
@@ -77,11 +110,7 @@ class LiveJobs:
         reqs: list = []
         if self.is_logger:
             reqs = [dict(r, _path=str(p)) for p, r in pending_requests(self.out)]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            box = [reqs]
-            dist.broadcast_object_list(box, src=0)
-            reqs = box[0]
-        return reqs
+        return share_from_rank0(reqs)
 
     def poll(self) -> int:
         """Take and apply the pending requests (collective); then end cancelled jobs whose batches have run
@@ -92,6 +121,10 @@ class LiveJobs:
                 answer = self._submit(req) if req["kind"] == "submit" else self._cancel(req)
             except UserError as e:  # the same on every rank (the data and the checks are the same)
                 answer = f"refused: {e}"
+            except BaseException as e:  # a bug or the machine: set aside first, so a resume does not meet it again
+                if self.is_logger:
+                    answer_request(Path(req.pop("_path")), req, f"failed: {type(e).__name__}: {e}")
+                raise
             if self.is_logger:
                 answer_request(Path(req.pop("_path")), req, answer)
                 self.log(f"request {req['kind']} {req.get('name') or req.get('job')}: {answer}")
@@ -101,9 +134,7 @@ class LiveJobs:
         return len(reqs)
 
     def _submit(self, req: dict) -> str:
-        from lorafusion.core.errors import ConfigError
-
-        job = JobConfig.model_validate(req["job"])
+        job = job_config_from(req.get("job"), f"request {Path(req['_path']).name}: job")
         if job.name in self.jobs:
             raise ConfigError(f"jobs: a job named {job.name!r} is already in the run")
         cap = self.cfg.scheduler.token_capacity
@@ -113,18 +144,16 @@ class LiveJobs:
         js = self._add_job(job)  # data, stream, adapter, optimizer (raises a DataError for bad data)
         self.cfg.jobs.append(job)
         if self.is_logger:
-            (self.out / SUBMITTED).mkdir(exist_ok=True)
-            write_text_atomic(self.out / SUBMITTED / f"{job.name}.json", json.dumps(job.model_dump(mode="json")) + "\n")
+            RunDir(self.out).submitted.mkdir(exist_ok=True)
+            write_text_atomic(RunDir(self.out).submitted / f"{job.name}.json", json.dumps(job.model_dump(mode="json")) + "\n")
         js.status = "queued"
         self.feed.update_jobs(lambda jobs: jobs.__setitem__(job.name, js))
         self._queue.append(job.name)
         return f"accepted at step boundary (queued until admitted; {len(self._queue)} in the queue)"
 
     def _cancel(self, req: dict) -> str:
-        from lorafusion.core.errors import ConfigError
-
-        name = req["job"]
-        js = self.jobs.get(name)
+        name = req.get("job")
+        js = self.jobs.get(name) if isinstance(name, str) else None
         if js is None:
             raise ConfigError(f"--job: no job {name!r} in this run")
         if js.status == "queued":

@@ -19,9 +19,11 @@ import torch
 from lorafusion import ops
 from lorafusion.config.schema import RunConfig
 from lorafusion.core.errors import ConfigError
-from lorafusion.checkpoint.format import write_text_atomic
+from lorafusion.rundir.atomic import write_text_atomic
+from lorafusion.rundir.layout import RunDir
 from lorafusion.runtime.feed import Feed, job_state, load_jobs, scheduler_config
 from lorafusion.rundir.lock import OutputDirLock, check_output_dir
+from lorafusion.runtime.online import check_adapter_fits, run_limits
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,7 +60,7 @@ class Trainer:
         from lorafusion.layers import get_lora_context
         from lorafusion.runtime.evaluate import Evaluator
         from lorafusion.models.provider import build_model
-        from lorafusion.dist import init_distributed
+        from lorafusion.dist import init_distributed, share_from_rank0
         from lorafusion.checkpoint.policy import JobCheckpoints
         from lorafusion.runtime.telemetry.timers import StageTimers
 
@@ -71,7 +73,7 @@ class Trainer:
         self.tokenizer, self.jobs = load_jobs(cfg)
         info = init_distributed(cfg.parallelism.tp, cfg.parallelism.pp, seed=cfg.seed)
         self.is_logger = info["rank"] == 0
-        self._lock.acquire(self.is_logger)
+        self._lock.acquire(self.is_logger, share=share_from_rank0)
         dp_rank = parallel_state.get_data_parallel_rank()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         ckpt = None
@@ -120,7 +122,14 @@ class Trainer:
         from lorafusion.layers import adapter_parameters, add_adapter
         from lorafusion.runtime.optim import AdapterOptimizer
 
-        add_adapter(self.model, js.cfg.name, js.cfg.lora, seed=self.cfg.seed)
+        check_adapter_fits(self.cfg, js.cfg, self.arch)  # before allocating: lora.r = 10**12 is one clear error
+        if js.cfg.init_from is not None:  # continued training of a PEFT adapter (a resume then loads its checkpoint)
+            from lorafusion.export.peft import import_peft_adapter
+
+            import_peft_adapter(self.model, js.cfg.name, js.cfg.init_from, spec=js.cfg.lora,
+                                where=f"{self.cfg.source}: jobs.{js.cfg.name}")
+        else:
+            add_adapter(self.model, js.cfg.name, js.cfg.lora, seed=self.cfg.seed)
         params = list(adapter_parameters(self.model, js.cfg.name).values())
         js.optimizer = AdapterOptimizer.from_config(params, js.cfg.optimizer, js.stream.total_steps)
 
@@ -139,7 +148,7 @@ class Trainer:
         from lorafusion.runtime.pipeline import run_chunk
         from lorafusion.checkpoint.handover import Handover
         from lorafusion.runtime.online import LiveJobs
-        from lorafusion.rundir.status import StatusWriter
+        from lorafusion.runtime.telemetry.status import StatusWriter
 
         self._setup()
         cfg = self.cfg
@@ -147,13 +156,16 @@ class Trainer:
         if self.is_logger:
             self.out.mkdir(parents=True, exist_ok=True)
             if self.resume:  # rows after each job's checkpoint are trained again: drop them, never repeat them
-                cut_metrics(self.out / "metrics.jsonl", {n: js.steps for n, js in self.jobs.items()})
+                cut_metrics(RunDir(self.out).metrics, {n: js.steps for n, js in self.jobs.items()})
             else:  # a fresh run (the directory held at most a failed run's rows, see check_output_dir)
-                (self.out / "metrics.jsonl").unlink(missing_ok=True)
+                RunDir(self.out).metrics.unlink(missing_ok=True)
             metrics = MetricsWriter(self.out, tensorboard=cfg.logging.tensorboard)
             progress = Progress({n: js.stream.total_steps for n, js in self.jobs.items()},
                                 enabled=cfg.logging.progress, log_every=cfg.logging.log_every)
-            status = StatusWriter(self.out, self.jobs)  # OUTPUT_DIR/status.json (lorafusion status)
+            from lorafusion.export.hf import base_reference
+
+            base_reference(cfg, self.out, self.arch, self.device)  # base_model.json: for export, and submit's checks
+            status = StatusWriter(self.out, self.jobs, limits=run_limits(cfg))  # status.json (lorafusion status)
         self.handover = Handover()  # writes what ended jobs leave while the others train
         t_start = time.perf_counter()
         windows = plan_s = noops = total_tokens = 0
@@ -251,7 +263,7 @@ class Trainer:
                 self.checkpoints.save_all(only_default_policy=True)  # the end of the run: every job's final state
             for name, js in self.jobs.items():  # (jobs handed over at a boundary were exported then)
                 if js.status != "cancelled" and not js.handed_over and (js.steps >= js.stream.total_steps or js.halted):
-                    self.export(name, self.out / "adapters" / name)
+                    self.export(name, RunDir(self.out).adapter(name))
             self.handover.close()  # every hand-over written before the summary says done
         finally:
             try:
@@ -277,7 +289,7 @@ class Trainer:
                      for n, js in self.jobs.items()},
         }
         if self.is_logger:
-            write_text_atomic(self.out / "summary.json", json.dumps(summary, indent=2) + "\n")
+            write_text_atomic(RunDir(self.out).summary, json.dumps(summary, indent=2) + "\n")
             status.write(summary["status"], {n: j["status"] for n, j in summary["jobs"].items()})
         return summary
 
@@ -302,12 +314,13 @@ class Trainer:
         the background (``js.written`` once complete); with ``release`` its adapter and optimizer state leave
         the model."""
         from lorafusion.layers import remove_adapter
-        from lorafusion.export.peft import copier, fill_dir_atomically, write_peft_adapter
+        from lorafusion.export.peft import write_peft_adapter
+        from lorafusion.rundir.atomic import copier, fill_dir_atomically
 
         js = self.jobs[name]
         snap = self.snapshot(name)
         save = self.checkpoints.start_final(name, snap)
-        out = self.out / "adapters" / name
+        out = RunDir(self.out).adapter(name)
 
         def write() -> None:
             saved = save() if save is not None else None  # (the checkpoint's directory on rank 0)

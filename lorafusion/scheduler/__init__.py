@@ -27,7 +27,9 @@ Output: ``plan(jobs, config) -> Plan``
   * ``Plan.last_microbatch[(job, batch)]``: index of the last microbatch holding that global batch;
     the job's gradients for it are complete, DP-reduced and its optimizer may step once that slot
     finished backward on stage 0 (``Plan.step_slot``).
-  * Dependency rule (derived in ``verify``): ``first_slot(j, g+1) >= last_slot(j, g) + S``.
+  * Dependency rule (derived in ``verify``): ``first_slot(j, g+1) >= last_slot(j, g) + S``; with
+    ``virtual_stages`` V > 1 (interleaved 1F1B) ``>= pipeorder.start_slot(last_slot(j, g), S, V)`` (about 2S
+    apart), and a plan's slot count is padded with no-ops to a multiple of S (Megatron's microbatch groups).
   * ``verify_plan(plan, jobs, pipeline_depth, dp_size)`` raises ``PlanError`` naming job, batch and
     microbatch on any violation (dependency, capacity, contiguity, sample missing/duplicated) and
     returns a ``VerifyReport`` (no-op count, slots, samples, minimum gap per job). Call it on every plan.
@@ -68,7 +70,8 @@ from .spec import (
     SampleTooLongError,
     SchedulerConfig,
 )
-from .verify import PackedMicrobatch, VerifyReport, dependency_distance, sequence, verify_plan
+from .pipeorder import dependency_distance, stage_order, start_slot
+from .verify import PackedMicrobatch, VerifyReport, sequence, verify_plan
 
 __all__ = [
     "AdapterGrouper",
@@ -106,6 +109,8 @@ __all__ = [
     "render_packing",
     "resolve_capacity",
     "sequence",
+    "stage_order",
+    "start_slot",
     "simulate_1f1b",
     "simulate_plan",
     "verify_plan",

@@ -47,6 +47,7 @@ def draw_gantt(ax, plan: Plan, timeline, dp_rank: int, colors: dict, title: str)
     shares; forwards light, backwards dark; the microbatch's slot number on it where it fits."""
     mbs = plan.for_rank(dp_rank)
     span = max(timeline.makespan, 1e-12)
+    interleaved = any(getattr(o, "chunk", 0) for o in timeline.ops)
     for o in timeline.ops:
         mb = mbs[o.slot]
         if mb.is_noop or o.end <= o.start:
@@ -58,8 +59,9 @@ def draw_gantt(ax, plan: Plan, timeline, dp_rank: int, colors: dict, title: str)
             bottom += 0.8 * share
         ax.barh(o.stage, o.end - o.start, height=0.8, left=o.start, fill=False, edgecolor="black", linewidth=0.4)
         if (o.end - o.start) / span > 0.02:
-            ax.text((o.start + o.end) / 2, o.stage, f"{o.kind}{o.slot}", ha="center", va="center", fontsize=6)
-    ax.set_yticks(range(timeline.num_stages), [f"stage {s}" for s in range(timeline.num_stages)])
+            label = f"{o.kind}{o.slot}" + (f".{o.chunk}" if interleaved else "")
+            ax.text((o.start + o.end) / 2, o.stage, label, ha="center", va="center", fontsize=6)
+    ax.set_yticks(range(timeline.num_stages), [f"PP stage {s}" for s in range(timeline.num_stages)])
     ax.set_ylim(timeline.num_stages - 0.5, -0.5)
     ax.set_xlabel("simulated time (s)")
     noops = sum(mb.is_noop for mb in mbs)
@@ -99,7 +101,7 @@ def _legend(fig, jobs: Sequence[str], colors: dict, gantt: bool) -> None:
     labels = list(jobs)
     if gantt:
         handles += [plt.Rectangle((0, 0), 1, 1, color="grey", alpha=0.45), plt.Rectangle((0, 0), 1, 1, color="grey")]
-        labels += ["forward (light; F<slot>)", "backward (dark; B<slot>)"]
+        labels += ["forward (light; F<slot>[.<model chunk>])", "backward (dark; B<slot>[.<model chunk>])"]
     else:
         handles.append(plt.Line2D([0], [0], color="black", linestyle="--", linewidth=0.8))
         labels.append("token capacity")

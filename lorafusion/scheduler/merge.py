@@ -113,13 +113,15 @@ def _repeat(stream: list[PackedMicrobatch]) -> list[PackedMicrobatch]:
 
 
 def noop_counter(
-    pipeline_depth: int, dp_size: int, initial_ready: Mapping[str, int], window: int | None
+    pipeline_depth: int, dp_size: int, initial_ready: Mapping[str, int], window: int | None,
+    virtual_stages: int = 1,
 ) -> Callable[[list[PackedMicrobatch]], int]:
     """No-ops the sequencer would insert for a stream followed by its own repetition, so that a merge
     that would only push the cost onto the next planning call is refused too."""
 
     def count(stream: list[PackedMicrobatch]) -> int:
-        mbs, _ = sequence(_repeat(stream), pipeline_depth, dp_size, initial_ready, window)
+        mbs, _ = sequence(_repeat(stream), pipeline_depth, dp_size, initial_ready, window,
+                          virtual_stages=virtual_stages)
         return sum(mb.is_noop for mb in mbs)
 
     return count

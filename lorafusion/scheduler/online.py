@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 from . import policy
 from .costmodel import CostModel
+from .pipeorder import dependency_distance, start_slot
 from .planner import plan as make_plan
 from .simulate import job_spans, simulate_plan
 from .spec import JobSpec, Microbatch, Plan, PlanError, PlanStats, SchedulerConfig
@@ -29,10 +30,10 @@ def concat_plans(plans: list[Plan]) -> Plan:
     last: dict[tuple[str, int], int] = {}
     slot0 = 0
     for p in plans:
-        if (p.pipeline_depth, p.dp_size, p.token_capacity) != (
-            first.pipeline_depth, first.dp_size, first.token_capacity
+        if (p.pipeline_depth, p.dp_size, p.token_capacity, p.virtual_stages) != (
+            first.pipeline_depth, first.dp_size, first.token_capacity, first.virtual_stages
         ):
-            raise PlanError("concat_plans: plans differ in pipeline depth, dp size or capacity")
+            raise PlanError("concat_plans: plans differ in pipeline depth, dp size, capacity or virtual stages")
         base = len(mbs)
         for mb in p.microbatches:
             mbs.append(replace(mb, index=base + mb.index, slot=slot0 + mb.slot))
@@ -40,7 +41,7 @@ def concat_plans(plans: list[Plan]) -> Plan:
             last[key] = base + idx
         slot0 += p.num_slots
     return Plan(mbs, first.pipeline_depth, first.dp_size, first.token_capacity, last,
-                dict(first.initial_ready), PlanStats(num_noops=sum(m.is_noop for m in mbs)))
+                dict(first.initial_ready), PlanStats(num_noops=sum(m.is_noop for m in mbs)), first.virtual_stages)
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,8 @@ class OnlineScheduler:
             seen[name] += 1
             return [n for _, n in self.specs[name].global_batches[k]]
 
-        room = policy.idle_slots(self.config.pipeline_depth, self.config.dp_size, rounds)
+        room = policy.idle_slots(dependency_distance(self.config.pipeline_depth, self.config.virtual_stages),
+                                 self.config.dp_size, rounds)
         taken = policy.take_fill(fill_order, next_batch, int(self.config.token_capacity), room) if fill_order else {}
         fill = [w for n, k in taken.items() if (w := self._window(n, k)) is not None]
         if not main:
@@ -124,7 +126,8 @@ class OnlineScheduler:
         p = make_plan(main, self.config, self.cost_model, ready, self.groups, fill)
         self.groups = None if fill else (self.groups or p.stats.groups)
         for (job, _), idx in sorted(p.last_microbatch.items(), key=lambda kv: kv[1]):
-            self.ready[job] = self.slots + p.microbatches[idx].slot + self.config.pipeline_depth
+            self.ready[job] = self.slots + start_slot(p.microbatches[idx].slot, self.config.pipeline_depth,
+                                                      self.config.virtual_stages)
         for w in windows:
             self.cursor[w.name] += len(w.global_batches)
             if self.cursor[w.name] >= len(self.specs[w.name].global_batches):

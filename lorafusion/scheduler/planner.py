@@ -15,7 +15,8 @@ from .batcher import DataBatcher
 from .costmodel import CostModel, auto_token_capacity
 from .grouper import AdapterGrouper, JobLoad
 from .merge import merge_tails, noop_counter, orient
-from .spec import Entry, JobSpec, Plan, PlanError, PlanStats, SampleTooLongError, SchedulerConfig
+from .pipeorder import dependency_distance, interleave_padding
+from .spec import Entry, JobSpec, Microbatch, Plan, PlanError, PlanStats, SampleTooLongError, SchedulerConfig
 from .verify import PackedMicrobatch, sequence
 
 
@@ -94,7 +95,9 @@ def spread_over_ranks(chunk: list[PackedMicrobatch], dp_size: int) -> list[Packe
 
 def _choose_groups(jobs, config: SchedulerConfig, capacity: int, groups) -> list[list[str]]:
     if groups is None:
-        grouper = AdapterGrouper(config.pipeline_depth, config.dp_size, config.grouping)
+        # the grouper staggers groups by the dependency distance (S for 1F1B, about 2S interleaved)
+        depth = dependency_distance(config.pipeline_depth, config.virtual_stages)
+        grouper = AdapterGrouper(depth, config.dp_size, config.grouping)
         return grouper.group(_loads(jobs, capacity))
     names = [j.name for j in jobs]
     out = [[n for n in g if n in names] for g in groups]
@@ -137,10 +140,19 @@ def plan(
     stream = _stream(jobs, config, capacity, ready, groups, stats, main_deadline)
     fill_stream = _stream(fill, config, capacity, ready, None, stats, deadline) if fill else []
     mbs, last = sequence(stream, config.pipeline_depth, config.dp_size, ready, config.sequencer_window,
-                         fill_stream)
+                         fill_stream, config.virtual_stages)
+    mbs += _padding(mbs, config)
     stats.num_noops = sum(mb.is_noop for mb in mbs)
     stats.plan_s = time.perf_counter() - t0
-    return Plan(mbs, config.pipeline_depth, config.dp_size, capacity, last, ready, stats)
+    return Plan(mbs, config.pipeline_depth, config.dp_size, capacity, last, ready, stats, config.virtual_stages)
+
+
+def _padding(mbs: list[Microbatch], config: SchedulerConfig) -> list[Microbatch]:
+    """No-op slots at the end so interleaved 1F1B takes the plan (a multiple of S microbatches per rank)."""
+    slots = 0 if not mbs else mbs[-1].slot + 1
+    extra = interleave_padding(slots, config.pipeline_depth, config.virtual_stages)
+    return [Microbatch(len(mbs) + k, slots + k // config.dp_size, k % config.dp_size, (), is_noop=True, group=-1)
+            for k in range(extra * config.dp_size)]
 
 
 def _stream(jobs: Sequence[JobSpec], config: SchedulerConfig, capacity: int, ready: Mapping[str, int],
@@ -169,7 +181,8 @@ def _stream(jobs: Sequence[JobSpec], config: SchedulerConfig, capacity: int, rea
         budget = max(0.0, deadline - time.perf_counter()) / (len(todo) - k)
         chunks.append(spread_over_ranks(_pack_chunk(ents, batcher, gi, budget, stats), config.dp_size))
     if config.merge:
-        count = noop_counter(config.pipeline_depth, config.dp_size, ready, config.sequencer_window)
+        count = noop_counter(config.pipeline_depth, config.dp_size, ready, config.sequencer_window,
+                             config.virtual_stages)
         stream, merges = merge_tails(chunks, capacity, count, rank, config.balance == "fill")
         stats.merges += merges
         return stream

@@ -51,7 +51,7 @@ class SimCost:
             t = self.model.microbatch_time([e.num_tokens for e in mb.entries], [ranks[e.job] for e in mb.entries])
             times.append(t * (self.mixed_penalty if len(mb.jobs) > 1 else 1.0))
             noop.append(mb.is_noop)
-        return simulate_1f1b(times, plan.pipeline_depth, self.backward_ratio, self.p2p_s, noop)
+        return simulate_1f1b(times, plan.pipeline_depth, self.backward_ratio, self.p2p_s, noop, plan.virtual_stages)
 
 
 @dataclass

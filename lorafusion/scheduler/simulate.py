@@ -1,12 +1,14 @@
-"""1F1B pipeline simulator: per-stage timeline, bubble ratio (the charts of a plan: :mod:`.charts`).
+"""Pipeline simulator (1F1B and interleaved 1F1B): per-stage timeline, bubble ratio (charts of a plan: :mod:`.charts`).
 
-Model: S equal stages; a microbatch whose whole-model forward takes f seconds (from a
-:class:`~.costmodel.CostModel`) takes f/S forward and ``backward_ratio``·f/S backward on every stage;
-each activation/gradient hand-over between stages adds ``p2p_s``. Every stage runs its ops in 1F1B
-order (``S-1-s`` warm-up forwards, alternate, drain); an op starts when its stage is free and its
-input has arrived. No-op microbatches take no time and send nothing, so they only delay through the
-op order — which is exactly how they realise the dependency rule. Bubble ratio =
-1 − Σ busy / (S · makespan).
+Model: S pipeline ranks, each holding V model chunks (V = 1: plain 1F1B); virtual stage ``k = c·S + r`` is
+chunk c of rank r. A microbatch whose whole-model forward takes f seconds (from a
+:class:`~.costmodel.CostModel`) takes ``f·fwd[k]`` forward and ``f·bwd[k]`` backward on virtual stage k
+(``stage_costs``: equal shares ``1/(S·V)`` and ``backward_ratio/(S·V)`` unless given, e.g. by
+:mod:`.stages` with the output layer and loss on the last one); each activation/gradient hand-over between
+ranks adds ``p2p_s``. Every rank runs its ops in Megatron's order (:func:`.pipeorder.stage_order`); an op
+starts when its rank is free and its input has arrived. No-op microbatches take no time and send nothing,
+so they only delay through the op order — which is exactly how they realise the dependency rule. Bubble
+ratio = 1 − Σ busy / (S · makespan); per rank ``1 − busy[r] / makespan``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .costmodel import CostModel
+from .pipeorder import stage_order
 from .spec import Plan
+
+StageCosts = Sequence[tuple[float, float]]  # per virtual stage: (forward, backward) as a fraction of f
 
 
 @dataclass(frozen=True)
@@ -25,11 +30,12 @@ class Op:
     kind: str  # "F" or "B"
     start: float
     end: float
+    chunk: int = 0  # model chunk of the rank (interleaved 1F1B)
 
 
 @dataclass
 class Timeline:
-    """Scheduled ops of one DP rank; ``busy[s]`` is stage s's compute time."""
+    """Scheduled ops of one DP rank; ``busy[s]`` is pipeline rank s's compute time."""
 
     num_stages: int
     ops: list[Op] = field(default_factory=list)
@@ -46,21 +52,26 @@ class Timeline:
             return 0.0
         return 1.0 - sum(self.busy) / (self.num_stages * self.makespan)
 
-    def op(self, stage: int, slot: int, kind: str) -> Op:
-        return self._index[stage, slot, kind]
+    @property
+    def stage_bubbles(self) -> list[float]:
+        """Per pipeline rank: the share of the makespan it is idle (what the runtime's stage timers measure)."""
+        return [0.0 if self.makespan <= 0 else 1.0 - b / self.makespan for b in self.busy]
+
+    def op(self, stage: int, slot: int, kind: str, chunk: int = 0) -> Op:
+        return self._index[stage, slot, kind, chunk]
 
     def __post_init__(self) -> None:
-        self._index = {(o.stage, o.slot, o.kind): o for o in self.ops}
+        self._index = {(o.stage, o.slot, o.kind, o.chunk): o for o in self.ops}
 
 
 def one_f_one_b_order(num_stages: int, stage: int, num_microbatches: int) -> list[tuple[str, int]]:
     """The op order of ``stage`` in 1F1B: warm-up forwards, steady F/B pairs, drain backwards."""
-    warm = min(num_stages - 1 - stage, num_microbatches)
-    order = [("F", i) for i in range(warm)]
-    for i in range(num_microbatches - warm):
-        order += [("F", warm + i), ("B", i)]
-    order += [("B", i) for i in range(num_microbatches - warm, num_microbatches)]
-    return order
+    return [(kind, i) for kind, i, _ in stage_order(num_stages, stage, num_microbatches)]
+
+
+def equal_stage_costs(num_stages: int, virtual_stages: int = 1, backward_ratio: float = 2.0) -> list[tuple[float, float]]:
+    n = num_stages * virtual_stages
+    return [(1.0 / n, backward_ratio / n)] * n
 
 
 def simulate_1f1b(
@@ -69,37 +80,43 @@ def simulate_1f1b(
     backward_ratio: float = 2.0,
     p2p_s: float = 0.0,
     noop: Sequence[bool] | None = None,
+    virtual_stages: int = 1,
+    stage_costs: StageCosts | None = None,
 ) -> Timeline:
-    """Simulate one rank; ``forward_s[t]`` is slot t's whole-model forward time."""
-    m, S = len(forward_s), num_stages
+    """Simulate one rank; ``forward_s[t]`` is slot t's whole-model forward time (interleaved when V > 1)."""
+    m, S, V = len(forward_s), num_stages, virtual_stages
+    costs = list(stage_costs) if stage_costs is not None else equal_stage_costs(S, V, backward_ratio)
+    if len(costs) != S * V:
+        raise ValueError(f"stage_costs: expected {S * V} (forward, backward) pairs, got {len(costs)}")
     noop = list(noop) if noop is not None else [False] * m
-    dur = {"F": [f / S for f in forward_s], "B": [backward_ratio * f / S for f in forward_s]}
-    orders = [one_f_one_b_order(S, s, m) for s in range(S)]
+    orders = [stage_order(S, s, m, V) for s in range(S)]
     pos, free = [0] * S, [0.0] * S
-    end: dict[tuple[int, int, str], float] = {}
+    end: dict[tuple[int, int, str], float] = {}  # (virtual stage, microbatch, kind) -> end time
     ops: list[Op] = []
+    last = S * V - 1
     while any(pos[s] < len(orders[s]) for s in range(S)):
         progressed = False
         for s in range(S):
             while pos[s] < len(orders[s]):
-                kind, i = orders[s][pos[s]]
-                dep = (s - 1, i, "F") if kind == "F" else (s + 1, i, "B")
-                if kind == "F" and s == 0:
-                    ready = 0.0
-                elif kind == "B" and s == S - 1:
-                    ready = end[s, i, "F"]
-                elif dep in end:
-                    ready = end[dep] + (0.0 if noop[i] else p2p_s)
+                kind, i, c = orders[s][pos[s]]
+                k = c * S + s
+                if kind == "F":
+                    dep = (k - 1, i, "F") if k > 0 else None
                 else:
+                    dep = (k + 1, i, "B") if k < last else (k, i, "F")
+                if dep is not None and dep not in end:
                     break
+                hop = 0.0 if dep is None or dep[0] == k or noop[i] else p2p_s
+                ready = 0.0 if dep is None else end[dep] + hop
                 start = max(free[s], ready)
-                finish = start + (0.0 if noop[i] else dur[kind][i])
-                end[s, i, kind] = free[s] = finish
-                ops.append(Op(s, i, kind, start, finish))
+                share = costs[k][0 if kind == "F" else 1]
+                finish = start + (0.0 if noop[i] else share * forward_s[i])
+                end[k, i, kind] = free[s] = finish
+                ops.append(Op(s, i, kind, start, finish, c))
                 pos[s] += 1
                 progressed = True
-        if not progressed:  # pragma: no cover - 1F1B orders are deadlock-free
-            raise RuntimeError("1F1B simulation deadlocked")
+        if not progressed:  # pragma: no cover - Megatron's orders are deadlock-free
+            raise RuntimeError("pipeline simulation deadlocked")
     busy = [sum(o.end - o.start for o in ops if o.stage == s) for s in range(S)]
     return Timeline(S, ops, busy, max(free) if ops else 0.0)
 
@@ -123,13 +140,15 @@ def simulate_plan(
     ranks: Mapping[str, int] | None = None,
     backward_ratio: float = 2.0,
     p2p_s: float = 2.0e-4,
+    stage_costs: StageCosts | None = None,
 ) -> list[Timeline]:
-    """One timeline per DP rank."""
+    """One timeline per DP rank, on the plan's pipeline depth and virtual stages."""
     cm = cost_model or CostModel()
     out = []
     for r in range(plan.dp_size):
         times, noop = plan_forward_times(plan, cm, r, ranks)
-        out.append(simulate_1f1b(times, plan.pipeline_depth, backward_ratio, p2p_s, noop))
+        out.append(simulate_1f1b(times, plan.pipeline_depth, backward_ratio, p2p_s, noop,
+                                 plan.virtual_stages, stage_costs))
     return out
 
 

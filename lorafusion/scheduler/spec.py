@@ -78,10 +78,14 @@ class SchedulerConfig:
     max_milp_vars: int = 3000  # bigger instances are improved on a neighbourhood of the greedy plan
     milp_gap: float = 0.01  # relative optimality gap of the balance MILP (0: solve to optimality)
     max_sample_len_for_auto: int | None = None  # capacity="auto" never goes below the longest sample
+    virtual_stages: int = 1  # parallelism.virtual_stages: model chunks per pipeline rank (interleaved 1F1B)
 
     def __post_init__(self) -> None:
         if self.pipeline_depth < 1 or self.dp_size < 1:
             raise PlanError("pipeline_depth and dp_size must be >= 1")
+        if self.virtual_stages < 1 or (self.virtual_stages > 1 and self.pipeline_depth < 2):
+            raise PlanError(f"virtual_stages must be >= 1 (> 1 only with pipeline_depth >= 2), got "
+                            f"{self.virtual_stages} with pipeline_depth {self.pipeline_depth}")
         if self.token_capacity != "auto" and int(self.token_capacity) < 1:
             raise PlanError("token_capacity must be a positive int or 'auto'")
         if self.balance not in ("fill", "even"):
@@ -162,7 +166,8 @@ class Plan:
     ``last_microbatch[(job, batch)]``: index of the last microbatch holding that global batch; its
     optimizer may step once that microbatch (its whole slot, all DP ranks) has finished backward.
     ``initial_ready[job]``: first slot at which this plan may start the job's first batch (carried
-    from earlier plans in online mode; 0 when absent).
+    from earlier plans in online mode; 0 when absent). ``virtual_stages``: model chunks per pipeline rank
+    the plan was made for (interleaved 1F1B when > 1; its slot count is then a multiple of the depth).
     """
 
     microbatches: list[Microbatch]
@@ -172,6 +177,7 @@ class Plan:
     last_microbatch: dict[tuple[str, int], int]
     initial_ready: dict[str, int] = field(default_factory=dict)
     stats: PlanStats = field(default_factory=PlanStats)
+    virtual_stages: int = 1
 
     @property
     def num_slots(self) -> int:

@@ -20,6 +20,10 @@ With S == 1 consecutive slots are fine. With DP > 1 the rule holds on slots (the
 reduction of (j, g) waits for slot L on every rank). A plan that continues an earlier one carries
 ``Plan.initial_ready[j]``: the first slot where j's first batch in this plan may start.
 
+Interleaved 1F1B (V model chunks per rank) orders the ops differently; :mod:`.pipeorder` derives the rule
+from Megatron's order (``first_slot(j, g+1) >= start_slot(last_slot(j, g))``, about 2S slots apart with V=2)
+and the sequencer keeps the largest such distance, :func:`dependency_distance`.
+
 :func:`sequence` places packed microbatches into slots in stream order, looking ahead a bounded window
 for a microbatch that is ready, and inserts a no-op only when nothing in the window may run;
 :func:`verify_plan` proves a plan obeys the rule, the capacity, per-job contiguity, and that every
@@ -34,12 +38,8 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from .pipeorder import check_slot_count, dependency_distance, start_slot
 from .spec import Entry, JobSpec, Microbatch, Plan, PlanError
-
-
-def dependency_distance(pipeline_depth: int) -> int:
-    """Minimum ``first_slot(j, g+1) - last_slot(j, g)`` for 1F1B on ``pipeline_depth`` stages."""
-    return pipeline_depth
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,7 @@ def sequence(
     initial_ready: Mapping[str, int] | None = None,
     window: int | None = None,
     fill: Sequence[PackedMicrobatch] = (),
+    virtual_stages: int = 1,
 ) -> tuple[list[Microbatch], dict[tuple[str, int], int]]:
     """Place ``stream`` into slots of ``dp_size`` microbatches, obeying the dependency rule.
 
@@ -106,7 +107,7 @@ def sequence(
     idle (and after ``stream`` ends): ``stream`` is placed exactly as without it. Returns the
     microbatches (sorted by slot, rank) and ``last_microbatch[(job, batch)]``. Raises PlanError when
     the streams can never become ready (one microbatch holding two batches of a job, or batch g+1 before
-    batch g) or share a global batch.
+    batch g) or share a global batch. ``virtual_stages`` > 1: the distance of interleaved 1F1B.
     """
     initial_ready = dict(initial_ready or {})
     window = window or 2 * pipeline_depth * dp_size + 4
@@ -118,13 +119,13 @@ def sequence(
         last_slot={},
         prev=_predecessors([*stream, *fill]),
         initial_ready=initial_ready,
-        gap=dependency_distance(pipeline_depth),
+        gap=dependency_distance(pipeline_depth, virtual_stages),
     )
     queues = (list(stream), list(fill))
     out: list[Microbatch] = []
     last_mb: dict[tuple[str, int], int] = {}
     slot, idle = 0, 0
-    max_idle = pipeline_depth + max([0, *initial_ready.values()]) + 1
+    max_idle = state.gap + max([0, *initial_ready.values()]) + 1
     while any(queues):
         placed = 0
         for rank in range(dp_size):
@@ -231,7 +232,7 @@ def _check_samples(plan: Plan, jobs: Sequence[JobSpec]) -> int:
     return len(seen)
 
 
-def _check_dependencies(plan: Plan, pipeline_depth: int) -> dict[str, int]:
+def _check_dependencies(plan: Plan, pipeline_depth: int, virtual_stages: int = 1) -> dict[str, int]:
     first: dict[tuple[str, int], int] = {}
     last: dict[tuple[str, int], int] = {}
     for mb in plan.microbatches:
@@ -250,8 +251,9 @@ def _check_dependencies(plan: Plan, pipeline_depth: int) -> dict[str, int]:
     by_job: dict[str, list[int]] = defaultdict(list)
     for job, g in first:
         by_job[job].append(g)
-    gap = dependency_distance(pipeline_depth)
     slot = [mb.slot for mb in plan.microbatches]
+    how = f"1F1B with S={pipeline_depth}" if virtual_stages == 1 else \
+        f"interleaved 1F1B with S={pipeline_depth}, V={virtual_stages}"
     min_gap: dict[str, int] = {}
     for job, gs in by_job.items():
         gs.sort()
@@ -262,32 +264,36 @@ def _check_dependencies(plan: Plan, pipeline_depth: int) -> dict[str, int]:
         for a, b in itertools.pairwise(gs):
             d = slot[first[job, b]] - slot[last[job, a]]
             min_gap[job] = min(min_gap.get(job, d), d)
-            if d < gap:
+            need = start_slot(slot[last[job, a]], pipeline_depth, virtual_stages) - slot[last[job, a]]
+            if d < need:
                 _fail(
                     f"dependency violated: job {job!r} batch {b} enters stage 0 at microbatch "
                     f"{first[job, b]} (slot {slot[first[job, b]]}) but batch {a} ends at microbatch "
-                    f"{last[job, a]} (slot {slot[last[job, a]]}); 1F1B with S={pipeline_depth} needs a "
-                    f"slot distance >= {gap}, got {d}"
+                    f"{last[job, a]} (slot {slot[last[job, a]]}); {how} needs a "
+                    f"slot distance >= {need}, got {d}"
                 )
     return min_gap
 
 
-def verify_plan(plan: Plan, jobs: Sequence[JobSpec], pipeline_depth: int, dp_size: int = 1) -> VerifyReport:
+def verify_plan(plan: Plan, jobs: Sequence[JobSpec], pipeline_depth: int, dp_size: int = 1,
+                virtual_stages: int = 1) -> VerifyReport:
     """Prove ``plan`` is executable for ``jobs`` on S = ``pipeline_depth`` stages and ``dp_size`` ranks.
 
     Checks: layout (slot = index // dp, rank = index % dp), no-op flags, capacity, per-job
     contiguity inside each microbatch, every input sample exactly once with its token count (capped
     at the capacity for truncating jobs), ``last_microbatch``, and the dependency rule of the module
-    docstring. Raises PlanError on the first violation; returns counts otherwise.
+    docstring (``virtual_stages`` > 1: interleaved 1F1B's, and a slot count Megatron's interleaved schedule
+    takes). Raises PlanError on the first violation; returns counts otherwise.
     """
-    if plan.pipeline_depth != pipeline_depth or plan.dp_size != dp_size:
-        _fail(f"plan was made for S={plan.pipeline_depth}, dp={plan.dp_size}; verifying for "
-              f"S={pipeline_depth}, dp={dp_size}")
+    if (plan.pipeline_depth, plan.dp_size, plan.virtual_stages) != (pipeline_depth, dp_size, virtual_stages):
+        _fail(f"plan was made for S={plan.pipeline_depth}, dp={plan.dp_size}, V={plan.virtual_stages}; "
+              f"verifying for S={pipeline_depth}, dp={dp_size}, V={virtual_stages}")
     _check_layout(plan, dp_size)
+    check_slot_count(plan.num_slots, pipeline_depth, virtual_stages)
     for mb in plan.microbatches:
         _check_microbatch(mb, plan.token_capacity)
     num_samples = _check_samples(plan, jobs)
-    min_gap = _check_dependencies(plan, pipeline_depth)
+    min_gap = _check_dependencies(plan, pipeline_depth, virtual_stages)
     return VerifyReport(
         num_microbatches=len(plan.microbatches),
         num_slots=plan.num_slots,

@@ -20,5 +20,5 @@ RUN=/tmp/use-run
   "$PY" -m lorafusion.cli export "$RUN" --job count --merged --out /tmp/use-merged || exit 1
   "$PY" scripts/check_use.py "$RUN" --base /tmp/use-base --merged /tmp/use-merged --job count \
     --generated "$OUT/generated.jsonl" > "$OUT/check.json"; echo "check exit $?"; cat "$OUT/check.json"
-  "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_generate.py tests/runtime/test_export_models.py 2>&1 | tail -15
+  "$PY" -m pytest -q -p no:cacheprovider tests/inference/test_generate.py tests/export/test_hf.py 2>&1 | tail -15
 } 2>&1 | grep -v "Warning\|warnings.warn" | tail -60 | tee "$OUT/use.log"

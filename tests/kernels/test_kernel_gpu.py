@@ -32,12 +32,12 @@ def _poison_allocator():
 
 
 
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", range(8))
 def test_bf16_vs_fp64_random_shapes_and_segments(case):
     from lorafusion.ops.fused import multi_lora_linear_fused as multi_lora_linear_fused_
 
-    multi_lora_linear_fused = functools.partial(multi_lora_linear_fused_,
-                                                main_gemm="triton" if case % 2 == 0 else "cublas")
+    multi_lora_linear_fused = functools.partial(multi_lora_linear_fused_, main_gemm=(
+        "cublas_fold" if case >= 6 else "triton" if case % 2 == 0 else "cublas"))
     rng = random.Random(100 + case)
     torch.manual_seed(100 + case)
     m = rng.choice([1, 17, 300, 1000, 4097])
@@ -132,7 +132,7 @@ def test_gpu_philox_matches_torch():
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("main_gemm", ["triton", "cublas"])
+@pytest.mark.parametrize("main_gemm", ["triton", "cublas", "cublas_fold"])
 def test_fp32_follows_torch_matmul_precision(main_gemm):
     """float32 operands: IEEE dots while PyTorch's float32 matmul precision is "highest" (its default), as
     exact as cuBLAS fp32 against a float64 reference; TF32 under "high", as torch's own matmuls then are."""

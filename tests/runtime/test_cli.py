@@ -193,3 +193,22 @@ def test_filesystem_and_environment_errors_are_one_line(tmp_path, capsys, megatr
         assert _main("train", str(run), "kernels=fused", f"output_dir={tmp_path / 'o2'}") == 2
         assert "kernels: fused needs a CUDA GPU" in capsys.readouterr().err
         assert not (tmp_path / "o2").exists()
+
+
+def test_plan_prints_the_simulated_pipeline_and_the_best_virtual_stages(tmp_path, capsys):
+    """With pp > 1, `lorafusion plan` prints the split it simulates, the steady bubble per stage, and with
+    --virtual-sweep the even and auto splits of each V (interleaved plans verified on the way)."""
+    from runtime_utils import job_dict, write_dataset
+
+    jobs = [job_dict(f"j{k}", write_dataset(tmp_path / f"d{k}.jsonl", k), r=4, steps=4, gbs=4) for k in range(2)]
+    run = write_run(tmp_path, jobs, pp=2)
+    assert _main("plan", str(run), "parallelism.virtual_stages=2", "parallelism.stage_layers=auto", "--out",
+                 str(tmp_path / "plan"), "--windows", "2", "--virtual-sweep", "1,2") == 0
+    out = capsys.readouterr().out
+    assert "pipeline: pp=2 virtual_stages=2 stage_layers=[1, 1, 1, 1]" in out
+    assert "simulated steady bubble" in out and "per stage" in out
+    assert "  1  even" in out and "  2  auto" in out and "best: parallelism.virtual_stages=" in out
+    rows = json.loads((tmp_path / "plan" / "windows.json").read_text())
+    assert all(len(w["simulated_bubble_per_stage"]) == 2 for w in rows)
+    assert _main("plan", str(run), "parallelism.virtual_stages=2", "parallelism.stage_layers=[1,2,1,1]") == 2
+    assert "parallelism.stage_layers: expected one count >= 1 per virtual stage" in capsys.readouterr().err

@@ -137,3 +137,26 @@ def test_resume_refuses_a_changed_setting_naming_the_field(tmp_path, megatron_si
         train_inprocess(run, ["seed=7"] if change is None else [], resume=True)
     msg = str(e.value)
     assert f": {field}: cannot resume job 'a'" in msg, msg
+
+
+def test_checkpoint_from_before_per_projection_a_resumes_only_with_shared_fused_a(tmp_path, megatron_single):
+    """A checkpoint written before lora.shared_fused_a existed (one A shared by q/k/v and gate/up) is refused by
+    the default (an A per projection) with one error saying what to set, and resumes with shared_fused_a: true."""
+    from lorafusion.core.errors import ConfigError
+
+    jobs = _jobs(tmp_path, steps=2)[:1]
+    jobs[0]["lora"]["shared_fused_a"] = True
+    train_inprocess(write_run(tmp_path, jobs, out="o", capacity=1024))
+    for f in (tmp_path / "o" / "checkpoints" / "a").glob("step_*/state.json"):  # as written before the field
+        state = json.loads(f.read_text())
+        del state["settings"]["lora.shared_fused_a"]
+        f.write_text(json.dumps(state))
+    more = [dict(json.loads(json.dumps(jobs[0])), max_steps=3)]
+    del more[0]["lora"]["shared_fused_a"]
+    with pytest.raises(ConfigError) as e:
+        train_inprocess(write_run(tmp_path, more, out="o", capacity=1024), resume=True)
+    assert "jobs.0.lora.shared_fused_a: cannot resume job 'a'" in str(e.value)
+    assert "set lora.shared_fused_a: true to resume it" in str(e.value)
+    more[0]["lora"]["shared_fused_a"] = True
+    summary, _ = train_inprocess(write_run(tmp_path, more, out="o", capacity=1024), resume=True)
+    assert summary["jobs"]["a"]["steps"] == 3

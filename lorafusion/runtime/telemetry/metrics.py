@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
+
+from lorafusion.rundir.atomic import write_text_atomic
+from lorafusion.rundir.layout import RunDir
 
 
 def _finite_or_none(v):
@@ -31,21 +33,19 @@ def cut_metrics(path: Path, steps: dict[str, int]) -> None:
         if row.get("job") in steps and row.get("step", 0) > steps[row["job"]]:
             continue
         kept.append(line)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(k + "\n" for k in kept))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(k + "\n" for k in kept))
 
 
 class MetricsWriter:
     def __init__(self, output_dir: Path, tensorboard: bool = True):
-        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path = RunDir(output_dir).metrics
         self._f = self.path.open("a", buffering=1)
         self._tb = None
         self._rows = 0  # rows logged by this writer: the x axis of the run-wide scalars
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"))
+            self._tb = SummaryWriter(log_dir=str(RunDir(output_dir).tensorboard))
 
     def log_step(self, record: dict) -> None:
         """record: {"job", "step", "loss", "tokens", "lr", "grad_norm", "skipped", "tokens_per_s", "max_memory_gib",

@@ -3,19 +3,65 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
+from lorafusion.core.arch import ModelArch, arch_from_hf_config, preset
 from lorafusion.runtime.feed import Feed
 
 CHART_CHUNKS = 2  # chunks drawn in gantt.png and packing.png (each a panel per DP rank)
 
 
-def write_plan_report(feed: Feed, out_dir: Path, max_chunks: int = 20) -> dict:
+def run_arch(cfg) -> ModelArch:
+    """The run's architecture without building a model (preset, or the HF directory's config.json)."""
+    if cfg.model.preset:
+        return preset(cfg.model.preset)
+    return arch_from_hf_config(json.loads((Path(cfg.model.path) / "config.json").read_text()),
+                               str(Path(cfg.model.path) / "config.json"))
+
+
+@dataclass
+class StageModel:
+    """What the simulator needs of a run's pipeline: its split per virtual stage and the costs."""
+
+    virtual_stages: int
+    split: list[int]
+    loss_layers: float
+    cost_model: object
+    stage_costs: list[tuple[float, float]]
+
+
+def stage_model(cfg) -> StageModel:
+    """The run's ``virtual_stages`` and ``stage_layers`` resolved against its architecture, with the FLOP
+    cost model (scheduler/stages.py: the output layer and loss counted on the last virtual stage)."""
+    from lorafusion.core.errors import ConfigError
+    from lorafusion.scheduler import PlanError, stages
+
+    arch = run_arch(cfg)
+    pp, V = cfg.parallelism.pp, cfg.parallelism.virtual_stages
+    loss = stages.loss_layers(arch)
+    try:
+        split = stages.resolve_split(cfg.parallelism.stage_layers, arch.num_layers, pp, V, loss)
+    except PlanError as e:
+        raise ConfigError(f"{cfg.source}: {e}") from None
+    return StageModel(V, split, loss, stages.flop_cost_model(arch, loss, tp=cfg.parallelism.tp),
+                      stages.stage_costs(split, loss))
+
+
+def write_plan_report(feed: Feed, out_dir: Path, max_chunks: int = 20, stage: StageModel | None = None,
+                      charts: bool = True) -> dict:
     """Plan up to ``max_chunks`` chunks; write ``plan.jsonl`` (one row per microbatch), ``windows.json``
+<<<<<<< HEAD
     (one row per chunk: fill, imbalance, simulated bubble, planning time), ``gantt.png`` and
     ``packing.png`` (the first ``CHART_CHUNKS`` chunks, a panel per chunk and DP rank). Returns
     ``{"windows": [...], "dir": ..., "files": [names written]}``."""
     from lorafusion.scheduler import render_chunks, simulate_plan
+=======
+    (one row per chunk: fill, imbalance, simulated bubble overall and per stage, planning time),
+    ``gantt.png`` and ``packing.png`` (chunk 0). ``stage``: the pipeline's split and costs (default: equal
+    stages, the default cost model). Returns ``{"windows": [...], "dir": ..., "files": [names written]}``."""
+    from lorafusion.scheduler import render_gantt, render_packing, simulate_plan
+>>>>>>> main
     from lorafusion.scheduler.simulate import bubble_ratio
 
     out_dir = Path(out_dir)
@@ -26,23 +72,66 @@ def write_plan_report(feed: Feed, out_dir: Path, max_chunks: int = 20) -> dict:
         if chunk is None:
             break
         the_plan = chunk.plan
-        timelines = simulate_plan(the_plan, ranks={n: feed.jobs[n].cfg.lora.r for n in chunk.batches})
+        timelines = simulate_plan(the_plan, stage.cost_model if stage else None,
+                                  ranks={n: feed.jobs[n].cfg.lora.r for n in chunk.batches},
+                                  stage_costs=stage.stage_costs if stage else None)
         cap = the_plan.token_capacity
         toks = [mb.num_tokens for mb in the_plan.microbatches if not mb.is_noop]
         stats.append({"window": w, "jobs": sorted(chunk.batches), "microbatches": len(the_plan.microbatches),
                       "noops": the_plan.num_noops, "plan_s": round(chunk.plan_s, 4),
                       "fill": sum(toks) / (cap * max(1, len(toks))),
                       "imbalance": max(toks) / (sum(toks) / len(toks)) if toks else None,
-                      "simulated_bubble": bubble_ratio(timelines)})
+                      "simulated_bubble": bubble_ratio(timelines),
+                      "simulated_bubble_per_stage": timelines[0].stage_bubbles})
         for mb in the_plan.microbatches:
             rows.append({"window": w, "slot": mb.slot, "dp_rank": mb.dp_rank, "noop": mb.is_noop,
                          "tokens": mb.num_tokens, "segments": mb.segments()})
+<<<<<<< HEAD
         if w < CHART_CHUNKS:
             charted.append((the_plan, timelines))
     if charted:
         render_chunks(charted, str(out_dir / "gantt.png"), str(out_dir / "packing.png"),
                       titles=[f"chunk {w}" for w in range(len(charted))])
+=======
+        if w == 0 and charts:
+            render_gantt(the_plan, timelines[0], str(out_dir / "gantt.png"), title="chunk 0 (simulated 1F1B)")
+            render_packing(the_plan, str(out_dir / "packing.png"), title="chunk 0 packing")
+>>>>>>> main
     (out_dir / "plan.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (out_dir / "windows.json").write_text(json.dumps(stats, indent=2) + "\n")
     files = [f for f in ("plan.jsonl", "windows.json", "gantt.png", "packing.png") if (out_dir / f).is_file()]
     return {"windows": stats, "dir": str(out_dir), "files": files}
+
+
+def steady_bubble(windows: list[dict]) -> tuple[float, list[float]] | None:
+    """Mean simulated bubble (overall, per stage) over the chunks after the first (the first alone if one)."""
+    rows = windows[1:] or windows
+    if not rows:
+        return None
+    per = [sum(w["simulated_bubble_per_stage"][s] for w in rows) / len(rows)
+           for s in range(len(rows[0]["simulated_bubble_per_stage"]))]
+    return sum(w["simulated_bubble"] for w in rows) / len(rows), per
+
+
+def sweep_virtual(cfg, virtuals: list[int], windows: int, out_dir: Path) -> list[dict]:
+    """For each V: the run's chunks planned for V, simulated with the even split (when it exists) and the
+    loss-aware ``auto`` split; one row per (V, split) with the steady bubble overall and per stage."""
+    from lorafusion.core.errors import ConfigError
+    from lorafusion.runtime.feed import load_jobs, scheduler_config
+
+    rows = []
+    for V in virtuals:
+        for name, layers in (("even", None), ("auto", "auto")):
+            cfg_v = cfg.model_copy(deep=True)
+            cfg_v.parallelism.virtual_stages, cfg_v.parallelism.stage_layers = V, layers
+            try:
+                st = stage_model(cfg_v)
+            except ConfigError:  # no even split for this V
+                continue
+            _, jobs = load_jobs(cfg_v)
+            res = write_plan_report(Feed(jobs, scheduler_config(cfg_v), dp_rank=None), out_dir / f"v{V}-{name}",
+                                    windows, st, charts=False)
+            if (b := steady_bubble(res["windows"])) is not None:
+                rows.append({"virtual_stages": V, "split": name, "stage_layers": st.split, "bubble": b[0],
+                             "bubble_per_stage": b[1]})
+    return rows

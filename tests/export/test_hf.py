@@ -128,7 +128,8 @@ def test_model_path_base_is_copied_and_merged_sharded(tmp_path, megatron_single)
     from lorafusion.core.lora import LoRASpec
     from lorafusion.layers import add_adapter
     from lorafusion.models.hf_import import build_model_from_hf
-    from lorafusion.export.peft import export_peft_adapter, fill_dir_atomically
+    from lorafusion.export.peft import export_peft_adapter
+    from lorafusion.rundir.atomic import fill_dir_atomically
     from lorafusion.export.hf import base_reference, write_merged
     from test_peft_parity import randomize_adapters
 

@@ -187,7 +187,7 @@ def test_run_record_and_adapter_choice(preset_run, tmp_path):
     assert info.adapters == {"alpha": run / "checkpoints" / "alpha" / "step_000003" / "adapter",
                              "beta": run / "adapters" / "beta"}
     # every job that ended early decodes with the adapter it ended with, as export picks it (one rule for both)
-    from lorafusion.export.peft import find_adapter
+    from lorafusion.rundir.adapters import find_adapter
 
     if not (run / "adapters" / "alpha").is_dir():  # the adapter it ended with (any adapter files serve here)
         shutil.copytree(run / "adapters" / "beta", run / "adapters" / "alpha")

@@ -1,0 +1,70 @@
+"""Which adapter of a run ``lorafusion export`` and ``generate`` take: a job's final adapter, its latest or best
+checkpoint's, or one checkpoint directory's (torch-free: the lookup runs before anything is loaded)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lorafusion.core.errors import ConfigError, MissingFileError
+from lorafusion.rundir.layout import RunDir, best_checkpoint, latest_checkpoint, read_state
+
+
+def run_jobs(src: Path) -> list[str]:
+    """The jobs a run directory knows of (its adapters, checkpoints and summary)."""
+    run = RunDir(src)
+    names = {p.name for d in (run.adapters, run.checkpoints) if d.is_dir() for p in d.iterdir()
+             if p.is_dir() and not p.name.startswith(".")}
+    try:
+        names |= set(json.loads(run.summary.read_text()).get("jobs", {}))
+    except (OSError, json.JSONDecodeError, AttributeError):
+        pass
+    return sorted(names)
+
+
+def find_adapter(src: Path, job: str, best: bool = False) -> tuple[Path, str]:
+    """(PEFT adapter directory, what it is) of ``job`` in a run directory or one checkpoint step directory;
+    ``best``: its best-eval checkpoint's (a run directory only)."""
+    if not src.is_dir():
+        raise MissingFileError(f"{src}: no checkpoint or adapter of job {job!r}: no such directory (expected a run "
+                               f"output_dir or a checkpoints/<job>/step_N directory)")
+    run = RunDir(src)
+    if best:
+        if (src / "state.json").is_file():
+            raise ConfigError(f"{src}: --best takes a run output_dir, not one checkpoint directory")
+        ckpt = best_checkpoint(run.job_checkpoints(job))
+        if ckpt is None:
+            known = run_jobs(src)
+            raise MissingFileError(f"{src}: no best-eval checkpoint of job {job!r} " + (
+                "(the job has no eval set — eval_dataset or eval_split — or was not evaluated yet)"
+                if job in known else f"(unknown job; the run's jobs: {', '.join(known) or 'none'})"))
+        state = json.loads((ckpt / "state.json").read_text())
+        return ckpt / "adapter", (f"best-eval checkpoint, step {state.get('step')} (eval loss "
+                                  f"{(state.get('eval') or {}).get('best')})")
+    final = run.adapter(job)
+    status = None
+    if run.summary.is_file():
+        try:
+            status = json.loads(run.summary.read_text()).get("jobs", {}).get(job, {}).get("status")
+        except (json.JSONDecodeError, AttributeError):
+            status = None
+    if (src / "adapter" / "adapter_config.json").is_file():  # one checkpoint step directory
+        state = read_state(src) if (src / "state.json").is_file() else {}
+        if state.get("job", job) != job:
+            raise ConfigError(f"{src}: is a checkpoint of job {state['job']!r}, not of --job {job!r}")
+        return src / "adapter", f"checkpoint at step {state.get('step', '?')}"
+    if (final / "adapter_config.json").is_file() and status in (None, "done", "diverged", "cancelled",
+                                                                 "early_stopped"):
+        return final, {"diverged": "last finite state (the job diverged)", "cancelled": "adapter at its cancellation",
+                       "early_stopped": "adapter at its early stop"}.get(status, "final adapter")
+    if run.job_checkpoints(job).is_dir():
+        ckpt = latest_checkpoint(run.job_checkpoints(job))
+        if ckpt is None:
+            raise MissingFileError(f"{run.job_checkpoints(job)}: no complete checkpoint")
+        return ckpt / "adapter", (f"latest checkpoint, step {int(ckpt.name.split('_')[-1])} (the job has not "
+                                  f"finished)")
+    known = run_jobs(src)
+    if known:
+        raise ConfigError(f"{src}: unknown job {job!r}; the run's jobs: {', '.join(known)}")
+    raise MissingFileError(f"{src}: no checkpoint or adapter of job {job!r} (expected a run output_dir "
+                           f"or a checkpoints/<job>/step_N directory)")

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Issue 24 in one device call: the GPU tests of the new ops, each lever alone (scripts/bench_speed24.py), then
+# end-to-end runs of the 8B config side by side (scripts/bench_train.py), logs and JSON under $OUT.
+#   run (device tool, carry .whl + this tree):  bash scripts/device/speed24.sh "NAME|ENV|ARGS" ...
+# Each run spec: NAME, then space-separated VAR=VALUE settings for that run alone (LORAFUSION_MAIN_GEMM, ...),
+# then bench_train arguments; every run gets --skip-hf and $CAP_ARGS. Needs liger-kernel among the wheels.
+#   bash scripts/device/speed24.sh "base|LORAFUSION_MAIN_GEMM=cublas|--ablate" "fold|LORAFUSION_MAIN_GEMM=cublas_fold|"
+# MICRO=0 / GPU_TESTS=0 skip those parts; CAP_ARGS (default scheduler.token_capacity=12288: the shipped 16384
+# does not fit an 80 GB H100).
+set -uo pipefail
+. scripts/device/setup.sh  # $OUT, $PY, the carried wheels on the GPU machine
+L=/tmp/speed24; mkdir -p "$L"  # every log here; $OUT gets one archive of it, refreshed after each step
+pack() { tar czf "$OUT/speed24.tgz" -C "$L" . 2>/dev/null; }
+t0=$(date +%s)
+stamp() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
+nvidia-smi 2>/dev/null --query-gpu=name,clocks.sm,clocks.max.sm,memory.total --format=csv,noheader | tee "$L/device.txt"
+"$PY" -c 'import torch; print("torch", torch.__version__, "cudnn", torch.backends.cudnn.version())' | tee -a "$L/device.txt"
+if [ "${GPU_TESTS:-1}" = 1 ]; then
+  stamp "gpu tests"
+  # shellcheck disable=SC2086
+  timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider ${GPU_TEST_PATHS:-tests/models/test_packed_attention.py \
+    tests/kernels/test_kernel_gpu.py} 2>&1 | tail -25 | tee "$L/gpu_tests.log"; pack
+fi
+if [ "${MICRO:-1}" = 1 ]; then
+  stamp "levers alone"
+  timeout 300 "$PY" scripts/bench_speed24.py --out "$L/micro.json" 2>&1 | grep -v '^{' | tee "$L/micro.log"; pack
+fi
+"$PY" -c 'import liger_kernel' 2>/dev/null || echo "WARNING: liger_kernel does not import: the fused SwiGLU fails and every end-to-end run with it (carry liger_kernel-0.8.5-py3-none-any.whl in .whl)"
+"$PY" scripts/make_bench_data.py --out data/bench --rows ${ROWS:-256} >/dev/null
+CAP_ARGS=${CAP_ARGS:-scheduler.token_capacity=12288}
+for spec in "$@"; do
+  IFS='|' read -r name envs args <<< "$spec"
+  stamp "=== $name: env [$envs] args [$args]"
+  # shellcheck disable=SC2086
+  env $envs BENCH_COMMIT="${BENCH_COMMIT:-}" timeout ${RUN_TIMEOUT:-420} "$PY" scripts/bench_train.py \
+    --config ${CONFIG:-configs/llama3.1-8b-4adapters.yaml} --rows ${ROWS:-256} --steps ${STEPS:-6} \
+    --warmup ${WARMUP:-2} --out /tmp/bench_$name --skip-hf $args $CAP_ARGS > "$L/$name.log" 2>&1
+  echo "rc=$?"
+  grep -v "^{" "$L/$name.log" | grep -iv "warn" | tail -${TAIL:-12}
+  grep -i "backend failed" "$L/$name.log" | head -3
+  tail -1 "$L/$name.log" > "$L/$name.json"
+  "$PY" - "$L/$name.json" <<'EOF'
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+except Exception as e:
+    print("no result:", e); sys.exit()
+o = r.get("lorafusion", {})
+line = {"tokens_per_s": o.get("tokens_per_s"), "kernels": o.get("kernels"), "peak_gib": o.get("peak_mem_gib"),
+        "chunk_s": o.get("chunk_s"), "errors": [k for k in r if "error" in k]}
+for k in ("reference", "scheduler_off"):
+    if k in r:
+        line[k] = r[k]["tokens_per_s"]
+if r.get("profile"):
+    p = r["profile"]
+    line["busy"] = p.get("gpu_busy_frac")
+    line["gaps"] = p.get("idle_gaps_ge_1ms")
+    line["top"] = [(t["name"][:50], round(t["ms"]), round(t["frac"], 3)) for t in p.get("top_kernels", [])[:14]]
+print(json.dumps(line))
+EOF
+  pack
+done
+stamp "done"

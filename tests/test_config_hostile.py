@@ -1,0 +1,104 @@
+"""Hostile config input (issue 29): each case is one ConfigError, in well under a second, naming the file and
+the field — alias bombs, names that no file system takes, paths that cannot be used, numbers out of range."""
+
+import time
+
+import pytest
+import yaml
+
+from lorafusion.config import ConfigError, load_job_config, load_run_config
+from lorafusion.core.lora import ADAPTER_NAME_MAX
+from test_config import make_tree
+
+
+def _error(run, overrides=()) -> str:
+    with pytest.raises(ConfigError) as ei:
+        load_run_config(run, overrides)
+    assert "\n" not in str(ei.value), str(ei.value)
+    return str(ei.value)
+
+
+def test_nested_alias_bomb_is_refused_at_once(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    lines = ['a0: &a0 ["x","x","x","x","x","x","x","x","x"]']
+    lines += [f"a{i}: &a{i} [{','.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]
+    (tmp_path / "bomb.yaml").write_text("\n".join(lines) + "\nmodel: {preset: tiny-llama}\njobs: [*a9]\n"
+                                        "output_dir: o\n")
+    t = time.perf_counter()
+    msg = _error(tmp_path / "bomb.yaml")
+    assert time.perf_counter() - t < 0.5
+    assert msg.startswith("bomb.yaml: invalid YAML: the document expands to more than"), msg
+
+
+def test_a_few_aliases_still_load(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = make_tree(tmp_path)
+    text = run.read_text().replace("seed", "#") + "logging: &l {progress: false}\n"
+    run.write_text(text)
+    assert load_run_config(run).logging.progress is False
+
+
+@pytest.mark.parametrize("name, needle", [
+    ("rev\n", "expected letters, digits, '_' or '-', got 'rev\\n'"),
+    ("x" * (ADAPTER_NAME_MAX + 1), f"expected at most {ADAPTER_NAME_MAX} characters"),
+])
+def test_job_names_every_file_system_takes(tmp_path, monkeypatch, name, needle):
+    monkeypatch.chdir(tmp_path)
+    run = make_tree(tmp_path, job_edits=[("name", name)])
+    assert _error(run).startswith(f"jobs/rev.yaml: name: {needle}")
+    with pytest.raises(ConfigError, match="name: expected"):
+        load_job_config(tmp_path / "jobs" / "rev.yaml")
+
+
+def test_longest_name_fits_every_derived_file_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    name = "n" * ADAPTER_NAME_MAX
+    assert load_run_config(make_tree(tmp_path, job_edits=[("name", name)])).jobs[0].name == name
+    # the longest derived name: a submit request's temporary file
+    (tmp_path / f".{'0' * 20}-submit-{name}.json.tmp").write_text("")
+
+
+def test_empty_output_dir_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = make_tree(tmp_path, run_edits=[("output_dir", "")])
+    assert _error(run).startswith("run.yaml: output_dir: expected a directory path")
+    assert "set by override 'output_dir='" in _error(make_tree(tmp_path), ["output_dir="])
+
+
+def test_seed_beyond_64_bits(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert _error(make_tree(tmp_path, run_edits=[("seed", 2**70)])).startswith(
+        "run.yaml: seed: expected an integer <= 9223372036854775807, got 1180591620717411303424")
+
+
+def test_float_fields_do_not_ask_for_integers(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    msg = _error(make_tree(tmp_path, job_edits=[("optimizer.lr", 0)]))
+    assert msg.startswith("jobs/rev.yaml: optimizer.lr: expected a number > 0"), msg
+
+
+@pytest.mark.parametrize("where", ["yaml", "override"])
+@pytest.mark.parametrize("key", ["output_dir", "dataset.path"])
+@pytest.mark.parametrize("bad, needle", [("~nosuchuser_lf/x.jsonl", "cannot expand '~nosuchuser_lf'"),
+                                         ("LOOP/x.jsonl", "too many levels of symbolic links")])
+def test_unusable_paths(tmp_path, monkeypatch, where, key, bad, needle):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "la").symlink_to("lb")
+    (tmp_path / "lb").symlink_to("la")
+    bad = bad.replace("LOOP", str(tmp_path / "la"))
+    if where == "override":
+        msg = _error(make_tree(tmp_path), [f"{'' if key == 'output_dir' else 'jobs.0.'}{key}={bad}"])
+        start = "run.yaml: override"
+    elif key == "output_dir":
+        msg, start = _error(make_tree(tmp_path, run_edits=[("output_dir", bad)])), "run.yaml: output_dir: "
+    else:
+        msg, start = _error(make_tree(tmp_path, job_edits=[("dataset.path", bad)])), "jobs/rev.yaml: dataset.path: "
+    assert msg.startswith(start) and needle in msg, msg
+
+
+def test_a_job_file_that_is_a_symlink_loop(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = make_tree(tmp_path, run_edits=[("jobs", ["jobs/loop.yaml"])])
+    (tmp_path / "jobs" / "loop.yaml").symlink_to("loop.yaml")
+    assert _error(run).startswith("run.yaml: jobs.0: jobs/loop.yaml: too many levels of symbolic links")
+    assert yaml  # (imported for make_tree's users)
