@@ -354,16 +354,9 @@ def generate_file(run_dir, prompts, out, *, max_new_tokens: int = 128, temperatu
                      context=context, temperature=temperature, top_p=top_p, seed=seed, use_cache=use_cache,
                      first_row=start)
     t2 = time.perf_counter()
-<<<<<<< HEAD
     rows = [{**r.row, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
              "output": tokenizer.decode([t for t in r.output_ids if t != tokenizer.eos_id])} for r in requests]
-    _write_atomic(out, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-=======
-    lines = [json.dumps({**r.row, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
-                         "output": tokenizer.decode([t for t in r.output_ids if t != tokenizer.eos_id])},
-                        ensure_ascii=False) for r in requests]
-    write_text_atomic(out, "".join(line + "\n" for line in lines), mkdir=True)
->>>>>>> main
+    write_text_atomic(out, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), mkdir=True)
     new = sum(len(r.output_ids) for r in requests)
     return {"rows": len(requests), "jobs": jobs, "new_tokens": new, "load_s": round(t1 - t0, 3),
             "generate_s": round(t2 - t1, 3), "tokens_per_s": round(new / max(t2 - t1, 1e-9), 1), "out": str(out),
@@ -391,20 +384,5 @@ def _context(info: RunInfo) -> int:
     return preset(info.preset).max_position_embeddings
 
 
-<<<<<<< HEAD
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 __all__ = ["Request", "RunInfo", "build_run_model", "encode_prompt", "expected_matches", "generate_file", "generate_ids",
-=======
-__all__ = ["Request", "RunInfo", "build_run_model", "encode_prompt", "generate_file", "generate_ids",
->>>>>>> main
            "load_run", "read_prompts", "run_tokenizer"]
