@@ -243,9 +243,14 @@ class JobConfig(_Strict):
 
 
 class LoggingConfig(_Strict):
+    """``progress``: on a terminal a live table (a row per job: step/max, loss, eval loss, tokens/s, ETA); in a log
+    file a job's line at its first and last step and in between at most every ``log_every_s`` seconds, at steps
+    that are multiples of ``log_every``."""
+
     tensorboard: bool = True
     progress: bool = True
     log_every: int = Field(1, ge=1)
+    log_every_s: float = Field(30.0, ge=0)
 
 
 class CheckpointConfig(_Strict):

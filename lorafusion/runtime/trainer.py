@@ -144,7 +144,8 @@ class Trainer:
             self.release()
 
     def _run(self, stops) -> dict:
-        from lorafusion.runtime.telemetry.metrics import MetricsWriter, Progress, cut_metrics, max_memory_gib
+        from lorafusion.runtime.telemetry.metrics import MetricsWriter, cut_metrics, max_memory_gib
+        from lorafusion.runtime.telemetry.progress import Progress
         from lorafusion.runtime.pipeline import run_chunk
         from lorafusion.checkpoint.handover import Handover
         from lorafusion.runtime.online import LiveJobs
@@ -161,7 +162,8 @@ class Trainer:
                 RunDir(self.out).metrics.unlink(missing_ok=True)
             metrics = MetricsWriter(self.out, tensorboard=cfg.logging.tensorboard)
             progress = Progress({n: js.stream.total_steps for n, js in self.jobs.items()},
-                                enabled=cfg.logging.progress, log_every=cfg.logging.log_every)
+                                enabled=cfg.logging.progress, log_every=cfg.logging.log_every,
+                                log_every_s=cfg.logging.log_every_s, memory=max_memory_gib)
             from lorafusion.export.hf import base_reference
 
             base_reference(cfg, self.out, self.arch, self.device)  # base_model.json: for export, and submit's checks
@@ -238,7 +240,7 @@ class Trainer:
                                                                 1),
                                           "max_memory_gib": round(mem_gib, 4),
                                           "elapsed_s": round(time.perf_counter() - t_start, 4)})
-                        progress.update(name, js.steps, js.last_loss, st["tokens"], st["lr"])
+                        progress.update(name, js.steps, js.last_loss, st["tokens"], st["lr"], js.stream.total_steps)
                         if not finite:
                             progress.log(f"job {name}: step {js.steps} not finite (loss {st['loss']}, grad norm "
                                          f"{st['grad_norm']}){', update skipped' if skipped else ''}: "

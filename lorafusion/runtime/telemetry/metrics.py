@@ -1,11 +1,10 @@
 """Per-adapter metrics: ``metrics.jsonl`` (one object per optimizer step, one ``eval_loss`` object per
-evaluation), tensorboard scalars, live progress."""
+evaluation), tensorboard scalars (the live view: :mod:`.progress`)."""
 
 from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 
 from lorafusion.rundir.atomic import write_text_atomic
@@ -85,55 +84,3 @@ def max_memory_gib() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-
-
-class Progress:
-    """Per job step/total and last loss; total tokens/s. On a terminal a rich live table; otherwise (a Slurm
-    log, a pipe) one plain line per job every ``log_every`` steps and at its last step."""
-
-    def __init__(self, jobs: dict[str, int], enabled: bool = True, log_every: int = 1, terminal: bool | None = None):
-        import sys
-
-        self.enabled = enabled
-        self.totals = dict(jobs)
-        self.log_every = log_every
-        self.t0 = time.perf_counter()
-        self.tokens = 0
-        self._bar = None
-        self.plain = enabled and not (sys.stdout.isatty() if terminal is None else terminal)
-        if not enabled or self.plain:
-            return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
-
-        self._bar = RichProgress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(), transient=False)
-        self._tasks = {j: self._bar.add_task(j, total=total, info="") for j, total in jobs.items()}
-        self._total = self._bar.add_task("tokens/s", total=None, info="")
-        self._bar.start()
-
-    def update(self, job: str, step: int, loss: float | None, tokens: int, lr: float | None = None) -> None:
-        self.tokens += tokens
-        if not self.enabled:
-            return
-        if self.plain:
-            if step % self.log_every == 0 or step == self.totals.get(job):
-                rate = self.tokens / max(1e-9, time.perf_counter() - self.t0)
-                print(f"{job} step {step}/{self.totals.get(job, '?')}  loss "
-                      f"{'-' if loss is None else f'{loss:.4f}'}" + ("" if lr is None else f"  lr {lr:.3g}") +
-                      f"  {rate:,.0f} tok/s  {max_memory_gib():.2f} GiB  {time.perf_counter() - self.t0:.0f}s",
-                      flush=True)
-            return
-        self._bar.update(self._tasks[job], completed=step, info="loss -" if loss is None else f"loss {loss:.4f}")
-        rate = self.tokens / max(1e-9, time.perf_counter() - self.t0)
-        self._bar.update(self._total, info=f"{rate:,.0f} tok/s  ({self.tokens:,} tokens)")
-
-    def log(self, line: str) -> None:
-        """A message for the console (above the live table when there is one)."""
-        if self._bar is not None:
-            self._bar.console.print(line, markup=False, highlight=False)
-        else:
-            print(line, flush=True)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
