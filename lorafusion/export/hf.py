@@ -33,7 +33,6 @@ from lorafusion.core.arch import ModelArch, arch_from_hf_config, arch_to_hf_conf
 from lorafusion.core.errors import ConfigError, MissingFileError
 
 RECORD = "base_model.json"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # tokenizer and generation files of a HF model directory, copied with it when present
 _HF_SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
@@ -92,8 +91,8 @@ def _preset_base_state(record: dict, arch: ModelArch) -> Iterator[tuple[str, tor
     """The preset base of the run, rebuilt (TP = PP = 1) on the device type it was drawn on."""
     from megatron.core import parallel_state
 
+    from lorafusion.models.base import build_base
     from lorafusion.models.hf_export import hf_state_from_model
-    from lorafusion.models.provider import build_model
     from lorafusion.dist import init_distributed
 
     device = record.get("init_device", "cpu")
@@ -105,7 +104,7 @@ def _preset_base_state(record: dict, arch: ModelArch) -> Iterator[tuple[str, tor
             and parallel_state.get_pipeline_model_parallel_world_size() == 1):
         init_distributed(1, 1, seed=record["seed"])
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else None
-    model = build_model(arch, params_dtype=DTYPES[record["dtype"]], device=dev, seed=record["seed"])
+    model = build_base(arch, dtype=record["dtype"], device=dev, seed=record["seed"])
     yield from hf_state_from_model(model, arch)
 
 

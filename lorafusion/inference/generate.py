@@ -32,7 +32,6 @@ import torch
 from lorafusion.core.errors import ConfigError, MissingFileError, UserError
 from lorafusion.rundir.atomic import write_text_atomic
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -127,10 +126,10 @@ def build_run_model(info: RunInfo, jobs: Sequence[str], device=None):
     """The run's base (TP = PP = 1) with the adapters of ``jobs`` loaded, in eval mode."""
     from megatron.core import parallel_state
 
-    from lorafusion.core.arch import preset
-    from lorafusion.layers import get_lora_context
     from lorafusion.dist import init_distributed
     from lorafusion.export.peft import import_peft_adapter
+    from lorafusion.layers import get_lora_context
+    from lorafusion.models.base import base_arch, build_base
 
     if not parallel_state.model_parallel_is_initialized():
         init_distributed(1, 1, seed=info.seed)
@@ -138,19 +137,11 @@ def build_run_model(info: RunInfo, jobs: Sequence[str], device=None):
         raise ConfigError("generate: runs with tp = pp = 1 (one device); the parallel state here has another layout")
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    kw = dict(params_dtype=DTYPES[info.dtype], device=device, seed=info.seed)
-    if info.path:
-        from lorafusion.models.hf_import import build_model_from_hf
-
-        model = build_model_from_hf(info.path, **kw)
-    else:
-        drawn = torch.device(device).type if device is not None else "cpu"
-        if info.init_device and info.init_device != drawn:
-            raise ConfigError(f"{info.run_dir / 'base_model.json'}: the run drew its random base weights on "
-                              f"{info.init_device}; generate on a machine of that kind (here: {drawn})")
-        from lorafusion.models.provider import build_model
-
-        model = build_model(preset(info.preset), **kw)
+    drawn = torch.device(device).type if device is not None else "cpu"
+    if not info.path and info.init_device and info.init_device != drawn:
+        raise ConfigError(f"{info.run_dir / 'base_model.json'}: the run drew its random base weights on "
+                          f"{info.init_device}; generate on a machine of that kind (here: {drawn})")
+    model = build_base(*base_arch(info.path, info.preset), dtype=info.dtype, device=device, seed=info.seed)
     get_lora_context(model).impl = None
     for job in jobs:
         import_peft_adapter(model, job, info.adapters[job])

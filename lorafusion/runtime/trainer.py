@@ -25,7 +25,6 @@ from lorafusion.runtime.feed import Feed, job_state, load_jobs, scheduler_config
 from lorafusion.rundir.lock import OutputDirLock, check_output_dir
 from lorafusion.runtime.online import check_adapter_fits, run_limits
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Trainer:
@@ -56,10 +55,9 @@ class Trainer:
     def _setup(self) -> None:
         from megatron.core import parallel_state
 
-        from lorafusion.core.arch import preset
         from lorafusion.layers import get_lora_context
+        from lorafusion.models.base import base_arch, build_base
         from lorafusion.runtime.evaluate import Evaluator
-        from lorafusion.models.provider import build_model
         from lorafusion.dist import init_distributed, share_from_rank0
         from lorafusion.checkpoint.policy import JobCheckpoints
         from lorafusion.runtime.telemetry.timers import StageTimers
@@ -76,22 +74,14 @@ class Trainer:
         self._lock.acquire(self.is_logger, share=share_from_rank0)
         dp_rank = parallel_state.get_data_parallel_rank()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        ckpt = None
-        if cfg.model.path:
-            from lorafusion.models.hf_import import HFCheckpoint, build_model_from_hf
-
-            ckpt = HFCheckpoint(cfg.model.path)
-            self.arch = ckpt.arch
-        else:
-            self.arch = preset(cfg.model.preset)
+        self.arch, ckpt = base_arch(cfg.model.path, cfg.model.preset)
         if self.tokenizer.vocab_size > self.arch.vocab_size:
             raise ConfigError(f"{cfg.source}: tokenizer: vocab_size {self.tokenizer.vocab_size} exceeds the "
                               f"model's vocab_size {self.arch.vocab_size}")
-        kw = dict(params_dtype=DTYPES[cfg.model.dtype], recompute=cfg.model.recompute,
-                  recompute_layers=cfg.model.recompute_layers, device=self.device,
-                  seed=cfg.seed, sequence_parallel=cfg.parallelism.sequence_parallel,
-                  stage_layers=cfg.parallelism.stage_layers)
-        self.model = build_model_from_hf(ckpt, **kw) if ckpt is not None else build_model(self.arch, **kw)
+        self.model = build_base(self.arch, ckpt, dtype=cfg.model.dtype, recompute=cfg.model.recompute,
+                                recompute_layers=cfg.model.recompute_layers, device=self.device, seed=cfg.seed,
+                                sequence_parallel=cfg.parallelism.sequence_parallel,
+                                stage_layers=cfg.parallelism.stage_layers)
         get_lora_context(self.model).impl = None if cfg.kernels == "auto" else cfg.kernels
         self.timers = StageTimers()
         self.model.config.timers = self.timers  # Megatron's schedules time their stages through this hook
