@@ -134,8 +134,7 @@ class Trainer:
             self.release()
 
     def _run(self, stops) -> dict:
-        from lorafusion.runtime.telemetry.metrics import MetricsWriter, cut_metrics, max_memory_gib
-        from lorafusion.runtime.telemetry.progress import Progress
+        from lorafusion.runtime.telemetry.metrics import MetricsWriter, Progress, cut_metrics, max_memory_gib
         from lorafusion.runtime.pipeline import run_chunk
         from lorafusion.checkpoint.handover import Handover
         from lorafusion.runtime.online import LiveJobs
@@ -151,9 +150,8 @@ class Trainer:
             else:  # a fresh run (the directory held at most a failed run's rows, see check_output_dir)
                 RunDir(self.out).metrics.unlink(missing_ok=True)
             metrics = MetricsWriter(self.out, tensorboard=cfg.logging.tensorboard)
-            progress = Progress({n: js.stream.total_steps for n, js in self.jobs.items()},
-                                enabled=cfg.logging.progress, log_every=cfg.logging.log_every,
-                                log_every_s=cfg.logging.log_every_s, memory=max_memory_gib)
+            progress = Progress.for_run(cfg.logging, {n: js.stream.total_steps for n, js in self.jobs.items()},
+                                        max_memory_gib)
             from lorafusion.export.hf import base_reference
 
             base_reference(cfg, self.out, self.arch, self.device)  # base_model.json: for export, and submit's checks

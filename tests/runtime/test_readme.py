@@ -52,9 +52,12 @@ def test_readme_runs_as_written(tmp_path):
     _fake_venv(tmp_path)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
     ran = {"bash": 0, "python": 0}
+    activated = False  # the reader's shell keeps what a block sourced
     for lang, body in readme_blocks():
         if lang == "bash" and not body.startswith("# on GPUs"):
             script = "\n".join(x for x in map(_shell_line, body.splitlines()) if x is not None)
+            script = ("source .venv/bin/activate\n" if activated else "") + script
+            activated = activated or "source .venv/bin/activate" in body
             res = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
                                  timeout=900)
         elif lang == "python":

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from lorafusion.rundir.atomic import write_text_atomic
 from lorafusion.rundir.layout import RunDir
+from lorafusion.runtime.telemetry.progress import Progress  # noqa: F401  (the trainer's one import)
 
 
 def _finite_or_none(v):

@@ -63,6 +63,12 @@ class Progress:
             self._live = Live(get_renderable=self._table, refresh_per_second=4, transient=False)
             self._live.start()
 
+    @classmethod
+    def for_run(cls, logging, jobs: dict[str, int], memory=None) -> "Progress":
+        """From a run's ``logging`` section (:class:`lorafusion.config.schema.LoggingConfig`)."""
+        return cls(jobs, enabled=logging.progress, log_every=logging.log_every, log_every_s=logging.log_every_s,
+                   memory=memory)
+
     def _row(self, job: str, total: int | None) -> _Row:
         row = self.rows.setdefault(job, _Row(total))  # a job may join the run later
         if total is not None:
