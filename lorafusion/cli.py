@@ -161,10 +161,33 @@ def _run_dir_of(src: Path) -> Path:
     return src
 
 
+def _check_export_out(src: Path, out: Path, base: bool) -> None:
+    """``--out`` (replaced with --force) never holds nor lies inside the run it exports from — except RUN/base
+    for --base, the base the adapters of a preset run name — and is never another run's directory."""
+    from lorafusion.core.errors import ConfigError
+
+    try:
+        o = out.resolve()
+        step = src.resolve()  # a checkpoints/<job>/step_N directory: its run is protected too
+        runs = {step} | ({step.parents[2]} if (src / "state.json").is_file() and step.parents[1].name == "checkpoints"
+                         else set())
+    except (OSError, RuntimeError, IndexError) as e:
+        raise ConfigError(f"{out}: cannot resolve --out ({e})") from None
+    for run in runs:
+        if o == run or o in run.parents:
+            raise ConfigError(f"{out}: --out holds the run directory {run} it exports from; choose a path outside it")
+        if run in o.parents and not (base and o == run / "base"):
+            raise ConfigError(f"{out}: --out is inside the run directory {run}; choose a path outside it")
+    if out.is_dir() and any((out / n).exists() for n in ("status.json", "summary.json", "checkpoints", ".lock")):
+        raise ConfigError(f"{out}: --out is a lorafusion run directory; export replaces only exports, choose "
+                          f"another path")
+
+
 def cmd_export(args) -> int:
     """Copy a job's PEFT adapter out of a run directory or one checkpoint, or write the run's base model or
     a job's adapter merged into it (HF format); atomically, never over an existing --out without --force."""
     from lorafusion.core.errors import ConfigError
+    from lorafusion.core.lora import check_adapter_name
     from lorafusion.rundir.adapters import find_adapter
     from lorafusion.rundir.atomic import copier, fill_dir_atomically
 
@@ -176,6 +199,12 @@ def cmd_export(args) -> int:
         raise ConfigError("--merged needs --job J (the adapter to merge into the base)")
     if not args.base and not args.job:
         raise ConfigError("expected --job J (its adapter; with --merged, merged into the base) or --base")
+    if args.job is not None:
+        try:
+            check_adapter_name(args.job, "--job")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    _check_export_out(src, out, base=args.base)
     if (out.exists() or out.is_symlink()) and not args.force:
         raise ConfigError(f"{out}: --out already exists; choose another path or pass --force to replace it "
                           f"(atomically, once the new export is complete)")

@@ -137,3 +137,26 @@ def test_shared_a_import_of_an_adapter_with_its_own_a_per_projection_is_one_clea
         import_peft_adapter(model, "y", d / "own-a", spec=shared)
     with pytest.raises(ConfigError, match=r"job.lora.r: the adapter in init_from has 2, the job 4"):
         import_peft_adapter(model, "y", d / "own-a", spec=LoRASpec(r=4, lora_alpha=4), where="job")
+
+
+def test_export_names_its_base_or_says_what_to_pass(base, tmp_path):
+    """An adapter of a model built from a HF directory names that directory (AutoPeftModel can load it); one of
+    a model with no recorded base is one error naming base_model."""
+    import json
+
+    from lorafusion.layers import add_adapter
+    from lorafusion.models.provider import build_model
+
+    arch, _, model, d = base
+    add_adapter(model, "z", LoRASpec(r=2, lora_alpha=2, target_modules=["v_proj"]))
+    try:
+        export_peft_adapter(model, "z", tmp_path / "z")
+        cfg = json.loads((tmp_path / "z" / "adapter_config.json").read_text())
+        assert cfg["base_model_name_or_path"] == str((d / "base").resolve()) and cfg["target_modules"] == ["v_proj"]
+    finally:
+        remove_adapter(model, "z")
+    bare = build_model(arch, seed=0)
+    add_adapter(bare, "z", LoRASpec(r=2, lora_alpha=2))
+    with pytest.raises(ConfigError, match="export_peft_adapter: base_model: expected the base model's HF name"):
+        export_peft_adapter(bare, "z", tmp_path / "bare")
+    assert not (tmp_path / "bare").exists()

@@ -34,10 +34,22 @@ __all__ = [
     "TokenizerError",
     "build_tokenizer",
     "render_simple_chat",
+    "simple_chat_jinja",
 ]
 
 # the built-in chat template: one line per history message, then the generation prompt
 SIMPLE_CHAT_TEMPLATE = {"message": "{role}: {content}\n", "generation_prompt": "assistant: "}
+
+
+def simple_chat_jinja(with_bos: bool) -> str:
+    """The built-in template as a transformers ``chat_template``: a conversation ending in an assistant message
+    renders as training's sample text (``[bos] prompt response eos``), a history with ``add_generation_prompt``
+    as its prompt."""
+    return ("{{ bos_token }}" if with_bos else "") + (
+        "{% for message in messages %}{% if loop.last and message['role'] == 'assistant' %}"
+        "assistant: {{ message['content'] }}{{ eos_token }}"
+        "{% else %}{{ message['role'] }}: {{ message['content'] }}\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
 class TokenizerError(ConfigError):

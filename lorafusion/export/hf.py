@@ -35,7 +35,7 @@ from lorafusion.core.errors import ConfigError, MissingFileError
 RECORD = "base_model.json"
 # tokenizer and generation files of a HF model directory, copied with it when present
 _HF_SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                  "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+                  "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 
 
 def base_reference(cfg, run_dir: Path, arch: ModelArch, device) -> str:
@@ -117,7 +117,14 @@ def _path_base_state(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _write_tokenizer(record: dict, out: Path) -> str:
-    """Tokenizer files into ``out``; returns a short description."""
+    """Tokenizer files into ``out``, made to encode as training did (:func:`match_training`); returns a short
+    description."""
+    desc = _copy_tokenizer(record, out)
+    match_training(record, out)
+    return desc
+
+
+def _copy_tokenizer(record: dict, out: Path) -> str:
     tok = record["tokenizer"]
     if tok["type"] == "byte":
         write_byte_tokenizer(out)
@@ -134,6 +141,61 @@ def _write_tokenizer(record: dict, out: Path) -> str:
                 shutil.copyfile(src / n, out / n)
             copied.append(n)
     return f"tokenizer files {', '.join(copied)}" if copied else "no tokenizer files"
+
+
+def _run_tokenizer(record: dict):
+    from lorafusion.data.tokenizer import ByteTokenizer, HFTokenizer
+
+    tok = record["tokenizer"]
+    if tok["type"] == "byte":
+        return ByteTokenizer(), "<s>"
+    if tok["type"] == "hf":
+        t = HFTokenizer(tok["path"] or record["path"])
+        return t, t.bos_token
+    return None, None
+
+
+def match_training(record: dict, out: Path) -> None:
+    """Make the HF tokenizer files in ``out`` do what training did, so transformers needs no manual fix:
+
+    - encoding with special tokens (transformers' default) prepends bos exactly when training's samples start
+      with it (a ``TemplateProcessing`` step in tokenizer.json when the tokenizer would not);
+    - ``chat_template``: the tokenizer's own, else the built-in template training renders chat data with
+      (:func:`lorafusion.data.tokenizer.simple_chat_jinja`);
+    - ``generation_config.json`` (when the base has none): bos / eos / pad ids, eos ending generation as in
+      ``lorafusion generate``.
+
+    A sentencepiece tokenizer is copied as is (transformers builds its own from tokenizer.model)."""
+    from lorafusion.data.tokenizer import simple_chat_jinja
+
+    tok, bos_token = _run_tokenizer(record)
+    if tok is None or not (out / "tokenizer.json").is_file():
+        return
+    if tok.bos_id is not None:
+        _prepend_bos(out / "tokenizer.json", bos_token, tok.bos_id)
+    tc_file = out / "tokenizer_config.json"
+    tc = json.loads(tc_file.read_text()) if tc_file.is_file() else {}
+    tc["add_bos_token"] = tok.bos_id is not None
+    tc["add_eos_token"] = False
+    if not tc.get("chat_template") and not (out / "chat_template.jinja").is_file():
+        tc["chat_template"] = simple_chat_jinja(tok.bos_id is not None)
+    tc_file.write_text(json.dumps(tc, indent=2) + "\n")
+    if not (out / "generation_config.json").is_file():
+        gen = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+        (out / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if v is not None},
+                                                               indent=2) + "\n")
+
+
+def _prepend_bos(tok_json: Path, bos_token: str, bos_id: int) -> None:
+    from tokenizers import Tokenizer, processors
+
+    t = Tokenizer.from_file(str(tok_json))
+    if t.encode("a").ids[:1] == [bos_id]:
+        return
+    bos = processors.TemplateProcessing(single=f"{bos_token} $A", pair=f"{bos_token} $A {bos_token} $B:1",
+                                        special_tokens=[(bos_token, bos_id)])
+    t.post_processor = bos if t.post_processor is None else processors.Sequence([t.post_processor, bos])
+    t.save(str(tok_json))
 
 
 def write_byte_tokenizer(out: Path) -> None:

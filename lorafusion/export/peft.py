@@ -127,7 +127,15 @@ def export_peft_adapter(model, name: str, out_dir: str | Path, arch: ModelArch |
 def peft_adapter_snapshot(model, name: str, arch: ModelArch | None = None,
                           base_model: str | None = None) -> tuple[dict[str, torch.Tensor], dict] | None:
     """Adapter ``name`` in host memory, ready for :func:`write_peft_adapter`: (PEFT-keyed fp32 tensors, its
-    ``adapter_config.json``) on global rank 0, None elsewhere (collective)."""
+    ``adapter_config.json``) on global rank 0, None elsewhere (collective). ``base_model``: what the config names
+    as its base (default: the directory a model built by ``build_model_from_hf`` came from)."""
+    from lorafusion.layers.inject import _chunks, _unwrap
+
+    base_model = base_model or getattr(_unwrap(_chunks(model)[0]), "lorafusion_base", None)
+    if base_model is None:
+        raise ConfigError("export_peft_adapter: base_model: expected the base model's HF name or directory, which "
+                          "the adapter config names for transformers (the model was not built by "
+                          "build_model_from_hf, which records it)")
     state = adapter_peft_state(model, name, arch or model_arch(model))
     if state is None:
         return None

@@ -139,4 +139,5 @@ def build_model_from_hf(path: str | Path | HFCheckpoint, *, params_dtype: torch.
     ckpt = path if isinstance(path, HFCheckpoint) else HFCheckpoint(path)
     model = build_model(ckpt.arch, params_dtype=params_dtype, **kw)
     load_hf_weights(model, ckpt)
+    model.lorafusion_base = str(ckpt.path.resolve())  # what exported adapters name as their base
     return model

@@ -22,9 +22,40 @@ def run_jobs(src: Path) -> list[str]:
     return sorted(names)
 
 
+def check_safetensors(path: Path) -> None:
+    """MissingFileError unless ``path`` is a whole safetensors file: its header parses and its length is the
+    header's plus the tensors' (a truncated copy, a failed write; torch-free, reads the header only)."""
+    import struct
+
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0] if size >= 8 else None
+            if n is None or n > min(size - 8, 100 << 20):
+                raise MissingFileError(f"{path}: truncated or damaged: {size:,} bytes, too short for its header")
+            header = json.loads(f.read(n))
+        end = max([v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"], default=0)
+    except MissingFileError:
+        raise
+    except OSError as e:
+        raise MissingFileError(f"{path}: cannot read ({e.strerror or e})") from None
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise MissingFileError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    if size != 8 + n + end:
+        raise MissingFileError(f"{path}: truncated or damaged: {size:,} bytes, its header describes "
+                               f"{8 + n + end:,}")
+
+
 def find_adapter(src: Path, job: str, best: bool = False) -> tuple[Path, str]:
     """(PEFT adapter directory, what it is) of ``job`` in a run directory or one checkpoint step directory;
-    ``best``: its best-eval checkpoint's (a run directory only)."""
+    ``best``: its best-eval checkpoint's (a run directory only). The adapter's weights must be whole."""
+    adapter, what = _find_adapter(src, job, best)
+    if (weights := adapter / "adapter_model.safetensors").is_file():
+        check_safetensors(weights)
+    return adapter, what
+
+
+def _find_adapter(src: Path, job: str, best: bool) -> tuple[Path, str]:
     if not src.is_dir():
         raise MissingFileError(f"{src}: no checkpoint or adapter of job {job!r}: no such directory (expected a run "
                                f"output_dir or a checkpoints/<job>/step_N directory)")

@@ -21,6 +21,21 @@ def check_output_dir(out: Path, source, *, resume: bool) -> None:
     if taken:
         raise ConfigError(f"{source}: output_dir: {out} already holds a run ({', '.join(taken)}); "
                           f"choose another output_dir or resume it with --resume")
+    # anything else must be what a run (or `plan`, `export --base`) writes there, in a directory a run has held
+    # (a run takes .lock before it writes): a user's own metrics.jsonl or notes are never replaced
+    names = {p.name for p in out.iterdir()}
+    foreign = sorted(n for n in names - RUN_NAMES if not (n.startswith(".") and ".tmp" in n))
+    if not foreign and ".lock" not in names and names - {"plan"}:
+        foreign = sorted(names - {"plan"})
+    if foreign:
+        raise ConfigError(f"{source}: output_dir: {out} holds files that are not a lorafusion run's "
+                          f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); choose a new or "
+                          f"empty directory")
+
+
+# what a run, `lorafusion plan` (plan/) and `export --base` (base/) write in an output_dir
+RUN_NAMES = {".lock", "metrics.jsonl", "tensorboard", "status.json", "summary.json", "requests", "submitted",
+             "base_model.json", "checkpoints", "adapters", "plan", "base"}
 
 
 class OutputDirLock:

@@ -159,6 +159,7 @@ def test_a_run_that_failed_before_any_checkpoint_can_be_run_again(tmp_path, mega
     (tmp_path / "o" / "checkpoints").mkdir(parents=True)  # what a failed run leaves behind
     (tmp_path / "o" / "tensorboard").mkdir()
     (tmp_path / "o" / "metrics.jsonl").write_text('{"job": "a", "step": 1, "loss": 9.0}\n')
+    (tmp_path / "o" / ".lock").write_text("")  # (a run takes its lock before it writes anything)
     summary, out = train_inprocess(run)
     assert summary["jobs"]["a"]["status"] == "done"
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]

@@ -141,3 +141,58 @@ def test_submit_refuses_what_the_run_would_refuse(tmp_path, capsys, three_jobs, 
     assert err.startswith("lorafusion submit: error: ") and err.count("\n") == 1, err
     assert all(w in err for w in words), err
     assert sorted(str(p) for p in out.rglob("*")) == before  # nothing queued
+
+
+# ------------------------------------------------------------------------------------------------ export
+def _tree(root) -> dict:
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("where", ["run", "adapters", "parent", "checkpoints", "other_run"])
+def test_export_never_replaces_the_run_it_reads(tmp_path, capsys, three_jobs, where):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(three_jobs[3], out)
+    target = {"run": out, "adapters": out / "adapters", "parent": tmp_path, "checkpoints": out / "checkpoints" / "x",
+              "other_run": three_jobs[3]}[where]
+    before, other = _tree(out), _tree(three_jobs[3])
+    assert main(["export", str(out), "--job", "rev", "--out", str(target), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ("--out holds the run directory" in err or "--out is inside the run" in err
+                                     or "--out is a lorafusion run directory" in err), err
+    assert _tree(out) == before and _tree(three_jobs[3]) == other
+    # from one checkpoint directory: its run is protected too
+    step = next((out / "checkpoints" / "rev").glob("step_*"))
+    assert main(["export", str(step), "--job", "rev", "--out", str(out / "adapters" / "rev"), "--force"]) == 2
+    assert "--out is inside the run directory" in capsys.readouterr().err and _tree(out) == before
+
+
+def test_export_refuses_a_job_path_and_a_truncated_adapter(tmp_path, capsys, three_jobs):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(three_jobs[3], out)
+    assert main(["export", str(out), "--job", "../adapters/rev", "--out", str(tmp_path / "e")]) == 2
+    assert "--job: expected letters, digits" in capsys.readouterr().err
+    weights = out / "adapters" / "rev" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-10])
+    assert main(["export", str(out), "--job", "rev", "--out", str(tmp_path / "e")]) == 2
+    err = capsys.readouterr().err
+    assert f"{weights}: truncated or damaged" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "e").exists()
+
+
+@pytest.mark.parametrize("files", [{"metrics.jsonl": '{"mine": 1}\n'}, {"notes.txt": "mine"},
+                                   {"metrics.jsonl": "x", "plan": None}])
+def test_a_fresh_run_never_replaces_a_users_files(tmp_path, capsys, megatron_single, files):
+    jobs = [job_dict("rev", write_dataset(tmp_path / "d" / "rev.jsonl", 1), r=4, steps=1)]
+    run = write_run(tmp_path, jobs, out="mine")
+    (tmp_path / "mine").mkdir()
+    for name, text in files.items():
+        (tmp_path / "mine" / name).mkdir() if text is None else (tmp_path / "mine" / name).write_text(text)
+    before = _tree(tmp_path / "mine")
+    assert main(["train", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "output_dir:" in err and "holds files that are not a lorafusion run's" in err and err.count("\n") == 1
+    assert _tree(tmp_path / "mine") == before and sorted(p.name for p in (tmp_path / "mine").iterdir()) == sorted(files)
