@@ -32,7 +32,7 @@ demo: $(STAMP)
 	@echo "$(DEMO_LINK) -> $(DEMO_OUT). Next (after: source $(VENV)/bin/activate):"
 	@echo "  lorafusion status $(DEMO_LINK)"
 	@echo "  lorafusion generate $(DEMO_LINK) --prompts configs/quickstart/heldout.jsonl --out $(DEMO_LINK)/answers.jsonl"
-	@echo "  lorafusion export $(DEMO_LINK) --job count --out $(DEMO_LINK)/count-adapter"
+	@echo "  lorafusion export $(DEMO_LINK) --job countdown --out outputs/countdown-adapter"
 	@echo "  lorafusion export $(DEMO_LINK) --base --out $(DEMO_LINK)/base"
 
 # two workers: the runtime tests wait on subprocesses and solver runs, so two cores overlap them

@@ -149,7 +149,7 @@ class Trainer:
                 cut_metrics(RunDir(self.out).metrics, {n: js.steps for n, js in self.jobs.items()})
             else:  # a fresh run (the directory held at most a failed run's rows, see check_output_dir)
                 RunDir(self.out).metrics.unlink(missing_ok=True)
-            metrics = MetricsWriter(self.out, tensorboard=cfg.logging.tensorboard)
+            metrics = MetricsWriter(self.out, cfg.logging.tensorboard, cfg.logging.wandb, cfg.model_dump(mode="json"))
             progress = Progress.for_run(cfg.logging, {n: js.stream.total_steps for n, js in self.jobs.items()},
                                         max_memory_gib)
             from lorafusion.export.hf import base_reference

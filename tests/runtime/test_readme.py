@@ -74,6 +74,7 @@ def test_readme_runs_as_written(tmp_path):
     assert ran["bash"] >= 2 and ran["python"] >= 2, ran
     # what the blocks made: the adapter, base and merged exports, the best-eval export, the API example's adapter
     latest = tmp_path / "outputs" / "quickstart" / "latest"
-    for d in (latest / "count-adapter", latest / "base", latest / "count-merged", tmp_path / "out" / "sql"):
+    for d in (tmp_path / "outputs" / "countdown-adapter", latest / "base", tmp_path / "outputs" / "countdown-merged",
+              tmp_path / "outputs" / "countdown-best", tmp_path / "out" / "sql"):
         assert d.is_dir() and any(d.iterdir()), d
     assert (latest / "answers.jsonl").is_file()

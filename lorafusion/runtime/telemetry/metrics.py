@@ -37,15 +37,28 @@ def cut_metrics(path: Path, steps: dict[str, int]) -> None:
 
 
 class MetricsWriter:
-    def __init__(self, output_dir: Path, tensorboard: bool = True):
+    """Every step and eval row into ``metrics.jsonl``, and into the trackers the run asks for: tensorboard, and
+    Weights & Biases (``wandb``: a :class:`lorafusion.config.schema.WandbConfig`, offline unless it says online)."""
+
+    def __init__(self, output_dir: Path, tensorboard: bool = True, wandb=None, config: dict | None = None):
         self.path = RunDir(output_dir).metrics
         self._f = self.path.open("a", buffering=1)
-        self._tb = None
+        self._tb = self._wandb = None
         self._rows = 0  # rows logged by this writer: the x axis of the run-wide scalars
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(RunDir(output_dir).tensorboard))
+        if wandb is not None:
+            import wandb as wb
+
+            self._wandb = wb.init(project=wandb.project, mode=wandb.mode, name=wandb.name or Path(output_dir).name,
+                                  dir=str(output_dir), config=config, reinit="finish_previous")
+
+    def _to_wandb(self, record: dict, keys: tuple[str, ...]) -> None:
+        if self._wandb is not None:
+            job = record["job"]
+            self._wandb.log({f"{job}/{k}": record[k] for k in (*keys, "step") if record.get(k) is not None})
 
     def log_step(self, record: dict) -> None:
         """record: {"job", "step", "loss", "tokens", "lr", "grad_norm", "skipped", "tokens_per_s", "max_memory_gib",
@@ -60,6 +73,7 @@ class MetricsWriter:
             for key in ("tokens_per_s", "max_memory_gib"):  # run-wide: one point per logged row
                 if record.get(key) is not None:
                     self._tb.add_scalar(f"run/{key}", record[key], self._rows)
+        self._to_wandb({k: _finite_or_none(v) for k, v in record.items()}, ("loss", "lr", "grad_norm", "tokens"))
         self._rows += 1
 
     def log_eval(self, record: dict) -> None:
@@ -68,11 +82,14 @@ class MetricsWriter:
         self._f.write(json.dumps({k: _finite_or_none(v) for k, v in record.items()}, allow_nan=False) + "\n")
         if self._tb is not None and record.get("eval_loss") is not None and math.isfinite(record["eval_loss"]):
             self._tb.add_scalar(f"{record['job']}/eval_loss", record["eval_loss"], record["step"])
+        self._to_wandb({k: _finite_or_none(v) for k, v in record.items()}, ("eval_loss", "best_eval_loss"))
 
     def close(self) -> None:
         self._f.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 def max_memory_gib() -> float:
