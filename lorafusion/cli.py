@@ -90,6 +90,9 @@ def cmd_plan(args) -> int:
         print(f"{w['window']:>6} {len(w['jobs']):>4} {w['microbatches']:>5} {w['noops']:>5} {w['fill']:>6.3f} "
               f"{w['imbalance'] or 0:>6.3f} {w['simulated_bubble']:>7.3f} {w['plan_s']:>7.3f}")
     charts = "" if any(f.endswith(".png") for f in res["files"]) else " (no chunk planned: no charts)"
+    print("  (a window = one chunk; mbs: microbatches; noops: empty slots keeping a job's next batch behind its "
+          "optimizer step;\n   fill: mean share of the token capacity used; imbal: largest microbatch / mean (1 = "
+          "even); bubble: simulated idle share of pipeline time)")
     print(f"written to {res['dir']}: {', '.join(res['files'])}{charts}")
     _print_pipeline(cfg, stage, res, args, out)
     return 0

@@ -47,23 +47,24 @@ def draw_gantt(ax, plan: Plan, timeline, dp_rank: int, colors: dict, title: str)
     shares; forwards light, backwards dark; the microbatch's slot number on it where it fits."""
     mbs = plan.for_rank(dp_rank)
     span = max(timeline.makespan, 1e-12)
+    unit, scale = next((u, k) for u, k in (("s", 1.0), ("ms", 1e3), ("µs", 1e6)) if span * k >= 1 or u == "µs")
     interleaved = any(getattr(o, "chunk", 0) for o in timeline.ops)
     for o in timeline.ops:
         mb = mbs[o.slot]
         if mb.is_noop or o.end <= o.start:
             continue
-        bottom = o.stage - 0.4
+        start, width, bottom = o.start * scale, (o.end - o.start) * scale, o.stage - 0.4
         for job, share in _shares(mb):
-            ax.barh(bottom + 0.8 * share / 2, o.end - o.start, height=0.8 * share, left=o.start, color=colors[job],
+            ax.barh(bottom + 0.8 * share / 2, width, height=0.8 * share, left=start, color=colors[job],
                     alpha=0.45 if o.kind == "F" else 1.0, linewidth=0)
             bottom += 0.8 * share
-        ax.barh(o.stage, o.end - o.start, height=0.8, left=o.start, fill=False, edgecolor="black", linewidth=0.4)
+        ax.barh(o.stage, width, height=0.8, left=start, fill=False, edgecolor="black", linewidth=0.4)
         if (o.end - o.start) / span > 0.02:
             label = f"{o.kind}{o.slot}" + (f".{o.chunk}" if interleaved else "")
-            ax.text((o.start + o.end) / 2, o.stage, label, ha="center", va="center", fontsize=6)
+            ax.text(start + width / 2, o.stage, label, ha="center", va="center", fontsize=6)
     ax.set_yticks(range(timeline.num_stages), [f"PP stage {s}" for s in range(timeline.num_stages)])
     ax.set_ylim(timeline.num_stages - 0.5, -0.5)
-    ax.set_xlabel("simulated time (s)")
+    ax.set_xlabel(f"simulated time ({unit}; the plan's cost model)")
     noops = sum(mb.is_noop for mb in mbs)
     slots = f" + {noops} no-op slot{'s' if noops > 1 else ''} (nothing runs)" if noops else ""
     ax.set_title(f"{title}{_rank_label(plan, dp_rank)}, simulated 1F1B: {len(mbs) - noops} microbatches{slots}, "
