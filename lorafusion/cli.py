@@ -75,7 +75,26 @@ def _holds_only_our_lock(out: Path) -> bool:
         return False
 
 
+def _plan_memory(args) -> int:
+    """``lorafusion plan RUN.yaml --gpu-memory SIZES``: the memory plan per stage for each GPU size (torch-free)."""
+    from lorafusion.config import load_run_config
+    from lorafusion.core.errors import ConfigError
+    from lorafusion.scheduler.memory import load_coefficients
+    from lorafusion.scheduler.sizing import parse_bytes, report
+
+    try:
+        sizes = [parse_bytes(x) for x in args.gpu_memory.split(",")]
+    except ValueError as e:
+        raise ConfigError(f"--gpu-memory: {e}") from None
+    cfg = load_run_config(args.config, args.overrides, check_files=False)
+    lines, _ = report(cfg, sizes, load_coefficients())
+    print("\n".join(lines).rstrip())
+    return 0
+
+
 def cmd_plan(args) -> int:
+    if args.gpu_memory:  # the memory plan per stage for these GPU sizes: no data, no model, no GPU
+        return _plan_memory(args)
     cfg = _load(args)  # before torch is imported
     from lorafusion.runtime.feed import Feed, load_jobs, scheduler_config
     from lorafusion.runtime.telemetry.report import stage_model, write_plan_report
@@ -211,6 +230,7 @@ def cmd_export(args) -> int:
     if (out.exists() or out.is_symlink()) and not args.force:
         raise ConfigError(f"{out}: --out already exists; choose another path or pass --force to replace it "
                           f"(atomically, once the new export is complete)")
+    note = ""
     if args.base:
         from lorafusion.export.hf import write_base
 
@@ -219,9 +239,10 @@ def cmd_export(args) -> int:
     else:
         adapter, what = find_adapter(src, args.job, best=args.best)
         if args.merged:
-            from lorafusion.export.hf import write_merged
+            from lorafusion.export.hf import fp8_note, read_record, write_merged
 
             fill, _ = write_merged(_run_dir_of(src), adapter)
+            note = fp8_note(read_record(_run_dir_of(src)))  # an FP8-trained base: merged into the original weights
             kind = "merged"
         else:
             fill = copier(adapter)
@@ -233,7 +254,7 @@ def cmd_export(args) -> int:
     else:
         out = fill_dir_atomically(out, fill)
     job = f" of job {args.job!r}" if args.job else ""
-    what = f"{what}{job}{' merged into the base' if kind == 'merged' else ''}"
+    what = f"{what}{job}{' merged into the base' + note if kind == 'merged' else ''}"
     print(f"exported {what} to {out}", file=sys.stderr)
     print(json.dumps({"job": args.job, "kind": kind, "exported": what,
                       "from": str(adapter) if adapter else str(src), "to": str(out)}))
@@ -283,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--windows", type=_positive_int, default=20,
                     help="how many windows (chunks of scheduler.lookahead_batches global batches per job) to plan")
     pl.add_argument("--out", help="directory for tables and charts (default OUTPUT_DIR/plan)")
+    pl.add_argument("--gpu-memory", metavar="SIZE[,SIZE...]",
+                    help="print the memory plan per pipeline stage for GPUs of this memory (e.g. 80GiB or "
+                         "24,48,80,141): capacity and recompute for auto, what does not fit and what would")
     pl.add_argument("--virtual-sweep", type=_int_list, default=None, metavar="V,V,...",
                     help="also simulate these parallelism.virtual_stages with the even and the auto split")
     sb = sub.add_parser("submit", help="add a job to a running (or stopped, before --resume) run")

@@ -15,10 +15,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str | None = None) -> dict:
+def init_distributed(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str | None = None,
+                     virtual_stages: int = 1) -> dict:
     """Initialise torch.distributed (env:// from torchrun/Slurm, or a 1-process group) and Megatron's
-    parallel state with ``tp``×``pp`` (dp = world / (tp·pp)). On a machine without CUDA the megatron
-    CPU shims are applied and gloo is used."""
+    parallel state with ``tp``×``pp`` (dp = world / (tp·pp)), ``virtual_stages`` model chunks per pipeline
+    rank (interleaved 1F1B when > 1). On a machine without CUDA the megatron CPU shims are applied and gloo
+    is used."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -42,15 +44,17 @@ def init_distributed(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str
     if world % (tp * pp):
         raise ValueError(f"parallelism: tp*pp = {tp}*{pp} does not divide the world size {world}")
     if parallel_state.model_parallel_is_initialized():
-        if (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size()) \
-                == (tp, pp):
+        if (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) == (tp, pp, virtual_stages):
             # the same layout in the same process group (runs one after another in one process): keep its groups.
             # destroy_model_parallel only forgets them; their gloo threads would stay, two per group, ~20 groups
             # per layout (a test session of in-process runs reached 1,600 idle threads and doubled its time)
             model_parallel_cuda_manual_seed(seed)
             return {"rank": dist.get_rank(), "world": world, "tp": tp, "pp": pp, "dp": world // (tp * pp)}
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=virtual_stages if virtual_stages > 1 else None)
     model_parallel_cuda_manual_seed(seed)
     return {"rank": dist.get_rank(), "world": world, "tp": tp, "pp": pp, "dp": world // (tp * pp)}
 

@@ -238,7 +238,7 @@ def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, o
            "final_loss": {n: j["final_loss"] for n, j in summary["jobs"].items()},
            "steps_per_job": {n: j["steps"] for n, j in summary["jobs"].items()},
            "timed_steps_per_job": {n: len([r for r in timed if r["job"] == n]) for n in summary["jobs"]},
-           "parallelism": summary["parallelism"]}
+           "parallelism": summary["parallelism"], "memory_plan": summary.get("memory_plan")}
     if DIST or any(r["bubble_per_chunk"] for r in per_rank):
         res["peak_mem_gib_per_rank"] = [r["peak_mem_gib"] for r in per_rank]
         res["bubble_ratio_per_rank"] = [r["bubble_steady"] for r in per_rank]
@@ -253,7 +253,8 @@ def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, o
                            num_epochs=js.cfg.num_epochs)
         while (ids := stream.next_global_batch()) is not None:
             batches[n].append([js.samples[i] for i in ids])
-    info = {"arch": trainer.arch, "capacity": cfg.scheduler.token_capacity,
+    cap = cfg.scheduler.token_capacity  # "auto" was resolved by the run on a GPU (the memory plan); on a CPU it stays
+    info = {"arch": trainer.arch, "capacity": cap if isinstance(cap, int) else 4096,
             "jobs": {n: js.cfg for n, js in trainer.jobs.items()}, "dtype": cfg.model.dtype}
     del trainer
     gc.collect()

@@ -16,6 +16,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 _THREADS = max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 torch.set_num_threads(_THREADS)
+# Without CUDA, Triton's interpreter runs the kernels on the CPU. TRITON_INTERPRET must be set before any
+# triton.jit-decorated code is imported, and tests outside tests/kernels (checkpoint/, export/, inference/, ...
+# sort before it and are collected first) import modules that import the kernels: so it is set here, once.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

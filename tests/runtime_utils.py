@@ -39,17 +39,21 @@ def job_dict(name: str, data: Path, r: int, *, steps: int = 4, gbs: int = 4, dro
 
 def write_run(tmp: Path, jobs: list[dict], *, out: str = "out", tp=1, pp=1, dp=1, capacity=96, name="run.yaml",
               preset="tiny-llama", recompute=False, sequence_parallel=False, solver="greedy", policy="together",
-              recompute_layers=None, stage_layers=None) -> Path:
+              recompute_layers=None, stage_layers=None, base_precision=None, virtual_stages=1,
+              model_path=None) -> Path:
     """A run YAML of ``jobs``. Plans are greedy by default: they do not depend on the machine's load (a
     time-limited MILP can stop at different points in two runs on a busy CI machine), so two runs compared
     by a test get the same packing; the MILP in a real run is covered by tests/runtime/test_demo.py and
-    tests/scheduler."""
+    tests/scheduler. ``base_precision`` (e.g. "fp8") sets model.base_precision and model.dtype bfloat16."""
     run = {
-        "model": {"preset": preset, "dtype": "float32", "recompute": recompute,
-                  **({"recompute_layers": recompute_layers} if recompute_layers else {})},
+        "model": {**({"path": str(model_path)} if model_path else {"preset": preset}),
+                  "dtype": "bfloat16" if base_precision else "float32", "recompute": recompute,
+                  **({"recompute_layers": recompute_layers} if recompute_layers else {}),
+                  **({"base_precision": base_precision} if base_precision else {})},
         "tokenizer": {"type": "byte"},
         "parallelism": {"tp": tp, "pp": pp, "dp": dp, **({"sequence_parallel": True} if sequence_parallel else {}),
-                        **({"stage_layers": stage_layers} if stage_layers else {})},
+                        **({"stage_layers": stage_layers} if stage_layers else {}),
+                        **({"virtual_stages": virtual_stages} if virtual_stages > 1 else {})},
         "scheduler": {"token_capacity": capacity, "milp_time_limit_s": 0.2, "solver": solver,
                       "policy": policy},
         "kernels": "reference",

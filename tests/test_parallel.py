@@ -173,3 +173,32 @@ def test_stage_layers_split_the_decoder_unevenly():
             transformer_config(arch, pp=2, stage_layers=bad)
     with pytest.raises(ConfigError, match="more than the 3 decoder layers"):
         transformer_config(arch, pp=2, stage_layers=[3, 1], recompute=True, recompute_layers=4)
+
+
+def test_virtual_stage_layers_become_megatrons_layout():
+    """With virtual_stages V, ``stage_layers`` counts per virtual stage in layer order (stage c·pp + r is chunk c of
+    rank r): an uneven split becomes Megatron's pipeline_model_parallel_layout (embedding first, loss last), an
+    even one its default; interleaving sends each p2p direction alone (a PP=2 ring would cross them)."""
+    from megatron.core.transformer.enums import LayerType
+
+    from lorafusion.core.arch import preset
+    from lorafusion.core.errors import ConfigError
+    from lorafusion.models.spec import transformer_config
+
+    arch = preset("tiny-llama", num_layers=10)
+    split = [2, 1, 1, 1, 1, 1, 2, 1]
+    cfg = transformer_config(arch, pp=4, virtual_stages=2, stage_layers=split)
+    layout = cfg.pipeline_model_parallel_layout
+    assert cfg.virtual_pipeline_model_parallel_size == 2 and (cfg.overlap_p2p_comm, cfg.batch_p2p_comm) == (True, False)
+    assert [[layout.layout[r][c].count(LayerType.decoder) for r in range(4)] for c in range(2)] == [split[:4], split[4:]]
+    assert layout.layout[0][0][0] == LayerType.embedding and layout.layout[3][1][-1] == LayerType.loss
+    even = transformer_config(preset("tiny-llama"), pp=2, virtual_stages=2)
+    assert even.pipeline_model_parallel_layout is None and even.virtual_pipeline_model_parallel_size == 2
+    # V = 1 with unequal middle stages: the layout too (first/last counts cannot say it)
+    assert transformer_config(arch, pp=4, stage_layers=[2, 3, 4, 1]).pipeline_model_parallel_layout is not None
+    with pytest.raises(ConfigError, match=r"expected 8 counts >= 1 \(one per virtual stage"):
+        transformer_config(arch, pp=4, virtual_stages=2, stage_layers=[3, 3, 2, 2])
+    with pytest.raises(ConfigError, match="virtual_stages: pp x virtual_stages = 8 must divide num_layers=10"):
+        transformer_config(arch, pp=4, virtual_stages=2)
+    with pytest.raises(ConfigError, match=r"more than the 2 decoder layers of a pipeline stage \(model chunk\)"):
+        transformer_config(arch, pp=4, virtual_stages=2, stage_layers=split, recompute=True, recompute_layers=3)

@@ -133,6 +133,8 @@ class JobCheckpoints:
             flat.update({"(run) seed": cfg.seed, "(run) model.dtype": cfg.model.dtype,
                          "(run) model": Path(cfg.model.path).name if cfg.model.path else cfg.model.preset,
                          "(run) tokenizer.type": cfg.tokenizer.type})
+            if cfg.model.base_precision != "bf16":  # (absent = bf16: checkpoints written before the field resume)
+                flat["(run) model.base_precision"] = cfg.model.base_precision
             self._fingerprints[name] = flat
         return self._fingerprints[name]
 
@@ -183,7 +185,12 @@ class JobCheckpoints:
                 for k, p in params.items():
                     if k not in tensors["adapter"] or tensors["adapter"][k].shape != p.shape:
                         raise ConfigError(f"{path}: adapter tensor {k} is missing or has another shape; "
-                                          f"the checkpoint does not match job {name!r}'s lora settings")
+                                          f"the checkpoint does not match job {name!r}'s lora settings" + (
+                                              " (a checkpoint from before lora.shared_fused_a existed has one A "
+                                              "shared by q/k/v and gate/up: set lora.shared_fused_a: true)"
+                                              if k in tensors["adapter"] and k.endswith(("linear_qkv.lora_A",
+                                                                                        "linear_fc1.lora_A"))
+                                              else ""))
                     p.copy_(tensors["adapter"][k])
             js.optimizer.load_state_dict(tensors["optimizer"])
             js.stream.load_state_dict(state["stream"])

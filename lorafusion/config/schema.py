@@ -45,14 +45,29 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, validate_default=False, allow_inf_nan=False)
 
 
+def _recompute_layers(v: Any) -> Any:
+    if v is None or (isinstance(v, str) and v == "auto"):
+        return v
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"expected an integer >= 1 or 'auto', got {v!r}")
+    return v
+
+
 class ModelConfig(_Strict):
     preset: str | None = None
     path: str | None = None  # HF model directory (config.json + safetensors)
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     recompute: bool = False
     # with recompute: only the first N decoder layers of each pipeline stage are recomputed (Megatron's "block"
-    # method), the others keep their activations: less recompute where the GPU has memory to spare
-    recompute_layers: int | None = Field(None, ge=1)
+    # method), the others keep their activations: less recompute where the GPU has memory to spare. "auto": the
+    # fewest per stage that make the run fit the GPU (lorafusion/scheduler/sizing.py; every layer on a CPU)
+    recompute_layers: Annotated[int | Literal["auto"] | None, BeforeValidator(_recompute_layers)] = None
+    # precision of the frozen base's decoder linears (qkv, proj, fc1, fc2). "fp8": each weight is quantized once
+    # at load to float8_e4m3fn with one scale per output channel (its bf16 copy freed: half the bytes), X and dY
+    # are quantized per row on the fly and the forward and input-gradient GEMMs run in FP8 (torch._scaled_mm;
+    # needs an sm_89+ GPU, or the CPU). The LoRA path, embeddings, norms and the output layer stay in `dtype`.
+    # Needs dtype: bfloat16. Exports and merges use the original bf16 weights, reloaded from the source.
+    base_precision: Literal["bf16", "fp8"] = "bf16"
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -60,6 +75,8 @@ class ModelConfig(_Strict):
             raise ValueError("expected exactly one of `preset` (a preset name) or `path` (a HF model directory)")
         if self.recompute_layers is not None and not self.recompute:
             raise ValueError(f"recompute_layers: {self.recompute_layers} needs recompute: true")
+        if self.base_precision == "fp8" and self.dtype != "bfloat16":
+            raise ValueError(f"base_precision: fp8 needs dtype: bfloat16 (the FP8 GEMMs write bf16), got {self.dtype}")
         return self
 
 

@@ -49,7 +49,7 @@ def base_reference(cfg, run_dir: Path, arch: ModelArch, device) -> str:
 
     record = {
         "preset": cfg.model.preset, "path": str(Path(cfg.model.path).resolve()) if cfg.model.path else None,
-        "seed": cfg.seed, "dtype": cfg.model.dtype,
+        "seed": cfg.seed, "dtype": cfg.model.dtype, "base_precision": cfg.model.base_precision,
         "init_device": torch.device(device).type if device is not None else "cpu",
         "tokenizer": {"type": cfg.tokenizer.type,
                       "path": str(Path(cfg.tokenizer.path).resolve()) if cfg.tokenizer.path else None},
@@ -251,7 +251,16 @@ def write_base(run_dir: Path, out: Path, *, max_shard_bytes: int | None = None):
 
     what = f"copy of model.path {record['path']}" if record["path"] else \
         f"preset {record['preset']!r} (seed {record['seed']}, {record['dtype']})"
-    return fill, what
+    return fill, what + fp8_note(record)
+
+
+def fp8_note(record: dict) -> str:
+    """What an export of a run trained on an FP8 base says: the weights written are the original ones."""
+    if record.get("base_precision", "bf16") == "bf16":
+        return ""
+    src = record["path"] or f"preset {record['preset']!r} drawn again from seed {record['seed']}"
+    return (f" (the run trained on an {record['base_precision'].upper()} base; these are the original "
+            f"{record['dtype']} weights, reloaded from {src})")
 
 
 def write_merged(run_dir: Path, adapter_dir: Path, *, max_shard_bytes: int | None = None):
@@ -293,7 +302,7 @@ def write_merged(run_dir: Path, adapter_dir: Path, *, max_shard_bytes: int | Non
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         _write_tokenizer(record, tmp)
 
-    return fill, f"adapter {adapter_dir} merged into the base (scaling {spec.scaling:g})"
+    return fill, f"adapter {adapter_dir} merged into the base (scaling {spec.scaling:g}){fp8_note(record)}"
 
 
 __all__ = ["RECORD", "base_reference", "read_record", "write_base", "write_byte_tokenizer", "write_merged"]

@@ -45,6 +45,7 @@ class RunInfo:
     tokenizer: dict  # {"type": ..., "path": ...}
     adapters: dict[str, Path]  # job -> PEFT adapter directory (final, else the latest checkpoint's)
     init_device: str | None = None  # device type the preset's weights were drawn on (None: as training would)
+    base_precision: str = "bf16"  # model.base_precision of the run: generate quantizes the base as training did
 
 
 def _read_json(path: Path) -> dict:
@@ -92,7 +93,7 @@ def load_run(run_dir: str | Path) -> RunInfo:
             raise ConfigError(f"{record}: expected an integer 'seed' and exactly one of 'preset' or 'path'")
         tok = r.get("tokenizer") or {"type": "byte", "path": None}
         return RunInfo(run, r.get("preset"), r.get("path"), r["seed"], r.get("dtype", "float32"), tok, adapters,
-                       r.get("init_device"))
+                       r.get("init_device"), r.get("base_precision", "bf16"))
     if not states:
         raise MissingFileError(f"{run}: no checkpoint state.json (it records the run's seed, which rebuilds the "
                                f"base); expected checkpoints/<job>/step_N/state.json")
@@ -141,7 +142,8 @@ def build_run_model(info: RunInfo, jobs: Sequence[str], device=None):
     if not info.path and info.init_device and info.init_device != drawn:
         raise ConfigError(f"{info.run_dir / 'base_model.json'}: the run drew its random base weights on "
                           f"{info.init_device}; generate on a machine of that kind (here: {drawn})")
-    model = build_base(*base_arch(info.path, info.preset), dtype=info.dtype, device=device, seed=info.seed)
+    model = build_base(*base_arch(info.path, info.preset), dtype=info.dtype, device=device, seed=info.seed,
+                       base_precision=info.base_precision)
     get_lora_context(model).impl = None
     for job in jobs:
         import_peft_adapter(model, job, info.adapters[job])

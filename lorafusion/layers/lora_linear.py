@@ -36,6 +36,7 @@ from lorafusion.core.lora import LoRASpec
 from lorafusion.core.routing import Routing
 from lorafusion.core.seeds import mix_seed, name_key
 from lorafusion.core.targets import PEFT_GROUPS
+from lorafusion.layers.fp8_base import fp8_base_forward
 from lorafusion.layers.fused_proj import BlockIndex, block_b, fused_projection_index
 from lorafusion.ops.tables import TableCache, seed_tensor
 
@@ -198,7 +199,7 @@ class _LoRAMixin:
         else:
             a = a_full
             b = torch.zeros(fout // tp, spec.r)
-        dev = self.weight.device
+        dev = (self.weight if self.weight is not None else self.weight_fp8).device  # FP8 base: weight is None
         pa, pb = torch.nn.Parameter(a.to(dev)), torch.nn.Parameter(b.to(dev))
         if self.s_comm_mode == "row":
             set_tensor_model_parallel_attributes(pa, True, 1, 1)
@@ -256,21 +257,29 @@ class _LoRAMixin:
 
     def forward(self, input_, *args, **kwargs):
         """Base + LoRA. Without TP and with the fused kernels, one op does both (the low-rank term enters
-        the base GEMM); otherwise Megatron's own forward (with its TP collectives) plus the LoRA term."""
+        the base GEMM); otherwise the base layer (Megatron's forward with its TP collectives, or the FP8
+        base) plus the LoRA term."""
         largs = self._lora_args(input_)
         if largs is None:
-            return super().forward(input_, *args, **kwargs)
-        if self._tp()[0] == 1 and not args and not kwargs and ops.resolve_impl(input_, self.lora_ctx.impl) == "fused":
+            return self._base_forward(input_, *args, **kwargs)
+        if self.weight is not None and self._tp()[0] == 1 and not args and not kwargs and ops.resolve_impl(input_, self.lora_ctx.impl) == "fused":
             routing, a, b, scaling, p, seeds, seed_table = largs
             bias = None if self.skip_bias_add or self.bias is None else self.bias
             ctx = self.lora_ctx
             y = ops.multi_lora_linear(input_, self.weight, bias, a, b, scaling, p, seeds, routing, impl="fused",
                                       cache=ctx.tables, seed_table=seed_table, main_gemm=ctx.main_gemm)
             return y, (self.bias if self.skip_bias_add else None)
-        out, bias = super().forward(input_, *args, **kwargs)
+        out, bias = self._base_forward(input_, *args, **kwargs)
         if self.sequence_parallel:
             return out + self._sequence_parallel_delta(input_, largs), bias
         return out + self._lora_delta(input_, largs), bias
+
+    def _base_forward(self, input_, *args, **kwargs):
+        """The frozen base layer alone: Megatron's forward, or the FP8 one when the base is quantized
+        (``model.base_precision: fp8``, :mod:`lorafusion.layers.fp8_base`)."""
+        if getattr(self, "weight_fp8", None) is not None:
+            return fp8_base_forward(self, input_)
+        return super().forward(input_, *args, **kwargs)
 
     def _sequence_parallel_delta(self, input_: torch.Tensor, largs) -> torch.Tensor:
         """The LoRA term under Megatron's sequence parallelism, in the base output's layout.

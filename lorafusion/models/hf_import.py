@@ -133,11 +133,16 @@ def load_hf_weights(model: torch.nn.Module, path: str | Path | HFCheckpoint) -> 
 
 
 def build_model_from_hf(path: str | Path | HFCheckpoint, *, params_dtype: torch.dtype = torch.float32, **kw):
-    """Build this rank's stage of the HF model at ``path`` and load its weights."""
+    """Build this rank's stage of the HF model at ``path`` and load its weights (``base_precision="fp8"``:
+    quantized once loaded, see :mod:`lorafusion.layers.fp8_base`)."""
+    from lorafusion.layers.fp8_base import quantize_base
     from lorafusion.models.provider import build_model
 
     ckpt = path if isinstance(path, HFCheckpoint) else HFCheckpoint(path)
+    precision = kw.pop("base_precision", "bf16")
     model = build_model(ckpt.arch, params_dtype=params_dtype, **kw)
-    load_hf_weights(model, ckpt)
-    model.lorafusion_base = str(ckpt.path.resolve())  # what exported adapters name as their base
+    for chunk in (model if isinstance(model, torch.nn.ModuleList) else [model]):  # virtual pipeline: each chunk
+        load_hf_weights(chunk, ckpt)
+        chunk.lorafusion_base = str(ckpt.path.resolve())  # what exported adapters name as their base
+    quantize_base(model, precision)
     return model

@@ -21,7 +21,8 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 
-from lorafusion.layers.inject import attach_lora_context
+from lorafusion.layers.fp8_base import quantize_base
+from lorafusion.layers.inject import attach_lora_context, get_lora_context
 from lorafusion.layers.lora_linear import LoRAColumnParallelLinear, LoRARowParallelLinear
 from lorafusion.models.attention import PackedDotProductAttention
 from lorafusion.models.fused import resolve_fused_ops
@@ -49,10 +50,9 @@ def lora_layer_spec(transformer_impl: str = "local", fused_ops: str = "off"):
 
 def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, pre_process: bool | None = None,
                 post_process: bool | None = None, recompute: bool = False, recompute_layers: int | None = None,
-                device: str | torch.device | None = None,
-                transformer_impl: str = "local", seed: int = 1234, fused_ops: str | None = None,
-                sequence_parallel: bool = False, stage_layers: list[int] | None = None,
-                **config_overrides) -> GPTModel:
+                device: str | torch.device | None = None, transformer_impl: str = "local", seed: int = 1234,
+                fused_ops: str | None = None, sequence_parallel: bool = False, stage_layers: list[int] | None = None,
+                base_precision: str = "bf16", **config_overrides) -> GPTModel | ModelChunks:
     """Build this pipeline stage's ``GPTModel`` (requires ``parallel_state`` to be initialised).
 
     Base weights are frozen (``requires_grad=False``); initialise them with :mod:`lorafusion.models.hf_import`
@@ -61,19 +61,55 @@ def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, p
     ``model.lorafusion_fused_ops``. ``sequence_parallel`` (tp > 1): Megatron's sequence parallelism; the
     norms are then :class:`~lorafusion.models.fused.rms_norm.RMSNorm` even with ``fused_ops="off"`` (its
     "torch" implementation, ``F.rms_norm`` as ``torch.nn.RMSNorm``), since Megatron's ``WrappedTorchNorm``
-    refuses SP.
+    refuses SP. ``base_precision``: "fp8" quantizes the decoder linears after init (:mod:`..layers.fp8_base`).
+
+    With Megatron's virtual pipeline (``parallel_state`` initialised with V model chunks per rank) this rank's
+    V chunks come back as :class:`ModelChunks` (one LoRA context, one config); ``stage_layers`` then counts
+    per virtual stage.
     """
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     mode = resolve_fused_ops(fused_ops, device)
     impl = None if mode == "off" else mode
     overrides = {**(fused_config_overrides(impl) if impl else {}), **config_overrides}
+    V = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
     cfg = transformer_config(arch, params_dtype, tp=tp, pp=pp, recompute=recompute, recompute_layers=recompute_layers,
-                             sequence_parallel=sequence_parallel, stage_layers=stage_layers, **overrides)
+                             sequence_parallel=sequence_parallel, stage_layers=stage_layers, virtual_stages=V,
+                             **overrides)
+    if V > 1:
+        chunks = ModelChunks([_build_chunk(arch, cfg, transformer_impl, mode, impl, sequence_parallel, device, seed,
+                                           recompute, vp_stage=c) for c in range(V)])
+        attach_lora_context(chunks, get_lora_context(chunks[0]))  # one context (routing, adapters) for all chunks
+        quantize_base(chunks, base_precision)
+        return chunks
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    model = _build_chunk(arch, cfg, transformer_impl, mode, impl, sequence_parallel, device, seed, recompute,
+                         pre_process=pre_process, post_process=post_process)
+    quantize_base(model, base_precision)
+    return model
+
+
+class ModelChunks(torch.nn.ModuleList):
+    """This pipeline rank's model chunks (interleaved 1F1B), in layer order; ``config`` is theirs (shared)."""
+
+    @property
+    def config(self):
+        return self[0].config
+
+    @property
+    def lorafusion_arch(self):
+        return self[0].lorafusion_arch
+
+
+def _build_chunk(arch, cfg, transformer_impl, mode, impl, sequence_parallel, device, seed, recompute, *,
+                 pre_process=None, post_process=None, vp_stage=None) -> GPTModel:
+    """One model chunk (the whole stage without virtual pipeline) on ``cfg``: frozen, initialised, LoRA-ready."""
+    if vp_stage is not None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     layer_spec = lora_layer_spec(transformer_impl, fused_ops=mode)
     norm_impl = impl or ("torch" if sequence_parallel else None)
     if impl is None and norm_impl is not None:
@@ -88,13 +124,14 @@ def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, p
     if norm_impl is not None:
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-        layer_spec = TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(cfg),
+        layer_spec = TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(cfg, vp_stage),
                                                 layer_norm=norm_spec(norm_impl))
     model = FusedLossGPTModel(
         config=cfg, transformer_layer_spec=layer_spec, vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=arch.tie_word_embeddings, position_embedding_type="rope",
         rotary_base=arch.rope_theta, parallel_output=True, fused_loss=impl,
+        **({} if vp_stage is None else {"vp_stage": vp_stage}),
     )
     model.lorafusion_fused_ops = mode
     # RoPE frequencies exactly as HF computes them (covers llama3 scaling with any parameters).

@@ -12,26 +12,18 @@ from lorafusion.core.errors import ConfigError
 
 def transformer_config(arch: ModelArch, params_dtype: torch.dtype = torch.float32, *, tp: int = 1, pp: int = 1,
                        recompute: bool = False, recompute_layers: int | None = None, sequence_parallel: bool = False,
-                       stage_layers: Sequence[int] | None = None, **overrides):
+                       stage_layers: Sequence[int] | None = None, virtual_stages: int = 1, **overrides):
     """The Megatron ``TransformerConfig`` for ``arch`` (no dropout in the frozen base; LoRA dropout is
     per adapter). ``recompute``: full activation recomputation of every decoder layer, or with
-    ``recompute_layers`` of the first N of each pipeline stage. ``sequence_parallel`` needs tp > 1."""
+    ``recompute_layers`` of the first N of each pipeline stage (each model chunk with ``virtual_stages``).
+    ``sequence_parallel`` needs tp > 1. ``virtual_stages`` V > 1: Megatron's interleaved 1F1B
+    (``virtual_pipeline_model_parallel_size``); ``stage_layers`` then counts per virtual stage (pp·V, layer
+    order)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if arch.num_query_groups % tp:
         raise ConfigError(f"parallelism.tp: {tp} must divide num_query_groups={arch.num_query_groups}")
-    split = {}
-    if stage_layers is not None:
-        stage_layers = list(stage_layers)
-        if len(stage_layers) != pp or sum(stage_layers) != arch.num_layers or min(stage_layers) < 1:
-            raise ConfigError(f"parallelism.stage_layers: expected {pp} counts >= 1 summing to num_layers="
-                              f"{arch.num_layers}, got {stage_layers}")
-        if len(set(stage_layers)) > 1:  # (an even list is Megatron's default split)
-            split = dict(num_layers_in_first_pipeline_stage=stage_layers[0],
-                         num_layers_in_last_pipeline_stage=stage_layers[-1])
-    elif arch.num_layers % pp:
-        raise ConfigError(f"parallelism.pp: {pp} must divide num_layers={arch.num_layers}")
-    stage_max = max(stage_layers) if stage_layers is not None else arch.num_layers // pp
+    split, stage_max = _split(arch.num_layers, pp, virtual_stages, stage_layers)
     if sequence_parallel and tp == 1:
         raise ConfigError("parallelism.sequence_parallel: needs tp > 1")
     kw = dict(
@@ -76,13 +68,49 @@ def transformer_config(arch: ModelArch, params_dtype: torch.dtype = torch.float3
     if recompute and recompute_layers is not None:
         if recompute_layers > stage_max:
             raise ConfigError(f"model.recompute_layers: {recompute_layers} is more than the "
-                              f"{stage_max} decoder layers of a pipeline stage")
+                              f"{stage_max} decoder layers of a pipeline stage"
+                              f"{'' if virtual_stages == 1 else ' (model chunk)'}")
         kw.update(recompute_granularity="full", recompute_method="block", recompute_num_layers=recompute_layers)
     elif recompute:
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     kw.update(split)
     kw.update(overrides)
     return TransformerConfig(**kw)
+
+
+def _split(num_layers: int, pp: int, virtual_stages: int, stage_layers: Sequence[int] | None) -> tuple[dict, int]:
+    """Megatron's split arguments for ``stage_layers`` (per virtual stage, layer order) and the largest count:
+    even → Megatron's default; V = 1 with equal middle stages → first/last-stage counts; otherwise
+    ``pipeline_model_parallel_layout`` (embedding on the first virtual stage, loss on the last)."""
+    V = virtual_stages
+    n = pp * V
+    # interleaved: each direction's p2p on its own (Megatron's overlap_p2p_comm); batched, a PP=2 ring sends
+    # activations and gradients between the same two ranks in one batch, where they can cross
+    split: dict = {} if V == 1 else {"virtual_pipeline_model_parallel_size": V, "overlap_p2p_comm": True,
+                                     "batch_p2p_comm": False}
+    if stage_layers is None:
+        if num_layers % n:
+            what = f"pp: {pp}" if V == 1 else f"virtual_stages: pp x virtual_stages = {n}"
+            raise ConfigError(f"parallelism.{what} must divide num_layers={num_layers} (or give "
+                              f"parallelism.stage_layers)")
+        return split, num_layers // n
+    stage_layers = [int(x) for x in stage_layers]
+    if len(stage_layers) != n or sum(stage_layers) != num_layers or min(stage_layers) < 1:
+        per = "" if V == 1 else " (one per virtual stage, pp x virtual_stages, in layer order)"
+        raise ConfigError(f"parallelism.stage_layers: expected {n} counts >= 1{per} summing to num_layers="
+                          f"{num_layers}, got {stage_layers}")
+    if len(set(stage_layers)) == 1:  # Megatron's default split
+        return split, stage_layers[0]
+    if V == 1 and len(set(stage_layers[1:-1])) <= 1:
+        split.update(num_layers_in_first_pipeline_stage=stage_layers[0],
+                     num_layers_in_last_pipeline_stage=stage_layers[-1])
+    else:
+        layout = [["decoder"] * k for k in stage_layers]
+        layout[0].insert(0, "embedding")
+        layout[-1].append("loss")
+        split["pipeline_model_parallel_layout"] = layout
+        split.pop("virtual_pipeline_model_parallel_size", None)  # the layout implies it
+    return split, max(stage_layers)
 
 
 __all__ = ["transformer_config"]

@@ -51,6 +51,17 @@ def pack_eval(sets: dict[str, list[tuple[list[int], int]]], capacity: int) -> li
     return packed
 
 
+def _per_rank(total: int, dp: int, virtual_stages: int) -> int:
+    """Microbatches every DP rank runs: the same number on each, and under interleaved 1F1B a multiple of pp
+    (Megatron's microbatch groups)."""
+    from megatron.core import parallel_state
+
+    from lorafusion.scheduler.pipeorder import interleave_padding
+
+    n = -(-total // dp)
+    return n + interleave_padding(n, parallel_state.get_pipeline_model_parallel_world_size(), virtual_stages)
+
+
 def eval_losses(model, sets: dict[str, list[tuple[list[int], int]]], capacity: int, *, device=None,
                 eos_id: int = 0) -> dict[str, tuple[float, int]]:
     """{job: (token-mean loss over its eval samples, loss tokens)} of the model as it is (collective over
@@ -59,13 +70,14 @@ def eval_losses(model, sets: dict[str, list[tuple[list[int], int]]], capacity: i
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from lorafusion.layers import set_batch
+    from lorafusion.runtime.pipeline import chunks_of
 
     names = list(sets)
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     everything = pack_eval(sets, capacity)
     mine = everything[dp_rank::dp]
-    per_rank = -(-len(everything) // dp)  # every DP rank runs the same number of microbatches
-    mine += [noop_microbatch(eos_id)] * (per_rank - len(mine))
+    chunks = chunks_of(model)
+    mine += [noop_microbatch(eos_id)] * (_per_rank(len(everything), dp, len(chunks)) - len(mine))
     pad = parallel_state.get_tensor_model_parallel_world_size() if model.config.sequence_parallel else 1
     dev = device or torch.device("cpu")
     sums = torch.zeros(2 * len(names), dtype=torch.float64, device=dev)  # [loss sums..., token counts...]
@@ -92,7 +104,8 @@ def eval_losses(model, sets: dict[str, list[tuple[list[int], int]]], capacity: i
     model.config.timers = None  # the stage timers measure training chunks only
     try:
         with torch.no_grad():
-            get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(mine), model=[model],
+            data = [iter(mine) for _ in chunks] if len(chunks) > 1 else iter(mine)
+            get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data, model=chunks,
                                         num_microbatches=len(mine),
                                         seq_length=max(-(-b.num_tokens // pad) * pad for b in mine),
                                         micro_batch_size=1, forward_only=True)

@@ -43,6 +43,22 @@ def scheduler_config(cfg: RunConfig) -> SchedulerConfig:
                            virtual_stages=cfg.parallelism.virtual_stages, **cfg.scheduler.model_dump())
 
 
+def stage_split(cfg: RunConfig, arch) -> list[int] | None:
+    """``parallelism.stage_layers`` for the model builder: ``auto`` becomes the scheduler's loss-aware split
+    (scheduler/stages.py: the output layer and loss counted as work on the last virtual stage)."""
+    layers = cfg.parallelism.stage_layers
+    if layers != "auto":
+        return layers
+    from lorafusion.core.errors import ConfigError
+    from lorafusion.scheduler import PlanError, stages
+
+    try:
+        return stages.auto_split(arch.num_layers, cfg.parallelism.pp, cfg.parallelism.virtual_stages,
+                                 stages.loss_layers(arch))
+    except PlanError as e:
+        raise ConfigError(f"{cfg.source}: parallelism.stage_layers: auto: {e}") from None
+
+
 @dataclass
 class JobState:
     cfg: JobConfig

@@ -13,10 +13,19 @@ finished backward on this stage: its step *begins* (DP reduction, async norm red
 (clip + AdamW) right before this stage's first forward that uses the job again, which the scheduler's
 dependency rule (first_slot(g+1) >= L + S) places after the beginning; at the latest when the
 pipeline has drained. :class:`StepTracker` keeps that bookkeeping.
+
+Interleaved 1F1B (``parallelism.virtual_stages`` V > 1: this rank holds V model chunks): a microbatch's last
+backward on this rank is chunk 0's and its first forward is chunk 0's, in the order
+:func:`lorafusion.scheduler.pipeorder.stage_order` gives. A step *begins* right after chunk 0's backward of
+the batch's last microbatch (a hook after each of Megatron's backward steps, before the gradient is sent on,
+so every rank has begun before the first rank waits in an *end*), and *ends* right before chunk 0's forward of
+the job's next microbatch here; the scheduler's rule (``pipeorder.start_slot``) puts that forward after the
+backward on every rank. :class:`InterleavedStepTracker`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable
 
@@ -26,7 +35,7 @@ import torch.distributed as dist
 from lorafusion.core.seeds import mix_seed, name_key
 from lorafusion.data.packing import pad_to_multiple
 from lorafusion.runtime.feed import Chunk, Key
-from lorafusion.scheduler import Plan
+from lorafusion.scheduler import Plan, stage_order
 
 
 class StepTracker:
@@ -69,6 +78,67 @@ class StepTracker:
                 self.results[k] = self.optimizers[k[0]].end_step()
 
 
+class InterleavedStepTracker(StepTracker):
+    """:class:`StepTracker` for interleaved 1F1B: steps begin after chunk 0's backward of a batch's last
+    microbatch (:meth:`after_backward`, called after every backward in order) and end before chunk 0's forward
+    of the job's next microbatch (:meth:`before_forward` with the chunk)."""
+
+    def __init__(self, plan: Plan, optimizers: dict, stage: int, num_stages: int, virtual_stages: int,
+                 num_microbatches: int):
+        super().__init__(plan, optimizers, stage, num_stages)
+        order = stage_order(num_stages, stage, num_microbatches, virtual_stages)
+        self._backwards = [(u, c) for kind, u, c in order if kind == "B"]
+        self._done = 0
+        self._ends_at: dict[int, list[Key]] = {}
+        for k in self.keys:
+            self._ends_at.setdefault(plan.step_slot(*k), []).append(k)
+        self._ends_at_key = set(self.keys)
+
+    def after_backward(self) -> None:
+        u, c = self._backwards[self._done]
+        self._done += 1
+        if c != 0:
+            return
+        for k in self._ends_at.get(u, ()):
+            if k not in self._begun:
+                self._end({k[0]})  # a DP rank that skipped the job: see StepTracker._begin
+                self.optimizers[k[0]].begin_step()
+                self._begun.append(k)
+
+    def before_forward(self, batch_of: dict[str, int], chunk: int = 0) -> None:
+        """Before each forward, with the microbatch's {job: global batch}: chunk 0 ends the steps it needs;
+        a job whose previous batch has not begun its step here would train on stale gradients (the plan broke
+        the dependency rule): an error, never silently wrong."""
+        if chunk != 0:
+            return
+        for job, g in batch_of.items():
+            if (job, g - 1) in self._ends_at_key and (job, g - 1) not in self._begun:
+                raise RuntimeError(f"dependency rule broken: job {job!r} batch {g} reaches chunk 0 before batch "
+                                   f"{g - 1} finished its backward on this rank")
+        self._end(set(batch_of))
+
+    def finish(self) -> dict[Key, tuple]:
+        if self._done != len(self._backwards):
+            raise RuntimeError(f"interleaved 1F1B ran {self._done} backward steps, its order has "
+                               f"{len(self._backwards)}")
+        return super().finish()
+
+
+def chunks_of(model) -> list:
+    """The model chunks Megatron's schedule takes: this rank's V chunks, or ``[model]``."""
+    return list(model) if isinstance(model, torch.nn.ModuleList) else [model]
+
+
+def make_tracker(chunk: Chunk, optimizers: dict, virtual_stages: int) -> StepTracker:
+    from megatron.core import parallel_state
+
+    num_stages = parallel_state.get_pipeline_model_parallel_world_size()
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    if virtual_stages > 1:
+        return InterleavedStepTracker(chunk.plan, optimizers, stage, num_stages, virtual_stages, len(chunk.packed))
+    return StepTracker(chunk.plan, optimizers, stage, num_stages)
+
+
 def dropout_seed(run_seed: int, job: str, batch: int) -> int:
     return mix_seed(run_seed, name_key(job), batch)
 
@@ -79,20 +149,24 @@ def run_chunk(model, chunk: Chunk, optimizers: dict, *, seed: int, device: torch
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from lorafusion.compat.megatron import after_each_backward
     from lorafusion.layers import set_batch
 
     # sequence parallelism splits each microbatch's tokens over the TP ranks: pad them to a multiple of tp
     pad = parallel_state.get_tensor_model_parallel_world_size() if model.config.sequence_parallel else 1
-    num_stages = parallel_state.get_pipeline_model_parallel_world_size()
-    stage = parallel_state.get_pipeline_model_parallel_rank()
-    tracker = StepTracker(chunk.plan, optimizers, stage, num_stages)
+    chunks = chunks_of(model)
+    tracker = make_tracker(chunk, optimizers, len(chunks))
+    which = {id(m): c for c, m in enumerate(chunks)}
     dev = device or torch.device("cpu")
     denom = {k: max(1, chunk.loss_tokens(k)) for k in tracker.keys}
     sums = {k: torch.zeros((), dtype=torch.float64, device=dev) for k in tracker.keys}
 
     def forward_step(data_iterator, model_):
         batch, batch_of = next(data_iterator)
-        tracker.before_forward(batch.adapters)
+        if len(chunks) > 1:
+            tracker.before_forward(batch_of, which[id(model_)])
+        else:
+            tracker.before_forward(batch.adapters)
         batch = pad_to_multiple(batch, pad).to(dev)
         set_batch(model_, batch.routing, batch.adapters, [dropout_seed(seed, n, batch_of[n]) for n in batch.adapters])
         output = model_(batch.tokens, batch.position_ids, attention_mask=None, labels=batch.labels,
@@ -117,20 +191,30 @@ def run_chunk(model, chunk: Chunk, optimizers: dict, *, seed: int, device: torch
         return output, loss_func
 
     t0 = time.perf_counter()
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(chunk.packed), model=[model],
-                                num_microbatches=len(chunk.packed),
-                                seq_length=max(-(-b.num_tokens // pad) * pad for b, _ in chunk.packed),
-                                micro_batch_size=1, forward_only=False)
+    # interleaved: one iterator per chunk over the same microbatches (every chunk routes its LoRA by them)
+    data = [iter(chunk.packed) for _ in chunks] if len(chunks) > 1 else iter(chunk.packed)
+    hook = after_each_backward(tracker.after_backward) if len(chunks) > 1 else contextlib.nullcontext()
+    with hook:
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data, model=chunks,
+                                    num_microbatches=len(chunk.packed),
+                                    seq_length=max(-(-b.num_tokens // pad) * pad for b, _ in chunk.packed),
+                                    micro_batch_size=1, forward_only=False)
     results = tracker.finish()
     compute_s = time.perf_counter() - t0
     set_batch(model, None, ())
-    # losses live on the last stage; TP rank 0 contributes so TP copies count once
+    return {"compute_s": compute_s, "steps": _steps(chunk, tracker.keys, results, sums, denom)}
+
+
+def _steps(chunk: Chunk, keys: list[Key], results: dict, sums: dict, denom: dict) -> list[dict]:
+    """One row per (job, batch): its loss (summed on the last stage; TP rank 0 contributes so TP copies count
+    once) and grad norm, with one host synchronisation for the chunk."""
+    from megatron.core import parallel_state
+
     last = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
-    stat = torch.stack([sums[k] for k in tracker.keys]) * (1.0 if last else 0.0)
+    stat = torch.stack([sums[k] for k in keys]) * (1.0 if last else 0.0)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(stat)
-    stat = stat.tolist()  # one host synchronisation per chunk: losses and grad norms together
-    norms = torch.stack([results[k][0].float() for k in tracker.keys]).tolist()
-    steps = [{"key": k, "loss": stat[i] / denom[k], "grad_norm": norms[i], "lr": results[k][1],
-              "tokens": chunk.tokens(k)} for i, k in enumerate(tracker.keys)]
-    return {"compute_s": compute_s, "steps": steps}
+    stat = stat.tolist()
+    norms = torch.stack([results[k][0].float() for k in keys]).tolist()
+    return [{"key": k, "loss": stat[i] / denom[k], "grad_norm": norms[i], "lr": results[k][1],
+             "tokens": chunk.tokens(k)} for i, k in enumerate(keys)]

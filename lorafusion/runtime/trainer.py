@@ -21,7 +21,7 @@ from lorafusion.config.schema import RunConfig
 from lorafusion.core.errors import ConfigError
 from lorafusion.rundir.atomic import write_text_atomic
 from lorafusion.rundir.layout import RunDir
-from lorafusion.runtime.feed import Feed, job_state, load_jobs, scheduler_config
+from lorafusion.runtime.feed import Feed, job_state, load_jobs, scheduler_config, stage_split
 from lorafusion.rundir.lock import OutputDirLock, check_output_dir
 from lorafusion.runtime.online import check_adapter_fits, run_limits
 
@@ -41,6 +41,7 @@ class Trainer:
         self.background_planning = background_planning
         self.out = Path(cfg.output_dir)
         self._lock = OutputDirLock(self.out, cfg.source)
+        self.memory_plan = None  # (set at start: lorafusion.runtime.memory.size_run)
 
     @property
     def owns_output_dir(self) -> bool:
@@ -69,19 +70,25 @@ class Trainer:
                               f"none — use auto (fused on CUDA, reference elsewhere) or reference")
         check_output_dir(self.out, cfg.source, resume=self.resume)
         self.tokenizer, self.jobs = load_jobs(cfg)
-        info = init_distributed(cfg.parallelism.tp, cfg.parallelism.pp, seed=cfg.seed)
+        info = init_distributed(cfg.parallelism.tp, cfg.parallelism.pp, seed=cfg.seed,
+                                virtual_stages=cfg.parallelism.virtual_stages)
         self.is_logger = info["rank"] == 0
-        self._lock.acquire(self.is_logger, share=share_from_rank0)
         dp_rank = parallel_state.get_data_parallel_rank()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         self.arch, ckpt = base_arch(cfg.model.path, cfg.model.preset)
         if self.tokenizer.vocab_size > self.arch.vocab_size:
             raise ConfigError(f"{cfg.source}: tokenizer: vocab_size {self.tokenizer.vocab_size} exceeds the "
                               f"model's vocab_size {self.arch.vocab_size}")
-        self.model = build_base(self.arch, ckpt, dtype=cfg.model.dtype, recompute=cfg.model.recompute,
-                                recompute_layers=cfg.model.recompute_layers, device=self.device, seed=cfg.seed,
+        # token_capacity / recompute_layers "auto" resolved for this GPU's memory (one clear error if nothing fits)
+        from lorafusion.runtime.memory import recompute_kwargs, size_run
+
+        self.memory_plan = size_run(cfg, self.arch, self.jobs, is_logger=self.is_logger)
+        self._lock.acquire(self.is_logger, share=share_from_rank0)  # (after the checks that may refuse the run)
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        self.model = build_base(self.arch, ckpt, dtype=cfg.model.dtype, device=self.device, seed=cfg.seed,
+                                **recompute_kwargs(cfg, self.memory_plan, stage, self.arch),
                                 sequence_parallel=cfg.parallelism.sequence_parallel,
-                                stage_layers=cfg.parallelism.stage_layers)
+                                stage_layers=stage_split(cfg, self.arch), base_precision=cfg.model.base_precision)
         get_lora_context(self.model).impl = None if cfg.kernels == "auto" else cfg.kernels
         self.timers = StageTimers()
         self.model.config.timers = self.timers  # Megatron's schedules time their stages through this hook
@@ -100,6 +107,22 @@ class Trainer:
         # after resuming: the feed continues every job's stream where its checkpoint left it
         self.feed = Feed(self.jobs, scheduler_config(cfg), dp_rank=dp_rank, eos_id=self.tokenizer.eos_id,
                          background=self.background_planning)
+
+    def _train_chunk(self, chunk, number: int) -> dict:
+        """Chunk ``number`` through the pipeline with every job's current optimizer; a CUDA out-of-memory is one
+        clear error naming the stage, the predicted and the actual peak (:func:`.memory.oom_error`)."""
+        from lorafusion.runtime.pipeline import run_chunk
+
+        try:
+            return run_chunk(self.model, chunk, {n: js.optimizer for n, js in self.jobs.items()}, seed=self.cfg.seed,
+                             device=self.device)
+        except torch.OutOfMemoryError:
+            from megatron.core import parallel_state
+
+            from lorafusion.runtime.memory import oom_error
+
+            stage = parallel_state.get_pipeline_model_parallel_rank()
+            raise oom_error(self.cfg, self.memory_plan, stage, number) from None
 
     def _new_job(self, job):
         """A job joining the run (resumed submission or ``lorafusion submit``): data, stream, adapter, optimizer."""
@@ -135,7 +158,6 @@ class Trainer:
 
     def _run(self, stops) -> dict:
         from lorafusion.runtime.telemetry.metrics import MetricsWriter, Progress, cut_metrics, max_memory_gib
-        from lorafusion.runtime.pipeline import run_chunk
         from lorafusion.checkpoint.handover import Handover
         from lorafusion.runtime.online import LiveJobs
         from lorafusion.runtime.telemetry.status import StatusWriter
@@ -193,8 +215,7 @@ class Trainer:
                 if status is not None:  # the counts as of the last boundary; who this chunk trains
                     status.write(in_chunk=set(chunk.batches))
                 # (jobs may have joined at the last boundary: the optimizers and the log order are the current ones)
-                res = run_chunk(self.model, chunk, {n: js.optimizer for n, js in self.jobs.items()}, seed=cfg.seed,
-                                device=self.device)
+                res = self._train_chunk(chunk, windows + 1)
                 order = list(self.jobs)
                 windows += 1
                 plan_s += chunk.plan_s
@@ -271,7 +292,8 @@ class Trainer:
             "elapsed_s": round(elapsed, 3), "tokens_per_s": total_tokens / max(elapsed, 1e-9),
             "windows": windows, "plan_s": round(plan_s, 3), "plan_wait_s": round(self.feed.wait_s, 3),
             "noop_microbatches": noops, "bubble_ratio": (sum(bubbles) / len(bubbles)) if bubbles else None,
-            "parallelism": cfg.parallelism.model_dump(), "kernels": ops.resolve_impl(
+            "parallelism": cfg.parallelism.model_dump(), "memory_plan": self.memory_plan and self.memory_plan.to_dict(),
+            "kernels": ops.resolve_impl(
                 torch.empty(0, device=self.device or "cpu"), None if cfg.kernels == "auto" else cfg.kernels),
             "jobs": {n: {"status": js.final_status,
                          "steps": js.steps, "total_steps": js.stream.total_steps, "tokens": js.tokens,

@@ -13,8 +13,9 @@ least squares): the 128k-vocabulary softmax and cross entropy are memory-bound w
 :data:`LOSS_FLOP_FACTOR` is that fit over the FLOP ratio, so :func:`loss_layers` is calibrated on the one
 measurement we have (docs/results/pipeline-interleaved-sim.json gives the calibration error).
 
-:func:`auto_split` places layers one at a time on the least-loaded rank (its least-loaded virtual stage),
-which for unit-size layers minimises the busiest rank's work; :func:`stage_costs` turns a split into the
+:func:`auto_split` places layers one at a time on the least-loaded rank (its least-loaded virtual stage; on
+a tie the later rank, which holds fewer microbatches' activations), which for unit-size layers minimises the
+busiest rank's work; :func:`stage_costs` turns a split into the
 simulator's per-virtual-stage (forward, backward) shares of the whole-model forward time.
 """
 
@@ -85,7 +86,7 @@ def auto_split(num_layers: int, num_stages: int, virtual_stages: int = 1, loss: 
     split = [1] * n
     for _ in range(num_layers - n):
         rank_load = [sum(split[k] + extra[k] for k in range(r, n, S)) for r in range(S)]
-        r = min(range(S), key=lambda i: (rank_load[i], i))
+        r = min(range(S), key=lambda i: (rank_load[i], -i))  # ties: a later rank (fewer microbatches in flight)
         k = min(range(r, n, S), key=lambda i: (split[i] + extra[i], i))
         split[k] += 1
     return split

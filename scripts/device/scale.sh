@@ -3,6 +3,7 @@
 #   run (kind nvidia-h200-x2):  bash scripts/device/scale.sh                     # every run that fits the GPUs present
 #   run (kind nvidia-h200-x2):  bash scripts/device/scale.sh 32b-pp2             # chosen runs (one per call fits 10 min)
 #   run (kind nvidia-h200-x4):  bash scripts/device/scale.sh 70b-pp4       # then 70b-tp2pp2 in a second call
+#   run (kind nvidia-h200-x4):  bash scripts/device/scale.sh 70b-pp4-auto 70b-pp4-v2   # then 70b-pp4-v5 (issue 27)
 #   run (kind nvidia-h200-x8):  bash scripts/device/scale.sh 70b-dp2pp4    # then 70b-dp2tp2pp2 in a second call
 # Runs (GPUs, config, layout; random bf16 weights, mixed-length data from scripts/make_bench_data.py):
 #   8b-pp2-recompute  2  llama3.1-8b   pp=2 + full activation recompute (the routing-restore path), a few steps
@@ -13,6 +14,10 @@
 #   70b-pp4           4  llama3.1-70b  pp=4
 #   70b-pp4-la16      4  llama3.1-70b  pp=4, lookahead 16 (chunks twice the shipped config's; no baselines)
 #   70b-tp2pp2        4  llama3.1-70b  tp=2 + sequence parallel, pp=2
+#   70b-pp4-auto      4  llama3.1-70b  pp=4, loss-aware split (stage_layers auto: 20/21/21/18)      (issue 27)
+#   70b-pp4-v2        4  llama3.1-70b  pp=4 x 2 virtual stages (interleaved 1F1B), auto split,      (issue 27)
+#                                      recompute of VRC (4) layers of each chunk (stage 0 would need ~164 GiB)
+#   70b-pp4-v5        4  llama3.1-70b  pp=4 x 5 virtual stages, auto split, VRC5 (1) of each 4-layer chunk (issue 27)
 #   70b-dp2pp4        8  llama3.1-70b  dp=2 x pp=4                (issue 16; no baselines: scaling vs 70b-pp4)
 #   70b-dp2tp2pp2     8  llama3.1-70b  dp=2 x tp=2 (+SP) x pp=2   (issue 16; scaling vs 70b-tp2pp2)
 # Each 32B run: STEPS (default 12) optimizer steps per job, the first WARMUP (4) untimed, so >= 8 timed (the config's
@@ -53,6 +58,13 @@ spec() {
     # pipeline's fill and drain half as often (one warm-up chunk + one timed chunk of 16 steps; baselines as 70b-pp4)
     70b-pp4-la16)     echo "4 configs/llama3.1-70b-4adapters.yaml 32 16 0 parallelism.tp=1 parallelism.pp=4 scheduler.lookahead_batches=16" ;;
     70b-tp2pp2)       echo "4 configs/llama3.1-70b-4adapters.yaml 12 4 1 parallelism.tp=2 parallelism.pp=2 parallelism.sequence_parallel=true scheduler.lookahead_batches=4" ;;
+    # issue 27: the simulated steady bubble 0.125 (V=1 even, measured 0.119) -> 0.074 (auto split) -> 0.027 (V=2)
+    # -> 0.023 (V=5) (docs/results/pipeline-interleaved-sim.json); one warm-up + one timed chunk, no baselines
+    # (against 70b-pp4). Interleaving holds more activations on stage 0 (memory model: 164 GiB at V=2 without
+    # recompute): VRC / VRC5 layers of each model chunk are recomputed
+    70b-pp4-auto)     echo "4 configs/llama3.1-70b-4adapters.yaml 16 8 0 parallelism.tp=1 parallelism.pp=4 parallelism.stage_layers=auto" ;;
+    70b-pp4-v2)       echo "4 configs/llama3.1-70b-4adapters.yaml 16 8 0 parallelism.tp=1 parallelism.pp=4 parallelism.virtual_stages=2 parallelism.stage_layers=auto model.recompute=true model.recompute_layers=${VRC:-4}" ;;
+    70b-pp4-v5)       echo "4 configs/llama3.1-70b-4adapters.yaml 16 8 0 parallelism.tp=1 parallelism.pp=4 parallelism.virtual_stages=5 parallelism.stage_layers=auto model.recompute=true model.recompute_layers=${VRC5:-1}" ;;
     # 8 GPUs (issue 16): DP=2 over each 4-GPU layout, parallelism.dp: auto = 8 / (tp*pp); against 70b-pp4 / 70b-tp2pp2
     70b-dp2pp4)       echo "8 configs/llama3.1-70b-4adapters.yaml 16 8 0 parallelism.tp=1 parallelism.pp=4" ;;
     70b-dp2tp2pp2)    echo "8 configs/llama3.1-70b-4adapters.yaml 12 4 0 parallelism.tp=2 parallelism.pp=2 parallelism.sequence_parallel=true scheduler.lookahead_batches=4" ;;
@@ -61,7 +73,7 @@ spec() {
     *) return 1 ;;
   esac
 }
-ALL="8b-pp2-recompute 32b-pp2 32b-pp2-rc 32b-tp2sp 70b-pp4 70b-pp4-la16 70b-tp2pp2 70b-dp2pp4 70b-dp2tp2pp2"
+ALL="8b-pp2-recompute 32b-pp2 32b-pp2-rc 32b-tp2sp 70b-pp4 70b-pp4-la16 70b-tp2pp2 70b-pp4-auto 70b-pp4-v2 70b-pp4-v5 70b-dp2pp4 70b-dp2tp2pp2"
 RUNS=${*:-}
 if [ -z "$RUNS" ]; then  # every run whose GPU count is the machine's
   for r in $ALL; do read -r g _ <<<"$(spec "$r")"; [ "$g" = "$NGPU" ] && RUNS="$RUNS $r"; done

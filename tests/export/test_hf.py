@@ -139,7 +139,8 @@ def test_model_path_base_is_copied_and_merged_sharded(tmp_path, megatron_single)
     add_adapter(model, "j", LoRASpec(r=4, lora_alpha=16, target_modules=("all-linear",), use_rslora=True))
     randomize_adapters(model)
     run_dir = tmp_path / "run"
-    cfg = SimpleNamespace(model=SimpleNamespace(path=str(tmp_path / "hf"), preset=None, dtype="float32"), seed=1,
+    cfg = SimpleNamespace(model=SimpleNamespace(path=str(tmp_path / "hf"), preset=None, dtype="float32",
+                                                    base_precision="bf16"), seed=1,
                           tokenizer=SimpleNamespace(type="byte", path=None))
     ref = base_reference(cfg, run_dir, arch, None)
     assert ref == str((tmp_path / "hf").resolve())

@@ -84,3 +84,35 @@ def test_chat_template_renders_training_samples(run):
     assert _ids(tok.apply_chat_template(conv, return_tensors="pt"))[0].tolist() == ids
     assert _ids(tok.apply_chat_template(conv[:-1], add_generation_prompt=True,
                                         return_tensors="pt"))[0].tolist() == ids[:prompt_len]
+
+
+@pytest.mark.parametrize("case", ["bos", "no_bos", "own_template"])
+def test_hf_tokenizer_export_encodes_as_training(tmp_path, case):
+    """A HF tokenizer whose tokenizer.json adds no bos (a generic fast tokenizer: transformers ignores
+    add_bos_token for it) while training prepends one gets a post-processor that does; one whose config says
+    add_bos_token: false stays without; a tokenizer's own chat template is kept; eos ends generation."""
+    from lorafusion.data.tokenizer import HFTokenizer
+    from lorafusion.export.hf import match_training, write_byte_tokenizer
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    for d in (src, out):
+        d.mkdir()
+    write_byte_tokenizer(src)
+    cfg = json.loads((src / "tokenizer_config.json").read_text())
+    cfg.pop("add_bos_token")
+    if case == "no_bos":
+        cfg["add_bos_token"] = False
+    if case == "own_template":
+        cfg["chat_template"] = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    (src / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for n in ("tokenizer.json", "tokenizer_config.json"):
+        (out / n).write_bytes((src / n).read_bytes())
+    trained = HFTokenizer(src)  # what training used
+    match_training({"tokenizer": {"type": "hf", "path": str(src)}, "path": None}, out)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    want = ([trained.bos_id] if trained.bos_id is not None else []) + trained.encode("reverse abc:")
+    assert tok("reverse abc:").input_ids == want and (want[0] == 256) == (case != "no_bos")
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == trained.eos_id == 257
+    msgs = [{"role": "user", "content": "hi"}]
+    rendered = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert rendered == ("<user>hi" if case == "own_template" else ("" if case == "no_bos" else "<s>") + "user: hi\nassistant: ")

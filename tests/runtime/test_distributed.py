@@ -45,7 +45,11 @@ def test_dp2_with_whole_global_batches_in_one_microbatch_equals_dp1(tmp_path, me
 LAYOUTS = {"pp2": dict(pp=2), "dp2": dict(dp=2), "tp2": dict(tp=2), "tp2_sp": dict(tp=2, sequence_parallel=True),
            "pp2_recompute": dict(pp=2, recompute=True),
            # uneven stages (3 + 1 of tiny-llama's 4 layers) with the first 2 of each stage recomputed
-           "pp2_uneven_partial_recompute": dict(pp=2, stage_layers=[3, 1], recompute=True, recompute_layers=2)}
+           "pp2_uneven_partial_recompute": dict(pp=2, stage_layers=[3, 1], recompute=True, recompute_layers=2),
+           # interleaved 1F1B: two model chunks of one layer per rank (a ring of two ranks), with and without
+           # recompute; the jobs step inside the pipeline (two global batches per chunk)
+           "pp2_v2": dict(pp=2, virtual_stages=2),
+           "pp2_v2_recompute": dict(pp=2, virtual_stages=2, recompute=True)}
 
 
 @pytest.mark.slow

@@ -51,3 +51,48 @@ def test_init_from_errors_name_the_field(tmp_path):
                                                         "use_dora": True, "target_modules": ["q_proj"]}))
     with pytest.raises(ConfigError, match=r"jobs.0.init_from: .*adapter_config.json: use_dora: expected False"):
         load_run_config(write_run(tmp_path, [job]))
+
+
+def test_a_job_continues_from_an_adapter_peft_made_on_a_hf_model(tmp_path, megatron_single):
+    """A PEFT adapter (all-linear, which PEFT writes out as module paths; its own A per projection) of a HF
+    LLaMA directory: `lorafusion train` with init_from starts from it (a tiny lr keeps it there) and the job's
+    exported adapter loads in PEFT with the same logits."""
+    import copy
+
+    import torch
+    import yaml
+
+    from hf_utils import write_hf_checkpoint
+    from lorafusion.core.arch import ModelArch
+
+    peft = pytest.importorskip("peft")
+    arch = ModelArch(family="llama", vocab_size=300, hidden_size=48, num_layers=2, num_attention_heads=6,
+                     num_query_groups=2, ffn_hidden_size=80, max_position_embeddings=256)
+    hf = write_hf_checkpoint(arch, tmp_path / "base")
+    torch.manual_seed(0)
+    pm = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                                 lora_dropout=0.0, init_lora_weights=False))
+    pm.save_pretrained(tmp_path / "peft")
+    job = {k: v for k, v in job_dict("p", write_dataset(tmp_path / "d" / "p.jsonl", 3), r=4, steps=1,
+                                     lr=1e-12).items() if k != "lora"}
+    job["init_from"] = str(tmp_path / "peft")
+    run = write_run(tmp_path, [job], out="o")
+    cfg = yaml.safe_load(run.read_text())
+    cfg["model"] = {"path": str(tmp_path / "base"), "dtype": "float32"}
+    run.write_text(yaml.safe_dump(cfg))
+    summary, out = train_inprocess(run)
+    assert summary["jobs"]["p"]["steps"] == 1
+    start = load_file_dict(tmp_path / "peft")
+    got = load_adapter(out, "p")
+    assert got.keys() == start.keys() and len(got) == 2 * 7 * arch.num_layers
+    for k in start:
+        assert (got[k] - start[k]).abs().max() <= 1e-9, k
+    ids = torch.randint(0, arch.vocab_size, (1, 10), generator=torch.Generator().manual_seed(1))
+    again = peft.PeftModel.from_pretrained(copy.deepcopy(hf), out / "adapters" / "p").eval()
+    torch.testing.assert_close(again(ids).logits, pm.eval()(ids).logits, rtol=0, atol=1e-6)
+
+
+def load_file_dict(adapter_dir):
+    from safetensors.torch import load_file
+
+    return load_file(adapter_dir / "adapter_model.safetensors")

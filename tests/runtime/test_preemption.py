@@ -157,6 +157,15 @@ def test_checkpoint_from_before_per_projection_a_resumes_only_with_shared_fused_
         train_inprocess(write_run(tmp_path, more, out="o", capacity=1024), resume=True)
     assert "jobs.0.lora.shared_fused_a: cannot resume job 'a'" in str(e.value)
     assert "set lora.shared_fused_a: true to resume it" in str(e.value)
+    for f in (tmp_path / "o" / "checkpoints" / "a").glob("step_*/state.json"):  # older still: no settings recorded
+        state = json.loads(f.read_text())
+        saved = state.pop("settings")
+        f.write_text(json.dumps(state))
+    with pytest.raises(ConfigError, match=r"linear_qkv.lora_A is missing or has another shape.*set "
+                                          r"lora.shared_fused_a: true"):
+        train_inprocess(write_run(tmp_path, more, out="o", capacity=1024), resume=True)
+    for f in (tmp_path / "o" / "checkpoints" / "a").glob("step_*/state.json"):
+        f.write_text(json.dumps({**json.loads(f.read_text()), "settings": saved}))
     more[0]["lora"]["shared_fused_a"] = True
     summary, _ = train_inprocess(write_run(tmp_path, more, out="o", capacity=1024), resume=True)
     assert summary["jobs"]["a"]["steps"] == 3

@@ -6,12 +6,14 @@ those, once, and only when CUDA is absent; on a GPU it does nothing. :func:`appl
 (LoRA routing under activation recomputation), :func:`apply_packed_rope_patch` (sync-free packed RoPE
 for models built with fused ops), :func:`apply_rope_positions_patch` (RoPE at explicit positions while
 decoding with a KV cache) and :func:`apply_stream_local_p2p_sync` (no device-wide synchronise in the
-pipeline p2p while a gradient-norm all-reduce is pending) work on CPU and GPU. Nothing is patched on import.
+pipeline p2p while a gradient-norm all-reduce is pending) work on CPU and GPU; :func:`after_each_backward`
+(a callback after each pipeline backward step) holds only inside its ``with``. Nothing is patched on import.
 """
 
 from lorafusion.compat.megatron.cpu import apply_cpu_patches, cpu_patches_applied
 from lorafusion.compat.megatron.p2p import apply_stream_local_p2p_sync, stream_local_p2p_sync_applied
 from lorafusion.compat.megatron.recompute import apply_recompute_state_hook
+from lorafusion.compat.megatron.schedule import after_each_backward
 from lorafusion.compat.megatron.rope import (
     apply_packed_rope_patch,
     apply_rope_positions_patch,
@@ -19,6 +21,6 @@ from lorafusion.compat.megatron.rope import (
     rope_positions_patch_applied,
 )
 
-__all__ = ["apply_cpu_patches", "cpu_patches_applied", "apply_stream_local_p2p_sync", "stream_local_p2p_sync_applied",
+__all__ = ["after_each_backward", "apply_cpu_patches", "cpu_patches_applied", "apply_stream_local_p2p_sync", "stream_local_p2p_sync_applied",
            "apply_recompute_state_hook", "apply_packed_rope_patch", "packed_rope_patch_applied",
            "apply_rope_positions_patch", "rope_positions_patch_applied"]

@@ -1,0 +1,102 @@
+"""FP8 helpers of the FP8 base linear on CUDA (:mod:`lorafusion.ops.fp8_linear`): row-wise quantization and the
+transpose of an FP8 weight.
+
+Row-wise quantization, for each row ``i`` of ``x`` [m, n] (times ``col_scale`` [n] when given):
+
+    v = x[i, :] (· col_scale) ;  scale[i] = max(max|v|, eps) / fp8_max ;  q[i, :] = clamp(v / scale[i]) → fp8
+
+One program per row. A row of up to ``MAX_SINGLE`` elements is held in registers: one read of x. Longer rows
+take two loops (max|v|, then q), reading the row twice: on an H100 that was faster for 14k- and 28k-column
+rows than one 16k/32k-wide block (0.61 vs 0.93 ms for fc1's dY at 12,288 rows), slower for 4k-column ones. Division is IEEE (``div_rn``) so that q equals the torch
+path's bit for bit.
+
+Transpose: [M, N] → [N, M] of one-byte elements in 64×64 tiles (``W_q`` → ``W_qᵀ``, the K-major operand of the
+input-gradient GEMM); ``Tensor.t().contiguous()`` on FP8 ran at ~0.2 TB/s on an H100.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+MAX_SINGLE = 8192  # longest row quantized from registers (one read); measured on an H100 (docs/BENCHMARKS.md)
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, cs_ptr, q_ptr, s_ptr, N, stride_x, stride_q,
+                       QMAX: tl.constexpr, EPS: tl.constexpr, HAS_CS: tl.constexpr, BLOCK: tl.constexpr,
+                       SINGLE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    q_row = q_ptr + row * stride_q
+    if SINGLE:  # the whole row in registers
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        v = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_CS:
+            v = v * tl.load(cs_ptr + cols, mask=mask, other=0.0)
+        scale = tl.maximum(tl.max(tl.abs(v), axis=0), EPS) / QMAX
+        tl.store(s_ptr + row, scale)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -QMAX), QMAX)
+        tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        return
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < N
+        v = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_CS:
+            v = v * tl.load(cs_ptr + cols, mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.abs(v))
+    scale = tl.maximum(tl.max(amax, axis=0), EPS) / QMAX
+    tl.store(s_ptr + row, scale)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < N
+        v = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_CS:
+            v = v * tl.load(cs_ptr + cols, mask=mask, other=0.0)
+        q = tl.math.div_rn(v, scale)
+        q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
+        tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, col_scale: torch.Tensor | None = None,
+                         eps: float = 1e-12, max_single: int = MAX_SINGLE) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [m, n] ``dtype``, scale [m, 1] float32) for a 2-D CUDA tensor ``x`` whose last dim is contiguous."""
+    m, n = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    q = torch.empty(m, n, device=x.device, dtype=dtype)
+    s = torch.empty(m, 1, device=x.device, dtype=torch.float32)
+    if m == 0:
+        return q, s
+    single = n <= max_single
+    block = triton.next_power_of_2(n) if single else 4096
+    warps = 16 if block >= 16384 else 8 if block >= 2048 else 4
+    cs = col_scale if col_scale is not None else s
+    _quant_rows_kernel[(m,)](x, cs, q, s, n, x.stride(0), q.stride(0), QMAX=float(torch.finfo(dtype).max),
+                             EPS=eps, HAS_CS=col_scale is not None, BLOCK=block, SINGLE=single, num_warps=warps)
+    return q, s
+
+
+@triton.jit
+def _transpose_kernel(src_ptr, dst_ptr, M, N, stride_s, stride_d, BM: tl.constexpr, BN: tl.constexpr):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tile = tl.load(src_ptr + rm[:, None].to(tl.int64) * stride_s + rn[None, :], mask=mask)
+    tl.store(dst_ptr + rn[:, None].to(tl.int64) * stride_d + rm[None, :], tl.trans(tile), mask=tl.trans(mask))
+
+
+def transpose_triton(w: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """``w.t().contiguous()`` for a 2-D CUDA tensor of one-byte elements (FP8) with a contiguous last dim."""
+    m, n = w.shape
+    src = w.view(torch.uint8)
+    dst = torch.empty(n, m, device=w.device, dtype=torch.uint8)
+    if m and n:
+        grid = (triton.cdiv(m, block), triton.cdiv(n, block))
+        _transpose_kernel[grid](src, dst, m, n, src.stride(0), dst.stride(0), BM=block, BN=block, num_warps=4)
+    return dst.view(w.dtype)

@@ -1,0 +1,156 @@
+"""FP8 frozen base linear: ``Y = X·Wᵀ`` with W stored once in float8_e4m3fn, no weight gradient.
+
+Quantization (row-wise, "dequant" scales: ``v ≈ q·scale``):
+
+- W [n, k] is quantized once (at model build / HF import) per output channel: ``W ≈ diag(s_w)·W_q``,
+  ``s_w = max_j |W[i, j]| / 448``; the bf16 copy is then freed (``lorafusion.layers.fp8_base``).
+- Forward: X [m, k] is quantized per row on the fly (``X ≈ diag(s_x)·X_q``) and
+  ``Y = diag(s_x)·(X_q·W_qᵀ)·diag(s_w)`` is one ``torch._scaled_mm`` (rowwise scales, fp32 accumulation,
+  output in X's dtype).
+- Backward: ``dX = dY·W = (dY·diag(s_w))·W_q``: the per-output-channel scale is folded into dY, which is then
+  quantized per row (``GRAD_DTYPE``: e4m3 by default, e5m2 on request; measured in docs/BENCHMARKS.md) and
+  multiplied by W_q with a unit column scale. W_q's transpose (the K-major operand that FP8 GEMMs need for
+  this product) is made for the call (one Triton kernel on CUDA) and dropped, so the base keeps one byte per
+  weight. Nothing of X is
+  saved for backward; no dW is computed (W is not a parameter).
+
+``torch._scaled_mm`` (cuBLASLt on sm_89+, and CPU in torch >= 2.13, which CI uses) wants K and N multiples
+of 16; other shapes take :func:`scaled_gemm`'s fallback, the same quantized math as a float32 matmul of the
+dequantized operands (slower, same numbers up to fp32 summation order). X's row quantization runs as one
+Triton kernel on CUDA (:mod:`lorafusion.kernels.fp8_quant`) and in
+torch elsewhere.
+
+:func:`fp8_linear_reference` is the ground truth: the same quantization, the GEMM in float64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lorafusion.core.errors import ConfigError
+
+__all__ = ["E4M3", "E5M2", "GRAD_DTYPE", "Fp8BaseLinear", "fp8_linear", "fp8_linear_reference",
+           "quantize_rows", "quantize_rows_torch", "quantize_weight", "dequantize", "scaled_gemm", "transpose",
+           "check_fp8_device"]
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+GRAD_DTYPE = E4M3  # dY's FP8 type in the input-gradient GEMM (e4m3 vs e5m2: docs/BENCHMARKS.md, FP8 base)
+EPS = 1e-12  # smallest row amax: an all-zero row gets a tiny scale and q = 0
+ALIGN = 16  # torch._scaled_mm: K and N multiples of 16
+
+
+def quantize_rows_torch(x: torch.Tensor, dtype: torch.dtype = E4M3, col_scale: torch.Tensor | None = None):
+    """(q [m, n] ``dtype``, scale [m, 1] float32) with ``x·diag(col_scale) ≈ diag(scale)·q`` for 2-D ``x``."""
+    qmax = torch.finfo(dtype).max
+    v = x.float()
+    if col_scale is not None:
+        v = v * col_scale.float().view(1, -1)
+    scale = v.abs().amax(dim=1, keepdim=True).clamp(min=EPS) / qmax
+    q = (v / scale).clamp(-qmax, qmax).to(dtype)
+    return q, scale
+
+
+def _triton(name: str):
+    try:
+        from lorafusion.kernels import fp8_quant
+    except ImportError:  # no Triton: the torch path
+        return None
+    return getattr(fp8_quant, name)
+
+
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype = E4M3, col_scale: torch.Tensor | None = None):
+    """Row-wise quantization (see :func:`quantize_rows_torch`): one Triton kernel on CUDA, torch elsewhere."""
+    if x.is_cuda:
+        fn = _triton("quantize_rows_triton")
+        if fn is not None:
+            return fn(x, dtype, col_scale, EPS)
+    return quantize_rows_torch(x, dtype, col_scale)
+
+
+def transpose(w_q: torch.Tensor) -> torch.Tensor:
+    """``w_q.t().contiguous()``: one Triton kernel on CUDA (torch's copy of FP8 is slow there), torch elsewhere."""
+    if w_q.is_cuda and w_q.stride(1) == 1:
+        fn = _triton("transpose_triton")
+        if fn is not None:
+            return fn(w_q)
+    return w_q.t().contiguous()
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W_q [n, k] float8_e4m3fn, row-major; s_w [n] float32): one scale per output channel."""
+    q, s = quantize_rows_torch(weight.detach(), E4M3)
+    return q.contiguous(), s.view(-1).contiguous()
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """``diag(scale)·q`` in ``dtype`` (``scale`` [m] or [m, 1])."""
+    return q.to(dtype) * scale.to(dtype).view(-1, 1)
+
+
+def scaled_gemm(a_q: torch.Tensor, s_a: torch.Tensor, b_q: torch.Tensor, s_b: torch.Tensor,
+                out_dtype: torch.dtype, use_fast_accum: bool = False) -> torch.Tensor:
+    """``diag(s_a)·(a_q·b_qᵀ)·diag(s_b)`` for row-major a_q [m, K], b_q [N, K] (both K-major), s_a [m, 1],
+    s_b [1, N] float32. ``torch._scaled_mm`` when K and N are multiples of 16, else the same math in float32."""
+    K, N = a_q.shape[1], b_q.shape[0]
+    if K % ALIGN == 0 and N % ALIGN == 0:
+        return torch._scaled_mm(a_q, b_q.t(), scale_a=s_a, scale_b=s_b, out_dtype=out_dtype,
+                                use_fast_accum=use_fast_accum)
+    a = a_q.float() * s_a
+    b = b_q.float() * s_b.view(-1, 1)
+    return (a @ b.t()).to(out_dtype)
+
+
+class Fp8BaseLinear(torch.autograd.Function):
+    """``Y = X·Wᵀ`` with X quantized per row and W given as (W_q, s_w); gradient for X only."""
+
+    @staticmethod
+    def forward(ctx, x2d, w_q, w_scale, grad_dtype):
+        x_q, s_x = quantize_rows(x2d, E4M3)
+        y = scaled_gemm(x_q, s_x, w_q, w_scale.view(1, -1), x2d.dtype)
+        ctx.save_for_backward(w_q, w_scale)
+        ctx.grad_dtype = grad_dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        w_q, w_scale = ctx.saved_tensors
+        g_q, s_g = quantize_rows(dy, ctx.grad_dtype, col_scale=w_scale)  # dY·diag(s_w), per row
+        w_t = transpose(w_q)  # [k, n]: N-major, as the FP8 GEMM needs for dY·W_q; freed after the call
+        ones = torch.ones(1, w_t.shape[0], device=dy.device, dtype=torch.float32)
+        dx = scaled_gemm(g_q, s_g, w_t, ones, dy.dtype)
+        return dx, None, None, None
+
+
+def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+               grad_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``X·Wᵀ (+bias)`` for ``x`` [..., k] with the FP8 weight (W_q [n, k], s_w [n]); output in x's dtype."""
+    if x.is_cuda and x.dtype != torch.bfloat16:
+        raise ValueError(f"fp8_linear: CUDA row-wise FP8 GEMMs write bfloat16; got an input of {x.dtype}")
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1])
+    y = Fp8BaseLinear.apply(x2d, w_q, w_scale, grad_dtype or GRAD_DTYPE)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*lead, y.shape[-1])
+
+
+def fp8_linear_reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """The quantized GEMM in float64: ``dequant(quant_rows(X))·dequant(W)ᵀ`` (no autograd)."""
+    x2d = x.detach().reshape(-1, x.shape[-1])
+    x_q, s_x = quantize_rows_torch(x2d, E4M3)
+    y = dequantize(x_q, s_x) @ dequantize(w_q, w_scale).t()
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def check_fp8_device(device: torch.device | str | None, where: str = "model.base_precision") -> None:
+    """One clear error when ``device`` is a CUDA GPU without FP8 tensor cores (before sm_89)."""
+    if device is None or torch.device(device).type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ConfigError(f"{where}: fp8 needs a GPU with FP8 tensor cores (compute capability 8.9+: Ada, Hopper "
+                          f"or newer); {name} is sm_{major}{minor} — use base_precision: bf16")

@@ -1,0 +1,270 @@
+"""Peak GPU memory of one pipeline stage, torch-free: what sizes the token capacity and the recompute.
+
+A stage's peak allocated bytes (what ``torch.cuda.max_memory_allocated`` reports) are modelled as::
+
+    static     = frozen base weights (bytes per parameter by precision: bf16 2, fp8 1 + per-row scales)
+               + every job's LoRA weights and fp32 AdamW moments (12 bytes per parameter)
+    per mb     = capacity · Σ_layers saved(layer) · act_scale       saved activations of one microbatch:
+                 a layer that keeps its activations saves its tensors (``saved_elems``), a recomputed one
+                 its input; plus the microbatch's bf16 copies of its adapters' A and B in each layer that
+                 keeps them, the stage output the schedule keeps (not the last stage) and the loss's saved
+                 hidden-size tensors (last stage)
+    transient  = max(backward working set of one layer, one logits chunk of the fused linear cross-entropy
+                     (last stage)); gradients = the jobs' fp32 LoRA gradients (4 bytes per parameter)
+    peak       = static + constant + the largest of (others = (in_flight - 1) · per mb):
+                   others + per mb + transient                      the start of the backward
+                   others + recomputed layers' checkpoints + one recomputed layer + workspace + gradients
+                   others + gradients + one job's optimizer step
+
+``in_flight`` is the number of microbatches whose activations a stage holds at once: ``pp - stage`` under
+1F1B; interleaved 1F1B with ``v`` virtual stages holds ``(2·(pp - stage - 1) + (v - 1)·pp + 1)`` model
+chunks of ``1/v`` of the stage's layers (Megatron's warm-up count), i.e. that many ``/ v`` microbatches.
+
+The analytic parts count tensors from the code (ops/fused.py saves X, S, A_cat, B_cat; the fused SwiGLU
+saves fc1's output; RMSNorm its input; packed flash attention q, k, v, out). Four coefficients are
+measured on a GPU and fitted (``scripts/calibrate_memory.py``): ``act_scale`` (measured / counted saved
+activations), ``workspace`` (the backward working set per token, in units of ``2·ffn + 2·hidden`` elements),
+``opt_copies`` (an optimizer step's fp32 temporaries: the flat copies kept to undo a non-finite step, AdamW's
+foreach math, in units of the job's parameters) and ``constant_bytes`` (cuBLAS workspace, routing tables, RoPE
+caches; negative when the counts over-estimate). ``margin_frac`` / ``margin_bytes``: what a plan keeps free on
+top of the prediction (the model's error, the allocator's reserved memory above allocated, CUDA context and
+NCCL buffers outside the allocator). See ``memory_coefficients.json`` and docs/BENCHMARKS.md "Memory model".
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from lorafusion.core.arch import ModelArch
+from lorafusion.core.targets import MEGATRON_TARGETS
+
+__all__ = ["GIB", "AdapterShape", "Coefficients", "MemorySetup", "StageMemory", "in_flight", "load_coefficients",
+           "plan_memory", "stage_memory"]
+
+GIB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+LORA_STATE_BYTES = 16  # fp32 weight + fp32 gradient + fp32 AdamW exp_avg and exp_avg_sq (runtime/optim.py)
+PROJECTIONS = {"linear_qkv": 3, "linear_proj": 1, "linear_fc1": 2, "linear_fc2": 1}  # LoRA A's per Megatron linear
+LOGITS_CHUNK_BYTES = 1 << 30  # models/fused/linear_cross_entropy.py: one chunk's fp32 logits stay under this
+COEFFICIENTS_FILE = Path(__file__).with_name("memory_coefficients.json")
+
+
+@dataclass(frozen=True)
+class AdapterShape:
+    """What of a job's LoRA settings memory depends on."""
+
+    r: int
+    targets: tuple[str, ...] = MEGATRON_TARGETS
+    dropout: float = 0.0
+    # one A per projection of a fused linear (q, k, v; gate, up: PEFT's layout) or one A shared by the fused
+    # linear (the layers' layout before PEFT-exact fused projections)
+    independent_a: bool = False
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """Fitted on a GPU by ``scripts/calibrate_memory.py`` (``source`` says where and when)."""
+
+    act_scale: float = 1.0
+    workspace: float = 1.0
+    constant_bytes: float = 1.0 * GIB
+    opt_copies: float = 7.0  # a step's fp32 temporaries in units of the job's LoRA parameters
+    margin_frac: float = 0.05
+    margin_bytes: float = 1.5 * GIB
+    source: str = "defaults (not measured)"
+
+
+def load_coefficients(path: str | Path | None = None) -> Coefficients:
+    """The committed coefficients (``memory_coefficients.json`` beside this module)."""
+    data = json.loads(Path(path or COEFFICIENTS_FILE).read_text())
+    names = {f.name for f in fields(Coefficients)}
+    return Coefficients(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass(frozen=True)
+class MemorySetup:
+    """A run's shape as far as memory goes (one stage's share is computed from it)."""
+
+    arch: ModelArch
+    adapters: tuple[AdapterShape, ...]
+    dtype: str = "bfloat16"
+    # bytes per frozen parameter of the decoder's linears; None: the dtype's. FP8 base: 1 (scales: row_scale_bytes)
+    base_bytes_per_param: float | None = None
+    row_scale_bytes: int = 0  # per output row of each base linear (fp8: one fp32 scale per channel = 4)
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+    stage_layers: tuple[int, ...] | None = None
+    virtual_stages: int = 1
+    fused_ops: bool = True  # the fused RMSNorm / SwiGLU / linear cross-entropy (the GPU default)
+    lora_kernels: str = "fused"  # "reference": the torch LoRA path also saves each dropped input
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def layers(self, stage: int) -> int:
+        if self.stage_layers is not None:
+            return self.stage_layers[stage]
+        return self.arch.num_layers // self.pp
+
+
+@dataclass
+class StageMemory:
+    """Predicted bytes of one stage at one capacity and recompute setting (``peak`` = allocated)."""
+
+    stage: int
+    layers: int
+    recompute_layers: int
+    capacity: int
+    in_flight: float
+    weights: float
+    lora: float
+    per_microbatch: float
+    transient: float
+    optimizer_step: float
+    constant: float
+    peak: float = 0.0
+    need: float = 0.0  # peak with the margin: what must be free on the GPU
+    parts: dict = field(default_factory=dict)
+
+    def fits(self, gpu_bytes: float) -> bool:
+        return self.need <= gpu_bytes
+
+
+def in_flight(pp: int, stage: int, virtual_stages: int = 1) -> float:
+    """Microbatches' worth of this stage's activations held at the peak (1F1B: ``pp - stage``)."""
+    v = max(1, virtual_stages)
+    if v == 1:
+        return float(pp - stage)
+    return (2 * (pp - stage - 1) + (v - 1) * pp + 1) / v
+
+
+def _linear_shapes(arch: ModelArch) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each decoder linear (unsharded)."""
+    h, kv = arch.hidden_size, arch.kv_channels
+    q, g = arch.num_attention_heads * kv, arch.num_query_groups * kv
+    return {"linear_qkv": (h, q + 2 * g), "linear_proj": (q, h), "linear_fc1": (h, 2 * arch.ffn_hidden_size),
+            "linear_fc2": (arch.ffn_hidden_size, h)}
+
+
+def lora_params_per_layer(arch: ModelArch, a: AdapterShape, tp: int = 1) -> float:
+    """One adapter's LoRA parameters in one decoder layer on one TP rank (A: r x in per projection, B: out x r;
+    column linears shard B, row linears shard A)."""
+    shapes, n = _linear_shapes(arch), 0.0
+    for t in a.targets:
+        fin, fout = shapes[t]
+        k = PROJECTIONS[t] if a.independent_a else 1
+        if t in ("linear_qkv", "linear_fc1"):
+            n += k * a.r * fin + a.r * fout / tp
+        else:
+            n += a.r * fin / tp + a.r * fout
+    return n
+
+
+def base_bytes_per_layer(s: MemorySetup) -> float:
+    """Frozen bytes of one decoder layer on one TP rank (linears at the base precision, norms at the dtype)."""
+    per = s.dtype_bytes if s.base_bytes_per_param is None else s.base_bytes_per_param
+    total = 0.0
+    for fin, fout in _linear_shapes(s.arch).values():
+        total += fin * fout / s.tp * per + fout / s.tp * s.row_scale_bytes
+    if s.arch.qkv_bias:
+        total += _linear_shapes(s.arch)["linear_qkv"][1] / s.tp * s.dtype_bytes
+    return total + 2 * s.arch.hidden_size * s.dtype_bytes
+
+
+def saved_elems(s: MemorySetup) -> float:
+    """Elements saved per token by one decoder layer that keeps its activations (one TP rank): the layer
+    input and the pre-MLP residual (RMSNorm inputs), the normed inputs of qkv and fc1, qkv's output (v stays a
+    view of it) and the rotated q and k, attention's output, fc1's output and the SwiGLU output."""
+    a = s.arch
+    h, q = a.hidden_size, a.num_attention_heads * a.kv_channels
+    g, f = a.num_query_groups * a.kv_channels, a.ffn_hidden_size
+    seq = h / s.tp if s.sequence_parallel else h  # tensors outside the TP regions
+    sharded = (q + 2 * g) + (q + g) + q + 2 * f + f
+    full = 4 * seq
+    if not s.fused_ops:  # Megatron's local spec: torch RMSNorm keeps fp32 copies, SwiGLU its two halves
+        full += 4 * seq
+        sharded += 2 * f
+    return full + sharded / s.tp
+
+
+def lora_elems(s: MemorySetup) -> float:
+    """LoRA's saved elements per token per layer: S = drop(X)·Aᵀ of each targeted linear (width = projections x
+    the largest rank: one row's adapter decides), and with the reference kernels each dropped input."""
+    if not s.adapters:
+        return 0.0
+    r = max(a.r for a in s.adapters)
+    targets = {t for a in s.adapters for t in a.targets}
+    indep = any(a.independent_a for a in s.adapters)
+    n = sum((PROJECTIONS[t] if indep else 1) * r for t in targets)
+    if s.lora_kernels == "reference" and any(a.dropout > 0 for a in s.adapters):
+        shapes = _linear_shapes(s.arch)
+        n += sum(shapes[t][0] for t in targets)
+    return n
+
+
+def _loss_chunk_tokens(vocab: int) -> int:
+    return max(64, LOGITS_CHUNK_BYTES // (4 * vocab) // 64 * 64)
+
+
+def stage_weights(s: MemorySetup, stage: int) -> float:
+    """Frozen bytes of one stage: its decoder layers, the embedding (first), the final norm and the output
+    layer (last; shared with the embedding when tied on a one-stage model)."""
+    a, b = s.arch, s.dtype_bytes
+    first, last = stage == 0, stage == s.pp - 1
+    emb = a.vocab_size * a.hidden_size / s.tp * b
+    weights = s.layers(stage) * base_bytes_per_layer(s) + (emb if first else 0.0)
+    if last and not (first and a.tie_word_embeddings):
+        weights += emb
+    return weights + ((a.hidden_size * b) if last else 0.0)
+
+
+def stage_memory(s: MemorySetup, stage: int, capacity: int, recompute_layers: int = 0,
+                 coeffs: Coefficients | None = None, n_in_flight: float | None = None,
+                 grads_before_backward: bool = True) -> StageMemory:
+    """Predicted peak of ``stage`` with microbatches of ``capacity`` tokens and the first ``recompute_layers``
+    decoder layers of the stage recomputed: the largest of three moments of the last microbatch in flight —
+    the start of its backward (every saved activation), the backward of its recomputed layers (their
+    checkpoints, one recomputed layer, the gradients) and an optimizer step. ``grads_before_backward``: the
+    adapters' gradients already exist when a backward starts (microbatches of a global batch accumulate them;
+    False for a lone microbatch, as the calibration measures). ``n_in_flight``: instead of the schedule's count."""
+    c = coeffs or Coefficients()
+    a, b = s.arch, s.dtype_bytes
+    L, last = s.layers(stage), stage == s.pp - 1
+    n_rc = min(max(0, recompute_layers), L)
+    h_rank = a.hidden_size / s.tp if s.sequence_parallel else a.hidden_size
+    lora_layer = [lora_params_per_layer(a, ad, s.tp) for ad in s.adapters]
+    grads = L * sum(lora_layer) * 4
+    lora = L * sum(lora_layer) * LORA_STATE_BYTES
+    ab_layer = sum(lora_layer) * b  # bf16 A_cat/B_cat saved per layer that keeps its activations
+    layer_act = (saved_elems(s) + lora_elems(s)) * b * c.act_scale  # per token
+    ckpt_act = h_rank * b * c.act_scale
+    extra = (0.0 if last else h_rank * b) + (3 * h_rank * b if last else 0.0)  # stage output / loss tensors
+    per_mb = capacity * ((L - n_rc) * layer_act + n_rc * ckpt_act + extra) + ab_layer * (L - n_rc)
+    work = capacity * c.workspace * (2 * a.ffn_hidden_size / s.tp + 2 * a.hidden_size) * b
+    loss_chunk = min(capacity, _loss_chunk_tokens(a.vocab_size)) * a.vocab_size / s.tp * 4 if last else 0.0
+    job_max = max(lora_layer, default=0.0) * L
+    opt = c.opt_copies * 4 * job_max + (2 * 4 * job_max if s.dp > 1 else 0.0)
+    n_fl = in_flight(s.pp, stage, s.virtual_stages) if n_in_flight is None else n_in_flight
+    others = max(0.0, n_fl - 1) * per_mb
+    moments = [others + per_mb + max(work, loss_chunk) + (grads if grads_before_backward else 0.0),
+               others + grads + opt]
+    if n_rc:
+        moments.append(others + capacity * (n_rc * ckpt_act + layer_act) + ab_layer + work + grads)
+    peak = stage_weights(s, stage) + lora - grads + c.constant_bytes + max(moments)
+    return StageMemory(stage, L, n_rc, capacity, n_fl, stage_weights(s, stage), lora, per_mb,
+                       max(work, loss_chunk), opt, c.constant_bytes, peak=peak,
+                       need=peak * (1 + c.margin_frac) + c.margin_bytes,
+                       parts={"activations": n_fl * per_mb, "per_token_per_layer": layer_act})
+
+
+def plan_memory(s: MemorySetup, capacity: int, recompute_layers: int | Sequence[int] = 0,
+                coeffs: Coefficients | None = None) -> list[StageMemory]:
+    """Every stage's :class:`StageMemory`; ``recompute_layers`` one count for every stage or one per stage."""
+    rc = [recompute_layers] * s.pp if isinstance(recompute_layers, int) else list(recompute_layers)
+    return [stage_memory(s, k, capacity, rc[k], coeffs) for k in range(s.pp)]

@@ -1,0 +1,252 @@
+"""Token capacity and recompute for a GPU's memory: ``token_capacity: auto`` and ``recompute_layers: auto``.
+
+:func:`choose` walks capacities (multiples of ``multiple`` from the longest sample up to ``max_capacity``) and,
+for each, the fewest recomputed layers per stage that make every stage fit (:mod:`.memory`), and keeps the
+pair with the most tokens/s by the cost model: time per token ``(a + b·C·(1 + α·f)) / C`` with ``f`` the
+largest recomputed share of a stage's layers (``α`` = ``RECOMPUTE_COST``: recomputing every layer of a stage
+costs that share of a training step) and, with pipeline stages, the 1F1B bubble ``(pp - 1) / M`` of ``M`` =
+chunk tokens / C microbatches. A fixed capacity or recompute setting is kept and only checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lorafusion.core.errors import UserError
+
+from .costmodel import CostModel
+from .memory import GIB, AdapterShape, Coefficients, MemorySetup, StageMemory, plan_memory, stage_memory
+
+__all__ = ["MemoryFitError", "MemoryPlan", "RECOMPUTE_COST", "choose", "no_fit_message", "parse_bytes", "setup_from_run",
+           "what_fits"]
+
+# a step with every decoder layer recomputed over one with none (Qwen2.5-32B PP=2 on 2x H200, recompute of 16 of
+# 32 layers per stage was 17.3% faster than of all 32: (1 + α) / (1 + α/2) = 1.173, docs/BENCHMARKS.md)
+RECOMPUTE_COST = 0.42
+
+
+class MemoryFitError(UserError):
+    """The run cannot fit the GPU's memory at any setting it may change (or at the ones it was given)."""
+
+
+@dataclass
+class MemoryPlan:
+    """The chosen (or given) capacity and per-stage recompute, with every stage's prediction."""
+
+    capacity: int
+    recompute_layers: list[int]
+    stages: list[StageMemory]
+    gpu_bytes: float
+    chosen: dict  # which of capacity / recompute_layers were "auto"
+
+    @property
+    def fits(self) -> bool:
+        return all(s.fits(self.gpu_bytes) for s in self.stages)
+
+    def lines(self) -> list[str]:
+        """A table: one row per stage (GiB)."""
+        out = [f"{'stage':>5} {'layers':>6} {'recomp':>6} {'in-flt':>6} {'weights':>8} {'lora+opt':>8} "
+               f"{'act/mb':>7} {'peak':>7} {'need':>7} {'GPU':>7}  fits"]
+        for s in self.stages:
+            out.append(f"{s.stage:>5} {s.layers:>6} {s.recompute_layers:>6} {s.in_flight:>6.2f} "
+                       f"{s.weights / GIB:>8.1f} {s.lora / GIB:>8.1f} {s.per_microbatch / GIB:>7.2f} "
+                       f"{s.peak / GIB:>7.1f} {s.need / GIB:>7.1f} {self.gpu_bytes / GIB:>7.1f}  "
+                       f"{'yes' if s.fits(self.gpu_bytes) else 'NO'}")
+        return out
+
+    def to_dict(self) -> dict:
+        return {"token_capacity": self.capacity, "recompute_layers": self.recompute_layers,
+                "gpu_memory_gib": round(self.gpu_bytes / GIB, 2), "auto": self.chosen, "fits": self.fits,
+                "stages": [{"stage": s.stage, "layers": s.layers, "recompute_layers": s.recompute_layers,
+                            "in_flight": s.in_flight, "predicted_peak_gib": round(s.peak / GIB, 2),
+                            "need_gib": round(s.need / GIB, 2)} for s in self.stages]}
+
+
+def parse_bytes(text: str) -> float:
+    """``80GiB``, ``80GB`` (= GiB here: what GPUs are sold as), ``81920MiB`` or a plain number of GiB."""
+    t = str(text).strip().lower().replace(" ", "")
+    for unit, mult in (("gib", GIB), ("gb", GIB), ("g", GIB), ("mib", 1 << 20), ("mb", 1 << 20), ("tib", 1 << 40)):
+        if t.endswith(unit):
+            t, scale = t[: -len(unit)], mult
+            break
+    else:
+        scale = GIB
+    try:
+        v = float(t) * scale
+    except ValueError:
+        raise ValueError(f"expected a memory size such as 80GiB, 48GB or 24, got {text!r}") from None
+    if not v > 0:
+        raise ValueError(f"expected a positive memory size, got {text!r}")
+    return v
+
+
+def layers_per_stage(cfg, arch) -> list[int]:
+    """Decoder layers of each pipeline rank (its virtual stages' together) for the run's ``stage_layers``
+    (None: even, "auto": the scheduler's balanced split, a list: one count per virtual stage in layer order)."""
+    from .stages import loss_layers, resolve_split
+
+    p = cfg.parallelism
+    v = getattr(p, "virtual_stages", 1) or 1
+    split = resolve_split(p.stage_layers, arch.num_layers, p.pp, v, loss_layers(arch))
+    return [sum(split[c * p.pp + k] for c in range(v)) for k in range(p.pp)]
+
+
+def setup_from_run(cfg, arch, dp: int = 1, fused_ops: bool = True) -> MemorySetup:
+    """The :class:`MemorySetup` of a run config (``lorafusion.config.RunConfig``) and its ``ModelArch``."""
+    p, m = cfg.parallelism, cfg.model
+    # PEFT-exact fused projections (an A per projection) where the LoRA spec has them, else one shared A
+    adapters = tuple(AdapterShape(j.lora.r, tuple(j.lora.target_modules), j.lora.lora_dropout,
+                                  independent_a=not getattr(j.lora, "shared_fused_a", True)) for j in cfg.jobs)
+    fp8 = getattr(m, "base_precision", None) == "fp8"
+    return MemorySetup(arch, adapters, dtype=m.dtype, base_bytes_per_param=1.0 if fp8 else None,
+                       row_scale_bytes=4 if fp8 else 0, tp=p.tp, pp=p.pp, dp=dp,
+                       sequence_parallel=p.sequence_parallel,
+                       stage_layers=tuple(layers_per_stage(cfg, arch)),
+                       virtual_stages=getattr(p, "virtual_stages", None) or 1, fused_ops=fused_ops,
+                       lora_kernels="reference" if cfg.kernels == "reference" else "fused")
+
+
+def _fewest(s: MemorySetup, stage: int, capacity: int, gpu: float, c: Coefficients) -> int | None:
+    """The fewest recomputed layers of ``stage`` that fit ``gpu`` bytes at ``capacity`` (None: none fits)."""
+    for n in range(s.layers(stage) + 1):
+        if stage_memory(s, stage, capacity, n, c).fits(gpu):
+            return n
+    return None
+
+
+def _score(s: MemorySetup, capacity: int, rc: Sequence[int], cost: CostModel, chunk_tokens: float | None) -> float:
+    """Predicted seconds per token (lower is better)."""
+    share = max(n / s.layers(k) for k, n in enumerate(rc))
+    t = (cost.a + cost.b * capacity * (1 + RECOMPUTE_COST * share)) / capacity
+    if s.pp > 1 and chunk_tokens:
+        t *= 1 + (s.pp - 1) / max(1.0, chunk_tokens / capacity)
+    return t
+
+
+def choose(s: MemorySetup, gpu_bytes: float, longest: int, *, capacity: int | str = "auto",
+           recompute: int | Sequence[int] | str = "auto", coeffs: Coefficients | None = None,
+           cost_model: CostModel | None = None, chunk_tokens: float | None = None, multiple: int = 512,
+           max_capacity: int = 32768) -> MemoryPlan:
+    """The plan for ``gpu_bytes`` of memory per GPU. ``capacity`` / ``recompute`` (a count for every stage, or
+    one per stage): a value is kept, ``"auto"`` is chosen. Never raises: a plan that does not fit has
+    ``fits`` False (the largest capacity at the most recompute that was tried)."""
+    c, cost = coeffs or Coefficients(), cost_model or CostModel()
+    chosen = {"token_capacity": capacity == "auto", "recompute_layers": recompute == "auto"}
+    lo = -(-max(1, longest) // multiple) * multiple
+    caps = [int(capacity)] if capacity != "auto" else list(range(lo, max(lo, max_capacity) + 1, multiple))
+    best = None
+    for cap in caps:
+        if recompute == "auto":
+            rc = [_fewest(s, k, cap, gpu_bytes, c) for k in range(s.pp)]
+            if any(n is None for n in rc):
+                continue
+        else:
+            rc = [recompute] * s.pp if isinstance(recompute, int) else list(recompute)
+            if not all(m.fits(gpu_bytes) for m in plan_memory(s, cap, rc, c)):
+                continue
+        score = _score(s, cap, rc, cost, chunk_tokens)
+        if best is None or score < best[0] * (1 - 1e-9):
+            best = (score, cap, rc)
+    if best is None:  # nothing fits: report the smallest capacity tried at the most recompute allowed
+        cap = caps[0]
+        rc = [s.layers(k) for k in range(s.pp)] if recompute == "auto" else (
+            [recompute] * s.pp if isinstance(recompute, int) else list(recompute))
+        return MemoryPlan(cap, rc, plan_memory(s, cap, rc, c), gpu_bytes, chosen)
+    _, cap, rc = best
+    return MemoryPlan(cap, rc, plan_memory(s, cap, rc, c), gpu_bytes, chosen)
+
+
+def what_fits(s: MemorySetup, gpu_bytes: float, longest: int, capacity: int, recompute: Sequence[int],
+              coeffs: Coefficients | None = None) -> list[str]:
+    """Settings that would make a plan fit, in words (empty when nothing in reach does)."""
+    out = []
+    keep_rc = choose(s, gpu_bytes, longest, capacity="auto", recompute=list(recompute), coeffs=coeffs)
+    if keep_rc.fits:
+        out.append(f"scheduler.token_capacity: {keep_rc.capacity} (the largest that fits with this recompute)")
+    keep_cap = choose(s, gpu_bytes, longest, capacity=capacity, recompute="auto", coeffs=coeffs)
+    if keep_cap.fits:
+        out.append(f"model.recompute: true, model.recompute_layers: {max(keep_cap.recompute_layers)} "
+                   f"(the fewest per stage that fit at token_capacity {capacity}; auto picks "
+                   f"{keep_cap.recompute_layers} per stage)")
+    both = choose(s, gpu_bytes, longest, coeffs=coeffs)
+    if both.fits:
+        out.append(f"scheduler.token_capacity: auto and model.recompute_layers: auto (here: {both.capacity} "
+                   f"tokens, {both.recompute_layers} recomputed layers per stage)")
+    return out
+
+
+def no_fit_message(s: MemorySetup, plan: MemoryPlan, longest: dict[str, int], source: str,
+                   coeffs: Coefficients | None = None) -> str:
+    """Why ``plan`` does not fit and what would: the job whose samples set the smallest capacity, the stage
+    over the limit with its predicted need, and the settings in reach."""
+    worst = max(plan.stages, key=lambda m: m.need - plan.gpu_bytes)
+    job = max(longest, key=longest.get) if longest else None
+    head = (f"{source}: the run does not fit {plan.gpu_bytes / GIB:.1f} GiB of GPU memory: at token_capacity "
+            f"{plan.capacity} with {plan.recompute_layers[worst.stage]} of {worst.layers} decoder layers "
+            f"recomputed, pipeline stage {worst.stage} needs {worst.need / GIB:.1f} GiB (predicted peak "
+            f"{worst.peak / GIB:.1f} GiB + margin)")
+    if job is not None and plan.chosen.get("token_capacity"):
+        head += f"; job {job!r} has samples of up to {longest[job]} tokens (its dataset.max_seq_len)"
+    fixes = what_fits(s, plan.gpu_bytes, max(longest.values(), default=1), plan.capacity, plan.recompute_layers,
+                      coeffs) if not all(plan.chosen.values()) else []
+    if not fixes:
+        full = [s.layers(k) for k in range(s.pp)]
+        cap = max((c for c in range(512, plan.capacity + 1, 512)
+                   if all(m.fits(plan.gpu_bytes) for m in plan_memory(s, c, full, coeffs))), default=None)
+        if cap is not None and cap < plan.capacity:
+            fixes.append(f"dataset.max_seq_len: {cap} or less with truncate: true on the jobs over it "
+                         f"(fits with every layer recomputed)")
+        deeper = [pp for pp in (2 * s.pp, 4 * s.pp) if s.arch.num_layers % pp == 0]
+        if deeper:
+            fixes.append(f"more pipeline stages (parallelism.pp: {deeper[0]})")
+        fixes.append("tensor parallelism (parallelism.tp) or a GPU with more memory")
+    return head + ". Would fit: " + "; or ".join(fixes)
+
+
+def run_arch(cfg):
+    """The ``ModelArch`` of a run config without loading weights (preset, or the HF directory's config.json)."""
+    import json
+    from pathlib import Path
+
+    from lorafusion.core.arch import arch_from_hf_config, preset
+
+    if cfg.model.path is None:
+        return preset(cfg.model.preset)
+    src = Path(cfg.model.path) / "config.json"
+    try:
+        data = json.loads(src.read_text())
+    except (OSError, ValueError) as e:
+        raise MemoryFitError(f"{cfg.source}: model.path: cannot read {src}: {e}") from None
+    return arch_from_hf_config(data, str(src))
+
+
+def report(cfg, gpu_sizes: Sequence[float], coeffs: Coefficients | None = None) -> tuple[list[str], bool]:
+    """``lorafusion plan --gpu-memory``: the memory plan of ``cfg`` per GPU size, what does not fit and what
+    would. Jobs' samples are taken at their ``dataset.max_seq_len`` (no data is read). Returns (lines, all fit)."""
+    arch = run_arch(cfg)
+    dp = cfg.parallelism.dp if isinstance(cfg.parallelism.dp, int) else 1
+    s = setup_from_run(cfg, arch, dp=dp)
+    layers = [s.layers(k) for k in range(s.pp)]
+    longest = {j.name: j.dataset.max_seq_len for j in cfg.jobs}
+    look = cfg.scheduler.lookahead_batches
+    chunk = sum(j.global_batch_size * look * j.dataset.max_seq_len / 2 for j in cfg.jobs)
+    m = cfg.model
+    rc = "auto" if m.recompute_layers == "auto" else (
+        0 if not m.recompute else (m.recompute_layers if m.recompute_layers is not None else layers))
+    lines, ok = [], True
+    for gpu in gpu_sizes:
+        plan = choose(s, gpu, max(longest.values()), capacity=cfg.scheduler.token_capacity, recompute=rc,
+                      coeffs=coeffs, chunk_tokens=chunk)
+        auto = [k for k, v in plan.chosen.items() if v]
+        lines.append(f"GPU memory {gpu / GIB:.1f} GiB per GPU ({cfg.model.preset or cfg.model.path}, tp={s.tp} "
+                     f"pp={s.pp}, {len(s.adapters)} adapters): token_capacity {plan.capacity}, recompute_layers "
+                     f"per stage {plan.recompute_layers}" + (f" (auto: {', '.join(auto)})" if auto else ""))
+        lines += ["  " + x for x in plan.lines()]
+        if plan.fits:
+            lines.append("  fits")
+        else:
+            ok = False
+            lines.append("  does NOT fit: " + no_fit_message(s, plan, longest, cfg.source, coeffs))
+        lines.append("")
+    return lines, ok

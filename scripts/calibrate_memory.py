@@ -1,0 +1,315 @@
+"""Measure peak GPU memory of LoRA training over a grid, and fit / check the memory model against it.
+
+    python scripts/calibrate_memory.py measure --out raw.json [--budget-s 330]      # on a GPU
+    python scripts/calibrate_memory.py fit raw.json --json docs/results/memory-model.json \
+        [--write-coefficients]                                                          # anywhere, no torch
+
+``measure`` builds each shape once (the llama3.1-8b preset, and a llama3.1-70b-width decoder of a few layers
+that stands for one pipeline stage: the 70B's hidden, heads and FFN, its embedding and output layer), puts
+adapter sets on it (4 and 12 adapters at ranks 16 and 64, all-linear, dropout 0.1), and for each recompute
+setting (none, the first half of the layers, every layer) and token capacity (2k-16k) runs what the runtime
+runs for one microbatch: a packed microbatch of ``capacity`` tokens (samples of mixed length, contiguous per
+adapter, every adapter present) through the model with the fused ops and kernels, backward, and each
+adapter's optimizer step (clip + AdamW). ``in_flight`` k > 1 runs k forwards before the k backwards: stage 0
+of a k-stage 1F1B pipeline at its peak. Each point records ``torch.cuda.max_memory_allocated`` /
+``max_memory_reserved`` after a reset, the allocated memory before it (weights + adapters + AdamW states),
+or ``oom`` when it did not fit. Points are written as they come (a cut-off run keeps what it measured).
+
+``fit`` fits :class:`lorafusion.scheduler.memory.Coefficients` (activation scale, backward workspace, constant)
+on the fit subset by least squares and reports the prediction error on every held-out point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CAPACITIES = (2048, 4096, 8192, 12288, 16384)
+ADAPTER_SETS = ((4, 16), (12, 16), (4, 64), (12, 64))  # (count, rank)
+LENGTHS = (3072, 512, 1536, 256, 2048, 1024, 768)  # sample lengths cycled to fill a microbatch (max 4096)
+
+
+def _samples(capacity: int, adapters: list[str]) -> list[tuple[str, int]]:
+    """(adapter, length) filling exactly ``capacity`` tokens, every adapter present, contiguous per adapter."""
+    lens, left, i = [], capacity, 0
+    while left > 0:
+        n = min(LENGTHS[i % len(LENGTHS)], left)
+        lens.append(n)
+        left -= n
+        i += 1
+    while len(lens) < len(adapters):  # split the longest until every adapter gets a sample
+        k = max(range(len(lens)), key=lens.__getitem__)
+        lens[k:k + 1] = [lens[k] // 2, lens[k] - lens[k] // 2]
+    per = -(-len(lens) // len(adapters))
+    return [(adapters[min(j // per, len(adapters) - 1)], n) for j, n in enumerate(lens)]
+
+
+def _batch(capacity: int, adapters: list[str], vocab: int, seed: int):
+    import torch
+
+    from lorafusion.data.packing import pack_microbatch
+
+    g = torch.Generator().manual_seed(seed)
+    samples = [(a, torch.randint(1, vocab, (n,), generator=g).tolist()) for a, n in _samples(capacity, adapters)]
+    return pack_microbatch(samples, prompt_lengths=[len(s) // 4 for _, s in samples])
+
+
+def _set_recompute(model, mode: str, layers: int) -> int:
+    """Recompute none / the first half of the layers (Megatron's block method) / every layer: the model
+    config's fields are read at each forward. Returns the recomputed layer count."""
+    c = model.config
+    if mode == "none":
+        c.recompute_granularity, c.recompute_method, c.recompute_num_layers = None, None, None
+        return 0
+    n = layers if mode == "full" else layers // 2
+    c.recompute_granularity = "full"
+    c.recompute_method, c.recompute_num_layers = ("uniform", 1) if mode == "full" else ("block", n)
+    return n
+
+
+def _step(model, optimizers, batches, dev) -> None:
+    """k forwards (each kept for backward, like 1F1B's warm-up), k backwards, every adapter's step."""
+    from lorafusion.layers import set_batch
+
+    losses = []
+    for b in batches:
+        b = b.to(dev)
+        set_batch(model, b.routing, b.adapters, [7] * len(b.adapters))
+        per_token = model(b.tokens, b.position_ids, attention_mask=None, labels=b.labels,
+                          packed_seq_params=b.packed_seq_params())
+        losses.append((per_token.float().reshape(-1) * b.loss_mask.reshape(-1)).sum() / b.num_tokens)
+    for loss in losses:
+        loss.backward()
+    del losses
+    for opt in optimizers.values():
+        opt.begin_step()
+        opt.end_step()
+    set_batch(model, None, ())
+
+
+def _measure_point(model, optimizers, arch, point: dict, dev) -> dict:
+    import torch
+
+    adapters = list(optimizers)
+    batches = [_batch(point["capacity"], adapters, arch.vocab_size, seed=s) for s in range(point["in_flight"])]
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    try:
+        _step(model, optimizers, batches, dev)
+        torch.cuda.synchronize()
+        out = {"peak_allocated": torch.cuda.max_memory_allocated(), "peak_reserved": torch.cuda.max_memory_reserved()}
+    except torch.OutOfMemoryError:
+        out = {"oom": True, "peak_allocated": torch.cuda.max_memory_allocated()}
+    for p in model.parameters():
+        p.grad = None
+    out.update(before=before, seconds=round(time.perf_counter() - t0, 3))
+    return out
+
+
+def _attach(model, count: int, rank: int) -> dict:
+    from lorafusion.core.lora import LoRASpec
+    from lorafusion.layers import adapter_parameters, add_adapter, get_lora_context, remove_adapter
+    from lorafusion.runtime.optim import AdapterOptimizer
+
+    for name in list(get_lora_context(model).specs):
+        remove_adapter(model, name)
+    opts = {}
+    for i in range(count):
+        name = f"a{i}"
+        add_adapter(model, name, LoRASpec(r=rank, lora_alpha=2 * rank, lora_dropout=0.1, target_modules="all-linear"),
+                    seed=i)
+        opts[name] = AdapterOptimizer(list(adapter_parameters(model, name).values()), lr=1e-4, weight_decay=0.0,
+                                      betas=(0.9, 0.999), eps=1e-8, schedule="constant", warmup_steps=0,
+                                      total_steps=100, min_lr_ratio=0.0, max_grad_norm=1.0)
+    return opts
+
+
+def _grid(shape: str, layers: int) -> list[dict]:
+    rc = ("none", "half", "full")
+    pts = [dict(adapters=c, rank=r, recompute=m, capacity=cap, in_flight=1)
+           for c, r in ADAPTER_SETS for m in rc for cap in CAPACITIES]
+    if shape == "8b":  # 1F1B stage 0 of a 2- and 3-stage pipeline: k microbatches in flight
+        pts += [dict(adapters=4, rank=16, recompute=m, capacity=cap, in_flight=k)
+                for m, cap, k in (("none", 4096, 2), ("none", 8192, 2), ("half", 8192, 2), ("full", 8192, 2),
+                                  ("none", 4096, 3), ("full", 16384, 3))]
+    return pts
+
+
+def measure(args) -> None:
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as `lorafusion train` runs
+    import torch
+
+    from lorafusion.core.arch import preset
+    from lorafusion.models.provider import build_model
+    from lorafusion.dist import init_distributed
+
+    t_start = time.perf_counter()
+    init_distributed(1, 1, seed=1)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    commit = os.environ.get("BENCH_COMMIT") or subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    raw = {"device": torch.cuda.get_device_name(), "gpu_total_bytes": torch.cuda.mem_get_info()[1],
+           "torch": torch.__version__, "commit": commit, "command": " ".join(["python"] + sys.argv), "points": []}
+    shapes = [("8b", preset("llama3.1-8b")), ("70b-width", preset("llama3.1-70b", num_layers=args.layers_70b))]
+    for k, (shape, arch) in enumerate(shapes):
+        t0 = time.perf_counter()
+        deadline = t0 + (args.budget_s - (t0 - t_start)) / (len(shapes) - k)  # the time left, shared by the shapes
+        model = build_model(arch, params_dtype=torch.bfloat16, recompute=True, device=dev, seed=1)
+        model.train()
+        build_s = time.perf_counter() - t0
+        pts = _grid(shape, arch.num_layers)
+        current = None
+        for p in sorted(pts, key=lambda p: (p["adapters"] * p["rank"], p["adapters"], p["rank"])):
+            if time.perf_counter() > deadline:
+                print(f"budget of {args.budget_s} s reached: {shape} stops", flush=True)
+                break
+            if current != (p["adapters"], p["rank"]):
+                optimizers = _attach(model, p["adapters"], p["rank"])
+                current = (p["adapters"], p["rank"])
+                _set_recompute(model, "full", arch.num_layers)  # the first step creates the AdamW moments
+                _measure_point(model, optimizers, arch, dict(capacity=2048, in_flight=1), dev)
+            n = _set_recompute(model, p["recompute"], arch.num_layers)
+            rec = dict(shape=shape, num_layers=arch.num_layers, recompute_layers=n, **p,
+                       **_measure_point(model, optimizers, arch, p, dev))
+            raw["points"].append(rec)
+            print(json.dumps(rec), flush=True)
+            Path(args.out).write_text(json.dumps(raw, indent=1) + "\n")
+        raw.setdefault("build_s", {})[shape] = round(build_s, 1)
+        del model, optimizers
+        gc.collect()
+        torch.cuda.empty_cache()
+    Path(args.out).write_text(json.dumps(raw, indent=1) + "\n")
+
+
+def _setup(pt: dict):
+    from lorafusion.core.arch import preset
+    from lorafusion.scheduler.memory import AdapterShape, MemorySetup
+
+    base = "llama3.1-8b" if pt["shape"] == "8b" else "llama3.1-70b"
+    arch = preset(base, num_layers=pt["num_layers"])
+    return MemorySetup(arch, tuple(AdapterShape(pt["rank"], dropout=0.1) for _ in range(pt["adapters"])))
+
+
+def predict(pt: dict, coeffs) -> float:
+    from lorafusion.scheduler.memory import stage_memory
+
+    return stage_memory(_setup(pt), 0, pt["capacity"], pt["recompute_layers"], coeffs,
+                        n_in_flight=pt["in_flight"], grads_before_backward=False).peak
+
+
+def in_fit(pt: dict, subset: str) -> bool:
+    """The points the coefficients are fitted on; every other point is held out."""
+    base = pt["in_flight"] == 1 and pt["capacity"] in (2048, 8192, 16384)
+    return base and (subset == "both" or pt["shape"] == "8b")
+
+
+def fit(points: list[dict], subset: str):
+    """Least squares on relative error: a grid over (act_scale, workspace, opt_copies), then a finer one around
+    the best; the constant in closed form."""
+    import itertools
+
+    import numpy as np
+
+    from lorafusion.scheduler.memory import Coefficients
+
+    pts = [p for p in points if in_fit(p, subset)]
+    y = np.array([p["peak_allocated"] for p in pts], dtype=float)
+
+    def score(act, ws, opt):
+        c = Coefficients(act_scale=float(act), workspace=float(ws), constant_bytes=0.0, opt_copies=float(opt))
+        pred = np.array([predict(p, c) for p in pts])
+        const = float(np.sum((y - pred) / y**2) / np.sum(1 / y**2))  # relative-error optimum
+        return float(np.sum(((pred + const - y) / y) ** 2)), const
+
+    best, steps = (1.0, 1.0, 5.0), (0.04, 0.4, 2.0)
+    for _ in range(4):  # coarse to fine: 5 values per axis around the best, steps halved each round
+        axes = [[b + k * st for k in (-2, -1, 0, 1, 2)] for b, st in zip(best, steps)]
+        cand = [c for c in itertools.product(*axes) if c[0] > 0 and c[1] >= 0 and c[2] >= 0]
+        best = min(cand, key=lambda c: score(*c)[0])
+        steps = tuple(st / 2 for st in steps)
+    act, ws, opt = best
+    return Coefficients(act_scale=round(act, 4), workspace=round(ws, 3), opt_copies=round(opt, 2),
+                        constant_bytes=round(score(*best)[1]))
+
+
+def fit_main(args) -> None:
+    from dataclasses import asdict, replace
+
+    from lorafusion.scheduler.memory import COEFFICIENTS_FILE, GIB
+
+    raws = [json.loads(Path(p).read_text()) for p in args.raw]
+    points = [p for r in raws for p in r["points"] if not p.get("oom")]
+    coeffs = fit(points, args.subset)
+    rows = []
+    for p in [p for r in raws for p in r["points"]]:
+        pred = predict(p, coeffs)
+        row = {k: p[k] for k in ("shape", "num_layers", "adapters", "rank", "recompute", "recompute_layers",
+                                 "capacity", "in_flight")}
+        row.update(predicted_gib=round(pred / GIB, 3), held_out=not in_fit(p, args.subset))
+        if p.get("oom"):
+            row.update(oom=True, predicted_fits=pred * (1 + coeffs.margin_frac) < raws[0]["gpu_total_bytes"])
+        else:
+            row.update(measured_gib=round(p["peak_allocated"] / GIB, 3), reserved_gib=round(p["peak_reserved"] / GIB, 3),
+                       error_pct=round(100 * (pred - p["peak_allocated"]) / p["peak_allocated"], 2))
+        rows.append(row)
+    ok = [r for r in rows if "error_pct" in r]
+    # what a plan keeps free over the prediction: 3% of it (the model's error) and the most the allocator's
+    # reserved memory exceeded 1.03 x the prediction on any point (cached blocks, fragmentation), at least 1 GiB
+    over = max((r["reserved_gib"] - 1.03 * r["predicted_gib"] for r in ok), default=0.0)
+    coeffs = replace(coeffs, margin_frac=0.03, margin_bytes=max(1.0, math.ceil(over * 10) / 10) * GIB,
+                     source=f"scripts/calibrate_memory.py on {raws[0]['device']} at {raws[0]['commit']} "
+                            f"(fit on {args.subset}: 2k/8k/16k, one microbatch; docs/results/memory-model.json)")
+    held = [abs(r["error_pct"]) for r in ok if r["held_out"]]
+    summary = {"device": raws[0]["device"], "commit": raws[0]["commit"], "command": raws[0]["command"],
+               "torch": raws[0]["torch"], "coefficients": asdict(coeffs), "fit_subset": args.subset,
+               "max_abs_error_pct_held_out": max(held, default=None), "held_out_points": len(held),
+               "within_7pct": sum(e <= 7 for e in held), "points": rows}
+    for r in rows:
+        print(f"{r['shape']:>9} L{r['num_layers']:<2} {r['adapters']:>2}x r{r['rank']:<2} {r['recompute']:>4} "
+              f"C{r['capacity']:>5} k{r['in_flight']} pred {r['predicted_gib']:6.1f} meas "
+              f"{r.get('measured_gib', float('nan')):6.1f} err {r.get('error_pct', float('nan')):6.2f}% "
+              f"{'held-out' if r['held_out'] else 'fit'}{' OOM' if r.get('oom') else ''}")
+    print(json.dumps({k: v for k, v in summary.items() if k != "points"}))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    if args.write_coefficients:
+        COEFFICIENTS_FILE.write_text(json.dumps(asdict(coeffs), indent=1) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("measure")
+    m.add_argument("--out", required=True)
+    m.add_argument("--budget-s", type=float, default=330.0, help="stop starting points after this many seconds")
+    m.add_argument("--layers-70b", type=int, default=10)
+    f = sub.add_parser("fit")
+    f.add_argument("raw", nargs="+")
+    f.add_argument("--json", help="write grid, predicted, measured, error here")
+    f.add_argument("--subset", choices=("8b", "both"), default="8b", help="fit on the 8B shape's points only "
+                   "(the 70B-width shape all held out) or on both shapes'")
+    f.add_argument("--write-coefficients", action="store_true",
+                   help="rewrite lorafusion/scheduler/memory_coefficients.json with the fit")
+    args = ap.parse_args()
+    if args.cmd == "measure":
+        measure(args)
+    else:
+        fit_main(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""FP8 frozen base on one GPU, LLaMA-3.1-8B shapes: quality and GEMM speed, one JSON (issue 23).
+
+    python scripts/check_fp8.py --out fp8_quality.json [--tokens 12288] [--mb-tokens 6144]
+
+(a) ``layers``: per decoder linear (qkv, proj, fc1, fc2) at ``--tokens`` rows: relative error (Frobenius) of
+    Y = X·Wᵀ and dX = dY·W against a float32 GEMM (TF32 off), bf16 and FP8 (dY in e4m3 and in e5m2), Gaussian
+    X and dY, W ~ N(0, 0.02); times (CUDA events, median of 10 after 3 warm-up): bf16 GEMM, FP8 with the row
+    quantization (and without), fast accumulation on, and the dX path (quantize dY, transpose W_q, GEMM).
+(b) ``model``: the 8B model (random bf16 base, 4 adapters r=16 all-linear, dropout 0.1, B drawn N(0, 0.01) so
+    that every A gets a gradient), one packed microbatch of ``--mb-tokens`` tokens over the 4 adapters: every
+    LoRA gradient with the bf16 base, then the same model quantized in place (model.base_precision: fp8) on
+    the same microbatch (same dropout masks): cosine similarity per tensor, losses, base-weight bytes and
+    allocated memory before / after, and forward+backward time of the microbatch (median of 3) for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lorafusion.ops import fp8_linear as F  # noqa: E402
+
+DEV = "cuda"  # --smoke: "cpu", shapes / 64 and the tiny preset (a check of this script, no numbers)
+SHAPES = {"linear_qkv": (4096, 6144), "linear_proj": (4096, 4096), "linear_fc1": (4096, 28672),
+          "linear_fc2": (14336, 4096)}  # (in k, out n), TP = 1
+
+
+def cuda_ms(fn, iters: int = 10, warm: int = 3) -> float:
+    if DEV == "cpu":
+        fn()
+        return float("nan")
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    ev = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        ev.append((s, e))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in ev)
+
+
+def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.float() - ref).norm() / ref.norm())
+
+
+def fp8_dx(x, q, s, dy, grad_dtype):
+    xr = x.detach().requires_grad_(True)
+    F.fp8_linear(xr, q, s, grad_dtype=grad_dtype).backward(dy)
+    return xr.grad
+
+
+def layer_row(m: int, k: int, n: int) -> dict:
+    g = torch.Generator(device=DEV).manual_seed(k * 7 + n)
+    x = torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
+    dy = torch.randn(m, n, device=DEV, generator=g).to(torch.bfloat16)
+    q, s = F.quantize_weight(w)
+    row: dict = {"m": m, "k": k, "n": n}
+    with torch.no_grad():
+        ref = x.float() @ w.float().t()
+        row["y_rel_err_bf16"] = rel(x @ w.t(), ref)
+        row["y_rel_err_fp8"] = rel(F.fp8_linear(x, q, s), ref)
+        xq_, sx_ = F.quantize_rows(x)
+        row["y_rel_err_fp8_fast_accum"] = rel(F.scaled_gemm(xq_, sx_, q, s.view(1, -1), torch.bfloat16, True), ref)
+        del ref
+        dref = dy.float() @ w.float()
+        row["dx_rel_err_bf16"] = rel(dy @ w, dref)
+    for name, dt in (("e4m3", F.E4M3), ("e5m2", F.E5M2)):
+        row[f"dx_rel_err_fp8_{name}"] = rel(fp8_dx(x, q, s, dy, dt), dref)
+    del dref
+    with torch.no_grad():
+        x_q, s_x = F.quantize_rows(x)
+        ones = torch.ones(1, k, device=DEV)
+        t = {"fwd_bf16": lambda: x @ w.t(), "fwd_fp8": lambda: F.fp8_linear(x, q, s),
+             "fwd_fp8_gemm_only": lambda: F.scaled_gemm(x_q, s_x, q, s.view(1, -1), torch.bfloat16),
+             "fwd_fp8_gemm_fast_accum": lambda: F.scaled_gemm(x_q, s_x, q, s.view(1, -1), torch.bfloat16, True),
+             "quant_x": lambda: F.quantize_rows(x),
+             "dgrad_bf16": lambda: dy @ w,
+             "dgrad_fp8": lambda: F.Fp8BaseLinear.backward(_Ctx(q, s), dy),
+             "transpose_wq": lambda: F.transpose(q), "transpose_wq_torch": lambda: q.t().contiguous(),
+             "quant_dy": lambda: F.quantize_rows(dy, F.E4M3, s)}
+        g_q, s_g = F.quantize_rows(dy, F.E4M3, s)
+        w_t = q.t().contiguous()
+        t["dgrad_fp8_gemm_only"] = lambda: F.scaled_gemm(g_q, s_g, w_t, ones, torch.bfloat16)
+        for key, fn in t.items():
+            row[f"ms_{key}"] = cuda_ms(fn)
+    flops = 2 * m * k * n
+    row["tflops_fwd_bf16"] = flops / row["ms_fwd_bf16"] / 1e9
+    row["tflops_fwd_fp8_gemm_only"] = flops / row["ms_fwd_fp8_gemm_only"] / 1e9
+    row["speedup_fwd"] = row["ms_fwd_bf16"] / row["ms_fwd_fp8"]
+    row["speedup_dgrad"] = row["ms_dgrad_bf16"] / row["ms_dgrad_fp8"]
+    return row
+
+
+class _Ctx:  # what Fp8BaseLinear.backward reads from its ctx
+    def __init__(self, q, s):
+        self.saved_tensors = (q, s)
+        self.needs_input_grad = (True, False, False, False)
+        self.grad_dtype = F.GRAD_DTYPE
+
+
+def build_8b(seed: int = 1234, arch: str = "llama3.1-8b"):
+    from lorafusion.core.arch import preset
+    from lorafusion.core.lora import LoRASpec
+    from lorafusion.layers import add_adapter, lora_modules
+    from lorafusion.models.provider import build_model
+    from lorafusion.runtime.dist import init_distributed
+
+    init_distributed(1, 1, seed=seed)
+    model = build_model(preset(arch), params_dtype=torch.bfloat16, device=torch.device(DEV), seed=seed)
+    spec = LoRASpec(r=16, lora_alpha=32, lora_dropout=0.1, target_modules=("all-linear",))
+    names = [f"job{i}" for i in range(4)]
+    for name in names:
+        add_adapter(model, name, spec, seed=seed)
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    with torch.no_grad():
+        for _, mod in lora_modules(model):
+            for n in sorted(mod.lora_B):
+                mod.lora_B[n].copy_(torch.randn(mod.lora_B[n].shape, device=DEV, generator=gen) * 0.01)
+    return model.train(), names
+
+
+def step(model, batch, names):
+    """Loss per adapter and every LoRA gradient (float32, on the GPU) for one packed microbatch."""
+    from lorafusion.layers import lora_batch, lora_modules
+
+    model.zero_grad(set_to_none=True)
+    with lora_batch(model, batch.routing, batch.adapters, [11 + i for i in range(len(batch.adapters))]):
+        per_token = model(batch.tokens, batch.position_ids, attention_mask=None, labels=batch.labels,
+                          packed_seq_params=batch.packed_seq_params())
+    losses = {}
+    for n in names:
+        msk = batch.adapter_token_mask(n).float() * batch.loss_mask
+        losses[n] = (per_token.float() * msk).sum() / msk.sum()
+    sum(losses.values()).backward()
+    grads = {f"{key}.{p}.{n}": getattr(mod, p)[n].grad.detach().float().clone()
+             for key, mod in lora_modules(model) for p in ("lora_A", "lora_B") for n in getattr(mod, p)}
+    return {n: v.item() for n, v in losses.items()}, grads
+
+
+def model_check(mb_tokens: int) -> dict:
+    from lorafusion.data import pack_microbatch
+    from lorafusion.layers.fp8_base import base_weight_bytes, quantize_base
+
+    model, names = build_8b(arch="tiny-llama" if DEV == "cpu" else "llama3.1-8b")
+    g = torch.Generator().manual_seed(5)
+    parts = [int(mb_tokens * f) for f in (0.3, 0.15, 0.35)]
+    parts.append(mb_tokens - sum(parts))
+    samples = [(n, torch.randint(0, 500 if DEV == "cpu" else 128000, (t,), generator=g).tolist()) for n, t in zip(names, parts)]
+    batch = pack_microbatch(samples, row_ids=list(range(4))).to(torch.device(DEV))
+    out: dict = {"mb_tokens": mb_tokens}
+    res = {}
+    for precision in ("bf16", "fp8"):
+        if precision == "fp8":
+            mem = (lambda: torch.cuda.memory_allocated() / 2 ** 30) if DEV == "cuda" else (lambda: 0.0)
+            out["allocated_gib_before_quantize"] = mem()
+            quantize_base(model, "fp8")
+            out["allocated_gib_after_quantize"] = mem()
+        out[f"base_linear_weight_bytes_{precision}"] = base_weight_bytes(model)
+        res[precision] = step(model, batch, names)
+        out[f"ms_fwd_bwd_{precision}"] = cuda_ms(lambda: step(model, batch, names), iters=3, warm=1)
+        out[f"losses_{precision}"] = res[precision][0]
+    out["fwd_bwd_speedup"] = out["ms_fwd_bwd_bf16"] / out["ms_fwd_bwd_fp8"]
+    g16, g8 = res["bf16"][1], res["fp8"][1]
+    cos = {k: float(torch.nn.functional.cosine_similarity(g8[k].flatten().double(), g16[k].flatten().double(),
+                                                          dim=0)) for k in g16}
+    vals = sorted(cos.values())
+    out["grad_cosine"] = {"tensors": len(vals), "min": vals[0], "median": statistics.median(vals),
+                          "p01": vals[len(vals) // 100], "below_0.99": sum(v < 0.99 for v in vals),
+                          "worst": sorted(cos.items(), key=lambda kv: kv[1])[:8]}
+    by_kind: dict = {}
+    for k, v in cos.items():
+        by_kind.setdefault(k.split(".")[1] + "." + k.split(".")[2], []).append(v)
+    out["grad_cosine"]["min_by_kind"] = {k: min(v) for k, v in sorted(by_kind.items())}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="fp8_quality.json")
+    ap.add_argument("--tokens", type=int, default=12288)
+    ap.add_argument("--mb-tokens", type=int, default=6144)
+    ap.add_argument("--skip-model", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="CPU, small shapes: checks the script runs")
+    args = ap.parse_args()
+    if args.smoke:
+        global DEV
+        DEV = "cpu"
+        for key, (k, n) in SHAPES.items():
+            SHAPES[key] = (k // 64, n // 64)
+    res = {"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "torch": torch.__version__,
+           "tokens": args.tokens, "layers": {}}
+    for name, (k, n) in SHAPES.items():
+        res["layers"][name] = layer_row(args.tokens, k, n)
+        print(name, json.dumps(res["layers"][name]), flush=True)
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    if not args.skip_model:
+        res["model"] = model_check(args.mb_tokens)
+        print("model", json.dumps(res["model"]), flush=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""The memory model (scheduler/memory.py) and the sizing on it (scheduler/sizing.py): exact parameter counts,
+each part's dependence on the settings, the committed coefficients against peaks measured on GPUs, the auto
+choice, the plan report and its errors. torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from lorafusion.core.arch import preset
+from lorafusion.scheduler.memory import (
+    GIB,
+    AdapterShape,
+    MemorySetup,
+    base_bytes_per_layer,
+    in_flight,
+    load_coefficients,
+    lora_params_per_layer,
+    plan_memory,
+    stage_memory,
+)
+from lorafusion.scheduler.sizing import choose, no_fit_message, parse_bytes, report
+
+ROOT = Path(__file__).resolve().parents[2]
+R16 = tuple(AdapterShape(16, dropout=0.1) for _ in range(4))
+H100 = 79.0 * GIB  # free on an 80 GB H100 once the CUDA context is up (81,559 MiB in all)
+
+
+def _setup(name="llama3.1-8b", adapters=R16, **kw) -> MemorySetup:
+    return MemorySetup(preset(name), adapters, **kw)
+
+
+def test_base_weights_count_the_models_parameters_exactly():
+    s = _setup()
+    m = stage_memory(s, 0, 4096)
+    assert m.weights == 2 * 8_030_261_248  # Llama-3.1-8B's parameter count, in bf16
+    s70 = _setup("llama3.1-70b", pp=4)
+    total = sum(x.weights for x in plan_memory(s70, 4096))
+    assert total == 2 * 70_553_706_496  # Llama-3.1-70B
+
+
+def test_lora_parameters_match_peft_counts_and_shard_under_tp():
+    a = AdapterShape(16, independent_a=True)
+    assert 32 * lora_params_per_layer(preset("llama3.1-8b"), a) == 41_943_040  # PEFT r=16 all-linear on Llama-3-8B
+    attn = AdapterShape(8, ("linear_qkv",), independent_a=True)
+    # q, k, v each an A (8 x 4096) and a B (out x 8)
+    assert lora_params_per_layer(preset("llama3.1-8b"), attn) == 3 * 8 * 4096 + 8 * (4096 + 1024 + 1024)
+    shared = AdapterShape(8, ("linear_qkv",))  # one A for the fused qkv
+    assert lora_params_per_layer(preset("llama3.1-8b"), shared) == 8 * 4096 + 8 * (4096 + 1024 + 1024)
+    assert lora_params_per_layer(preset("llama3.1-8b"), a, tp=2) < lora_params_per_layer(preset("llama3.1-8b"), a)
+
+
+def test_fp8_base_stores_one_byte_per_linear_parameter_plus_scales():
+    bf16, fp8 = _setup(), _setup(base_bytes_per_param=1.0, row_scale_bytes=4)
+    ratio = base_bytes_per_layer(fp8) / base_bytes_per_layer(bf16)
+    assert 0.5 < ratio < 0.502
+
+
+def test_in_flight_microbatches_1f1b_and_interleaved():
+    assert [in_flight(4, s) for s in range(4)] == [4, 3, 2, 1]
+    # interleaved 1F1B, v=2: Megatron's warm-up of 2(pp-s-1) + (v-1)pp + 1 model chunks of half a stage
+    assert [in_flight(4, s, 2) for s in range(4)] == [5.5, 4.5, 3.5, 2.5]
+    s = _setup("llama3.1-70b", pp=4)
+    m = plan_memory(s, 4096)
+    assert m[0].peak > m[1].peak > m[2].peak  # the same layers, more microbatches in flight
+
+
+def test_activations_scale_with_tokens_and_shrink_with_recompute():
+    s = _setup()
+    a, b = stage_memory(s, 0, 4096), stage_memory(s, 0, 8192)
+    assert b.per_microbatch == pytest.approx(2 * a.per_microbatch, rel=0.01)
+    peaks = [stage_memory(s, 0, 8192, n).peak for n in (0, 8, 16, 32)]
+    assert peaks == sorted(peaks, reverse=True)
+    full = stage_memory(s, 0, 8192, 32)
+    assert full.per_microbatch < b.per_microbatch / 10  # only each layer's input is kept
+    # 12 adapters cost their states and their bf16 copies per microbatch, not activations per token
+    more = stage_memory(_setup(adapters=R16 * 3), 0, 8192)
+    assert more.lora == pytest.approx(3 * b.lora) and more.per_microbatch > b.per_microbatch
+
+
+def test_tp_and_sequence_parallel_shard_activations():
+    base = stage_memory(_setup("llama3.1-70b", pp=4), 0, 4096).per_microbatch
+    tp = stage_memory(_setup("llama3.1-70b", pp=4, tp=2), 0, 4096).per_microbatch
+    sp = stage_memory(_setup("llama3.1-70b", pp=4, tp=2, sequence_parallel=True), 0, 4096).per_microbatch
+    assert sp < tp < base and sp == pytest.approx(base / 2, rel=0.02)
+
+
+@pytest.mark.parametrize("capacity, measured_gib", [(12288, 73.8), (8192, 55.2), (16384, 92.4)])
+def test_committed_coefficients_predict_the_8b_runs_measured_on_an_h100(capacity, measured_gib):
+    # issue 22: scripts/bench_train.py --skip-hf, shipped 8B config (4 adapters r=16), one H100, commit 313fbba;
+    # 16,384 tokens on one H200 (docs/BENCHMARKS.md, commit 37a8520)
+    m = stage_memory(_setup(), 0, capacity, 0, load_coefficients())
+    assert abs(m.peak / GIB / measured_gib - 1) < 0.07
+
+
+def test_committed_coefficients_predict_the_70b_pp4_stages_measured_on_h200s():
+    # docs/BENCHMARKS.md: llama3.1-70b PP=4, 4,096-token microbatches, no recompute, 4x H200: 130/105/82/61 GiB
+    m = plan_memory(_setup("llama3.1-70b", pp=4), 4096, 0, load_coefficients())
+    for stage, measured in zip(m, (130, 105, 82, 61), strict=True):
+        assert abs(stage.peak / GIB / measured - 1) < 0.07, (stage.stage, stage.peak / GIB)
+
+
+@pytest.mark.parametrize("stage_layers, recompute, measured", [((33, 31), 16, (103, 64)), (None, 32, (42, 42))])
+def test_committed_coefficients_predict_the_32b_pp2_stages_measured_on_h200s(stage_layers, recompute, measured):
+    # docs/BENCHMARKS.md, Qwen2.5-32B PP=2 on 2x H200, 8,192 tokens: 103 / 64 GiB with 16 layers recomputed per
+    # stage (stages of 33/31 layers); 42 GiB per GPU with every layer recomputed (the larger stage)
+    m = plan_memory(_setup("qwen2.5-32b", pp=2, stage_layers=stage_layers), 8192, recompute, load_coefficients())
+    assert abs(m[0].peak / GIB / measured[0] - 1) < 0.07
+    if stage_layers:
+        assert abs(m[1].peak / GIB / measured[1] - 1) < 0.07
+
+
+def test_every_calibration_point_is_predicted_within_7_percent():
+    """docs/results/memory-raw-h100.json (scripts/calibrate_memory.py on an H100): each point's peak allocated
+    memory against the committed model, and each point that ran out of memory predicted not to fit."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from calibrate_memory import predict
+
+    raw = json.loads((ROOT / "docs/results/memory-raw-h100.json").read_text())
+    c = load_coefficients()
+    assert len(raw["points"]) > 100
+    for p in raw["points"]:
+        pred = predict(p, c)
+        if p.get("oom"):
+            assert pred * (1 + c.margin_frac) + c.margin_bytes > raw["gpu_total_bytes"], p
+        else:
+            assert abs(pred / p["peak_allocated"] - 1) < 0.07, p
+            assert pred * (1 + c.margin_frac) + c.margin_bytes >= p["peak_reserved"], p  # the margin covers it
+
+
+def test_auto_picks_the_largest_capacity_that_fits_without_recompute_when_it_can():
+    c = load_coefficients()
+    p80 = choose(_setup(), H100, 4096, coeffs=c)
+    assert p80.fits and p80.recompute_layers == [0] and p80.capacity >= 8192
+    bigger = choose(_setup(), p80.capacity, 4096, capacity=p80.capacity + 512, recompute=0, coeffs=c)
+    assert not bigger.fits  # one step more does not fit: the largest
+    p141 = choose(_setup(), 139 * GIB, 4096, coeffs=c)
+    assert p141.capacity > p80.capacity
+    small = choose(_setup(), 24 * GIB, 4096, coeffs=c)  # bf16 8B on a 24 GB card: only with recompute
+    assert small.fits and small.recompute_layers[0] > 0 and small.capacity >= 4096
+
+
+def test_recompute_auto_is_the_fewest_layers_per_stage_that_fit():
+    c = load_coefficients()
+    s = _setup("llama3.1-70b", pp=4)
+    p = choose(s, H100, 4096, capacity=4096, recompute="auto", coeffs=c)
+    assert p.fits and p.recompute_layers[0] >= p.recompute_layers[-1]
+    for k, n in enumerate(p.recompute_layers):
+        if n:
+            assert not stage_memory(s, k, 4096, n - 1, c).fits(H100)
+
+
+def test_nothing_fits_names_the_stage_and_the_job_and_what_would():
+    s = _setup("llama3.1-70b", pp=4)
+    p = choose(s, 24 * GIB, 4096, coeffs=load_coefficients())
+    assert not p.fits
+    msg = no_fit_message(s, p, {"short": 512, "long": 4096}, "run.yaml", load_coefficients())
+    assert msg.startswith("run.yaml: the run does not fit 24.0 GiB") and "pipeline stage 0 needs" in msg
+    assert "job 'long'" in msg and "parallelism.pp: 8" in msg
+
+
+@pytest.mark.parametrize("gpus", [4, 8])
+def test_shipped_70b_config_plan_fits_h100_80gb(gpus):
+    from lorafusion.config import load_run_config
+
+    cfg = load_run_config(ROOT / "configs/llama3.1-70b-4adapters.yaml", [f"parallelism.dp={gpus // 4}"],
+                          check_files=False)
+    lines, ok = report(cfg, [H100], load_coefficients())
+    assert ok, "\n".join(lines)
+    assert cfg.scheduler.token_capacity == "auto" and cfg.model.recompute_layers == "auto"
+
+
+@pytest.mark.parametrize("config", ["llama3.1-8b-4adapters", "qwen2.5-32b-4adapters"])
+def test_shipped_configs_fit_80_and_141_gb(config):
+    from lorafusion.config import load_run_config
+
+    cfg = load_run_config(ROOT / f"configs/{config}.yaml", check_files=False)
+    _, ok = report(cfg, [H100, 139 * GIB], load_coefficients())
+    assert ok
+
+
+def test_parse_bytes():
+    assert parse_bytes("80GiB") == parse_bytes("80GB") == parse_bytes("80") == 80 * GIB
+    assert parse_bytes("81920MiB") == 80 * GIB
+    for bad in ("lots", "-3GiB", "0"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+
+
+def test_workspace_and_margin_come_from_the_committed_file():
+    c = load_coefficients()
+    assert "calibrate_memory" in c.source and 0 < c.margin_frac < 0.2
+    assert replace(c, margin_frac=0.0).margin_frac == 0.0
+
+
+def test_run_config_fp8_base_and_virtual_stages_reach_the_model():
+    from lorafusion.config import load_run_config
+    from lorafusion.scheduler.sizing import setup_from_run
+
+    cfg = load_run_config(ROOT / "configs/llama3.1-70b-4adapters.yaml", ["model.base_precision=fp8",
+                                                                          "parallelism.virtual_stages=2"],
+                          check_files=False)
+    s = setup_from_run(cfg, preset("llama3.1-70b"))
+    assert s.base_bytes_per_param == 1.0 and s.row_scale_bytes == 4 and s.virtual_stages == 2
+    assert s.stage_layers == (20, 20, 20, 20)
+    bf16 = setup_from_run(load_run_config(ROOT / "configs/llama3.1-70b-4adapters.yaml", check_files=False),
+                          preset("llama3.1-70b"))
+    w8, w16 = stage_memory(s, 1, 4096).weights, stage_memory(bf16, 1, 4096).weights
+    assert 0.5 < w8 / w16 < 0.51  # a middle stage holds decoder linears only (and norms)
+    assert stage_memory(s, 0, 4096).in_flight == 5.5 and stage_memory(bf16, 0, 4096).in_flight == 4

@@ -1,0 +1,181 @@
+"""FP8 frozen base in the model (model.base_precision: fp8, lorafusion.layers.fp8_base): what is quantized and
+freed, the LoRA linear's output and gradients = FP8 base + the unchanged LoRA term, recompute, HF import, and
+the whole model against its bf16 twin. On CPU through torch._scaled_mm."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from hf_utils import write_hf_checkpoint
+from lorafusion.core.arch import ModelArch, preset
+from lorafusion.core.lora import LoRASpec
+from lorafusion.data import pack_microbatch
+from lorafusion.layers import add_adapter, lora_batch, lora_modules
+from lorafusion.layers.fp8_base import base_weight_bytes, quantize_base
+from lorafusion.models.provider import build_model
+from lorafusion.ops import fp8_linear as F
+from model_utils import adapter_losses, lora_grads, randomize_b
+
+SPEC = LoRASpec(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=("all-linear",))
+
+
+def _model(precision, arch=None, **kw):
+    model = build_model(arch or preset("tiny-llama"), params_dtype=torch.bfloat16, seed=11, base_precision=precision,
+                        **kw)
+    add_adapter(model, "a", SPEC, seed=3)
+    add_adapter(model, "b", LoRASpec(r=8, lora_alpha=8, target_modules=("q_proj", "k_proj", "v_proj", "down_proj")), seed=3)
+    randomize_b(model, seed=5)
+    return model.train()
+
+
+def _batch(vocab=512):
+    tok = lambda s, n: torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(s)).tolist()  # noqa: E731
+    return pack_microbatch([("a", tok(1, 40)), ("b", tok(2, 23)), ("a", tok(3, 17))], row_ids=[0, 1, 2])
+
+
+def test_every_decoder_linear_is_fp8_and_its_bf16_copy_is_gone(megatron_single):
+    bf16, fp8 = _model("bf16"), _model("fp8")
+    mods = dict(lora_modules(fp8))
+    assert len(mods) == 4 * 4  # qkv, proj, fc1, fc2 of 4 layers
+    for key, mod in mods.items():
+        assert mod.weight is None, key
+        assert mod.weight_fp8.dtype == torch.float8_e4m3fn and mod.weight_scale.dtype == torch.float32
+        assert mod.weight_fp8.shape == dict(lora_modules(bf16))[key].weight.shape
+    # one byte per weight plus a float32 scale per output channel: about half the bf16 bytes
+    ratio = base_weight_bytes(fp8) / base_weight_bytes(bf16)
+    assert 0.5 < ratio < 0.55, ratio
+    state = fp8.state_dict()
+    assert not any(k.endswith(("linear_qkv.weight", "linear_fc2.weight", "weight_fp8", "weight_scale"))
+                   for k in state)  # the base is never checkpointed
+    assert fp8.output_layer.weight.dtype == torch.bfloat16 and fp8.embedding.word_embeddings.weight.dtype == torch.bfloat16
+    assert fp8.lorafusion_base_precision == "fp8"
+    # the quantized weights are the bf16 ones to e4m3's precision
+    for key, mod in mods.items():
+        w = dict(lora_modules(bf16))[key].weight.detach().double()
+        torch.testing.assert_close(F.dequantize(mod.weight_fp8, mod.weight_scale), w, rtol=2 ** -4,
+                                   atol=float(mod.weight_scale.max()) * 2 ** -9)
+    assert quantize_base(fp8, "fp8") == 16  # idempotent
+    with pytest.raises(ValueError, match="base_precision: expected one of"):
+        quantize_base(fp8, "fp4")
+
+
+def test_lora_linear_is_the_fp8_base_plus_the_unchanged_lora_term(megatron_single):
+    model = _model("fp8")
+    batch = _batch()
+    T = batch.tokens.numel()
+    with lora_batch(model, batch.routing, batch.adapters, [7, 9]):
+        for key, mod in lora_modules(model):
+            x = torch.randn(T, 1, mod.input_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+            x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+            out, _ = mod(x1)
+            base = F.fp8_linear(x2, mod.weight_fp8, mod.weight_scale)
+            want = base + mod._lora_delta(x2, mod._lora_args(x2))
+            assert torch.equal(out, want), key
+            dy = torch.randn_like(out)
+            names = sorted(mod.lora_A)
+            got = torch.autograd.grad(out, [x1, *[mod.lora_A[n] for n in names], *[mod.lora_B[n] for n in names]], dy)
+            ref = torch.autograd.grad(want, [x2, *[mod.lora_A[n] for n in names], *[mod.lora_B[n] for n in names]], dy)
+            for g, r in zip(got, ref):
+                assert torch.equal(g, r), key
+
+
+def test_fp8_model_trains_like_its_bf16_twin(megatron_single):
+    batch = _batch()
+    out = {}
+    for precision in ("bf16", "fp8"):
+        model = _model(precision)
+        losses = adapter_losses(model, batch)
+        sum(losses.values()).backward()
+        out[precision] = ({k: v.item() for k, v in losses.items()}, {n: lora_grads(model, n) for n in ("a", "b")})
+    (l16, g16), (l8, g8) = out["bf16"], out["fp8"]
+    for n in l16:
+        assert l8[n] == pytest.approx(l16[n], rel=0.02)
+        for k in g16[n]:
+            cos = torch.nn.functional.cosine_similarity(g8[n][k].flatten().double(), g16[n][k].flatten().double(), dim=0)
+            assert cos > 0.85, (n, k, cos)  # a tiny random model: see docs/BENCHMARKS.md for the 8B shape
+
+
+def test_recompute_with_fp8_base_equals_no_recompute(megatron_single, monkeypatch):
+    import test_recompute as R
+
+    import lorafusion.models.provider as P
+
+    monkeypatch.setattr(P, "build_model", functools.partial(P.build_model, base_precision="fp8"))
+    want_losses, want = R._interleaved_grads("cpu", torch.bfloat16, recompute=False)
+    got_losses, got = R._interleaved_grads("cpu", torch.bfloat16, recompute=True)
+    assert got_losses == want_losses
+    assert got.keys() == want.keys() and want
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_hf_import_quantizes_the_loaded_weights(tmp_path, megatron_single):
+    from lorafusion.models.hf_import import build_model_from_hf
+
+    arch = ModelArch(family="qwen2", vocab_size=150, hidden_size=64, num_layers=2, num_attention_heads=4,
+                     num_query_groups=2, ffn_hidden_size=96, qkv_bias=True, rope_theta=1e6, norm_eps=1e-6)
+    write_hf_checkpoint(arch, tmp_path / "hf", seed=4)
+    bf16 = build_model_from_hf(tmp_path / "hf", params_dtype=torch.bfloat16)
+    fp8 = build_model_from_hf(tmp_path / "hf", params_dtype=torch.bfloat16, base_precision="fp8")
+    ref = dict(lora_modules(bf16))
+    for key, mod in lora_modules(fp8):
+        assert mod.weight is None
+        w = ref[key].weight.detach().double()
+        torch.testing.assert_close(F.dequantize(mod.weight_fp8, mod.weight_scale), w, rtol=2 ** -4,
+                                   atol=float(mod.weight_scale.max()) * 2 ** -9)
+        if mod.bias is not None:  # qkv bias (qwen2) stays in bf16, added after the FP8 GEMM
+            assert torch.equal(mod.bias, ref[key].bias)
+    tokens = torch.arange(1, 30).view(1, -1)
+    pos = torch.arange(29).view(1, -1)
+    with torch.no_grad():
+        a = bf16(tokens, pos, attention_mask=None).float()
+        b = fp8(tokens, pos, attention_mask=None).float()
+    assert float((a - b).norm() / a.norm()) < 0.1
+
+
+def test_odd_hidden_sizes_take_the_fallback(megatron_single):
+    arch = ModelArch(family="llama", vocab_size=101, hidden_size=90, num_layers=2, num_attention_heads=5,
+                     num_query_groups=5, ffn_hidden_size=130, max_position_embeddings=128)
+    model = _model("fp8", arch=arch)
+    losses = adapter_losses(model, _batch(vocab=101))
+    sum(losses.values()).backward()
+    assert all(torch.isfinite(v) for v in losses.values())
+    assert all(torch.isfinite(g).all() for g in lora_grads(model, "a").values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+                    reason="needs an sm_89+ GPU")
+def test_cuda_fp8_base_with_the_fused_lora_kernels_equals_the_torch_lora_path(megatron_single):
+    """Per LoRA linear (the FP8 base term is the same op in both): output and every gradient with the Triton LoRA
+    kernels equal the torch LoRA path to bf16 precision. (Through a whole FP8 model the two differ by FP8 rounding
+    flips, which a bf16-sized change of an input can cause: the whole-model comparison is the bench's losses.)"""
+    from lorafusion.layers import get_lora_context
+
+    dev = torch.device("cuda")
+    model = build_model(preset("tiny-llama"), params_dtype=torch.bfloat16, seed=11, base_precision="fp8", device=dev)
+    add_adapter(model, "a", SPEC, seed=3)
+    add_adapter(model, "b", LoRASpec(r=8, lora_alpha=8, target_modules=("q_proj", "k_proj", "v_proj", "down_proj")),
+                seed=3)
+    randomize_b(model, seed=5)
+    model.train()
+    batch = _batch().to(dev)
+    T = batch.tokens.numel()
+    with lora_batch(model, batch.routing, batch.adapters, [7, 9]):
+        for key, mod in lora_modules(model):
+            x = torch.randn(T, 1, mod.input_size, device=dev, generator=torch.Generator(dev).manual_seed(1))
+            dy = torch.randn(T, 1, mod.weight_fp8.shape[0], device=dev, generator=torch.Generator(dev).manual_seed(2))
+            names = sorted(mod.lora_A)
+            res = {}
+            for impl in ("fused", "reference"):
+                get_lora_context(model).impl = impl
+                xi = x.to(torch.bfloat16).requires_grad_(True)
+                out, _ = mod(xi)
+                params = [xi, *[mod.lora_A[n] for n in names], *[mod.lora_B[n] for n in names]]
+                res[impl] = (out, *torch.autograd.grad(out, params, dy.to(torch.bfloat16)))
+            for got, want in zip(res["fused"], res["reference"]):
+                err = float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12))
+                assert err < 2e-2, (key, err)

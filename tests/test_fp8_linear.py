@@ -1,0 +1,185 @@
+"""FP8 base linear (lorafusion.ops.fp8_linear): quantization round trip, the forward against a float64 reference of
+the quantized GEMM, the input gradient against the dequantized reference, no weight gradient, odd shapes (the
+float32 fallback), the device check. On CPU through torch._scaled_mm (torch >= 2.13); the CUDA path in the
+gpu-marked tests at the end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lorafusion.core.errors import ConfigError
+from lorafusion.ops import fp8_linear as F
+
+SHAPES = [(32, 64, 48), (7, 128, 96), (1, 32, 16), (33, 20, 7), (5, 48, 30)]  # (m, k, n); the last two: fallback
+FP8 = [F.E4M3, F.E5M2]
+
+
+def _data(m, k, n, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4).to(dtype)  # rows of unequal size
+    w = (torch.randn(n, k, generator=g) * 0.02 * torch.rand(n, 1, generator=g)).to(dtype)
+    return x, w
+
+
+def _spacing_bound(v: torch.Tensor, dtype) -> torch.Tensor:
+    """Half the FP8 spacing at |v| (v in units of the row's scale): round-to-nearest error bound."""
+    fi = torch.finfo(dtype)
+    mant = 3 if dtype == F.E4M3 else 2
+    min_normal = fi.smallest_normal
+    exp = torch.floor(torch.log2(v.abs().clamp(min=min_normal)))
+    return 2.0 ** (exp - mant) / 2
+
+
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("src", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_quantize_rows_round_trip(m, k, n, src, dtype):
+    x, _ = _data(m, k, n, src)
+    x[0] = 0  # an all-zero row: q = 0, a finite scale
+    q, s = F.quantize_rows(x, dtype)
+    assert q.dtype == dtype and s.shape == (m, 1) and s.dtype == torch.float32 and torch.isfinite(s).all()
+    assert (q[0].float() == 0).all()
+    v = x.double() / s.double()
+    err = (q.double() - v).abs()
+    assert (err <= _spacing_bound(v, dtype) * (1 + 1e-6)).all()
+    # the row's largest element maps to the format's largest value
+    rows = x.double().abs().amax(1) > 0
+    top = q.double().abs().amax(1)
+    assert torch.allclose(top[rows], torch.full_like(top[rows], torch.finfo(dtype).max), rtol=2 ** -4)
+    deq = F.dequantize(q, s)
+    torch.testing.assert_close(deq, x.double(), rtol=2 ** -(3 if dtype == F.E4M3 else 2), atol=float(s.max()) * 2 ** -9)
+
+
+def test_column_scale_is_folded_before_the_row_scale():
+    x, _ = _data(9, 32, 8, torch.float32)
+    c = torch.rand(32) + 0.5
+    q1, s1 = F.quantize_rows(x, F.E4M3, col_scale=c)
+    q2, s2 = F.quantize_rows(x * c, F.E4M3)
+    assert torch.equal(q1.float(), q2.float()) and torch.equal(s1, s2)
+
+
+def test_quantize_weight_per_output_channel():
+    _, w = _data(4, 64, 40)
+    q, s = F.quantize_weight(w)
+    assert q.dtype == F.E4M3 and q.shape == w.shape and q.is_contiguous() and s.shape == (40,)
+    torch.testing.assert_close(s.double(), w.double().abs().amax(1) / 448, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_forward_equals_float64_reference_of_the_quantized_gemm(m, k, n, dtype):
+    x, w = _data(m, k, n, dtype)
+    q, s = F.quantize_weight(w)
+    y = F.fp8_linear(x, q, s)
+    ref = F.fp8_linear_reference(x, q, s)
+    assert y.dtype == dtype and y.shape == (m, n)
+    # same quantized operands: only fp32 summation order and the output rounding differ
+    tol = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * float(ref.abs().max()))
+    # and the quantized GEMM is within e4m3's error of the exact product
+    exact = x.double() @ w.double().t()
+    assert float((ref - exact).norm() / exact.norm()) < 0.06
+
+
+def test_bias_and_leading_dims():
+    x, w = _data(12, 32, 16)
+    q, s = F.quantize_weight(w)
+    b = torch.randn(16).to(torch.bfloat16)
+    y = F.fp8_linear(x.view(3, 4, 32), q, s, b)
+    assert y.shape == (3, 4, 16)
+    torch.testing.assert_close(y.view(12, 16), F.fp8_linear(x, q, s) + b)
+
+
+@pytest.mark.parametrize("grad", FP8)
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_input_gradient_equals_dequantized_reference(m, k, n, grad):
+    x, w = _data(m, k, n, torch.float32)
+    q, s = F.quantize_weight(w)
+    x.requires_grad_(True)
+    dy = torch.randn(m, n, generator=torch.Generator().manual_seed(3))
+    F.fp8_linear(x, q, s, grad_dtype=grad).backward(dy)
+    g_q, s_g = F.quantize_rows_torch(dy, grad, col_scale=s)  # dY·diag(s_w), quantized per row
+    ref = F.dequantize(g_q, s_g) @ q.double()
+    torch.testing.assert_close(x.grad.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    exact = dy.double() @ w.double()
+    assert float((ref - exact).norm() / exact.norm()) < (0.06 if grad == F.E4M3 else 0.12)
+
+
+def test_no_weight_gradient_and_one_gemm_each_way(monkeypatch):
+    x, w = _data(16, 32, 16)
+    q, s = F.quantize_weight(w)
+    calls = []
+    real = F.scaled_gemm
+    monkeypatch.setattr(F, "scaled_gemm", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    x.requires_grad_(True)
+    F.fp8_linear(x, q, s).sum().backward()
+    assert calls == [(16, 32), (16, 16)]  # X·W_qᵀ, then dY·W_q: no dW GEMM
+    assert q.grad is None and s.grad is None and not q.requires_grad
+    calls.clear()
+    x2 = x.detach()  # no input gradient wanted: backward never runs the op
+    y = F.fp8_linear(x2, q, s)
+    assert not y.requires_grad and calls == [(16, 32)]
+
+
+def test_device_check_names_the_field_and_the_gpu(monkeypatch):
+    F.check_fp8_device(None)
+    F.check_fp8_device("cpu")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ConfigError, match=r"model.base_precision: fp8 needs .*8\.9.*A100.*sm_80"):
+        F.check_fp8_device(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    F.check_fp8_device(torch.device("cuda", 0))
+
+
+# ------------------------------------------------------------------------------------------------ CUDA (Hopper)
+def _cuda_fp8():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_fp8(), reason="needs an sm_89+ GPU")
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("m,n", [(1, 16), (257, 4096), (4096, 14336), (33, 20)])
+def test_triton_row_quantization_equals_torch(m, n, dtype):
+    x = (torch.randn(m, n, device="cuda") * 3).to(torch.bfloat16)
+    c = torch.rand(n, device="cuda") + 0.5
+    for cs in (None, c):
+        q, s = F.quantize_rows(x, dtype, cs)
+        q_ref, s_ref = F.quantize_rows_torch(x, dtype, cs)
+        torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+        diff = (q.float() != q_ref.float()).float().mean().item()
+        assert diff < 1e-4, diff  # bit-equal but for a rare tie rounded the other way
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_fp8(), reason="needs an sm_89+ GPU")
+@pytest.mark.parametrize("m,k,n", [(3, 4096, 6144), (2048, 4096, 28672), (1000, 14336, 4096), (64, 20, 7)])
+def test_cuda_forward_and_input_gradient_against_float64(m, k, n):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16).requires_grad_(True)
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    q, s = F.quantize_weight(w)
+    y = F.fp8_linear(x, q, s)
+    ref = F.fp8_linear_reference(x, q, s)
+    torch.testing.assert_close(y.double(), ref, rtol=2 ** -7, atol=2 ** -7 * float(ref.abs().max()))
+    dy = torch.randn(m, n, device="cuda", generator=g).to(torch.bfloat16)
+    y.backward(dy)
+    g_q, s_g = F.quantize_rows_torch(dy, F.GRAD_DTYPE, col_scale=s)
+    dref = F.dequantize(g_q, s_g) @ q.double()
+    torch.testing.assert_close(x.grad.double(), dref, rtol=2 ** -7, atol=2 ** -7 * float(dref.abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_fp8(), reason="needs an sm_89+ GPU")
+@pytest.mark.parametrize("m,n", [(1, 16), (70, 130), (4096, 14336)])
+def test_triton_transpose_and_two_pass_quantization(m, n):
+    from lorafusion.kernels.fp8_quant import quantize_rows_triton
+
+    w = torch.randint(0, 255, (m, n), dtype=torch.uint8, device="cuda").view(F.E4M3)
+    assert torch.equal(F.transpose(w).view(torch.uint8), w.view(torch.uint8).t().contiguous())
+    x = (torch.randn(m, n, device="cuda") * 3).to(torch.bfloat16)
+    one, s1 = quantize_rows_triton(x, F.E4M3)
+    two, s2 = quantize_rows_triton(x, F.E4M3, max_single=64)  # the two-loop path
+    assert torch.equal(s1, s2) and torch.equal(one.view(torch.uint8), two.view(torch.uint8))
