@@ -60,7 +60,8 @@ def cmd_train(args) -> int:
             out = Path(cfg.output_dir)
             print(f"  base model (HF format, for peft/transformers): lorafusion export {out} --base --out {out / 'base'}")
         print(f"try them: lorafusion generate {cfg.output_dir} --prompts FILE.jsonl --out OUT.jsonl  "
-              f"(one {{\"prompt\": ..., \"job\": NAME}} per line)")
+              f"(one {{\"prompt\": ..., \"job\": NAME}} per line; a chat job: {{\"messages\": [{{\"role\": \"user\", "
+              f"\"content\": ...}}], \"job\": NAME}}; lorafusion generate -h)")
     from lorafusion.dist import destroy_distributed
 
     destroy_distributed()
