@@ -18,6 +18,9 @@ _ENVIRONMENT_ERRNOS = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, err
                        errno.ENOTDIR, errno.EISDIR, errno.EEXIST}
 
 
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
 def _load(args):
     from lorafusion.config import load_run_config
 
@@ -25,6 +28,9 @@ def _load(args):
 
 
 def cmd_train(args) -> int:
+    from lorafusion.runtime.signals import exit_on_stop_outside_run
+
+    exit_on_stop_outside_run()  # a stop while starting or after the end: exit 0, nothing to checkpoint
     cfg = _load(args)  # before torch and Megatron are imported: a config error in well under a second
     from lorafusion.rundir.atomic import remove_partial_outputs
     from lorafusion.runtime.trainer import Trainer
@@ -33,7 +39,11 @@ def cmd_train(args) -> int:
         cfg.serve = True
     out = Path(cfg.output_dir)
     created = not out.exists()
-    trainer = Trainer(cfg, resume=args.resume)
+    if args.allow_different_result and not args.resume:
+        from lorafusion.core.errors import ConfigError
+
+        raise ConfigError("--allow-different-result goes with --resume")
+    trainer = Trainer(cfg, resume=args.resume, allow_different_result=args.allow_different_result)
     try:
         summary = trainer.run()
     except BaseException:
@@ -110,9 +120,8 @@ def cmd_plan(args) -> int:
         print(f"{w['window']:>6} {len(w['jobs']):>4} {w['microbatches']:>5} {w['noops']:>5} {w['fill']:>6.3f} "
               f"{w['imbalance'] or 0:>6.3f} {w['simulated_bubble']:>7.3f} {w['plan_s']:>7.3f}")
     charts = "" if any(f.endswith(".png") for f in res["files"]) else " (no chunk planned: no charts)"
-    print("  (a window = one chunk; mbs: microbatches; noops: empty slots keeping a job's next batch behind its "
-          "optimizer step;\n   fill: mean share of the token capacity used; imbal: largest microbatch / mean (1 = "
-          "even); bubble: simulated idle share of pipeline time)")
+    print("  (window: a chunk; noops: empty slots keeping a job's next batch behind its optimizer step; fill: mean share "
+          "of the token capacity used;\n   imbal: largest microbatch / mean; bubble: simulated idle share of pipeline time)")
     print(f"written to {res['dir']}: {', '.join(res['files'])}{charts}")
     _print_pipeline(cfg, stage, res, args, out)
     return 0
@@ -184,34 +193,12 @@ def _run_dir_of(src: Path) -> Path:
     return src
 
 
-def _check_export_out(src: Path, out: Path, base: bool) -> None:
-    """``--out`` (replaced with --force) never holds nor lies inside the run it exports from — except RUN/base
-    for --base, the base the adapters of a preset run name — and is never another run's directory."""
-    from lorafusion.core.errors import ConfigError
-
-    try:
-        o = out.resolve()
-        step = src.resolve()  # a checkpoints/<job>/step_N directory: its run is protected too
-        runs = {step} | ({step.parents[2]} if (src / "state.json").is_file() and step.parents[1].name == "checkpoints"
-                         else set())
-    except (OSError, RuntimeError, IndexError) as e:
-        raise ConfigError(f"{out}: cannot resolve --out ({e})") from None
-    for run in runs:
-        if o == run or o in run.parents:
-            raise ConfigError(f"{out}: --out holds the run directory {run} it exports from; choose a path outside it")
-        if run in o.parents and not (base and o == run / "base"):
-            raise ConfigError(f"{out}: --out is inside the run directory {run}; choose a path outside it")
-    if out.is_dir() and any((out / n).exists() for n in ("status.json", "summary.json", "checkpoints", ".lock")):
-        raise ConfigError(f"{out}: --out is a lorafusion run directory; export replaces only exports, choose "
-                          f"another path")
-
-
 def cmd_export(args) -> int:
     """Copy a job's PEFT adapter out of a run directory or one checkpoint, or write the run's base model or
     a job's adapter merged into it (HF format); atomically, never over an existing --out without --force."""
     from lorafusion.core.errors import ConfigError
     from lorafusion.core.lora import check_adapter_name
-    from lorafusion.rundir.adapters import find_adapter
+    from lorafusion.rundir.adapters import check_export_out, find_adapter
     from lorafusion.rundir.atomic import copier, fill_dir_atomically
 
     src = Path(args.checkpoint)
@@ -227,7 +214,7 @@ def cmd_export(args) -> int:
             check_adapter_name(args.job, "--job")
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    _check_export_out(src, out, base=args.base)
+    check_export_out(src, out, base=args.base)
     if (out.exists() or out.is_symlink()) and not args.force:
         raise ConfigError(f"{out}: --out already exists; choose another path or pass --force to replace it "
                           f"(atomically, once the new export is complete)")
@@ -270,9 +257,8 @@ def cmd_generate(args) -> int:
                         force=args.force)
     print(f"generated {res['new_tokens']:,} tokens for {res['rows']} prompts ({', '.join(res['jobs']) or 'base only'}) "
           f"in {res['generate_s']:.1f}s ({res['tokens_per_s']:,.0f} tokens/s); written to {res['out']}", file=sys.stderr)
-    if res["expected"]:  # rows with an "expected" answer: how many outputs equal it
-        print("outputs equal to 'expected': " + ", ".join(f"{job} {hit}/{n}" for job, (hit, n) in res["expected"].items()),
-              file=sys.stderr)
+    if hits := ", ".join(f"{job} {hit}/{n}" for job, (hit, n) in res["expected"].items()):  # rows with "expected"
+        print(f"outputs equal to 'expected': {hits}", file=sys.stderr)
     return 0
 
 
@@ -297,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("config")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. scheduler.token_capacity=8192")
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint of each job")
+    t.add_argument("--allow-different-result", action="store_true", help="with --resume: accept changed "
+                   "scheduler settings (token_capacity, lookahead_batches, grouping, policy, solver), which pack the "
+                   "data otherwise; the result then differs (slightly) from an uninterrupted run")
     t.add_argument("--serve", action="store_true", help="after the last job ends, keep waiting for "
                    "`lorafusion submit` (serve: true; ends after serve_idle_minutes without jobs)")
     pl = sub.add_parser("plan", help="schedule a run's data and draw the plan (no model)")
@@ -331,18 +320,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "eval_dataset/eval_split), not its final adapter")
     e.add_argument("--out", required=True, help="a new directory (an existing one is refused unless --force)")
     e.add_argument("--force", action="store_true", help="replace an existing --out once the export is complete")
-    g = sub.add_parser("generate", help="decode prompts with a run's adapters (and base), batched together",
-                       epilog="examples of --prompts rows:\n"
-                       "  {\"prompt\": \"count 5=\", \"job\": \"count\"}\n"
-                       "  {\"messages\": [{\"role\": \"user\", \"content\": \"HELLO\"}], \"job\": \"shout\"}\n"
-                       "  {\"prompt\": \"after k=\"}    (no job: the base model)",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = sub.add_parser("generate", help="decode prompts with a run's adapters (and base), batched together")
     g.add_argument("run_dir", help="the run's output_dir")
-    g.add_argument("--prompts", required=True, help="JSONL, one row per line: {\"prompt\": TEXT, \"job\": NAME} "
-                   "(a prompt_response job: the prompt as in training), or {\"messages\": [{\"role\": \"user\", "
-                   "\"content\": ...}], \"job\": NAME} (a chat job: the history, rendered with the chat template "
-                   "and its generation prompt as in training); job null or absent: the base; an optional "
-                   "\"expected\" answer is counted")
+    g.add_argument("--prompts", required=True, help="JSONL: one {\"prompt\": ..., \"job\": NAME or null} per line; a "
+                   "chat job's row: {\"messages\": [{\"role\": \"user\", \"content\": ...}], \"job\": NAME} (rendered "
+                   "with training's chat template); an optional \"expected\" answer is counted")
     g.add_argument("--out", required=True, help="JSONL written atomically: the input rows plus prompt_ids, "
                    "output_ids and output (an existing file is refused unless --force)")
     g.add_argument("--max-new-tokens", type=_positive_int, default=128)
@@ -351,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="sampling seed (each row: its own generator)")
     g.add_argument("--batch-size", type=_positive_int, default=64, help="prompts decoded together")
     g.add_argument("--force", action="store_true", help="replace an existing --out")
+    p.subcommands = sub.choices  # name -> its parser (main's _flags_last reads their options)
     return p
 
 
@@ -360,36 +343,28 @@ def build_parser() -> argparse.ArgumentParser:
 ALLOC_CONF = "expandable_segments:True"
 
 
-# OpenMP threads that wait for work spin (the default ACTIVE policy): on a machine whose cores are busy with other
-# processes, the tiny demo model's fwd+bwd of a 960-token microbatch then burns 2.6-5.1 s of CPU instead of
-# 0.16-0.20 s with PASSIVE (the 2-core CPU machine, loaded by other processes). Set before torch
-# starts OpenMP; a user's own setting wins.
-OMP_WAIT = "PASSIVE"
-
-
-def _flags_last(argv: list[str]) -> list[str]:
-    """A flag between key=value overrides would end them (argparse: "unrecognized arguments"): the flags (and the
-    values of --out/--windows) go last, so overrides and flags may come in any order."""
-    rest, flags, i = [], [], 0
-    while i < len(argv):
-        if argv[i].startswith("--"):
-            flags.append(argv[i])
-            if argv[i] in ("--out", "--windows") and i + 1 < len(argv):
-                i += 1
-                flags.append(argv[i])
-        else:
-            rest.append(argv[i])
-        i += 1
+def _flags_last(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """A flag between key=value overrides would end them (argparse: "unrecognized arguments"): flags, with their
+    values, go last, so overrides and flags may come in any order."""
+    takes = {o for a in parser.subcommands[argv[0]]._actions if a.nargs != 0 for o in a.option_strings}
+    rest, flags, it = [], [], iter(argv)
+    for a in it:
+        (flags if a.startswith("-") else rest).append(a)
+        if a in takes and (value := next(it, None)) is not None:
+            flags.append(value)
     return rest + flags
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)
-    os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT)
+    # OpenMP threads waiting for work spin by default: on cores busy with other processes the demo model's fwd+bwd of
+    # a 960-token microbatch burnt 2.6-5.1 s of CPU instead of 0.16-0.20 s sleeping (PASSIVE). A user's setting wins
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
     if argv[:1] in (["train"], ["plan"], ["submit"]):
-        argv = _flags_last(argv)
-    args = build_parser().parse_args(argv)
+        argv = _flags_last(parser, argv)
+    args = parser.parse_args(argv)
     from lorafusion.runtime.signals import install_stack_dump
 
     install_stack_dump()  # kill -USR2 <pid>: every thread's stack on stderr (a hung multi-GPU run)
@@ -407,9 +382,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # the machine, not the program: a read-only or full disk, a file size limit, a file where a directory
         # should be. Checkpoints and exports are written whole or not at all, so nothing complete is lost.
-        where = f" {e.filename}" if e.filename else ""
+        # a copy's error names the source first (shutil): the destination is what a full disk refuses
+        name = e.filename2 if e.filename2 and e.errno in _FULL else e.filename
+        where = f" {name}" if name else ""
         code = errno.errorcode.get(e.errno, e.errno)
-        print(f"lorafusion {args.cmd}: error: cannot write{where}: {e.strerror or e} ({code}); "
+        verb = "cannot write" if e.errno in _FULL + (errno.EROFS,) else "cannot access"
+        print(f"lorafusion {args.cmd}: error: {verb}{where}: {e.strerror or e} ({code}); "
               f"complete checkpoints and exports are intact — fix it and run again (train: --resume continues)",
               file=sys.stderr)
         return 2

@@ -3,7 +3,9 @@
 Layout: ``OUTPUT_DIR/checkpoints/<job>/step_<NNNNNN>/`` with
 ``adapter/`` (PEFT export of the adapter at that step), ``rank_tp<T>_pp<P>.pt`` (this model-parallel
 rank's adapter tensors, optimizer and lr-scheduler state) and ``state.json`` (step, data position,
-seed, parallel layout). ``OUTPUT_DIR/checkpoints/<job>/latest`` names the newest complete one, ``best`` (jobs
+seed, parallel layout), and ``manifest.json`` (the sha256 of every other file, written last: a resume
+checks the files it reads against it, so a damaged or edited one is never believed).
+``OUTPUT_DIR/checkpoints/<job>/latest`` names the newest complete one, ``best`` (jobs
 with an eval set) the one of the best eval loss so far; pruning never removes either.
 """
 
@@ -147,12 +149,42 @@ def _write_rank_file(tmp: Path, tensors: dict, atomic: bool = False) -> None:
 
 def _install(job_dir: Path, final: Path, tmp: Path, keep_last: int | None) -> None:
     """Rank 0: the complete temporary directory becomes ``final``, named by ``latest``; older ones pruned."""
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    manifest = {str(p.relative_to(tmp)): _sha256(p) for p in files}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     write_text_atomic(job_dir / "latest", final.name + "\n")
     if keep_last:
         prune_checkpoints(job_dir, keep_last)
+
+
+MANIFEST = "manifest.json"
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _check_manifest(path: Path, names: list[str]) -> None:
+    """MissingFileError unless the files ``names`` of checkpoint ``path`` are those its manifest records (a
+    checkpoint written before manifests: not checked)."""
+    if not (path / MANIFEST).is_file():
+        return
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise MissingFileError(f"{path / MANIFEST}: not readable ({e})") from None
+    for name in names:
+        if not isinstance(manifest, dict) or manifest.get(name) != _sha256(path / name):
+            raise MissingFileError(f"{path / name}: does not match the checkpoint's {MANIFEST} (edited or damaged)")
 
 
 def _to_host(obj):
@@ -219,10 +251,15 @@ def load_job_checkpoint(path: Path) -> tuple[dict, dict]:
         why = (f"the checkpoint was written with another parallel layout ({state.get('layout')}; it has "
                f"{', '.join(present)})" if present else "the checkpoint is incomplete")
         raise MissingFileError(f"{rank_file}: missing — {why}")
+    _check_manifest(path, ["state.json", rank_file.name])
     try:
         tensors = torch.load(rank_file, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - a truncated or garbled file, whatever torch raises for it
         raise MissingFileError(f"{rank_file}: cannot be read ({type(e).__name__}: {e})") from None
+    if not (isinstance(tensors, dict) and isinstance(tensors.get("adapter"), dict)
+            and isinstance(tensors.get("optimizer"), dict)):
+        raise MissingFileError(f"{rank_file}: expected a checkpoint's 'adapter' and 'optimizer' states, got "
+                               f"{sorted(tensors) if isinstance(tensors, dict) else type(tensors).__name__}")
     return state, tensors
 
 

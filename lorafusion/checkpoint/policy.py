@@ -18,8 +18,9 @@ class JobCheckpoints:
     of run ``cfg`` under ``OUTPUT_DIR/checkpoints/<job>/``. ``export(name, dir)`` writes a job's PEFT adapter.
     Saving and loading are collective over all ranks."""
 
-    def __init__(self, cfg, jobs: dict, model, export, *, is_logger: bool):
+    def __init__(self, cfg, jobs: dict, model, export, *, is_logger: bool, allow_different_result: bool = False):
         self.cfg, self.jobs, self.model, self.export, self.is_logger = cfg, jobs, model, export, is_logger
+        self.allow_different_result = allow_different_result  # changed _PACKING settings: resumed anyway
         self.root = RunDir(cfg.output_dir).checkpoints
         self._fingerprints: dict[str, dict] = {}
         self._saved_step: dict[str, int] = {}  # job -> step of its newest checkpoint
@@ -132,7 +133,9 @@ class JobCheckpoints:
             # (paths by name only: a run directory that moved with its data still resumes)
             flat.update({"(run) seed": cfg.seed, "(run) model.dtype": cfg.model.dtype,
                          "(run) model": Path(cfg.model.path).name if cfg.model.path else cfg.model.preset,
-                         "(run) tokenizer.type": cfg.tokenizer.type})
+                         "(run) model.digest": model_digest(Path(cfg.model.path)) if cfg.model.path else None,
+                         "(run) tokenizer.type": cfg.tokenizer.type,
+                         **{f"(run) scheduler.{k}": getattr(cfg.scheduler, k) for k in _PACKING}})
             if cfg.model.base_precision != "bf16":  # (absent = bf16: checkpoints written before the field resume)
                 flat["(run) model.base_precision"] = cfg.model.base_precision
             self._fingerprints[name] = flat
@@ -146,17 +149,42 @@ class JobCheckpoints:
         index = next(i for i, j in enumerate(self.cfg.jobs) if j.name == name)
         now = self._settings(name)
         for key in sorted(set(saved) | set(now)):
+            if key not in saved and key in _ADDED:  # a checkpoint from before the key was recorded
+                continue
+            if saved.get(key) != now.get(key) and key.startswith("(run) scheduler.") and self.allow_different_result:
+                if self.is_logger:
+                    print(f"job {name}: resumed with {key[6:]} {now.get(key)!r} (the checkpoint's: "
+                          f"{saved.get(key)!r}); --allow-different-result: its result differs from an "
+                          f"uninterrupted run's", flush=True)
+                continue
             if saved.get(key) != now.get(key):
                 field = key.replace("(run) ", "") if key.startswith("(run) ") else \
                     f"jobs.{index}.{key.replace('dataset.sha256', 'dataset.path')}"
                 what = "the data file's contents changed" if key == "dataset.sha256" else \
                     f"the checkpoint has {saved.get(key)!r}, the config {now.get(key)!r}"
+                if key == "(run) model.digest":
+                    field, what = "model.path", ("the base model's config or weights differ from those the "
+                                                 "checkpoint was trained on")
+                if key.startswith("(run) scheduler."):
+                    what += ("; the data would be packed otherwise, so the result would differ from an "
+                             "uninterrupted run: pass --allow-different-result to resume anyway")
                 if key == "lora.shared_fused_a" and saved.get(key):
                     what += (" (the checkpoint's fused q/k/v and gate/up share one A; set lora.shared_fused_a: "
                              "true to resume it)")
                 raise ConfigError(f"{self.cfg.source}: {field}: cannot resume job {name!r} from {path}: {what}; "
                                   f"resuming would change its result (raising max_steps/num_epochs is allowed; "
                                   f"otherwise use a new output_dir)")
+
+    def _check_total(self, name: str, path: Path, state: dict) -> None:
+        """A resume may raise or lower a job's total steps (its lr schedule then spans the new total from the
+        first resumed step), never below the step its checkpoint is at."""
+        js, step = self.jobs[name], state["step"]
+        index = next(i for i, j in enumerate(self.cfg.jobs) if j.name == name)
+        key = "max_steps" if js.cfg.max_steps is not None else "num_epochs"
+        if js.stream.total_steps < step:
+            raise ConfigError(f"{self.cfg.source}: jobs.{index}.{key}: cannot resume job {name!r} from {path}: it is at "
+                              f"step {step}, beyond the {js.stream.total_steps} steps {key} = "
+                              f"{getattr(js.cfg, key)} gives; expected at least {step} steps")
 
     def load(self) -> None:
         """Resume every job that has a checkpoint: adapter, optimizer, data stream and counters."""
@@ -192,6 +220,7 @@ class JobCheckpoints:
                                                                                         "linear_fc1.lora_A"))
                                               else ""))
                     p.copy_(tensors["adapter"][k])
+            self._check_total(name, path, state)
             js.optimizer.load_state_dict(tensors["optimizer"])
             js.stream.load_state_dict(state["stream"])
             js.steps, js.tokens = state["step"], state.get("tokens", 0)
@@ -203,6 +232,31 @@ class JobCheckpoints:
             js.evals_since_best = ev.get("since_best", 0)
             self._saved_step[name], self._saved_status[name] = js.steps, js.status
             self._stream_states[name] = state["stream"]
+
+
+# scheduler settings that decide only how the data is packed: changed on resume, the numbers differ slightly (fp32
+# summation order), the job is the same — refused unless --allow-different-result says so
+_PACKING = ("token_capacity", "lookahead_batches", "grouping", "policy", "solver")
+# settings recorded since issue 29: absent from older checkpoints, which resume as before
+_ADDED = {"(run) model.digest", *(f"(run) scheduler.{k}" for k in _PACKING)}
+
+
+def model_digest(path: Path) -> str:
+    """The identity of a HF model directory by content, cheaply: sha256 over config.json, and of every
+    ``*.safetensors`` file its size, its header (names, dtypes, shapes, offsets) and 16 samples of 64 KiB spread
+    over its data (other weights of the same shapes differ there; a few MB read, whatever the model's size)."""
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for f in sorted(path.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with f.open("rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            h.update(head + fh.read(min(n, size)))
+            for i in range(16):
+                fh.seek(8 + n + (max(0, size - 8 - n - 65536) * i) // 15)
+                h.update(fh.read(65536))
+    return h.hexdigest()
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

@@ -112,9 +112,15 @@ def preset(name: str, **overrides) -> ModelArch:
     return replace(PRESETS[name], **overrides)
 
 
+def _mapping(cfg, source: str) -> dict:
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{source}: expected a JSON object (a HF model config), got {type(cfg).__name__}")
+    return cfg
+
+
 def arch_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArch:
     """Map a HF LlamaConfig / Qwen2Config dict to ``ModelArch`` (errors name the file and field)."""
-    mt = cfg.get("model_type")
+    mt = _mapping(cfg, source).get("model_type")
     if mt not in ("llama", "qwen2"):
         raise ConfigError(f"{source}: model_type: expected 'llama' or 'qwen2', got {mt!r}")
 

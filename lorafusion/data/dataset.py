@@ -101,6 +101,10 @@ def read_rows(job: JobConfig, section: str = "dataset") -> Any:
         raise DataError(f"{where}: file not found")
     if not path.is_file():
         raise DataError(f"{where}: not a file")
+    try:
+        open(path, "rb").close()
+    except OSError as e:  # (the reader below would name no file, or the CLI call it a write error)
+        raise DataError(f"{where}: cannot read ({e.strerror or e})") from None
     if path.stat().st_size == 0:
         raise DataError(f"{where}: empty dataset (the file is empty)")
     builder = ds_cfg.builder

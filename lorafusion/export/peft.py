@@ -248,6 +248,10 @@ def import_peft_adapter(model, name: str, path: str | Path, arch: ModelArch | No
     file_spec, tensors = read_peft_adapter(path)
     spec = job_spec_for_adapter(file_spec, spec, where)
     st_file = Path(path) / "adapter_model.safetensors"
+    bad = [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:  # it would decode NUL characters (generate) or train from garbage (init_from)
+        raise ConfigError(f"{st_file}: tensor {bad[0]!r} holds non-finite values (NaN or inf; {len(bad)} tensor(s) "
+                          f"in all); the adapter is unusable")
     tensors = {k.replace(".lora_A.default.weight", ".lora_A.weight").replace(".lora_B.default.weight", ".lora_B.weight"): v
                for k, v in tensors.items()}
     # Validate and map everything before touching the model.

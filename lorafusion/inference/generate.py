@@ -190,26 +190,34 @@ def read_prompts(path: str | Path, tokenizer, jobs: Sequence[str], context: int,
     if not path.is_file():
         raise MissingFileError(f"{path}: --prompts file not found")
     out = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            where = f"{path}:{n}"
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise ConfigError(f"{where}: expected a JSON object with 'prompt' and optionally 'job'")
-            job = row.get("job")
-            if job is not None and job not in jobs:
-                raise ConfigError(f"{where}: job {job!r} is not a job of {run_dir} (jobs: {', '.join(sorted(jobs))}; "
-                                  f"null or no 'job' decodes with the base)")
-            ids = encode_prompt(row, tokenizer, where)
-            if len(ids) >= context:
-                raise ConfigError(f"{where}: the prompt has {len(ids)} tokens; the model's context is {context} "
-                                  f"(max_position_embeddings), which leaves no room to generate")
-            out.append(Request(row, job, ids, where))
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as e:
+        raise MissingFileError(f"{path}: cannot read the --prompts file ({e.strerror or e})") from None
+    for n, raw in enumerate(lines, 1):
+        where = f"{path}:{n}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                              f"save the file as UTF-8") from None
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"{where}: expected a JSON object with 'prompt' and optionally 'job'")
+        job = row.get("job")
+        if job is not None and job not in jobs:
+            raise ConfigError(f"{where}: job {job!r} is not a job of {run_dir} (jobs: {', '.join(sorted(jobs))}; "
+                              f"null or no 'job' decodes with the base)")
+        ids = encode_prompt(row, tokenizer, where)
+        if len(ids) >= context:
+            raise ConfigError(f"{where}: the prompt has {len(ids)} tokens; the model's context is {context} "
+                              f"(max_position_embeddings), which leaves no room to generate")
+        out.append(Request(row, job, ids, where))
     if not out:
         raise ConfigError(f"{path}: no prompts (expected one JSON object per line)")
     return out
@@ -332,7 +340,7 @@ def generate_file(run_dir, prompts, out, *, max_new_tokens: int = 128, temperatu
     out = Path(out)
     if (out.exists() or out.is_symlink()) and not force:
         raise ConfigError(f"{out}: --out already exists; choose another path or pass --force to replace it")
-    if temperature < 0 or not (0 < top_p <= 1):
+    if not (0 <= temperature < float("inf")) or not (0 < top_p <= 1):  # (NaN fails both)
         raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1], got {temperature} and {top_p}")
     info = load_run(run_dir)
     tokenizer = run_tokenizer(info)

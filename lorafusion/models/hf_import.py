@@ -43,6 +43,10 @@ class HFCheckpoint:
             self.files = {k: self.path / v for k, v in weight_map.items()}
         elif single.is_file():
             try:
+                open(single, "rb").close()  # (safetensors reports an unreadable file as "No such file")
+            except OSError as e:
+                raise MissingFileError(f"{single}: cannot read ({e.strerror or e})") from None
+            try:
                 with safe_open(str(single), framework="pt") as f:
                     keys = list(f.keys())
             except Exception as e:  # safetensors raises its own error types for corrupt headers
@@ -69,6 +73,9 @@ class HFCheckpoint:
             raise ConfigError(f"{file}: cannot read tensor {key!r} ({e})") from e
         if shape is not None and tuple(t.shape) != tuple(shape):
             raise ConfigError(f"{file}: tensor {key!r} has shape {tuple(t.shape)}, but config.json implies {tuple(shape)}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):  # every job would "diverge" from step 1
+            raise ConfigError(f"{file}: tensor {key!r} holds non-finite values (NaN or inf); the base model is "
+                              f"damaged")
         return t
 
 

@@ -99,3 +99,23 @@ def _find_adapter(src: Path, job: str, best: bool) -> tuple[Path, str]:
         raise ConfigError(f"{src}: unknown job {job!r}; the run's jobs: {', '.join(known)}")
     raise MissingFileError(f"{src}: no checkpoint or adapter of job {job!r} (expected a run output_dir "
                            f"or a checkpoints/<job>/step_N directory)")
+
+
+def check_export_out(src: Path, out: Path, base: bool) -> None:
+    """``--out`` (replaced with --force) never holds nor lies inside the run it exports from — except RUN/base
+    for --base, the base the adapters of a preset run name — and is never another run's directory."""
+    try:
+        o = out.resolve()
+        step = src.resolve()  # a checkpoints/<job>/step_N directory: its run is protected too
+        runs = {step} | ({step.parents[2]} if (src / "state.json").is_file() and step.parents[1].name == "checkpoints"
+                         else set())
+    except (OSError, RuntimeError, IndexError) as e:
+        raise ConfigError(f"{out}: cannot resolve --out ({e})") from None
+    for run in runs:
+        if o == run or o in run.parents:
+            raise ConfigError(f"{out}: --out holds the run directory {run} it exports from; choose a path outside it")
+        if run in o.parents and not (base and o == run / "base"):
+            raise ConfigError(f"{out}: --out is inside the run directory {run}; choose a path outside it")
+    if out.is_dir() and any((out / n).exists() for n in ("status.json", "summary.json", "checkpoints", ".lock")):
+        raise ConfigError(f"{out}: --out is a lorafusion run directory; export replaces only exports, choose "
+                          f"another path")

@@ -167,3 +167,7 @@ class AdapterOptimizer:
     def load_state_dict(self, state: dict) -> None:
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
+        # the next step's lr from this schedule (a resume that changed max_steps: the new one from its first
+        # step), not the one the checkpoint's schedule had set; for an unchanged schedule the same value
+        for group, base, f in zip(self.opt.param_groups, self.sched.base_lrs, self.sched.lr_lambdas, strict=True):
+            group["lr"] = base * f(self.sched.last_epoch)

@@ -57,6 +57,20 @@ class StopSignals:
         return [bool(x) for x in t.tolist()]
 
 
+def exit_on_stop_outside_run() -> None:
+    """SIGTERM and SIGUSR1 before a run's :class:`StopSignals` take over (start-up: nothing trained yet) and after
+    they are gone (the run has ended, its summary is written) end the process with status 0, like a stop during
+    the run (the default action would be 143). Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(0)
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, stop)
+
+
 def install_stack_dump(sig: int = signal.SIGUSR2) -> None:
     """``kill -USR2 <pid>`` prints every thread's Python stack to stderr and the run goes on: what a user (or
     ``scripts/device/watch.sh``) needs to see where a distributed run waits. Main thread only; idempotent."""

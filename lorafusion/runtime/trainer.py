@@ -35,9 +35,11 @@ class Trainer:
 
     SERVE_POLL_S = 2.0  # serving (no job left): how often the run looks for submissions
 
-    def __init__(self, cfg: RunConfig, *, resume: bool = False, background_planning: bool = True):
+    def __init__(self, cfg: RunConfig, *, resume: bool = False, background_planning: bool = True,
+                 allow_different_result: bool = False):
         self.cfg = cfg
         self.resume = resume
+        self.allow_different_result = allow_different_result  # resume despite settings that change the numbers
         self.background_planning = background_planning
         self.out = Path(cfg.output_dir)
         self._lock = OutputDirLock(self.out, cfg.source)
@@ -94,7 +96,8 @@ class Trainer:
         self.model.config.timers = self.timers  # Megatron's schedules time their stages through this hook
         for name, js in self.jobs.items():
             self._attach(js)
-        self.checkpoints = JobCheckpoints(cfg, self.jobs, self.model, self.export, is_logger=self.is_logger)
+        self.checkpoints = JobCheckpoints(cfg, self.jobs, self.model, self.export, is_logger=self.is_logger,
+                                          allow_different_result=self.allow_different_result)
         self.evaluator = Evaluator(self.model, self.jobs, self.checkpoints, self.device, self.tokenizer.eos_id)
         if self.resume:  # jobs added by `lorafusion submit` are not in the YAML: they come back from the run dir
             from lorafusion.runtime.online import submitted_jobs

@@ -61,7 +61,7 @@ spec() {
     # issue 27: the simulated steady bubble 0.125 (V=1 even, measured 0.119) -> 0.074 (auto split) -> 0.027 (V=2)
     # -> 0.023 (V=5) (docs/results/pipeline-interleaved-sim.json); one warm-up + one timed chunk, no baselines
     # (against 70b-pp4). Interleaving holds more activations on stage 0 (memory model: 164 GiB at V=2 without
-    # recompute): VRC / VRC5 layers of each model chunk are recomputed
+    # recompute): VRC / VRC5 layers of each model chunk are recomputed (the model: stage 0 at 117 / 119 GiB)
     70b-pp4-auto)     echo "4 configs/llama3.1-70b-4adapters.yaml 16 8 0 parallelism.tp=1 parallelism.pp=4 parallelism.stage_layers=auto" ;;
     70b-pp4-v2)       echo "4 configs/llama3.1-70b-4adapters.yaml 16 8 0 parallelism.tp=1 parallelism.pp=4 parallelism.virtual_stages=2 parallelism.stage_layers=auto model.recompute=true model.recompute_layers=${VRC:-4}" ;;
     70b-pp4-v5)       echo "4 configs/llama3.1-70b-4adapters.yaml 16 8 0 parallelism.tp=1 parallelism.pp=4 parallelism.virtual_stages=5 parallelism.stage_layers=auto model.recompute=true model.recompute_layers=${VRC5:-1}" ;;

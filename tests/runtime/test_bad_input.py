@@ -116,7 +116,7 @@ def test_model_config_json_with_a_string_number(finished, tmp_path, capsys):
     (lambda s: s.write_text("{}"), "state.json: no job, step, stream"),
     (lambda s: s.write_bytes(b"\xff{"), "state.json: not valid JSON"),
     (lambda s: (lambda pt: pt.write_bytes(pt.read_bytes()[:100]))(next(s.parent.glob("rank_*.pt"))),
-     "rank_tp0_pp0.pt: cannot be read"),
+     "rank_tp0_pp0.pt: does not match the checkpoint's manifest.json (edited or damaged)"),
 ])
 def test_resume_from_a_damaged_only_checkpoint(finished, tmp_path, capsys, damage, needle):
     run, out = _copy_run(finished, tmp_path)

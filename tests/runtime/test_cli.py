@@ -88,7 +88,8 @@ def _bad_cases(tmp: Path, jobs: list[dict]):
         "unknown key": ([dict(good, colour="red")], "colour"),
         "wrong type": ([dict(good, global_batch_size="many")], "global_batch_size"),
         "r <= 0": ([dict(good, lora=dict(good["lora"], r=0))], "lora.r"),
-        "PEFT subset": ([dict(good, lora=dict(good["lora"], target_modules=["q_proj"]))], "target_modules"),
+        "PEFT subset with a shared A": ([dict(good, lora=dict(good["lora"], target_modules=["q_proj"],
+                                                               shared_fused_a=True))], "target_modules"),
         "missing file": ([dict(good, dataset=dict(good["dataset"], path=str(tmp / "nope.jsonl")))], "nope.jsonl"),
         "empty dataset": ([dict(good, dataset=dict(good["dataset"], path=str(empty)))], "empty"),
         "missing field": ([dict(good, dataset=dict(good["dataset"], path=str(nofield)))], "response"),
@@ -96,7 +97,7 @@ def _bad_cases(tmp: Path, jobs: list[dict]):
     }
 
 
-@pytest.mark.parametrize("case", ["unknown key", "wrong type", "r <= 0", "PEFT subset", "missing file",
+@pytest.mark.parametrize("case", ["unknown key", "wrong type", "r <= 0", "PEFT subset with a shared A", "missing file",
                                   "empty dataset", "missing field", "duplicate names"])
 def test_bad_run_is_one_clear_error_and_writes_nothing(three_jobs, tmp_path, capsys, case):
     tmp, jobs, *_ = three_jobs

@@ -121,3 +121,24 @@ def test_two_process_fp8_runs_equal_one_process(fp8_single, two_process, name):
         assert a["loss"] == pytest.approx(b["loss"], rel=first_rel if first else 2e-2), (a, b)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=5 * first_rel if first else 5e-2), (a, b)
     assert json.loads((two / "base_model.json").read_text())["base_precision"] == "fp8"
+
+
+def test_memory_model_counts_the_fp8_base_70b_pp2_fits_80gib(tmp_path):
+    """The memory model (scheduler/sizing) reads model.base_precision: the shipped 70B config at PP=2 on 80 GiB
+    GPUs (its jobs at their dataset.max_seq_len) fits with the FP8 base and does not with bf16 (`lorafusion plan
+    --gpu-memory 80GiB ... parallelism.pp=2 model.base_precision=fp8`)."""
+    from pathlib import Path
+
+    from lorafusion.config import load_run_config
+    from lorafusion.scheduler.sizing import GIB, report
+
+    data = [f"jobs.{i}.dataset.path={write_dataset(tmp_path / f'{i}.jsonl', i)}" for i in range(4)]
+    config = Path(__file__).resolve().parents[2] / "configs" / "llama3.1-70b-4adapters.yaml"
+    fits = {}
+    for precision in ("bf16", "fp8"):
+        cfg = load_run_config(config, [*data, "parallelism.pp=2", "parallelism.dp=1",
+                                        f"model.base_precision={precision}", f"output_dir={tmp_path / precision}"])
+        lines, fits[precision] = report(cfg, [80 * GIB])
+        weights = [float(x.split()[4]) for x in lines[2:4]]  # the stages' weight GiB
+        assert (precision == "fp8") == (max(weights) < 40), lines
+    assert fits == {"bf16": False, "fp8": True}

@@ -151,6 +151,7 @@ def test_checkpoint_from_before_per_projection_a_resumes_only_with_shared_fused_
         state = json.loads(f.read_text())
         del state["settings"]["lora.shared_fused_a"]
         f.write_text(json.dumps(state))
+        (f.parent / "manifest.json").unlink()  # (a checkpoint of then had no manifest)
     more = [dict(json.loads(json.dumps(jobs[0])), max_steps=3)]
     del more[0]["lora"]["shared_fused_a"]
     with pytest.raises(ConfigError) as e:
