@@ -174,9 +174,9 @@ class Trainer:
                 cut_metrics(RunDir(self.out).metrics, {n: js.steps for n, js in self.jobs.items()})
             else:  # a fresh run (the directory held at most a failed run's rows, see check_output_dir)
                 RunDir(self.out).metrics.unlink(missing_ok=True)
-            metrics = MetricsWriter(self.out, tensorboard=cfg.logging.tensorboard)
-            progress = Progress({n: js.stream.total_steps for n, js in self.jobs.items()},
-                                enabled=cfg.logging.progress, log_every=cfg.logging.log_every)
+            metrics = MetricsWriter(self.out, cfg.logging.tensorboard, cfg.logging.wandb, cfg.model_dump(mode="json"))
+            progress = Progress.for_run(cfg.logging, {n: js.stream.total_steps for n, js in self.jobs.items()},
+                                        max_memory_gib)
             from lorafusion.export.hf import base_reference
 
             base_reference(cfg, self.out, self.arch, self.device)  # base_model.json: for export, and submit's checks
@@ -252,7 +252,7 @@ class Trainer:
                                                                 1),
                                           "max_memory_gib": round(mem_gib, 4),
                                           "elapsed_s": round(time.perf_counter() - t_start, 4)})
-                        progress.update(name, js.steps, js.last_loss, st["tokens"], st["lr"])
+                        progress.update(name, js.steps, js.last_loss, st["tokens"], st["lr"], js.stream.total_steps)
                         if not finite:
                             progress.log(f"job {name}: step {js.steps} not finite (loss {st['loss']}, grad norm "
                                          f"{st['grad_norm']}){', update skipped' if skipped else ''}: "
