@@ -19,10 +19,21 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[hf,dev]" "numpy<2.3"
 	touch $(STAMP)
 
-# each demo run writes a fresh output directory, so an earlier run is never overwritten
+# each demo run writes a fresh output directory outputs/quickstart/<time>, so an earlier run is never overwritten,
+# and points the link outputs/quickstart/latest at it; it ends with the next commands, which the README uses too.
+# DEMO_ARGS: extra key=value overrides (the README test shortens the run with them)
 DEMO_OUT ?= outputs/quickstart/$(shell date +%Y%m%d-%H%M%S)
+DEMO_LINK = $(dir $(DEMO_OUT))latest
+DEMO_ARGS ?=
 demo: $(STAMP)
-	$(VENV)/bin/lorafusion train configs/quickstart.yaml output_dir=$(DEMO_OUT)
+	$(VENV)/bin/lorafusion train configs/quickstart.yaml output_dir=$(DEMO_OUT) $(DEMO_ARGS)
+	ln -sfn $(notdir $(DEMO_OUT)) $(DEMO_LINK)
+	@echo
+	@echo "$(DEMO_LINK) -> $(DEMO_OUT). Next (after: source $(VENV)/bin/activate):"
+	@echo "  lorafusion status $(DEMO_LINK)"
+	@echo "  lorafusion generate $(DEMO_LINK) --prompts configs/quickstart/heldout.jsonl --out $(DEMO_LINK)/answers.jsonl"
+	@echo "  lorafusion export $(DEMO_LINK) --job countdown --out outputs/countdown-adapter"
+	@echo "  lorafusion export $(DEMO_LINK) --base --out $(DEMO_LINK)/base"
 
 # two workers: the runtime tests wait on subprocesses and solver runs, so two cores overlap them
 # (measured on the 2-core machine, whole suite: 2m45s -> 2m32s when it was idle, 3m42s -> 2m30s when other

@@ -9,7 +9,7 @@
 
 Prints one JSON line; exits 1 if a check fails. Used by ``scripts/device/use.sh`` (issue 13's GPU run).
 
-    python scripts/check_use.py RUN --base BASE --merged MERGED --job count --generated G.jsonl
+    python scripts/check_use.py RUN --base BASE --merged MERGED --job countdown --generated G.jsonl
 """
 
 from __future__ import annotations

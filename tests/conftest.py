@@ -1,8 +1,12 @@
 import os
 import sys
 
-import pytest
-import torch
+# before torch starts OpenMP: threads waiting for work sleep instead of spinning, which on cores shared with other
+# processes burnt 10-25x the CPU of the work itself (lorafusion.cli sets the same for the processes it starts)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 # Threads: under `-n N` the N workers, and the processes they start, share the cores. More threads than cores

@@ -35,20 +35,20 @@ def _probe(cases: list[list[str]]) -> dict:
 
 def test_config_override_and_job_errors_import_neither_torch_nor_megatron(tmp_path):
     bad_job = tmp_path / "bad.yaml"
-    bad_job.write_text((ROOT / "configs" / "quickstart" / "count.yaml").read_text().replace("r: 32", "r: 0")
-                       .replace("data/count.jsonl", str(ROOT / "configs" / "quickstart" / "data" / "count.jsonl")))
+    bad_job.write_text((ROOT / "configs" / "quickstart" / "countdown.yaml").read_text().replace("r: 32", "r: 0")
+                       .replace("data/countdown.jsonl", str(ROOT / "configs" / "quickstart" / "data" / "countdown.jsonl")))
     here = QS.read_text().replace("quickstart/", str(ROOT / "configs" / "quickstart") + "/")
     run = tmp_path / "run.yaml"
-    run.write_text(here.replace(str(ROOT / "configs" / "quickstart" / "count.yaml"), str(bad_job)))
+    run.write_text(here.replace(str(ROOT / "configs" / "quickstart" / "countdown.yaml"), str(bad_job)))
     typo = tmp_path / "typo.yaml"
     typo.write_text(here.replace("token_capacity", "token_capacty"))
     cases = [
         ["train", str(QS), "sed=3"],                                   # unknown override key
-        ["train", str(QS), "jobs.count.optimizer.lr=abc"],             # bad override value
+        ["train", str(QS), "jobs.countdown.optimizer.lr=abc"],             # bad override value
         ["train", str(run), f"output_dir={tmp_path / 'never'}"],       # bad job file
         ["train", str(typo)],                                          # typo in the run YAML
         ["plan", str(QS), "scheduler.token_capacity=0"],
-        ["submit", str(tmp_path), str(ROOT / "configs" / "quickstart" / "count.yaml"), "optimizer.lrr=1"],
+        ["submit", str(tmp_path), str(ROOT / "configs" / "quickstart" / "countdown.yaml"), "optimizer.lrr=1"],
     ]
     got = _probe(cases)
     assert got["heavy"] == [], f"a config error imported {got['heavy']}"
@@ -56,22 +56,34 @@ def test_config_override_and_job_errors_import_neither_torch_nor_megatron(tmp_pa
     assert all(c["rc"] == 2 for c in got["cases"]), errs
     assert all(e.count("\n") == 1 and ": error: " in e for e in errs), errs
     assert "unknown key sed" in errs[0]
-    assert "jobs.count.optimizer.lr=abc" in errs[1] and "optimizer.lr: expected a number" in errs[1]
+    assert "jobs.countdown.optimizer.lr=abc" in errs[1] and "optimizer.lr: expected a number" in errs[1]
     assert f"{bad_job.name}: lora.r: expected an integer > 0, got 0" in errs[2]
     assert "unknown key 'token_capacty'" in errs[3]
     assert "scheduler.token_capacity" in errs[4]
     # submit names the field as the user typed it, with the job file
-    assert "count.yaml: override 'optimizer.lrr=1': unknown key optimizer.lrr; expected one of: lr," in errs[5]
+    assert "countdown.yaml: override 'optimizer.lrr=1': unknown key optimizer.lrr; expected one of: lr," in errs[5]
     assert "jobs.0" not in errs[5]
     assert not (tmp_path / "never").exists() and not (tmp_path / "requests").exists()
+
+
+def test_missing_bench_data_names_the_command_that_makes_it(tmp_path):
+    """The shipped large configs read data/bench/*.jsonl, which scripts/make_bench_data.py writes."""
+    from lorafusion.config import ConfigError, load_run_config
+
+    run = tmp_path / "configs" / "big.yaml"
+    run.parent.mkdir()
+    run.write_text((ROOT / "configs" / "llama3.1-8b-4adapters.yaml").read_text())
+    with pytest.raises(ConfigError, match=r"dataset file not found: .*data/bench/short.jsonl \(the benchmark datasets "
+                                          r"are made, not shipped: python scripts/make_bench_data.py --out .*data/bench\)"):
+        load_run_config(run)
 
 
 def test_submit_override_value_error_names_the_override(tmp_path, capsys):
     from lorafusion.config import ConfigError, load_job_config
 
     with pytest.raises(ConfigError) as e:
-        load_job_config(ROOT / "configs" / "quickstart" / "count.yaml", ["lora.r=0"])
-    assert str(e.value).endswith("count.yaml: lora.r: expected an integer > 0, got 0 (set by override 'lora.r=0')")
+        load_job_config(ROOT / "configs" / "quickstart" / "countdown.yaml", ["lora.r=0"])
+    assert str(e.value).endswith("countdown.yaml: lora.r: expected an integer > 0, got 0 (set by override 'lora.r=0')")
 
 
 def test_highs_banner_is_not_printed():

@@ -270,7 +270,7 @@ def test_quickstart_config_loads():
     assert sorted(j.lora.r for j in cfg.jobs) == [8, 16, 32]
     assert cfg.model.preset == "tiny-llama" and cfg.model.dtype == "float32" and cfg.tokenizer.type == "byte"
     assert (cfg.parallelism.tp, cfg.parallelism.pp, cfg.parallelism.dp) == (1, 1, 1)
-    assert cfg.kernels == "auto" and Path(cfg.output_dir) == ROOT / "outputs" / "quickstart"
+    assert cfg.kernels == "auto" and Path(cfg.output_dir) == ROOT / "outputs" / "quickstart" / "run"
     assert cfg.scheduler.token_capacity == 1024
     assert {j.dataset.format for j in cfg.jobs} >= {"prompt_response", "chat"}
     for j in cfg.jobs:

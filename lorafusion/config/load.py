@@ -361,8 +361,9 @@ def _check_files(cfg: RunConfig, run_shown: str, sources, locate) -> None:
         for key, ds in (("dataset", job.dataset), ("eval_dataset", job.eval_dataset)):
             if ds is not None and not (p := Path(ds.path)).is_file():
                 file, inner, note = locate(["jobs", i, key, "path"])
-                raise ConfigError(f"{file}: {_loc(inner)}: dataset file "
-                                  f"{'not found' if not p.exists() else 'is not a file'}: {_display(p)}{note}")
+                from lorafusion.core.lengths import bench_data_hint
+                raise ConfigError(f"{file}: {_loc(inner)}: dataset file {'not found' if not p.exists() else 'is not a file'}"
+                                  f": {_display(p)}{note}{bench_data_hint(_display(p))}")
 
 
 def load_job_config(path: str | os.PathLike, overrides: Sequence[str] = (), *,
@@ -380,9 +381,8 @@ def load_job_config(path: str | os.PathLike, overrides: Sequence[str] = (), *,
         except ConfigError as e:
             raise ConfigError(f"{shown}: {e}") from None
 
-    def locate(loc: list[Any]) -> tuple[str, list[Any], str]:
-        key = _loc(loc)
-        hits = [ov for k, ov in overridden.items() if key == k or key.startswith(k + ".")]
+    def locate(loc: list[Any]) -> tuple[str, list[Any], str]:  # (the note: the override that set the field)
+        hits = [ov for k, ov in overridden.items() if _loc(loc) == k or _loc(loc).startswith(k + ".")]
         return shown, loc, f" (set by override {hits[-1]!r})" if hits else ""
 
     fill_lora_from_init(raw, [], locate)

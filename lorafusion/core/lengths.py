@@ -21,3 +21,13 @@ def profile_lengths(profile: str, n: int, rng: np.random.Generator, max_len: int
     """``n`` character lengths of a profile, lognormal, truncated to int, clipped to [16, max_len - 2]."""
     median, sigma = LENGTH_PROFILES[profile]
     return np.clip(rng.lognormal(math.log(median), sigma, n).astype(int), MIN_LEN, max_len - 2)
+
+
+def bench_data_hint(path) -> str:
+    """For a dataset file missing under ``data/bench/`` (the shipped large configs' synthetic data): how to make it."""
+    from pathlib import Path
+
+    p = Path(path)
+    if p.exists() or p.parent.name != "bench" or p.parent.parent.name != "data":
+        return ""
+    return f" (the benchmark datasets are made, not shipped: python scripts/make_bench_data.py --out {p.parent})"

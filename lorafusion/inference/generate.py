@@ -355,13 +355,24 @@ def generate_file(run_dir, prompts, out, *, max_new_tokens: int = 128, temperatu
                      context=context, temperature=temperature, top_p=top_p, seed=seed, use_cache=use_cache,
                      first_row=start)
     t2 = time.perf_counter()
-    lines = [json.dumps({**r.row, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
-                         "output": tokenizer.decode([t for t in r.output_ids if t != tokenizer.eos_id])},
-                        ensure_ascii=False) for r in requests]
-    write_text_atomic(out, "".join(line + "\n" for line in lines), mkdir=True)
+    rows = [{**r.row, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
+             "output": tokenizer.decode([t for t in r.output_ids if t != tokenizer.eos_id])} for r in requests]
+    write_text_atomic(out, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), mkdir=True)
     new = sum(len(r.output_ids) for r in requests)
     return {"rows": len(requests), "jobs": jobs, "new_tokens": new, "load_s": round(t1 - t0, 3),
-            "generate_s": round(t2 - t1, 3), "tokens_per_s": round(new / max(t2 - t1, 1e-9), 1), "out": str(out)}
+            "generate_s": round(t2 - t1, 3), "tokens_per_s": round(new / max(t2 - t1, 1e-9), 1), "out": str(out),
+            "expected": expected_matches(rows)}
+
+
+def expected_matches(rows: Sequence[dict]) -> dict[str, list[int]]:
+    """For rows with an ``expected`` string: per job (``"(base)"`` for none), [outputs equal to it, rows]."""
+    score: dict[str, list[int]] = {}
+    for row in rows:
+        if isinstance(row.get("expected"), str):
+            hit = score.setdefault(row.get("job") or "(base)", [0, 0])
+            hit[0] += row["output"] == row["expected"]
+            hit[1] += 1
+    return score
 
 
 def _context(info: RunInfo) -> int:
@@ -374,5 +385,5 @@ def _context(info: RunInfo) -> int:
     return preset(info.preset).max_position_embeddings
 
 
-__all__ = ["Request", "RunInfo", "build_run_model", "encode_prompt", "generate_file", "generate_ids",
+__all__ = ["Request", "RunInfo", "build_run_model", "encode_prompt", "expected_matches", "generate_file", "generate_ids",
            "load_run", "read_prompts", "run_tokenizer"]

@@ -9,6 +9,7 @@ back into q/k/v with :func:`~lorafusion.models.layout.qkv_split`, ``linear_fc1``
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -54,11 +55,22 @@ def hf_state_from_model(model: torch.nn.Module, arch: ModelArch) -> Iterator[tup
         yield "lm_head.weight", own["output_layer.weight"]
 
 
+def _new_file_mode(d: Path) -> int:
+    """The mode a file created here gets (0644 under the usual umask), read without touching the umask."""
+    probe = d / ".mode-probe"
+    probe.touch()
+    try:
+        return probe.stat().st_mode & 0o777
+    finally:
+        probe.unlink()
+
+
 def write_hf_weights(directory: str | Path, tensors: Iterable[tuple[str, torch.Tensor]],
                      max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
     """Write ``tensors`` into ``directory`` as HF safetensors (sharded with an index past ``max_shard_bytes``);
     returns the file names written."""
     d = Path(directory)
+    mode = _new_file_mode(d)
     shards: list[list[str]] = []
     current: dict[str, torch.Tensor] = {}
     size, total = 0, 0
@@ -66,7 +78,9 @@ def write_hf_weights(directory: str | Path, tensors: Iterable[tuple[str, torch.T
     def flush():
         nonlocal current, size
         if current:
-            save_file(current, str(d / f".shard-{len(shards):05d}"), metadata={"format": "pt"})
+            shard = d / f".shard-{len(shards):05d}"
+            save_file(current, str(shard), metadata={"format": "pt"})
+            os.chmod(shard, mode)  # safetensors creates it 0600; the other files get the umask's mode
             shards.append(list(current))
             current, size = {}, 0
 

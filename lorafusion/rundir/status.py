@@ -75,11 +75,14 @@ def format_status(status: dict, run_dir: Path) -> str:
     run = status["run"]
     lines = [f"{run_dir}: {run['state']}, {run['elapsed_s']:.0f}s this session, {run['tokens_per_s']:,.0f} tokens/s "
              f"(updated {run['updated']})" + (f" — {run['note']}" if run.get("note") else "")]
-    lines.append(f"  {'job':<16} {'state':<9} {'step':>11} {'tokens':>12} {'last loss':>10} {'tokens/s':>10} {'ETA':>8}")
+    lines.append(f"  {'job':<16} {'state':<9} {'step':>11} {'tokens':>12} {'last loss':>10} {'eval loss':>10} "
+                 f"{'best (step)':>16} {'tokens/s':>10} {'ETA':>8}")
+    num = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
     for name, j in status["jobs"].items():
-        loss = "-" if j.get("last_loss") is None else f"{j['last_loss']:.4f}"
         eta = "-" if j.get("eta_s") is None else _duration(j["eta_s"])
-        lines.append(f"  {name:<16} {j['state']:<9} {j['step']:>5}/{j['max_steps']:<5} {j['tokens']:>12,} {loss:>10} "
+        best = "-" if j.get("best_eval_loss") is None else f"{j['best_eval_loss']:.4f} ({j.get('best_step')})"
+        lines.append(f"  {name:<16} {j['state']:<9} {j['step']:>5}/{j['max_steps']:<5} {j['tokens']:>12,} "
+                     f"{num(j.get('last_loss')):>10} {num(j.get('eval_loss')):>10} {best:>16} "
                      f"{j['tokens_per_s']:>10,.0f} {eta:>8}")
     for r in status.get("requests", []):  # what the run refused: the user's submit said "submitted"
         lines.append(f"  request {r['file']} ({r['kind']} {r['job'] or '?'}): {r['answer'].splitlines()[0]}")

@@ -152,6 +152,7 @@ class Evaluator:
                 metrics.log_eval({"job": name, "step": js.steps, "eval_loss": loss, "eval_tokens": tokens,
                                   "best_eval_loss": js.best_eval, "best_step": js.best_step})
             if progress is not None:
+                progress.eval(name, loss)
                 best = "new best" if better else ("best -" if js.best_eval is None else
                                                   f"best {js.best_eval:.4f} at step {js.best_step}")
                 progress.log(f"{name} step {js.steps}/{js.stream.total_steps}  eval loss {loss:.4f} "

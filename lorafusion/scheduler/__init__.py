@@ -40,7 +40,7 @@ Output: ``plan(jobs, config) -> Plan``
 
 Pieces: ``AdapterGrouper`` (grouper), ``DataBatcher`` (batcher: PuLP MILP, greedy FFD warm start and
 fallback), ``merge_tails`` (merge), ``sequence``/``verify_plan`` (verify), ``simulate_1f1b`` /
-``simulate_plan`` / ``render_gantt`` / ``render_packing`` (simulate), ``CostModel`` /
+``simulate_plan`` (simulate), ``render_gantt`` / ``render_packing`` / ``render_chunks`` (charts), ``CostModel`` /
 ``fit_cost_model`` / ``auto_token_capacity`` (costmodel), ``OnlineScheduler`` (online), ``stage_order`` /
 ``start_slot`` (pipeorder: Megatron's 1F1B and interleaved op orders, the dependency rule they imply),
 ``stages`` (stage splits: the output layer and loss as work, ``stage_layers: auto``, a FLOP cost model); for
@@ -55,12 +55,11 @@ from .grouper import AdapterGrouper, JobLoad
 from .merge import merge_tails
 from .online import JobReport, OnlineScheduler, concat_plans
 from .planner import plan, resolve_capacity
+from .charts import render_chunks, render_gantt, render_packing
 from .simulate import (
     Timeline,
     bubble_ratio,
     job_spans,
-    render_gantt,
-    render_packing,
     simulate_1f1b,
     simulate_plan,
 )
@@ -108,6 +107,7 @@ __all__ = [
     "merge_tails",
     "pack_objective",
     "plan",
+    "render_chunks",
     "render_gantt",
     "render_packing",
     "resolve_capacity",

@@ -1,4 +1,4 @@
-"""Pipeline simulator (1F1B and interleaved 1F1B): per-stage timeline, bubble ratio, Gantt and packing charts.
+"""Pipeline simulator (1F1B and interleaved 1F1B): per-stage timeline, bubble ratio (charts of a plan: :mod:`.charts`).
 
 Model: S pipeline ranks, each holding V model chunks (V = 1: plain 1F1B); virtual stage ``k = c·S + r`` is
 chunk c of rank r. A microbatch whose whole-model forward takes f seconds (from a
@@ -172,65 +172,3 @@ def job_spans(plan: Plan, timeline: Timeline, dp_rank: int = 0) -> dict[str, tup
             spans[job] = (min(lo, f), max(hi, b))
     return spans
 
-
-def _colors(jobs: Sequence[str]) -> dict[str, object]:
-    import matplotlib
-
-    cmap = matplotlib.colormaps["tab10"]
-    return {j: cmap(k % 10) for k, j in enumerate(jobs)}
-
-
-def render_gantt(plan: Plan, timeline: Timeline, path: str, dp_rank: int = 0, title: str = "") -> None:
-    """Gantt chart PNG: one row per stage, forwards light, backwards dark, coloured by first job."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    mbs = plan.for_rank(dp_rank)
-    jobs = list(dict.fromkeys(j for mb in mbs for j in mb.jobs))
-    colors = _colors(jobs)
-    fig, ax = plt.subplots(figsize=(12, 0.6 * timeline.num_stages + 1.5))
-    for o in timeline.ops:
-        mb = mbs[o.slot]
-        if mb.is_noop or o.end <= o.start:
-            continue
-        c = colors[mb.jobs[0]]
-        ax.barh(o.stage, o.end - o.start, left=o.start, color=c, alpha=0.5 if o.kind == "F" else 1.0,
-                edgecolor="black", linewidth=0.2)
-    ax.set_yticks(range(timeline.num_stages), [f"stage {s}" for s in range(timeline.num_stages)])
-    ax.invert_yaxis()
-    ax.set_xlabel("time (s)")
-    ax.set_title(title or f"1F1B, S={timeline.num_stages}, bubble {timeline.bubble_ratio:.1%}")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[j]) for j in jobs]
-    ax.legend(handles, jobs, loc="upper right", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def render_packing(plan: Plan, path: str, dp_rank: int = 0, title: str = "") -> None:
-    """Packing chart PNG: tokens per microbatch, stacked and coloured by adapter, capacity line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    mbs = plan.for_rank(dp_rank)
-    jobs = list(dict.fromkeys(j for mb in mbs for j in mb.jobs))
-    colors = _colors(jobs)
-    fig, ax = plt.subplots(figsize=(12, 4))
-    for mb in mbs:
-        bottom = 0
-        for job, _, length in mb.segments():
-            ax.bar(mb.slot, length, bottom=bottom, color=colors[job], width=0.9)
-            bottom += length
-    ax.axhline(plan.token_capacity, color="black", linestyle="--", linewidth=0.8)
-    ax.set_xlabel("slot (no-ops are empty)")
-    ax.set_ylabel("tokens")
-    ax.set_title(title or f"packing, capacity {plan.token_capacity}")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[j]) for j in jobs]
-    ax.legend(handles, jobs, loc="upper right", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

@@ -51,6 +51,8 @@ def test_base_export_is_the_trained_base_and_adapters_load_in_peft(run):
     base = out / "base"
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= \
         {p.name for p in base.iterdir()}
+    # the weights get the mode of every other file written there (safetensors itself creates 0600)
+    assert (base / "model.safetensors").stat().st_mode & 0o777 == (base / "config.json").stat().st_mode & 0o777
     for job in ("a", "b"):
         cfg = json.loads((out / "adapters" / job / "adapter_config.json").read_text())
         assert cfg["base_model_name_or_path"] == str(base.resolve())

@@ -75,3 +75,20 @@ def test_status_says_waiting_for_a_job_the_policy_holds_back(tmp_path, monkeypat
     assert {"a": "saving", "b": "running"} in states or {"a": "done", "b": "running"} in states, states
     assert all(eta is None for row in seen for s, eta in row.values() if s == "waiting")
     assert json.loads((out / "status.json").read_text())["jobs"]["b"]["state"] == "done"
+
+
+def test_status_table_shows_eval_loss(tmp_path):
+    """The table has an eval column: a job's last and best eval loss (with the best's step); '-' for a job
+    without an eval set."""
+    from lorafusion.rundir.status import format_status
+
+    status = {"run": {"state": "running", "elapsed_s": 3.0, "tokens_per_s": 100.0, "updated": "now"},
+              "jobs": {"a": {"state": "running", "step": 10, "max_steps": 40, "tokens": 1000, "last_loss": 0.5,
+                             "tokens_per_s": 50.0, "eta_s": 9.0, "eval_loss": 0.61234, "best_eval_loss": 0.6,
+                             "best_step": 8},
+                       "b": {"state": "running", "step": 10, "max_steps": 40, "tokens": 1000, "last_loss": 0.7,
+                             "tokens_per_s": 50.0, "eta_s": 9.0}}}
+    lines = format_status(status, tmp_path).splitlines()
+    assert "eval loss" in lines[1] and "best (step)" in lines[1]
+    assert "0.6123" in lines[2] and "0.6000 (8)" in lines[2]
+    assert lines[3].split()[5:7] == ["-", "-"]

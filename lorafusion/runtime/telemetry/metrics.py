@@ -1,15 +1,15 @@
 """Per-adapter metrics: ``metrics.jsonl`` (one object per optimizer step, one ``eval_loss`` object per
-evaluation), tensorboard scalars, live progress."""
+evaluation), tensorboard scalars (the live view: :mod:`.progress`)."""
 
 from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 
 from lorafusion.rundir.atomic import write_text_atomic
 from lorafusion.rundir.layout import RunDir
+from lorafusion.runtime.telemetry.progress import Progress  # noqa: F401  (the trainer's one import)
 
 
 def _finite_or_none(v):
@@ -37,15 +37,28 @@ def cut_metrics(path: Path, steps: dict[str, int]) -> None:
 
 
 class MetricsWriter:
-    def __init__(self, output_dir: Path, tensorboard: bool = True):
+    """Every step and eval row into ``metrics.jsonl``, and into the trackers the run asks for: tensorboard, and
+    Weights & Biases (``wandb``: a :class:`lorafusion.config.schema.WandbConfig`, offline unless it says online)."""
+
+    def __init__(self, output_dir: Path, tensorboard: bool = True, wandb=None, config: dict | None = None):
         self.path = RunDir(output_dir).metrics
         self._f = self.path.open("a", buffering=1)
-        self._tb = None
+        self._tb = self._wandb = None
         self._rows = 0  # rows logged by this writer: the x axis of the run-wide scalars
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(RunDir(output_dir).tensorboard))
+        if wandb is not None:
+            import wandb as wb
+
+            self._wandb = wb.init(project=wandb.project, mode=wandb.mode, name=wandb.name or Path(output_dir).name,
+                                  dir=str(output_dir), config=config, reinit="finish_previous")
+
+    def _to_wandb(self, record: dict, keys: tuple[str, ...]) -> None:
+        if self._wandb is not None:
+            job = record["job"]
+            self._wandb.log({f"{job}/{k}": record[k] for k in (*keys, "step") if record.get(k) is not None})
 
     def log_step(self, record: dict) -> None:
         """record: {"job", "step", "loss", "tokens", "lr", "grad_norm", "skipped", "tokens_per_s", "max_memory_gib",
@@ -60,6 +73,7 @@ class MetricsWriter:
             for key in ("tokens_per_s", "max_memory_gib"):  # run-wide: one point per logged row
                 if record.get(key) is not None:
                     self._tb.add_scalar(f"run/{key}", record[key], self._rows)
+        self._to_wandb({k: _finite_or_none(v) for k, v in record.items()}, ("loss", "lr", "grad_norm", "tokens"))
         self._rows += 1
 
     def log_eval(self, record: dict) -> None:
@@ -68,11 +82,14 @@ class MetricsWriter:
         self._f.write(json.dumps({k: _finite_or_none(v) for k, v in record.items()}, allow_nan=False) + "\n")
         if self._tb is not None and record.get("eval_loss") is not None and math.isfinite(record["eval_loss"]):
             self._tb.add_scalar(f"{record['job']}/eval_loss", record["eval_loss"], record["step"])
+        self._to_wandb({k: _finite_or_none(v) for k, v in record.items()}, ("eval_loss", "best_eval_loss"))
 
     def close(self) -> None:
         self._f.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 def max_memory_gib() -> float:
@@ -85,55 +102,3 @@ def max_memory_gib() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-
-
-class Progress:
-    """Per job step/total and last loss; total tokens/s. On a terminal a rich live table; otherwise (a Slurm
-    log, a pipe) one plain line per job every ``log_every`` steps and at its last step."""
-
-    def __init__(self, jobs: dict[str, int], enabled: bool = True, log_every: int = 1, terminal: bool | None = None):
-        import sys
-
-        self.enabled = enabled
-        self.totals = dict(jobs)
-        self.log_every = log_every
-        self.t0 = time.perf_counter()
-        self.tokens = 0
-        self._bar = None
-        self.plain = enabled and not (sys.stdout.isatty() if terminal is None else terminal)
-        if not enabled or self.plain:
-            return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
-
-        self._bar = RichProgress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(), transient=False)
-        self._tasks = {j: self._bar.add_task(j, total=total, info="") for j, total in jobs.items()}
-        self._total = self._bar.add_task("tokens/s", total=None, info="")
-        self._bar.start()
-
-    def update(self, job: str, step: int, loss: float | None, tokens: int, lr: float | None = None) -> None:
-        self.tokens += tokens
-        if not self.enabled:
-            return
-        if self.plain:
-            if step % self.log_every == 0 or step == self.totals.get(job):
-                rate = self.tokens / max(1e-9, time.perf_counter() - self.t0)
-                print(f"{job} step {step}/{self.totals.get(job, '?')}  loss "
-                      f"{'-' if loss is None else f'{loss:.4f}'}" + ("" if lr is None else f"  lr {lr:.3g}") +
-                      f"  {rate:,.0f} tok/s  {max_memory_gib():.2f} GiB  {time.perf_counter() - self.t0:.0f}s",
-                      flush=True)
-            return
-        self._bar.update(self._tasks[job], completed=step, info="loss -" if loss is None else f"loss {loss:.4f}")
-        rate = self.tokens / max(1e-9, time.perf_counter() - self.t0)
-        self._bar.update(self._total, info=f"{rate:,.0f} tok/s  ({self.tokens:,} tokens)")
-
-    def log(self, line: str) -> None:
-        """A message for the console (above the live table when there is one)."""
-        if self._bar is not None:
-            self._bar.console.print(line, markup=False, highlight=False)
-        else:
-            print(line, flush=True)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()

@@ -9,6 +9,8 @@ from pathlib import Path
 from lorafusion.core.arch import ModelArch, arch_from_hf_config, preset
 from lorafusion.runtime.feed import Feed
 
+CHART_CHUNKS = 2  # chunks drawn in gantt.png and packing.png (each a panel per DP rank)
+
 
 def run_arch(cfg) -> ModelArch:
     """The run's architecture without building a model (preset, or the HF directory's config.json)."""
@@ -50,14 +52,15 @@ def write_plan_report(feed: Feed, out_dir: Path, max_chunks: int = 20, stage: St
                       charts: bool = True) -> dict:
     """Plan up to ``max_chunks`` chunks; write ``plan.jsonl`` (one row per microbatch), ``windows.json``
     (one row per chunk: fill, imbalance, simulated bubble overall and per stage, planning time),
-    ``gantt.png`` and ``packing.png`` (chunk 0). ``stage``: the pipeline's split and costs (default: equal
-    stages, the default cost model). Returns ``{"windows": [...], "dir": ..., "files": [names written]}``."""
-    from lorafusion.scheduler import render_gantt, render_packing, simulate_plan
+    ``gantt.png`` and ``packing.png`` (the first ``CHART_CHUNKS`` chunks, a panel per chunk and DP rank).
+    ``stage``: the pipeline's split and costs (default: equal stages, the default cost model). Returns
+    ``{"windows": [...], "dir": ..., "files": [names written]}``."""
+    from lorafusion.scheduler import render_chunks, simulate_plan
     from lorafusion.scheduler.simulate import bubble_ratio
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows, stats = [], []
+    rows, stats, charted = [], [], []
     for w in range(max_chunks):
         chunk = feed.next()
         if chunk is None:
@@ -77,9 +80,11 @@ def write_plan_report(feed: Feed, out_dir: Path, max_chunks: int = 20, stage: St
         for mb in the_plan.microbatches:
             rows.append({"window": w, "slot": mb.slot, "dp_rank": mb.dp_rank, "noop": mb.is_noop,
                          "tokens": mb.num_tokens, "segments": mb.segments()})
-        if w == 0 and charts:
-            render_gantt(the_plan, timelines[0], str(out_dir / "gantt.png"), title="chunk 0 (simulated 1F1B)")
-            render_packing(the_plan, str(out_dir / "packing.png"), title="chunk 0 packing")
+        if w < CHART_CHUNKS and charts:
+            charted.append((the_plan, timelines))
+    if charted:
+        render_chunks(charted, str(out_dir / "gantt.png"), str(out_dir / "packing.png"),
+                      titles=[f"chunk {w}" for w in range(len(charted))])
     (out_dir / "plan.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (out_dir / "windows.json").write_text(json.dumps(stats, indent=2) + "\n")
     files = [f for f in ("plan.jsonl", "windows.json", "gantt.png", "packing.png") if (out_dir / f).is_file()]

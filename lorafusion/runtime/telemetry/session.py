@@ -12,7 +12,8 @@ from lorafusion.rundir.layout import RunDir
 
 class Telemetry:
     def __init__(self, cfg, out: Path, jobs: dict, *, is_logger: bool, resume: bool, limits: dict):
-        from lorafusion.runtime.telemetry.metrics import MetricsWriter, Progress, cut_metrics
+        from lorafusion.runtime.telemetry.metrics import MetricsWriter, cut_metrics, max_memory_gib
+        from lorafusion.runtime.telemetry.progress import Progress
         from lorafusion.runtime.telemetry.status import StatusWriter
 
         self.jobs = jobs
@@ -28,9 +29,9 @@ class Telemetry:
             cut_metrics(run.metrics, {n: js.steps for n, js in jobs.items()})
         else:  # a fresh run (the directory held at most a failed run's rows, see check_output_dir)
             run.metrics.unlink(missing_ok=True)
-        self.metrics = MetricsWriter(out, tensorboard=cfg.logging.tensorboard)
-        self.progress = Progress({n: js.stream.total_steps for n, js in jobs.items()},
-                                 enabled=cfg.logging.progress, log_every=cfg.logging.log_every)
+        self.metrics = MetricsWriter(out, cfg.logging.tensorboard, cfg.logging.wandb, cfg.model_dump(mode="json"))
+        self.progress = Progress.for_run(cfg.logging, {n: js.stream.total_steps for n, js in jobs.items()},
+                                         max_memory_gib)
         self.status = StatusWriter(out, jobs, limits=limits)  # status.json (lorafusion status)
 
     @property
@@ -67,7 +68,7 @@ class Telemetry:
                                "lr": st["lr"], "grad_norm": st["grad_norm"], "skipped": skipped,
                                "tokens_per_s": round(self.tokens / max(1e-9, elapsed), 1),
                                "max_memory_gib": round(mem_gib, 4), "elapsed_s": round(elapsed, 4)})
-        self.progress.update(name, js.steps, js.last_loss, st["tokens"], st["lr"])
+        self.progress.update(name, js.steps, js.last_loss, st["tokens"], st["lr"], js.stream.total_steps)
         if not finite:
             self.progress.log(f"job {name}: step {js.steps} not finite (loss {st['loss']}, grad norm "
                               f"{st['grad_norm']}){', update skipped' if skipped else ''}: "
