@@ -111,11 +111,10 @@ def cmd_plan(args) -> int:
     from lorafusion.runtime.jobs import load_jobs
     from lorafusion.runtime.telemetry.report import stage_model, write_plan_report
 
-    _, jobs = load_jobs(cfg)
     out = Path(args.out) if args.out else Path(cfg.output_dir) / "plan"
     stage = stage_model(cfg)
-    res = write_plan_report(Feed(jobs, scheduler_config(cfg), dp_rank=None), out, max_chunks=args.windows,
-                            stage=stage)
+    res = write_plan_report(Feed(load_jobs(cfg)[1], scheduler_config(cfg), dp_rank=None), out,
+                            max_chunks=args.windows, stage=stage)
     print(f"{'window':>6} {'jobs':>4} {'mbs':>5} {'noops':>5} {'fill':>6} {'imbal':>6} {'bubble':>7} {'plan_s':>7}")
     for w in res["windows"]:
         print(f"{w['window']:>6} {len(w['jobs']):>4} {w['microbatches']:>5} {w['noops']:>5} {w['fill']:>6.3f} "
