@@ -106,6 +106,7 @@ class JobCheckpoints:
                 "nonfinite": js.nonfinite, "eval": {"last": js.last_eval, "best": js.best_eval,
                                                     "best_step": js.best_step, "since_best": js.evals_since_best},
                 "seed": self.cfg.seed, "layout": self.cfg.parallelism.model_dump(),
+                "total_steps": js.stream.total_steps,
                 "settings": self._settings(name)}
 
     def save_best(self, name: str) -> None:
@@ -185,6 +186,9 @@ class JobCheckpoints:
             raise ConfigError(f"{self.cfg.source}: jobs.{index}.{key}: cannot resume job {name!r} from {path}: it is at "
                               f"step {step}, beyond the {js.stream.total_steps} steps {key} = "
                               f"{getattr(js.cfg, key)} gives; expected at least {step} steps")
+        if state.get("total_steps", js.stream.total_steps) != js.stream.total_steps and self.is_logger:
+            print(f"job {name}: {state['total_steps']} -> {js.stream.total_steps} steps ({key} = "
+                  f"{getattr(js.cfg, key)}); its lr schedule spans the new total from step {step + 1}", flush=True)
 
     def load(self) -> None:
         """Resume every job that has a checkpoint: adapter, optimizer, data stream and counters."""

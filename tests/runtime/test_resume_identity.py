@@ -70,11 +70,14 @@ def test_a_changed_token_capacity_needs_the_flag(tmp_path, megatron_single):
     assert summary["jobs"]["a"]["steps"] == 3
 
 
-def test_a_raised_max_steps_takes_its_lr_schedule_from_the_first_resumed_step(tmp_path, megatron_single):
+def test_a_raised_max_steps_takes_its_lr_schedule_from_the_first_resumed_step(tmp_path, megatron_single, capsys):
     from lorafusion.runtime.optim import lr_lambda
 
     _, out = train_inprocess(_run(tmp_path, steps=2))
+    capsys.readouterr()
     train_inprocess(_run(tmp_path, steps=4), resume=True)
+    assert "job a: 2 -> 4 steps (max_steps = 4); its lr schedule spans the new total from step 3" in \
+        capsys.readouterr().out
     lrs = {r["step"]: r["lr"] for r in _rows(out)}
     f = lr_lambda("cosine", 1, 4)
     assert lrs[3] == pytest.approx(1e-2 * f(2), rel=1e-12) and lrs[4] == pytest.approx(1e-2 * f(3), rel=1e-12)
