@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from lorafusion.core.errors import MissingFileError
-from lorafusion.rundir.atomic import write_bytes, write_text_atomic
+from lorafusion.rundir.atomic import file_sha256, write_bytes, write_text_atomic
 from lorafusion.rundir.layout import best_checkpoint, latest_checkpoint, read_state, step_name
 
 
@@ -150,7 +150,7 @@ def _write_rank_file(tmp: Path, tensors: dict, atomic: bool = False) -> None:
 def _install(job_dir: Path, final: Path, tmp: Path, keep_last: int | None) -> None:
     """Rank 0: the complete temporary directory becomes ``final``, named by ``latest``; older ones pruned."""
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
-    manifest = {str(p.relative_to(tmp)): _sha256(p) for p in files}
+    manifest = {str(p.relative_to(tmp)): file_sha256(p) for p in files}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     if final.exists():
         shutil.rmtree(final)
@@ -163,15 +163,6 @@ def _install(job_dir: Path, final: Path, tmp: Path, keep_last: int | None) -> No
 MANIFEST = "manifest.json"
 
 
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
 
 def _check_manifest(path: Path, names: list[str]) -> None:
     """MissingFileError unless the files ``names`` of checkpoint ``path`` are those its manifest records (a
@@ -183,7 +174,7 @@ def _check_manifest(path: Path, names: list[str]) -> None:
     except (OSError, ValueError) as e:
         raise MissingFileError(f"{path / MANIFEST}: not readable ({e})") from None
     for name in names:
-        if not isinstance(manifest, dict) or manifest.get(name) != _sha256(path / name):
+        if not isinstance(manifest, dict) or manifest.get(name) != file_sha256(path / name):
             raise MissingFileError(f"{path / name}: does not match the checkpoint's {MANIFEST} (edited or damaged)")
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from lorafusion.core.errors import ConfigError, MissingFileError
+from lorafusion.rundir.atomic import file_sha256
 from lorafusion.rundir.layout import RunDir
 from lorafusion.rundir.states import JobStatus
 
@@ -271,12 +272,3 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
     return out
-
-
-def file_sha256(path: Path) -> str:
-    """SHA-256 of a file's bytes (1 MiB reads)."""
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()

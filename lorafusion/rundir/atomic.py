@@ -4,6 +4,7 @@ clears after a failed run) and renamed into place: a reader sees the old one or 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import uuid
@@ -91,3 +92,12 @@ def remove_partial_outputs(out: Path) -> None:
         return
     for p in list(out.rglob(".*.tmp*")):
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file's bytes (1 MiB reads): what a checkpoint's manifest and a run's dataset record hold."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
