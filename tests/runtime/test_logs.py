@@ -53,3 +53,21 @@ def test_live_table_has_a_row_per_job_with_eval_loss():
     text = console.export_text()
     for word in ("job", "step", "loss", "eval loss", "tokens/s", "ETA", "4/10", "0.2500", "0.3125", "late", "1/20"):
         assert word in text, (word, text)
+
+
+def test_rate_and_eta_are_over_the_steps_after_the_first(capsys, monkeypatch):
+    """The first step's own time is unknown to the progress view: its line shows no rate or ETA (it printed
+    hundreds of billions of tokens/s: 100 tokens over ~0 s), later lines the tokens since over the time since."""
+    from lorafusion.runtime.telemetry import progress
+
+    clock = iter([0.0, 10.0, 12.0, 14.0, 16.0])
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    p = progress.Progress({"a": 3}, log_every=1, log_every_s=0, terminal=False)  # t0 = 0
+    p.update("a", 1, 1.0, 100)  # at 10 s
+    p.update("a", 2, 0.5, 100)  # at 12 s: 100 tokens in 2 s
+    p.update("a", 3, 0.25, 100)  # at 14 s: 200 tokens in 4 s
+    p.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert "  - tok/s  ETA -" in lines[0], lines[0]
+    assert "  50 tok/s  ETA 0m02s" in lines[1], lines[1]
+    assert "  50 tok/s  ETA 0m00s" in lines[2], lines[2]

@@ -19,13 +19,16 @@ class _Row:
     loss: float | None = None
     eval_loss: float | None = None
     lr: float | None = None
-    tokens: int = 0  # this session
-    steps: int = 0  # this session
-    t0: float | None = None  # first update this session
+    tokens: int = 0  # this session, after its first update
+    steps: int = 0  # this session, after its first update
+    t0: float | None = None  # first update this session: rate and ETA are over the steps since (the first step's
+    # own time is not known here, so a rate over it would divide its tokens by ~0 s)
     printed: float = float("-inf")  # plain mode: when its last line was printed
 
-    def rate(self, now: float) -> float:
-        return self.tokens / max(1e-9, now - self.t0) if self.t0 is not None else 0.0
+    def rate(self, now: float) -> float | None:
+        if not self.steps or self.t0 is None or now <= self.t0:
+            return None
+        return self.tokens / (now - self.t0)
 
     def eta(self, now: float) -> float | None:
         if not self.steps or self.total is None or self.t0 is None:
@@ -35,6 +38,10 @@ class _Row:
 
 def _num(x: float | None) -> str:
     return "-" if x is None else f"{x:.4f}"
+
+
+def _rate(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.0f}"
 
 
 def _duration(s: float | None) -> str:
@@ -82,9 +89,10 @@ class Progress:
         row = self._row(job, total)
         if row.t0 is None:
             row.t0 = now
+        else:
+            row.tokens += tokens
+            row.steps += 1
         row.step, row.loss, row.lr = step, loss, lr
-        row.tokens += tokens
-        row.steps += 1
         if not self.enabled or not self.plain:
             return
         last = step == row.total
@@ -101,7 +109,7 @@ class Progress:
         return (f"{job} step {row.step}/{row.total if row.total is not None else '?'}  loss {_num(row.loss)}"
                 + (f"  eval {_num(row.eval_loss)}" if row.eval_loss is not None else "")
                 + ("" if row.lr is None else f"  lr {row.lr:.3g}")
-                + f"  {row.rate(now):,.0f} tok/s  ETA {_duration(row.eta(now))}{mem}  {now - self.t0:.0f}s")
+                + f"  {_rate(row.rate(now))} tok/s  ETA {_duration(row.eta(now))}{mem}  {now - self.t0:.0f}s")
 
     def _table(self):
         from rich.table import Table
@@ -116,7 +124,7 @@ class Progress:
             table.add_column(name, **kw)
         for job, row in self.rows.items():
             total = "?" if row.total is None else row.total
-            table.add_row(job, f"{row.step}/{total}", _num(row.loss), _num(row.eval_loss), f"{row.rate(now):,.0f}",
+            table.add_row(job, f"{row.step}/{total}", _num(row.loss), _num(row.eval_loss), _rate(row.rate(now)),
                           "done" if row.total is not None and row.step >= row.total else _duration(row.eta(now)))
         return table
 
