@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 _ENVIRONMENT_ERRNOS = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM,
-                       errno.ENOTDIR, errno.EISDIR, errno.EEXIST}
+                       errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP, errno.EBUSY}
 
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)

@@ -61,8 +61,8 @@ def _explain(err: dict) -> str:
         return "unknown key"
     if t in ("int_type", "int_parsing", "int_from_float"):
         return "expected an integer" + got
-    if t in ("float_type", "float_parsing"):
-        return "expected a number" + got
+    if t in ("float_type", "float_parsing", "finite_number"):
+        return f"expected a {'finite ' * (t == 'finite_number')}number" + got
     if t in ("bool_type", "bool_parsing"):
         return "expected true or false" + got
     if t in ("string_type", "str_type"):
@@ -91,8 +91,8 @@ def _explain(err: dict) -> str:
     return err["msg"] + got
 
 
-def _format_errors(exc: ValidationError, locate) -> str:
-    """``locate(loc) -> (file, loc_in_file, note)``; one line per error, deduplicated."""
+def _format_errors(exc: ValidationError, locate, root: type[BaseModel] | None = None) -> str:
+    """``locate(loc) -> (file, loc_in_file, note)``; one line per error, deduplicated; loc starts at ``root``."""
     lines: list[str] = []
     for err in exc.errors(include_url=False):
         loc = list(err["loc"])
@@ -107,7 +107,7 @@ def _format_errors(exc: ValidationError, locate) -> str:
             parent = inner[:-1]
             where = f"{_loc(parent)}: " if parent else ""
             key = str(inner[-1]) if inner else "?"
-            lines.append(f"{file}: {where}unknown key {key!r}{_allowed(loc[:-1])}{note}")
+            lines.append(f"{file}: {where}unknown key {key!r}{_allowed(loc[:-1], root or RunConfig)}{note}")
         else:
             lines.append(f"{file}: {_loc(inner) or '(top level)'}: {msg}{note}")
     return "\n".join(dict.fromkeys(lines))
@@ -116,9 +116,9 @@ def _format_errors(exc: ValidationError, locate) -> str:
 _FIELD_PREFIX = re.compile(r"^([A-Za-z_]\w*(?:\.\w+)*): (.*)$", re.DOTALL)
 
 
-def _model_at(loc: Sequence[Any]) -> type[BaseModel] | None:
-    """The pydantic model class at a dotted location of RunConfig (None when not a model)."""
-    model: Any = RunConfig
+def _model_at(loc: Sequence[Any], root: type[BaseModel] = RunConfig) -> type[BaseModel] | None:
+    """The pydantic model class at a dotted location of ``root`` (None when not a model)."""
+    model: Any = root
     for part in loc:
         if isinstance(part, int) or (isinstance(part, str) and part.isdigit()):
             continue
@@ -142,8 +142,8 @@ def _unwrap(ann: Any) -> Any:
     return ann
 
 
-def _allowed(loc: Sequence[Any]) -> str:
-    m = _model_at(loc)
+def _allowed(loc: Sequence[Any], root: type[BaseModel] = RunConfig) -> str:
+    m = _model_at(loc, root)
     return "" if m is None else f"; expected one of: {', '.join(m.model_fields)}"
 
 
@@ -389,7 +389,7 @@ def load_job_config(path: str | os.PathLike, overrides: Sequence[str] = (), *,
     try:
         job = JobConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, locate)) from None
+        raise ConfigError(_format_errors(e, locate, JobConfig)) from None
     check_init_from(job, [], locate)
     for key, ds in (("dataset", job.dataset), ("eval_dataset", job.eval_dataset)):
         if check_files and ds is not None and not Path(ds.path).is_file():
@@ -405,4 +405,4 @@ def job_config_from(raw: Any, shown: str) -> JobConfig:
     try:
         return JobConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, lambda loc: (shown, loc, ""))) from None
+        raise ConfigError(_format_errors(e, lambda loc: (shown, loc, ""), JobConfig)) from None

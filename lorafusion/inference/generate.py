@@ -163,8 +163,10 @@ class Request:
 
 def encode_prompt(row: dict, tokenizer, where: str) -> list[int]:
     """``[bos] + prompt`` as training builds a sample's prompt; ``messages`` (a chat history) is rendered with
-    the tokenizer's chat template and its generation prompt."""
-    if "messages" in row and "prompt" not in row:
+    the tokenizer's chat template and its generation prompt; a row with both is refused (which one?)."""
+    if "messages" in row and "prompt" in row:
+        raise ConfigError(f"{where}: expected 'prompt' or 'messages', not both")
+    if "messages" in row:
         msgs = row["messages"]
         if not isinstance(msgs, list) or not msgs:
             raise ConfigError(f"{where}: messages: expected a non-empty list of {{role, content}}")
@@ -188,7 +190,7 @@ def read_prompts(path: str | Path, tokenizer, jobs: Sequence[str], context: int,
     """Validate and encode every row of a prompts JSONL (one error naming the file and line)."""
     path = Path(path)
     if not path.is_file():
-        raise MissingFileError(f"{path}: --prompts file not found")
+        raise MissingFileError(f"{path}: --prompts {'is a directory, expected a file' if path.is_dir() else 'file not found'}")
     out = []
     try:
         lines = path.read_bytes().splitlines()

@@ -111,12 +111,12 @@ def check_export_out(src: Path, out: Path, base: bool) -> None:
         runs = {step} | ({step.parents[2]} if (src / "state.json").is_file() and step.parents[1].name == "checkpoints"
                          else set())
     except (OSError, RuntimeError, IndexError) as e:
-        raise ConfigError(f"{out}: cannot resolve --out ({e})") from None
+        raise ConfigError(f"{out}: cannot resolve --out or the directory {src} it exports from ({e})") from None
     for run in runs:
         if o == run or o in run.parents:
-            raise ConfigError(f"{out}: --out holds the run directory {run} it exports from; choose a path outside it")
+            raise ConfigError(f"{out}: --out holds the directory {run} it exports from; choose a path outside it")
         if run in o.parents and not (base and o == run / "base"):
-            raise ConfigError(f"{out}: --out is inside the run directory {run}; choose a path outside it")
+            raise ConfigError(f"{out}: --out is inside the directory {run} it exports from; choose a path outside it")
     if out.is_dir() and any((out / n).exists() for n in ("status.json", "summary.json", "checkpoints", ".lock")):
         raise ConfigError(f"{out}: --out is a lorafusion run directory; export replaces only exports, choose "
                           f"another path")

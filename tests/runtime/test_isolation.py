@@ -159,13 +159,13 @@ def test_export_never_replaces_the_run_it_reads(tmp_path, capsys, three_jobs, wh
     before, other = _tree(out), _tree(three_jobs[3])
     assert main(["export", str(out), "--job", "rev", "--out", str(target), "--force"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and ("--out holds the run directory" in err or "--out is inside the run" in err
+    assert err.count("\n") == 1 and ("--out holds the directory" in err or "--out is inside the directory" in err
                                      or "--out is a lorafusion run directory" in err), err
     assert _tree(out) == before and _tree(three_jobs[3]) == other
     # from one checkpoint directory: its run is protected too
     step = next((out / "checkpoints" / "rev").glob("step_*"))
     assert main(["export", str(step), "--job", "rev", "--out", str(out / "adapters" / "rev"), "--force"]) == 2
-    assert "--out is inside the run directory" in capsys.readouterr().err and _tree(out) == before
+    assert "--out is inside the directory" in capsys.readouterr().err and _tree(out) == before
 
 
 def test_export_refuses_a_job_path_and_a_truncated_adapter(tmp_path, capsys, three_jobs):

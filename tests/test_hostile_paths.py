@@ -1,0 +1,87 @@
+"""Hostile input found by the repeated probe of issue 29 (probe29): each case one error line naming the right
+file or field, never a traceback. CPU, no training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lorafusion.core.errors import ConfigError, MissingFileError
+
+
+def _one_line(capsys, cmd: str, *needles: str) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"lorafusion {cmd}: error: "), err
+    for n in needles:
+        assert n in err, (n, err)
+    return err
+
+
+LONG = "s" * 300  # over NAME_MAX: every os.stat of it is ENAMETOOLONG
+
+
+@pytest.mark.parametrize("argv", [
+    ["status", LONG], ["cancel", "--job", "x", LONG], ["submit", LONG, "job.yaml"], ["train", LONG + ".yaml"],
+    ["generate", LONG, "--prompts", "p.jsonl", "--out", "o.jsonl"],
+])
+def test_a_path_too_long_is_one_line(argv, tmp_path, monkeypatch, capsys):
+    """A name over NAME_MAX (any verb, any path argument) was an OSError traceback."""
+    from lorafusion.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    _job_yaml(tmp_path, "")
+    assert main(argv) == 2
+    _one_line(capsys, argv[0], "File name too long")
+
+
+def _job_yaml(tmp_path, extra: str) -> str:
+    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n")
+    p = tmp_path / "job.yaml"
+    p.write_text("name: j\ndataset: {path: d.jsonl, format: prompt_response, max_seq_len: 64}\n"
+                 "lora: {r: 4, lora_alpha: 8}\nglobal_batch_size: 1\nmax_steps: 1\n" + extra)
+    return str(p)
+
+
+def test_a_job_yaml_typo_lists_the_job_keys(tmp_path):
+    """submit's job YAML with an unknown key listed the *run* config's keys (model, ..., output_dir) as expected."""
+    from lorafusion.config.load import job_config_from, load_job_config
+
+    with pytest.raises(ConfigError) as e:
+        load_job_config(_job_yaml(tmp_path, "lrr: 1\n"))
+    msg = str(e.value)
+    assert "unknown key 'lrr'" in msg and "global_batch_size" in msg and "output_dir" not in msg, msg
+    with pytest.raises(ConfigError) as e:
+        job_config_from({"name": "x", "lrr": 1}, "request.json")
+    assert "unknown key 'lrr'" in str(e.value) and "output_dir" not in str(e.value), str(e.value)
+
+
+def test_a_non_finite_float_says_expected(tmp_path):
+    """pydantic's own 'Input should be a finite number' read unlike every other message."""
+    from lorafusion.config.load import load_job_config
+
+    with pytest.raises(ConfigError) as e:
+        load_job_config(_job_yaml(tmp_path, "optimizer: {lr: .nan}\n"))
+    assert "optimizer.lr: expected a finite number, got nan" in str(e.value), str(e.value)
+
+
+def test_export_from_a_directory_that_is_no_run(tmp_path, monkeypatch, capsys):
+    """`export /tmp --out x` said '--out is inside the run directory /tmp' (no run there)."""
+    from lorafusion.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", str(tmp_path), "--job", "a", "--out", "x"]) == 2
+    err = _one_line(capsys, "export", "the directory", "it exports from")
+    assert "run directory" not in err, err
+
+
+def test_generate_row_with_prompt_and_messages(tmp_path):
+    """A row with both 'prompt' and 'messages' decoded the messages silently; a --prompts directory was 'not found'."""
+    from lorafusion.data.tokenizer import ByteTokenizer
+    from lorafusion.inference.generate import encode_prompt, read_prompts
+
+    row = {"prompt": "x", "messages": [{"role": "user", "content": "y"}], "job": None}
+    with pytest.raises(ConfigError, match="p.jsonl:1: expected 'prompt' or 'messages', not both"):
+        encode_prompt(row, ByteTokenizer(), "p.jsonl:1")
+    with pytest.raises(MissingFileError, match="is a directory, expected a file"):
+        read_prompts(tmp_path, ByteTokenizer(), [], 1024, tmp_path)
