@@ -12,7 +12,8 @@ and the control ``noise``: W·(1+e), e = W's own relative e4m3 errors shuffled w
 random noise, not FP8),
 (the exact/w products in float32, cast to bf16 like the shipped op). ``--outliers F`` multiplies the input
 RMSNorm weight of 4 hidden channels per layer by F (the massive-activation channels of trained LLMs) to see
-per-row X quantization under outliers. Prints one JSON per mode: per-tensor cosine (median, min), the cosine
+per-row X quantization under outliers. ``--pretrain N``: first train the whole base (float32, AdamW) for N
+steps on the quickstart data as bytes, then cast it to bf16, and take the microbatch from that text. Prints one JSON per mode: per-tensor cosine (median, min), the cosine
 of all LoRA gradients concatenated, and the relative error of every adapter's loss.
 """
 
@@ -88,7 +89,11 @@ def build(args):
     init_distributed(1, 1, seed=args.seed)
     arch = preset("tiny-llama", hidden_size=args.hidden, ffn_hidden_size=args.ffn or args.hidden * 5 // 2,
                   num_layers=args.layers)
-    model = build_model(arch, params_dtype=torch.bfloat16, device=torch.device("cpu"), seed=args.seed)
+    model = build_model(arch, params_dtype=torch.float32 if args.pretrain else torch.bfloat16,
+                        device=torch.device("cpu"), seed=args.seed)
+    if args.pretrain:
+        pretrain(model, args.pretrain)
+        model.to(torch.bfloat16)
     names = [f"job{i}" for i in range(4)]
     for name in names:
         add_adapter(model, name, LoRASpec(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=("all-linear",)),
@@ -103,6 +108,45 @@ def build(args):
                 if name.endswith("layernorm.weight") and "final" not in name:
                     p[..., :4] *= args.outliers
     return model.train(), names
+
+
+def text_tokens() -> list[int]:
+    """The quickstart data files as bytes (one JSON object a line): a small real text for --pretrain."""
+    root = Path(__file__).resolve().parents[1] / "configs" / "quickstart" / "data"
+    return list(b"".join(f.read_bytes() for f in sorted(root.glob("*.jsonl"))))
+
+
+def text_samples(names, n_tokens, gen):
+    data = torch.tensor(text_tokens())
+    out = []
+    for i in range(n_tokens // 64):
+        start = int(torch.randint(0, len(data) - 64, (1,), generator=gen))
+        out.append((names[i * len(names) // (n_tokens // 64)], data[start:start + 64].tolist()))
+    return out
+
+
+def pretrain(model, steps: int) -> None:
+    """Train every base weight (float32, AdamW) on the quickstart text: a base with learned structure."""
+    from lorafusion.data import pack_microbatch
+
+    params = list(model.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(steps):
+        batch = pack_microbatch(text_samples(["pre"], 512, gen))
+        per_token = model(batch.tokens, batch.position_ids, attention_mask=None, labels=batch.labels,
+                          packed_seq_params=batch.packed_seq_params())
+        loss = (per_token.float() * batch.loss_mask).sum() / batch.loss_mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if i % 100 == 0 or i == steps - 1:
+            print(f"pretrain step {i} loss {loss.item():.3f}", flush=True)
+    for p in params:
+        p.requires_grad_(False)
+        p.grad = None
 
 
 def step(model, batch, names):
@@ -138,7 +182,7 @@ def main() -> None:
     from lorafusion.layers import lora_modules
 
     ap = argparse.ArgumentParser()
-    for k, v in (("hidden", 64), ("ffn", 0), ("layers", 4), ("tokens", 512), ("seed", 1234)):
+    for k, v in (("hidden", 64), ("ffn", 0), ("layers", 4), ("tokens", 512), ("seed", 1234), ("pretrain", 0)):
         ap.add_argument(f"--{k}", type=int, default=v)
     ap.add_argument("--outliers", type=float, default=0.0)
     args = ap.parse_args()
@@ -148,7 +192,9 @@ def main() -> None:
     parts = [int(args.tokens * f) for f in (0.3, 0.15, 0.35)]
     parts.append(args.tokens - sum(parts))
     samples = [(n, torch.randint(0, 500, (t,), generator=g).tolist()) for n, t in zip(names, parts)]
-    batch = pack_microbatch(samples, row_ids=list(range(4)))
+    if args.pretrain:  # a trained base: the microbatch is text of the kind it was trained on
+        samples = text_samples(names, args.tokens, g)
+    batch = pack_microbatch(samples, row_ids=list(range(len(samples))))
     tensors = list(model.parameters()) + list(model.buffers())
     saved = [(t, t.data.clone()) for t in tensors]
     model.double()
