@@ -155,7 +155,7 @@ def write_peft_adapter(out_dir: str | Path, state: dict[str, torch.Tensor], conf
 def model_arch(model) -> ModelArch:
     from lorafusion.layers.inject import _chunks, _unwrap
 
-    arch = getattr(_unwrap(_chunks(model)[0]), "lorafusion_arch", None)
+    arch = getattr(_unwrap(_chunks(model)[0]).config, "arch", None)
     if arch is None:
         raise ValueError("model has no architecture record: build it with lorafusion.models.provider.build_model")
     return arch

@@ -123,7 +123,7 @@ def hf_state_for_rank(ckpt: HFCheckpoint, model: torch.nn.Module) -> dict[str, t
 def load_hf_weights(model: torch.nn.Module, path: str | Path | HFCheckpoint) -> ModelArch:
     """Copy HF weights into ``model`` (built for the same architecture); returns the checkpoint's arch."""
     ckpt = path if isinstance(path, HFCheckpoint) else HFCheckpoint(path)
-    arch = getattr(model, "lorafusion_arch", None)
+    arch = getattr(getattr(model, "config", None), "arch", None)
     if arch is not None and arch != ckpt.arch:
         raise ConfigError(f"{ckpt.path / 'config.json'}: architecture {ckpt.arch} does not match the model's {arch}")
     state = hf_state_for_rank(ckpt, model)

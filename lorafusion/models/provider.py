@@ -58,7 +58,7 @@ def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, p
     Base weights are frozen (``requires_grad=False``); initialise them with :mod:`lorafusion.models.hf_import`
     or :func:`init_random_weights`. ``fused_ops``: "off", "torch" or "triton" (see the module docstring);
     ``None`` = "triton" when ``device`` is CUDA, else "off". The choice is recorded as
-    ``model.lorafusion_fused_ops``. ``sequence_parallel`` (tp > 1): Megatron's sequence parallelism; the
+    ``model.config.fused_ops``. ``sequence_parallel`` (tp > 1): Megatron's sequence parallelism; the
     norms are then :class:`~lorafusion.models.fused.rms_norm.RMSNorm` even with ``fused_ops="off"`` (its
     "torch" implementation, ``F.rms_norm`` as ``torch.nn.RMSNorm``), since Megatron's ``WrappedTorchNorm``
     refuses SP. ``base_precision``: "fp8" quantizes the decoder linears after init (:mod:`..layers.fp8_base`).
@@ -71,7 +71,7 @@ def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, p
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     mode = resolve_fused_ops(fused_ops, device)
     impl = None if mode == "off" else mode
-    overrides = {**(fused_config_overrides(impl) if impl else {}), **config_overrides}
+    overrides = {**(fused_config_overrides(impl) if impl else {}), "fused_ops": mode, **config_overrides}
     V = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
     cfg = transformer_config(arch, params_dtype, tp=tp, pp=pp, recompute=recompute, recompute_layers=recompute_layers,
                              sequence_parallel=sequence_parallel, stage_layers=stage_layers, virtual_stages=V,
@@ -99,10 +99,6 @@ class ModelChunks(torch.nn.ModuleList):
     def config(self):
         return self[0].config
 
-    @property
-    def lorafusion_arch(self):
-        return self[0].lorafusion_arch
-
 
 def _build_chunk(arch, cfg, transformer_impl, mode, impl, sequence_parallel, device, seed, recompute, *,
                  pre_process=None, post_process=None, vp_stage=None) -> GPTModel:
@@ -119,8 +115,7 @@ def _build_chunk(arch, cfg, transformer_impl, mode, impl, sequence_parallel, dev
         from lorafusion.compat.megatron import apply_packed_rope_patch
         from lorafusion.models.fused.rope import packed_rope
 
-        apply_packed_rope_patch(packed_rope)
-        cfg.lorafusion_rope_impl = impl  # read by the packed-RoPE dispatcher (lorafusion.compat.megatron.rope)
+        apply_packed_rope_patch(packed_rope)  # its dispatcher reads cfg.packed_rope_impl (fused_config_overrides)
     if norm_impl is not None:
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
@@ -133,10 +128,8 @@ def _build_chunk(arch, cfg, transformer_impl, mode, impl, sequence_parallel, dev
         rotary_base=arch.rope_theta, parallel_output=True, fused_loss=impl,
         **({} if vp_stage is None else {"vp_stage": vp_stage}),
     )
-    model.lorafusion_fused_ops = mode
     # RoPE frequencies exactly as HF computes them (covers llama3 scaling with any parameters).
     model.rotary_pos_emb.inv_freq = arch.inv_freq()
-    model.lorafusion_arch = arch
     for p in model.parameters():
         p.requires_grad_(False)
     if device is not None:

@@ -6,7 +6,7 @@ cross-entropy.
 - SwiGLU: ``MLPSubmodules.activation_func`` = :class:`~lorafusion.models.fused.swiglu.SwiGLU`, which
   Megatron's MLP applies to the whole fc1 output when ``config.use_te_activation_func`` is set (despite its
   name the flag only selects "call the activation module on the fc1 output").
-- RoPE: ``config.lorafusion_rope_impl`` plus ``lorafusion.compat.megatron.apply_packed_rope_patch``.
+- RoPE: ``config.packed_rope_impl`` plus ``lorafusion.compat.megatron.apply_packed_rope_patch``.
 - Loss: :class:`FusedLossGPTModel` returns the per-token loss [b, s] from
   :func:`~lorafusion.models.fused.linear_cross_entropy.linear_cross_entropy` exactly where
   ``GPTModel`` returned ``compute_language_model_loss(labels, logits)`` — only with TP == 1 (otherwise
@@ -40,9 +40,9 @@ def fuse_layer_spec(spec: ModuleSpec, impl: str) -> ModuleSpec:
 
 
 def fused_config_overrides(impl: str) -> dict:
-    """TransformerConfig fields the fused ops need (``lorafusion_rope_impl`` is set on the instance)."""
+    """Config fields the fused ops need (:class:`lorafusion.models.config.LoRAFusionConfig`)."""
     check_impl(impl)
-    return {"use_te_activation_func": True, "bias_activation_fusion": False}
+    return {"use_te_activation_func": True, "bias_activation_fusion": False, "packed_rope_impl": impl}
 
 
 class FusedLossGPTModel(GPTModel):
