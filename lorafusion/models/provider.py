@@ -1,7 +1,7 @@
 """Model provider: ``ModelArch`` → Megatron-core ``GPTModel`` whose parallel linears carry LoRA adapters.
 
-Built with Megatron's local layer spec, the four linears swapped for the LoRA-capable variants and the
-core attention for :class:`PackedDotProductAttention` (packed sequences, cu_seqlens). Transformer Engine
+Built with the layer spec of :mod:`lorafusion.models.layer_spec` (Megatron's local spec with LoRA-capable
+linears and :class:`PackedDotProductAttention` for packed sequences, cu_seqlens). Transformer Engine
 layers fuse the input norm into linear_qkv and hide the normalised input LoRA needs, so they are not
 used yet (``transformer_impl="te"`` is an explicit error).
 
@@ -14,38 +14,16 @@ TP == 1) in that implementation. The default is ``"triton"`` on a CUDA device an
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from megatron.core import parallel_state
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from lorafusion.layers.fp8_base import quantize_base
 from lorafusion.layers.inject import attach_lora_context, get_lora_context
-from lorafusion.layers.lora_linear import LoRAColumnParallelLinear, LoRARowParallelLinear
-from lorafusion.models.attention import PackedDotProductAttention
 from lorafusion.models.fused import resolve_fused_ops
-from lorafusion.models.fused.model import FusedLossGPTModel, fuse_layer_spec, fused_config_overrides, norm_spec
+from lorafusion.models.fused.model import FusedLossGPTModel, fused_config_overrides
+from lorafusion.models.layer_spec import lora_layer_spec, norm_spec
 from lorafusion.models.spec import ModelArch, transformer_config
-
-
-def lora_layer_spec(transformer_impl: str = "local", fused_ops: str = "off"):
-    """Megatron ``ModuleSpec`` of one LLaMA/Qwen2 decoder layer with LoRA-capable linears (and, unless
-    ``fused_ops`` is "off", the fused RMSNorm and SwiGLU of that implementation)."""
-    if transformer_impl != "local":
-        raise ValueError(f"model.transformer_impl: only 'local' is supported today, got {transformer_impl!r}")
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
-    attn = spec.submodules.self_attention.submodules
-    attn.linear_qkv = LoRAColumnParallelLinear
-    attn.linear_proj = LoRARowParallelLinear
-    attn.core_attention = PackedDotProductAttention
-    mlp = spec.submodules.mlp.submodules
-    mlp.linear_fc1 = LoRAColumnParallelLinear
-    mlp.linear_fc2 = LoRARowParallelLinear
-    if resolve_fused_ops(fused_ops, None) != "off":
-        spec = fuse_layer_spec(spec, fused_ops)
-    return spec
 
 
 def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, pre_process: bool | None = None,
@@ -106,11 +84,8 @@ def _build_chunk(arch, cfg, transformer_impl, mode, impl, sequence_parallel, dev
     if vp_stage is not None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    layer_spec = lora_layer_spec(transformer_impl, fused_ops=mode)
+    layer_spec = lora_layer_spec(transformer_impl, fused_ops=mode, sequence_parallel=sequence_parallel)
     norm_impl = impl or ("torch" if sequence_parallel else None)
-    if impl is None and norm_impl is not None:
-        layer_spec.submodules.input_layernorm = norm_spec(norm_impl)
-        layer_spec.submodules.pre_mlp_layernorm = norm_spec(norm_impl)
     if impl is not None:
         from lorafusion.compat.megatron import apply_packed_rope_patch
         from lorafusion.models.fused.rope import packed_rope
