@@ -30,5 +30,13 @@ class LoRAFusionConfig(TransformerConfig):
     """Packed-sequence RoPE implementation ("torch" / "triton") used by the dispatcher that
     ``lorafusion.compat.megatron.apply_packed_rope_patch`` installs; None = Megatron's own RoPE."""
 
+    base_precision: str = "bf16"
+    """Precision of the frozen decoder linears: "bf16" as built, "fp8" once
+    :func:`lorafusion.layers.fp8_base.quantize_base` has quantized them (it records it here)."""
+
+    base_model: str | None = None
+    """The HF model directory the base weights were loaded from (``build_model_from_hf`` records it): what
+    exported PEFT adapters name as their ``base_model_name_or_path``."""
+
 
 __all__ = ["LoRAFusionConfig"]

@@ -150,6 +150,6 @@ def build_model_from_hf(path: str | Path | HFCheckpoint, *, params_dtype: torch.
     model = build_model(ckpt.arch, params_dtype=params_dtype, **kw)
     for chunk in (model if isinstance(model, torch.nn.ModuleList) else [model]):  # virtual pipeline: each chunk
         load_hf_weights(chunk, ckpt)
-        chunk.lorafusion_base = str(ckpt.path.resolve())  # what exported adapters name as their base
+        chunk.config.base_model = str(ckpt.path.resolve())  # what exported adapters name as their base
     quantize_base(model, precision)
     return model
