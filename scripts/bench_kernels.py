@@ -116,9 +116,7 @@ def peft_multi_loop(x, W, As, Bs, ss, ps, lengths):
 
 
 def set_main_gemm(v):
-    from lorafusion.kernels import tuning
-
-    tuning.MAIN_GEMM = v
+    os.environ["LORAFUSION_MAIN_GEMM"] = v  # read by tuning.default_main_gemm() at each call
 
 
 def cpu_ms(fn, n=10) -> float:

@@ -115,7 +115,7 @@ def build_8b(seed: int = 1234, arch: str = "llama3.1-8b"):
     from lorafusion.core.lora import LoRASpec
     from lorafusion.layers import add_adapter, lora_modules
     from lorafusion.models.provider import build_model
-    from lorafusion.runtime.dist import init_distributed
+    from lorafusion.dist import init_distributed
 
     init_distributed(1, 1, seed=seed)
     model = build_model(preset(arch), params_dtype=torch.bfloat16, device=torch.device(DEV), seed=seed)

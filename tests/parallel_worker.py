@@ -118,7 +118,7 @@ def run_one(mode: str, fused: str, workdir: Path) -> None:
                  seq_length=max(b.num_tokens for b in mbs), micro_batch_size=1, forward_only=False)
         if parallel_state.is_pipeline_last_stage():
             (workdir / f"pp{tag}_losses.json").write_text(json.dumps([r["loss"].item() for r in res]))
-    grads = {n: adapter_peft_state(model, n, model.lorafusion_arch, grad=True) for n in sorted(os.listdir(workdir / "adapters"))}
+    grads = {n: adapter_peft_state(model, n, model.config.arch, grad=True) for n in sorted(os.listdir(workdir / "adapters"))}
     if rank == 0:
         out["grads"] = grads
         torch.save(out, workdir / f"{mode}{tag}_result.pt")

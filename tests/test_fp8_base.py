@@ -51,7 +51,7 @@ def test_every_decoder_linear_is_fp8_and_its_bf16_copy_is_gone(megatron_single):
     assert not any(k.endswith(("linear_qkv.weight", "linear_fc2.weight", "weight_fp8", "weight_scale"))
                    for k in state)  # the base is never checkpointed
     assert fp8.output_layer.weight.dtype == torch.bfloat16 and fp8.embedding.word_embeddings.weight.dtype == torch.bfloat16
-    assert fp8.lorafusion_base_precision == "fp8"
+    assert fp8.config.base_precision == "fp8" and bf16.config.base_precision == "bf16"
     # the quantized weights are the bf16 ones to e4m3's precision
     for key, mod in mods.items():
         w = dict(lora_modules(bf16))[key].weight.detach().double()

@@ -183,3 +183,23 @@ def test_triton_transpose_and_two_pass_quantization(m, n):
     one, s1 = quantize_rows_triton(x, F.E4M3)
     two, s2 = quantize_rows_triton(x, F.E4M3, max_single=64)  # the two-loop path
     assert torch.equal(s1, s2) and torch.equal(one.view(torch.uint8), two.view(torch.uint8))
+
+
+@pytest.mark.parametrize("m,k,n", [(32, 64, 48), (33, 20, 7)])
+def test_forward_and_input_gradient_against_the_original_weight_with_channels_over_six_decades(m, k, n):
+    """Against float64 products of the ORIGINAL weight (not its dequantized copy), with output channels whose
+    magnitudes span 1e-3..1e3: a scale applied on the wrong axis (or not at all) in Y or dX is off by orders of
+    magnitude here, while a reference that reuses the op's own quantization convention would not see it."""
+    g = torch.Generator().manual_seed(7)
+    chan = torch.logspace(-3, 3, n, dtype=torch.float64)[torch.randperm(n, generator=g)]
+    w = (torch.randn(n, k, generator=g, dtype=torch.float64) * chan.view(-1, 1)).float()
+    x = torch.randn(m, k, generator=g).requires_grad_(True)
+    dy = torch.randn(m, n, generator=g) / chan.float().view(1, -1)  # every channel contributes to dX alike
+    q, s = F.quantize_weight(w)
+    y = F.fp8_linear(x, q, s)
+    y.backward(dy)
+    y_ref = x.detach().double() @ w.double().t()
+    per_channel = (y.double() - y_ref).norm(dim=0) / y_ref.norm(dim=0)
+    assert float(per_channel.max()) < 0.1, per_channel
+    dx_ref = dy.double() @ w.double()
+    assert float((x.grad.double() - dx_ref).norm() / dx_ref.norm()) < 0.06

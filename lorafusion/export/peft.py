@@ -131,7 +131,7 @@ def peft_adapter_snapshot(model, name: str, arch: ModelArch | None = None,
     as its base (default: the directory a model built by ``build_model_from_hf`` came from)."""
     from lorafusion.layers.inject import _chunks, _unwrap
 
-    base_model = base_model or getattr(_unwrap(_chunks(model)[0]), "lorafusion_base", None)
+    base_model = base_model or getattr(_unwrap(_chunks(model)[0]).config, "base_model", None)
     if base_model is None:
         raise ConfigError("export_peft_adapter: base_model: expected the base model's HF name or directory, which "
                           "the adapter config names for transformers (the model was not built by "
@@ -155,7 +155,7 @@ def write_peft_adapter(out_dir: str | Path, state: dict[str, torch.Tensor], conf
 def model_arch(model) -> ModelArch:
     from lorafusion.layers.inject import _chunks, _unwrap
 
-    arch = getattr(_unwrap(_chunks(model)[0]), "lorafusion_arch", None)
+    arch = getattr(_unwrap(_chunks(model)[0]).config, "arch", None)
     if arch is None:
         raise ValueError("model has no architecture record: build it with lorafusion.models.provider.build_model")
     return arch

@@ -67,15 +67,19 @@ TUNED: dict[tuple[str, tuple[int, int, int]], dict] = {
 
 # Main GEMM of multi_lora_linear: "triton" (one Triton GEMM with the low-rank term in its accumulator) or
 # "cublas" (low-rank term by a Triton kernel, then torch.addmm adds X·Wᵀ through cuBLAS). Callers pass
-# ``main_gemm`` (the LoRA layers take it from the run config); this is the default when they pass None, read
-# once from LORAFUSION_MAIN_GEMM at import for benchmark runs.
+# ``main_gemm`` (the LoRA layers take it from the run config); :func:`default_main_gemm` is the default when they
+# pass None: LORAFUSION_MAIN_GEMM (benchmark runs), read when asked so importing this module reads no environment.
 # Measured (docs/BENCHMARKS.md): cuBLAS is ~15-20% faster than this Triton GEMM on Hopper, which outweighs the
 # extra write/read of the low-rank term, so "cublas" is the default.
 # "cublas_fold" is "cublas" with the dX order reversed (low-rank term first, cuBLAS adds dY·W into it); on one
 # H100 at the 8B's linears it was -6% to +9% per linear with no consistent sign (docs/BENCHMARKS.md, issue 24),
 # so it is an option, not the default.
 MAIN_GEMMS = ("cublas", "cublas_fold", "triton")
-MAIN_GEMM = os.environ.get("LORAFUSION_MAIN_GEMM", "cublas")
+
+
+def default_main_gemm() -> str:
+    """The main GEMM used when a caller passes none: ``$LORAFUSION_MAIN_GEMM``, else "cublas"."""
+    return os.environ.get("LORAFUSION_MAIN_GEMM") or "cublas"
 
 
 def interpreting() -> bool:

@@ -49,7 +49,7 @@ def quantize_base(model, precision: str = "fp8") -> int:
     for mod in mods:
         quantize_linear(mod)
     for chunk in _chunks(model):
-        _unwrap(chunk).lorafusion_base_precision = precision
+        _unwrap(chunk).config.base_precision = precision  # a field of lorafusion.models.config.LoRAFusionConfig
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # give the freed bf16 weights back (the allocator would reuse them anyway)
     return len(mods)

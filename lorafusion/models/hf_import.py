@@ -123,7 +123,7 @@ def hf_state_for_rank(ckpt: HFCheckpoint, model: torch.nn.Module) -> dict[str, t
 def load_hf_weights(model: torch.nn.Module, path: str | Path | HFCheckpoint) -> ModelArch:
     """Copy HF weights into ``model`` (built for the same architecture); returns the checkpoint's arch."""
     ckpt = path if isinstance(path, HFCheckpoint) else HFCheckpoint(path)
-    arch = getattr(model, "lorafusion_arch", None)
+    arch = getattr(getattr(model, "config", None), "arch", None)
     if arch is not None and arch != ckpt.arch:
         raise ConfigError(f"{ckpt.path / 'config.json'}: architecture {ckpt.arch} does not match the model's {arch}")
     state = hf_state_for_rank(ckpt, model)
@@ -150,6 +150,6 @@ def build_model_from_hf(path: str | Path | HFCheckpoint, *, params_dtype: torch.
     model = build_model(ckpt.arch, params_dtype=params_dtype, **kw)
     for chunk in (model if isinstance(model, torch.nn.ModuleList) else [model]):  # virtual pipeline: each chunk
         load_hf_weights(chunk, ckpt)
-        chunk.lorafusion_base = str(ckpt.path.resolve())  # what exported adapters name as their base
+        chunk.config.base_model = str(ckpt.path.resolve())  # what exported adapters name as their base
     quantize_base(model, precision)
     return model

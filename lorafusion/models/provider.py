@@ -1,7 +1,7 @@
 """Model provider: ``ModelArch`` → Megatron-core ``GPTModel`` whose parallel linears carry LoRA adapters.
 
-Built with Megatron's local layer spec, the four linears swapped for the LoRA-capable variants and the
-core attention for :class:`PackedDotProductAttention` (packed sequences, cu_seqlens). Transformer Engine
+Built with the layer spec of :mod:`lorafusion.models.layer_spec` (Megatron's local spec with LoRA-capable
+linears and :class:`PackedDotProductAttention` for packed sequences, cu_seqlens). Transformer Engine
 layers fuse the input norm into linear_qkv and hide the normalised input LoRA needs, so they are not
 used yet (``transformer_impl="te"`` is an explicit error).
 
@@ -14,38 +14,16 @@ TP == 1) in that implementation. The default is ``"triton"`` on a CUDA device an
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from megatron.core import parallel_state
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from lorafusion.layers.fp8_base import quantize_base
 from lorafusion.layers.inject import attach_lora_context, get_lora_context
-from lorafusion.layers.lora_linear import LoRAColumnParallelLinear, LoRARowParallelLinear
-from lorafusion.models.attention import PackedDotProductAttention
 from lorafusion.models.fused import resolve_fused_ops
-from lorafusion.models.fused.model import FusedLossGPTModel, fuse_layer_spec, fused_config_overrides, norm_spec
+from lorafusion.models.fused.model import FusedLossGPTModel, fused_config_overrides
+from lorafusion.models.layer_spec import lora_layer_spec, norm_spec
 from lorafusion.models.spec import ModelArch, transformer_config
-
-
-def lora_layer_spec(transformer_impl: str = "local", fused_ops: str = "off"):
-    """Megatron ``ModuleSpec`` of one LLaMA/Qwen2 decoder layer with LoRA-capable linears (and, unless
-    ``fused_ops`` is "off", the fused RMSNorm and SwiGLU of that implementation)."""
-    if transformer_impl != "local":
-        raise ValueError(f"model.transformer_impl: only 'local' is supported today, got {transformer_impl!r}")
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
-    attn = spec.submodules.self_attention.submodules
-    attn.linear_qkv = LoRAColumnParallelLinear
-    attn.linear_proj = LoRARowParallelLinear
-    attn.core_attention = PackedDotProductAttention
-    mlp = spec.submodules.mlp.submodules
-    mlp.linear_fc1 = LoRAColumnParallelLinear
-    mlp.linear_fc2 = LoRARowParallelLinear
-    if resolve_fused_ops(fused_ops, None) != "off":
-        spec = fuse_layer_spec(spec, fused_ops)
-    return spec
 
 
 def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, pre_process: bool | None = None,
@@ -58,7 +36,7 @@ def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, p
     Base weights are frozen (``requires_grad=False``); initialise them with :mod:`lorafusion.models.hf_import`
     or :func:`init_random_weights`. ``fused_ops``: "off", "torch" or "triton" (see the module docstring);
     ``None`` = "triton" when ``device`` is CUDA, else "off". The choice is recorded as
-    ``model.lorafusion_fused_ops``. ``sequence_parallel`` (tp > 1): Megatron's sequence parallelism; the
+    ``model.config.fused_ops``. ``sequence_parallel`` (tp > 1): Megatron's sequence parallelism; the
     norms are then :class:`~lorafusion.models.fused.rms_norm.RMSNorm` even with ``fused_ops="off"`` (its
     "torch" implementation, ``F.rms_norm`` as ``torch.nn.RMSNorm``), since Megatron's ``WrappedTorchNorm``
     refuses SP. ``base_precision``: "fp8" quantizes the decoder linears after init (:mod:`..layers.fp8_base`).
@@ -71,7 +49,7 @@ def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, p
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     mode = resolve_fused_ops(fused_ops, device)
     impl = None if mode == "off" else mode
-    overrides = {**(fused_config_overrides(impl) if impl else {}), **config_overrides}
+    overrides = {**(fused_config_overrides(impl) if impl else {}), "fused_ops": mode, **config_overrides}
     V = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
     cfg = transformer_config(arch, params_dtype, tp=tp, pp=pp, recompute=recompute, recompute_layers=recompute_layers,
                              sequence_parallel=sequence_parallel, stage_layers=stage_layers, virtual_stages=V,
@@ -99,10 +77,6 @@ class ModelChunks(torch.nn.ModuleList):
     def config(self):
         return self[0].config
 
-    @property
-    def lorafusion_arch(self):
-        return self[0].lorafusion_arch
-
 
 def _build_chunk(arch, cfg, transformer_impl, mode, impl, sequence_parallel, device, seed, recompute, *,
                  pre_process=None, post_process=None, vp_stage=None) -> GPTModel:
@@ -110,17 +84,13 @@ def _build_chunk(arch, cfg, transformer_impl, mode, impl, sequence_parallel, dev
     if vp_stage is not None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    layer_spec = lora_layer_spec(transformer_impl, fused_ops=mode)
+    layer_spec = lora_layer_spec(transformer_impl, fused_ops=mode, sequence_parallel=sequence_parallel)
     norm_impl = impl or ("torch" if sequence_parallel else None)
-    if impl is None and norm_impl is not None:
-        layer_spec.submodules.input_layernorm = norm_spec(norm_impl)
-        layer_spec.submodules.pre_mlp_layernorm = norm_spec(norm_impl)
     if impl is not None:
         from lorafusion.compat.megatron import apply_packed_rope_patch
         from lorafusion.models.fused.rope import packed_rope
 
-        apply_packed_rope_patch(packed_rope)
-        cfg.lorafusion_rope_impl = impl  # read by the packed-RoPE dispatcher (lorafusion.compat.megatron.rope)
+        apply_packed_rope_patch(packed_rope)  # its dispatcher reads cfg.packed_rope_impl (fused_config_overrides)
     if norm_impl is not None:
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
@@ -133,10 +103,8 @@ def _build_chunk(arch, cfg, transformer_impl, mode, impl, sequence_parallel, dev
         rotary_base=arch.rope_theta, parallel_output=True, fused_loss=impl,
         **({} if vp_stage is None else {"vp_stage": vp_stage}),
     )
-    model.lorafusion_fused_ops = mode
     # RoPE frequencies exactly as HF computes them (covers llama3 scaling with any parameters).
     model.rotary_pos_emb.inv_freq = arch.inv_freq()
-    model.lorafusion_arch = arch
     for p in model.parameters():
         p.requires_grad_(False)
     if device is not None:

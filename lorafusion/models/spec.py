@@ -1,4 +1,4 @@
-"""``ModelArch`` (:mod:`lorafusion.core.arch`) → Megatron ``TransformerConfig``."""
+"""``ModelArch`` (:mod:`lorafusion.core.arch`) → Megatron ``TransformerConfig`` (our subclass, :mod:`.config`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def transformer_config(arch: ModelArch, params_dtype: torch.dtype = torch.float3
     ``sequence_parallel`` needs tp > 1. ``virtual_stages`` V > 1: Megatron's interleaved 1F1B
     (``virtual_pipeline_model_parallel_size``); ``stage_layers`` then counts per virtual stage (pp·V, layer
     order)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from lorafusion.models.config import LoRAFusionConfig
 
     if arch.num_query_groups % tp:
         raise ConfigError(f"parallelism.tp: {tp} must divide num_query_groups={arch.num_query_groups}")
@@ -75,7 +75,7 @@ def transformer_config(arch: ModelArch, params_dtype: torch.dtype = torch.float3
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     kw.update(split)
     kw.update(overrides)
-    return TransformerConfig(**kw)
+    return LoRAFusionConfig(arch=arch, **kw)
 
 
 def _split(num_layers: int, pp: int, virtual_stages: int, stage_layers: Sequence[int] | None) -> tuple[dict, int]:

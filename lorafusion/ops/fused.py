@@ -5,7 +5,7 @@ Same contracts as :mod:`lorafusion.ops.reference` (see :func:`lorafusion.ops.mul
 - :func:`multi_lora_linear_fused`: ``Y = X·Wᵀ (+bias) + Σ_seg s·S·Bᵀ``. Forward: the shrink kernel
   (S = drop(X)·Aᵀ/(1-p), mask regenerated from Philox, never stored), then the main GEMM. Backward: one pass
   over dY for dS and dB, the dX GEMM, and dA. Saved: X, S [m, r_max] and the per-call tables.
-  The main GEMM (``main_gemm`` argument; default ``lorafusion.kernels.tuning.MAIN_GEMM``):
+  The main GEMM (``main_gemm`` argument; default ``lorafusion.kernels.tuning.default_main_gemm()``):
   "cublas" (default; measured faster on Hopper) — the low-rank term is written by a Triton kernel and cuBLAS
   adds X·Wᵀ to it; in backward cuBLAS computes dY·W and one Triton pass adds keep⊙(dS·A)/(1-p) and produces
   dA with the same mask. "cublas_fold" — the same forward; in backward the Triton pass writes the low-rank
@@ -60,7 +60,7 @@ class _Plan:
         self.n = lora_B[0].shape[0]
         self.k_offset = int(k_offset)
         self.k_total = self.k if k_total is None else int(k_total)
-        self.main_gemm = main_gemm or tuning.MAIN_GEMM
+        self.main_gemm = main_gemm or tuning.default_main_gemm()
         if self.main_gemm not in tuning.MAIN_GEMMS:
             raise ValueError(f"main_gemm: expected one of {tuning.MAIN_GEMMS}, got {self.main_gemm!r}")
         self.cache = cache if cache is not None else TableCache()

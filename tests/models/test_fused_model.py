@@ -41,7 +41,7 @@ def test_fused_equals_megatron_ops(megatron_single, name, layers, mode):
     batch = _batch()
     off, loss0, g0 = _run(arch, "off", batch)
     on, loss1, g1 = _run(arch, mode, batch)
-    assert on.lorafusion_fused_ops == mode and off.lorafusion_fused_ops == "off"
+    assert on.config.fused_ops == mode and off.config.fused_ops == "off"
     assert loss1.shape == loss0.shape == batch.labels.shape and loss1.dtype == torch.float32
     assert torch.allclose(loss1, loss0, atol=1e-5, rtol=0), (loss1 - loss0).abs().max()
     assert g0.keys() == g1.keys() and len(g0) == 8 * layers
@@ -102,4 +102,4 @@ def test_automatic_choice(megatron_single):
     assert resolve_fused_ops("torch", "cuda") == "torch"
     with pytest.raises(ValueError, match="fused_ops"):
         resolve_fused_ops("liger", None)
-    assert build_model(preset("tiny-llama", num_layers=1)).lorafusion_fused_ops == "off"
+    assert build_model(preset("tiny-llama", num_layers=1)).config.fused_ops == "off"

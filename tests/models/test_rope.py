@@ -123,8 +123,8 @@ def test_dispatcher_only_for_models_that_ask(megatron_single):
     cu = _cu([5, 3], "cpu")
     x = torch.randn(8, 2, 8)
     freqs = _table(5, 8, "cpu")
-    plain = fn(x, freqs, cfg, cu_seqlens=cu)  # no lorafusion_rope_impl: Megatron's own function
-    cfg.lorafusion_rope_impl = "triton"
+    plain = fn(x, freqs, cfg, cu_seqlens=cu)  # packed_rope_impl None: Megatron's own function
+    cfg.packed_rope_impl = "triton"
     fused = fn(x, freqs, cfg, cu_seqlens=cu)
     assert torch.allclose(plain, fused, atol=1e-6, rtol=0)
     assert hasattr(cu, "_lorafusion_packed_rope")  # went through the packed path

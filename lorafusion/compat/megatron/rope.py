@@ -4,8 +4,8 @@ Megatron's ``apply_rotary_pos_emb`` with ``cu_seqlens`` runs ``_apply_rotary_pos
 ``.tolist()`` on ``cu_seqlens`` (a device→host sync) for every q and k of every layer and splits the
 microbatch per sample. :func:`apply_packed_rope_patch` replaces the name
 ``megatron.core.transformer.attention.apply_rotary_pos_emb`` (the one ``Attention.forward`` calls) with a
-dispatcher: when the model's ``TransformerConfig`` carries ``lorafusion_rope_impl`` ("torch" or "triton",
-set by ``lorafusion.models.provider.build_model`` for fused ops) and the call is a packed, non-interleaved,
+dispatcher: when the model's ``TransformerConfig`` has ``packed_rope_impl`` "torch" or "triton" (a field of
+``lorafusion.models.config.LoRAFusionConfig``, set by ``build_model`` for fused ops) and the call is a packed, non-interleaved,
 full-rotary-dim call without context parallelism or mscale, it runs the ``packed_rope`` it was given
 (``lorafusion.models.fused.rope.packed_rope``: handed in, so this shim imports nothing of lorafusion); every
 other call goes to Megatron's own function unchanged. Explicit (nothing is patched on import) and idempotent.
@@ -32,7 +32,7 @@ def apply_packed_rope_patch(packed_rope) -> None:
     def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None):
         # stands in for megatron.core.models.common.embeddings.rope_utils.apply_rotary_pos_emb inside
         # megatron.core.transformer.attention
-        impl = getattr(config, "lorafusion_rope_impl", None)
+        impl = getattr(config, "packed_rope_impl", None)
         if (impl is None or cu_seqlens is None or mscale != 1.0 or config.rotary_interleaved
                 or config.multi_latent_attention or config.apply_rope_fusion or config.context_parallel_size != 1
                 or t.dim() != 3 or freqs.shape[-1] != t.shape[-1]):

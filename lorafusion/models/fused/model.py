@@ -1,12 +1,12 @@
-"""Megatron wiring of the fused ops: the layer spec and a ``GPTModel`` whose loss is the fused linear
-cross-entropy.
+"""Megatron wiring of the fused ops (the layer spec's variants are in :mod:`lorafusion.models.layer_spec`) and a
+``GPTModel`` whose loss is the fused linear cross-entropy.
 
 - Norms: ``input_layernorm``, ``pre_mlp_layernorm`` and the block's ``final_layernorm`` become
   :class:`~lorafusion.models.fused.rms_norm.RMSNorm` (weight in params dtype; same state-dict names).
 - SwiGLU: ``MLPSubmodules.activation_func`` = :class:`~lorafusion.models.fused.swiglu.SwiGLU`, which
   Megatron's MLP applies to the whole fc1 output when ``config.use_te_activation_func`` is set (despite its
   name the flag only selects "call the activation module on the fc1 output").
-- RoPE: ``config.lorafusion_rope_impl`` plus ``lorafusion.compat.megatron.apply_packed_rope_patch``.
+- RoPE: ``config.packed_rope_impl`` plus ``lorafusion.compat.megatron.apply_packed_rope_patch``.
 - Loss: :class:`FusedLossGPTModel` returns the per-token loss [b, s] from
   :func:`~lorafusion.models.fused.linear_cross_entropy.linear_cross_entropy` exactly where
   ``GPTModel`` returned ``compute_language_model_loss(labels, logits)`` — only with TP == 1 (otherwise
@@ -15,34 +15,16 @@ cross-entropy.
 
 from __future__ import annotations
 
-import copy
-
 from megatron.core.models.gpt.gpt_model import GPTModel
-from megatron.core.transformer.spec_utils import ModuleSpec
 
 from lorafusion.models.fused import check_impl
 from lorafusion.models.fused.linear_cross_entropy import linear_cross_entropy
-from lorafusion.models.fused.rms_norm import RMSNorm
-from lorafusion.models.fused.swiglu import SwiGLU
-
-
-def norm_spec(impl: str) -> ModuleSpec:
-    return ModuleSpec(module=RMSNorm, params={"impl": check_impl(impl)})
-
-
-def fuse_layer_spec(spec: ModuleSpec, impl: str) -> ModuleSpec:
-    """A copy of a local-spec decoder layer with fused norms and SwiGLU of implementation ``impl``."""
-    spec = copy.deepcopy(spec)
-    spec.submodules.input_layernorm = norm_spec(impl)
-    spec.submodules.pre_mlp_layernorm = norm_spec(impl)
-    spec.submodules.mlp.submodules.activation_func = ModuleSpec(module=SwiGLU, params={"impl": impl})
-    return spec
 
 
 def fused_config_overrides(impl: str) -> dict:
-    """TransformerConfig fields the fused ops need (``lorafusion_rope_impl`` is set on the instance)."""
+    """Config fields the fused ops need (:class:`lorafusion.models.config.LoRAFusionConfig`)."""
     check_impl(impl)
-    return {"use_te_activation_func": True, "bias_activation_fusion": False}
+    return {"use_te_activation_func": True, "bias_activation_fusion": False, "packed_rope_impl": impl}
 
 
 class FusedLossGPTModel(GPTModel):
@@ -75,4 +57,4 @@ class FusedLossGPTModel(GPTModel):
         return loss.transpose(0, 1).contiguous()
 
 
-__all__ = ["FusedLossGPTModel", "fuse_layer_spec", "norm_spec", "fused_config_overrides"]
+__all__ = ["FusedLossGPTModel", "fused_config_overrides"]
