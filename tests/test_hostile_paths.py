@@ -85,3 +85,17 @@ def test_generate_row_with_prompt_and_messages(tmp_path):
         encode_prompt(row, ByteTokenizer(), "p.jsonl:1")
     with pytest.raises(MissingFileError, match="is a directory, expected a file"):
         read_prompts(tmp_path, ByteTokenizer(), [], 1024, tmp_path)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_data_row_with_a_duplicate_key(tmp_path, rows):
+    """A JSONL row with a key twice read 'If using all scalar values, you must pass an index' (one row) or
+    'Trailing data at position 47' (two rows): neither names the line nor the key."""
+    from lorafusion.config.load import load_job_config
+    from lorafusion.data.dataset import DataError, read_rows
+
+    job = load_job_config(_job_yaml(tmp_path, ""))
+    (tmp_path / "d.jsonl").write_text('{"prompt": "a", "response": "b", "prompt": "z"}\n'
+                                      + '{"prompt": "a", "response": "c"}\n' * (rows - 1))
+    with pytest.raises(DataError, match=r"d.jsonl: cannot read as json: line 1: invalid JSON \(duplicate key 'prompt'\)"):
+        read_rows(job)

@@ -161,6 +161,14 @@ def _check_utf8(path: Path, where: str) -> None:
             offset += len(block)
 
 
+def _unique_keys(pairs: list) -> dict:
+    """A JSON object's keys each once (json keeps the last of a duplicate; the reader fails on it obscurely)."""
+    keys = [k for k, _ in pairs]
+    if dup := [k for k in keys if keys.count(k) > 1]:
+        raise ValueError(f"duplicate key {dup[0]!r}")
+    return dict(pairs)
+
+
 def _diagnose_json(path: Path) -> str | None:
     """Find the first invalid line of a JSON-lines file (or the error of a JSON document)."""
     try:
@@ -168,7 +176,7 @@ def _diagnose_json(path: Path) -> str | None:
     except (OSError, UnicodeDecodeError) as e:
         return str(e)
     try:
-        json.loads(text)
+        json.loads(text, object_pairs_hook=_unique_keys)
         return None
     except ValueError:
         pass
@@ -176,9 +184,10 @@ def _diagnose_json(path: Path) -> str | None:
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = json.loads(line, object_pairs_hook=_unique_keys)
         except ValueError as e:
-            return f"line {n}, column {getattr(e, 'colno', '?')}: invalid JSON ({getattr(e, 'msg', e)})"
+            col = f", column {e.colno}" if hasattr(e, "colno") else ""
+            return f"line {n}{col}: invalid JSON ({getattr(e, 'msg', e)})"
         if not isinstance(obj, dict):
             return f"line {n}: expected a JSON object per line, got {type(obj).__name__}"
     return None
