@@ -99,3 +99,12 @@ def test_a_data_row_with_a_duplicate_key(tmp_path, rows):
                                       + '{"prompt": "a", "response": "c"}\n' * (rows - 1))
     with pytest.raises(DataError, match=r"d.jsonl: cannot read as json: line 1: invalid JSON \(duplicate key 'prompt'\)"):
         read_rows(job)
+
+
+def test_a_dataset_path_that_is_a_directory(tmp_path):
+    """dataset.path=/tmp said 'cannot tell the file type of '/tmp' from its extension'."""
+    from lorafusion.config.load import load_job_config
+
+    (tmp_path / "data").mkdir()
+    with pytest.raises(ConfigError, match="dataset.path: expected a data file, got a directory"):
+        load_job_config(_job_yaml(tmp_path, ""), [f"dataset.path={tmp_path / 'data'}"])

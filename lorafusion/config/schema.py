@@ -186,6 +186,8 @@ class DatasetConfig(_Strict):
 
     @model_validator(mode="after")
     def _known_type(self):
+        if Path(self.path).is_dir():  # (its extension is not what is wrong)
+            raise ValueError(f"path: expected a data file, got a directory: {self.path!r}")
         if self.file_type is None and Path(self.path).suffix.lower() not in DATASET_FILE_TYPES:
             raise ValueError(
                 f"path: cannot tell the file type of {self.path!r} from its extension; expected one of "
