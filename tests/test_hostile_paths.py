@@ -108,3 +108,12 @@ def test_a_dataset_path_that_is_a_directory(tmp_path):
     (tmp_path / "data").mkdir()
     with pytest.raises(ConfigError, match="dataset.path: expected a data file, got a directory"):
         load_job_config(_job_yaml(tmp_path, ""), [f"dataset.path={tmp_path / 'data'}"])
+
+
+def test_a_status_json_not_utf8_keeps_its_message(tmp_path, capsys):
+    """The reason lost its first quote: "(utf-8' codec can't decode ...)"."""
+    from lorafusion.cli import main
+
+    (tmp_path / "status.json").write_bytes(b"\xff\xfe")
+    assert main(["status", str(tmp_path)]) == 2
+    _one_line(capsys, "status", "not a readable run status ('utf-8' codec can't decode")

@@ -38,7 +38,7 @@ def read_status(run_dir: Path) -> dict:
         status = json.loads(path.read_text())
         _check_shape(status)
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
-        raise MissingFileError(f"{path}: not a readable run status ({str(e).strip(chr(39))})") from None
+        raise MissingFileError(f"{path}: not a readable run status ({e.args[0] if isinstance(e, KeyError) and e.args else e})") from None
     if refused := unapplied_requests(run_dir):
         status["requests"] = refused
     if status["run"].get("state") in ("starting", "running", "serving") and not lock_held(run_dir):
