@@ -131,8 +131,8 @@ def build_8b(seed: int = 1234, arch: str = "llama3.1-8b"):
     return model.train(), names
 
 
-def step(model, batch, names):
-    """Loss per adapter and every LoRA gradient (float32, on the GPU) for one packed microbatch."""
+def step(model, batch, names, dtype: torch.dtype = torch.float32):
+    """Loss per adapter and every LoRA gradient (in ``dtype``) for one packed microbatch."""
     from lorafusion.layers import lora_batch, lora_modules
 
     model.zero_grad(set_to_none=True)
@@ -141,10 +141,10 @@ def step(model, batch, names):
                           packed_seq_params=batch.packed_seq_params())
     losses = {}
     for n in names:
-        msk = batch.adapter_token_mask(n).float() * batch.loss_mask
-        losses[n] = (per_token.float() * msk).sum() / msk.sum()
+        msk = batch.adapter_token_mask(n).to(dtype) * batch.loss_mask.to(dtype)
+        losses[n] = (per_token.to(dtype) * msk).sum() / msk.sum()
     sum(losses.values()).backward()
-    grads = {f"{key}.{p}.{n}": getattr(mod, p)[n].grad.detach().float().clone()
+    grads = {f"{key}.{p}.{n}": getattr(mod, p)[n].grad.detach().to(dtype).clone()
              for key, mod in lora_modules(model) for p in ("lora_A", "lora_B") for n in getattr(mod, p)}
     return {n: v.item() for n, v in losses.items()}, grads
 

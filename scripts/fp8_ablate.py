@@ -150,20 +150,10 @@ def pretrain(model, steps: int) -> None:
 
 
 def step(model, batch, names):
-    from lorafusion.layers import lora_batch, lora_modules
+    """Loss per adapter and every LoRA gradient in float64 (check_fp8's step)."""
+    from check_fp8 import step as check_step
 
-    model.zero_grad(set_to_none=True)
-    with lora_batch(model, batch.routing, batch.adapters, [11 + i for i in range(len(batch.adapters))]):
-        per_token = model(batch.tokens, batch.position_ids, attention_mask=None, labels=batch.labels,
-                          packed_seq_params=batch.packed_seq_params())
-    losses = {}
-    for n in names:
-        msk = batch.adapter_token_mask(n).double() * batch.loss_mask.double()
-        losses[n] = (per_token.double() * msk).sum() / msk.sum()
-    sum(losses.values()).backward()
-    grads = {f"{key}.{p}.{n}": getattr(mod, p)[n].grad.detach().double().clone()
-             for key, mod in lora_modules(model) for p in ("lora_A", "lora_B") for n in getattr(mod, p)}
-    return {n: v.item() for n, v in losses.items()}, grads
+    return check_step(model, batch, names, dtype=torch.float64)
 
 
 def compare(res, ref):
