@@ -28,13 +28,13 @@ def _load(args):
 
 
 def cmd_train(args) -> int:
-    from lorafusion.runtime.signals import exit_on_stop_outside_run
+    from lorafusion.runtime.signals import exit_on_stop_outside_run, stops_held
 
     exit_on_stop_outside_run()  # a stop while starting or after the end: exit 0, nothing to checkpoint
     cfg = _load(args)  # before torch and Megatron are imported: a config error in well under a second
-    from lorafusion.rundir.atomic import remove_partial_outputs
-    from lorafusion.runtime.trainer import Trainer
-
+    with stops_held():  # a stop during torch's import is taken once it is imported
+        from lorafusion.rundir.atomic import remove_partial_outputs
+        from lorafusion.runtime.trainer import Trainer
     if args.serve:
         cfg.serve = True
     out = Path(cfg.output_dir)

@@ -8,6 +8,7 @@ signal that reached only some ranks still stops all of them at the same chunk bo
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import signal
 import sys
@@ -69,6 +70,22 @@ def exit_on_stop_outside_run() -> None:
 
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, stop)
+
+
+@contextlib.contextmanager
+def stops_held():
+    """SIGTERM and SIGUSR1 held back (blocked, kept pending) inside the block and delivered when it ends: a stop
+    that lands while torch is being imported would raise SystemExit inside its C++ initialisation, and the
+    half-initialised torch aborted the process at exit (status -6) instead of exiting 0. Main thread only."""
+    held = {signal.SIGTERM, signal.SIGUSR1}
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
 
 
 def install_stack_dump(sig: int = signal.SIGUSR2) -> None:

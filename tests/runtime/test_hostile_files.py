@@ -166,3 +166,20 @@ def test_a_stop_after_the_end_exits_0():
     finally:
         for s, h in before.items():
             signal.signal(s, h)
+
+
+
+def test_a_stop_during_the_heavy_imports_is_taken_after_them():
+    """train imports torch inside stops_held(): a SIGTERM that lands then is kept pending and ends the process
+    (status 0) once the imports are done — raised inside torch's import it aborted the process (status -6)."""
+    code = ("import os, signal\n"
+            "from lorafusion.runtime.signals import exit_on_stop_outside_run, stops_held\n"
+            "exit_on_stop_outside_run()\n"
+            "with stops_held():\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    from lorafusion.runtime.trainer import Trainer\n"
+            "    print('imported', flush=True)\n"
+            "print('not reached', flush=True)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert (p.returncode, p.stdout) == (0, "imported\n"), p.stderr[-2000:]
