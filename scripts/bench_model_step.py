@@ -101,15 +101,28 @@ def step(model, batch, seeds):
     loss.float().sum().backward()
 
 
-def set_tuning_file(path: str | None) -> None:
-    """The LoRA kernels' block configs from ``path`` (LORAFUSION_TUNING_FILE, read at each launch), or the
-    shipped table (None)."""
+def parse_settings(specs: list[str]) -> dict[str, dict[str, str]]:
+    """``NAME:VAR=VALUE[,VAR=VALUE]`` → {"": {} (the shipped settings), "+NAME": {VAR: VALUE, ...}}."""
+    out: dict[str, dict[str, str]] = {"": {}}
+    for spec in specs:
+        name, _, assigns = spec.partition(":")
+        pairs = [a.partition("=") for a in assigns.split(",") if a]
+        if not name or not pairs or any(not k or not eq for k, eq, _ in pairs):
+            raise SystemExit(f"--setting: expected NAME:VAR=VALUE[,VAR=VALUE], got {spec!r}")
+        out["+" + name] = {k: v for k, _, v in pairs}
+    return out
+
+
+def apply_env(env: dict[str, str], all_vars: set[str]) -> None:
+    """Exactly ``env`` among ``all_vars`` (the LoRA ops read LORAFUSION_TUNING_FILE / LORAFUSION_MAIN_GEMM at
+    each call, so a setting applies from the next step on)."""
     import os
 
-    if path:
-        os.environ["LORAFUSION_TUNING_FILE"] = path
-    else:
-        os.environ.pop("LORAFUSION_TUNING_FILE", None)
+    for k in all_vars:
+        if k in env:
+            os.environ[k] = env[k]
+        else:
+            os.environ.pop(k, None)
 
 
 def timed(fn, cuda: bool) -> float:
@@ -164,26 +177,29 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--preset", default="llama3.1-8b", help="tiny-llama + a CPU: a smoke test of this script")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--tuning-file", help="also time every variant on these block configs (tune_kernels.py "
-                    "JSON), alternating with the shipped ones")
+    ap.add_argument("--setting", action="append", default=[], metavar="NAME:VAR=VALUE[,VAR=VALUE]",
+                    help="also time every variant with these environment settings (LORAFUSION_TUNING_FILE=tuned.json, "
+                    "LORAFUSION_MAIN_GEMM=cublas_fold), alternating with the shipped ones")
+    ap.add_argument("--profile-setting", default="", help="the setting NAME to profile under (default: shipped)")
     ap.add_argument("--out")
     args = ap.parse_args()
+    settings = parse_settings(args.setting)
+    all_vars = {k for env in settings.values() for k in env}
     from lorafusion.dist import init_distributed
 
     init_distributed(1, 1)
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     model, batches, samples = build(args, dev)
-    tunings = {"": None} if not args.tuning_file else {"": None, "+tuned": args.tuning_file}
-    times: dict[str, list[float]] = {v + t: [] for v in VARIANTS for t in tunings}
+    times: dict[str, list[float]] = {v + t: [] for v in VARIANTS for t in settings}
     for it in range(args.warmup + args.iters):
         for v, (batch, seeds) in batches.items():  # alternating: clocks and temperature drift hit all alike
-            for tag, path in tunings.items():
-                set_tuning_file(path)
+            for tag, env in settings.items():
+                apply_env(env, all_vars)
                 ms = timed(lambda b=batch, s=seeds: step(model, b, s), cuda)
                 if it >= args.warmup:
                     times[v + tag].append(ms)
-    set_tuning_file(None)
+    apply_env({}, all_vars)
     med = {v: statistics.median(t) for v, t in times.items()}
     name = torch.cuda.get_device_name() if cuda else "CPU"
     ntok = sum(len(s) for s in samples)
@@ -195,13 +211,14 @@ def main() -> None:
            "median_ms": med, "all_ms": times, "four_over_one_r16": med["four_r16"] / med["one_r16"],
            "four_over_one_r64": med["four_r16"] / med["one_r64"],
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
-    if args.tuning_file:
-        rec["tuned_over_shipped"] = {v: med[v + "+tuned"] / med[v] for v in VARIANTS}
-        rec["four_over_one_r16_tuned"] = med["four_r16+tuned"] / med["one_r16+tuned"]
-        print("  tuned / shipped configs: " + ", ".join(f"{v} {x:.4f}" for v, x in rec["tuned_over_shipped"].items()))
+    for tag in list(settings)[1:]:
+        rec[f"{tag[1:]}_over_shipped"] = {v: med[v + tag] / med[v] for v in VARIANTS}
+        rec[f"four_over_one_r16{tag}"] = med["four_r16" + tag] / med["one_r16" + tag]
+        print(f"  {tag[1:]} / shipped: " + ", ".join(f"{v} {x:.4f}" for v, x in rec[f'{tag[1:]}_over_shipped'].items())
+              + f"; four_r16 / one_r16 with it {rec[f'four_over_one_r16{tag}']:.4f}")
     print(f"  four_r16 / one_r16 {rec['four_over_one_r16']:.4f}   four_r16 / one_r64 {rec['four_over_one_r64']:.4f}")
     if args.profile and cuda:
-        set_tuning_file(args.tuning_file)  # the profile: on the configs that would ship
+        apply_env(settings.get("+" + args.profile_setting, {}), all_vars)
         rec["profile"] = summarise({v: kernel_profile(lambda b=b, s=s: step(model, b, s))
                                     for v, (b, s) in batches.items()})
         for v, p in rec["profile"].items():

@@ -176,6 +176,8 @@ def main():
                       flush=True)
                 for cfg, ms, err in rows:
                     print(f"      {ms if ms is None else round(ms, 4)!s:>8} {err} {cfg}")
+                with open(args.out, "w") as f:  # after every bucket: a run cut short keeps what it chose
+                    json.dump(results, f, indent=1)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     print(f"wrote {len(results)} configs to {args.out}")

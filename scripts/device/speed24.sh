@@ -7,7 +7,8 @@
 #   bash scripts/device/speed24.sh "base|LORAFUSION_MAIN_GEMM=cublas|--ablate" "fold|LORAFUSION_MAIN_GEMM=cublas_fold|"
 # MICRO=0 / GPU_TESTS=0 skip those parts; CAP_ARGS (default scheduler.token_capacity=12288: the shipped 16384
 # does not fit an 80 GB H100; CAP_ARGS= runs the shipped config's auto capacity).
-# MODEL_STEP=1: scripts/bench_model_step.py (after TUNE: shipped vs tuned configs, alternating).
+# MODEL_STEP=1: scripts/bench_model_step.py (after TUNE: shipped vs tuned configs, alternating; MODEL_STEP_ARGS
+# adds more, e.g. "--setting fold:LORAFUSION_MAIN_GEMM=cublas_fold --profile-setting tuned").
 # TUNE="M,K,N ..." first tunes the LoRA kernels at those linears (scripts/tune_kernels.py, TUNE_SEGMENTS equal r=16
 # segments, default 4) into /tmp/speed24/tuned.json: a run spec turns them on with
 # LORAFUSION_TUNING_FILE=/tmp/speed24/tuned.json. BUDGET (seconds, default 540): a run starts only while at least
@@ -46,7 +47,7 @@ if [ "${MICRO:-1}" = 1 ]; then  # MICRO_ARGS: bench_speed24 arguments; with TUNE
 fi
 if [ "${MODEL_STEP:-0}" = 1 ]; then  # the whole model's forward+backward: 4 adapters vs 1, tuned configs vs shipped
   stamp "model step"
-  tf=(); [ -s "$L/tuned.json" ] && tf=(--tuning-file "$L/tuned.json")
+  tf=(); [ -s "$L/tuned.json" ] && tf=(--setting "tuned:LORAFUSION_TUNING_FILE=$L/tuned.json")
   # shellcheck disable=SC2086
   timeout ${MODEL_STEP_TIMEOUT:-150} "$PY" scripts/bench_model_step.py --profile --out "$L/model_step.json" "${tf[@]}" \
     ${MODEL_STEP_ARGS:-} > "$L/model_step.log" 2>&1
