@@ -99,7 +99,7 @@ class Trainer:
         self.model.config.timers = self.timers  # Megatron's schedules time their stages through this hook
         for name, js in self.jobs.items():
             self._attach(js)
-        self.checkpoints = JobCheckpoints(cfg, self.jobs, self.model, self.export, is_logger=self.is_logger,
+        self.checkpoints = JobCheckpoints(cfg, self.jobs, self.model, self.snapshot, is_logger=self.is_logger,
                                           allow_different_result=self.allow_different_result)
         self.evaluator = Evaluator(self.model, self.jobs, self.checkpoints, self.device, self.tokenizer.eos_id)
         if self.resume:  # jobs added by `lorafusion submit` are not in the YAML: they come back from the run dir
