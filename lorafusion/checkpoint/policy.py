@@ -53,6 +53,12 @@ class JobCheckpoints:
             if self._saved_step.get(name) != js.steps and name in self._stream_states:
                 self.save(name, self._stream_states[name])
 
+    def halt(self, name: str, why: JobStatus) -> None:
+        """Pause job ``name`` for good (diverged or early stopped: no more batches, no more updates) and
+        checkpoint it now — the one way a job pauses (the trainer's divergence, the evaluator's early stop)."""
+        self.jobs[name].halt(why)
+        self.save_now(name)
+
     def save_now(self, name: str) -> None:
         """Checkpoint job ``name`` at the newest chunk boundary, saved at this step before or not."""
         self._saved_step.pop(name, None)

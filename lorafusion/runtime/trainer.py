@@ -345,10 +345,9 @@ class Trainer:
         next planned chunk on) and no more updates; its weights are those of its last finite step (skipped
         steps change nothing), checkpointed now and exported at the end as its adapter."""
         js = self.jobs[name]
-        js.halt(JobStatus.DIVERGED)
         self.telemetry.log(f"job {name}: diverged ({js.nonfinite} non-finite steps in a row) — paused at step "
                            f"{js.steps}; its adapter is its last finite state; the other jobs continue")
-        self.checkpoints.save_now(name)
+        self.checkpoints.halt(name, JobStatus.DIVERGED)
 
 
 class TrainerCallback:
