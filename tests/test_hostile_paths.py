@@ -163,3 +163,40 @@ def test_an_output_dir_that_cannot_be_created_is_one_error(tmp_path):
     for out, why in (("/proc/self/x", "No such file or directory"), (str(tmp_path / "f" / "x"), "Not a directory")):
         with pytest.raises(ConfigError, match=f"run.yaml: output_dir: cannot create .*{why}"):
             OutputDirLock(__import__("pathlib").Path(out), "run.yaml").acquire(True)
+
+
+def _live_run(tmp_path, state: str):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "b").mkdir(parents=True)  # b: its first checkpoint being written (no complete one)
+    (run / ".lock").write_text("1\n")
+    (run / "status.json").write_text(json.dumps({"run": {"state": "running"}, "jobs": {
+        "a": {"state": state, "step": 3, "max_steps": 100}, "b": {"state": "running", "step": 2, "max_steps": 9}}}))
+    return run
+
+
+def test_export_of_a_live_job_before_its_first_checkpoint(tmp_path, capsys):
+    """It said "unknown job 'a'; the run's jobs: ..." (the live run's status.json was not asked)."""
+    from lorafusion.cli import main
+
+    run = _live_run(tmp_path, "running")
+    for job, where in (("a", "running at step 3"), ("b", "running at step 2")):
+        assert main(["export", str(run), "--job", job, "--out", str(tmp_path / "e")]) == 2
+        _one_line(capsys, "export", f"job {job!r} has no checkpoint yet ({where}): nothing to export yet")
+    assert main(["export", str(run), "--job", "c", "--out", str(tmp_path / "e")]) == 2
+    _one_line(capsys, "export", "unknown job 'c'; the run's jobs: a, b")
+    assert not (tmp_path / "e").exists()
+
+
+def test_cancel_twice_says_it_is_already_under_way(tmp_path, capsys):
+    """A second cancel said "cancel of job 'a' queued" again."""
+    from lorafusion.cli import main
+
+    run = _live_run(tmp_path, "running")
+    assert main(["cancel", str(run), "--job", "a"]) == 0
+    capsys.readouterr()
+    assert main(["cancel", str(run), "--job", "a"]) == 2
+    _one_line(capsys, "cancel", "a cancel of job 'a' is already queued (requests/", "-cancel-a.json)")
+    assert len(list((run / "requests").glob("*.json"))) == 1
+    run = _live_run(tmp_path / "2", "cancelling")  # the run took the first one
+    assert main(["cancel", str(run), "--job", "a"]) == 2
+    _one_line(capsys, "cancel", "job 'a' is already being cancelled: it leaves once its planned batches have run")
