@@ -40,7 +40,7 @@ ALLOWED: dict[str, set[str]] = {
     "data": {"config"},
     "checkpoint": {"rundir", "export", "layers", "models", "dist"},
     "export": {"rundir", "layers", "models", "data", "dist", "config"},
-    "inference": {"rundir", "export", "checkpoint", "layers", "models", "data", "dist", "config"},
+    "inference": {"rundir", "export", "checkpoint", "ops", "layers", "models", "data", "dist", "config"},
     "runtime": {"config", "scheduler", "rundir", "data", "ops", "layers", "models", "dist", "checkpoint",
                 "export", "inference"},
     "cli": {"config", "scheduler", "rundir", "data", "models", "dist", "checkpoint", "export", "inference",
