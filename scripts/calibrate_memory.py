@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 CAPACITIES = (2048, 4096, 8192, 12288, 16384)
 ADAPTER_SETS = ((4, 16), (12, 16), (4, 64), (12, 64))  # (count, rank)
+GRADS_AT_PEAK = True
 INDEPENDENT_A = True  # LoRASpec's default layout (PEFT's: an A per fused projection); the H100 raw points predate it
 LENGTHS = (3072, 512, 1536, 256, 2048, 1024, 768)  # sample lengths cycled to fill a microbatch (max 4096)
 
@@ -168,6 +169,7 @@ def measure(args) -> None:
     raw = {"device": torch.cuda.get_device_name(), "gpu_total_bytes": torch.cuda.mem_get_info()[1],
            "torch": torch.__version__, "commit": commit, "command": " ".join(["python"] + sys.argv), "points": []}
     shapes = [("8b", preset("llama3.1-8b")), ("70b-width", preset("llama3.1-70b", num_layers=args.layers_70b))]
+    shapes = [(name, arch) for name, arch in shapes if name in args.shapes.split(",")]
     for k, (shape, arch) in enumerate(shapes):
         t0 = time.perf_counter()
         deadline = t0 + (args.budget_s - (t0 - t_start)) / (len(shapes) - k)  # the time left, shared by the shapes
@@ -212,7 +214,7 @@ def predict(pt: dict, coeffs) -> float:
     from lorafusion.scheduler.memory import stage_memory
 
     return stage_memory(_setup(pt), 0, pt["capacity"], pt["recompute_layers"], coeffs,
-                        n_in_flight=pt["in_flight"], grads_before_backward=False).peak
+                        n_in_flight=pt["in_flight"], grads_before_backward=GRADS_AT_PEAK).peak
 
 
 def in_fit(pt: dict, subset: str) -> bool:
@@ -306,6 +308,7 @@ def main() -> None:
     m.add_argument("--out", required=True)
     m.add_argument("--budget-s", type=float, default=330.0, help="stop starting points after this many seconds")
     m.add_argument("--layers-70b", type=int, default=10)
+    m.add_argument("--shapes", default="8b,70b-width", help="which shapes to measure (comma-separated)")
     m.add_argument("--extra-capacities", type=lambda v: tuple(int(x) for x in v.split(",") if x), default=(),
                    help="capacities added to the 8B shape's grid, e.g. 20480,24576 on a 141 GB GPU")
     f = sub.add_parser("fit")

@@ -15,7 +15,7 @@ MODE=${MODE:-all}
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 if [ "$MODE" != e2e ]; then
   timeout $(( ${1:-240} + 90 )) "$PY" scripts/calibrate_memory.py measure --out "$OUT/memory-raw.json" \
-    --budget-s "${1:-240}" --extra-capacities "${EXTRA_CAPS:-}" > "$OUT/memory-measure.log" 2>&1
+    --budget-s "${1:-240}" --extra-capacities "${EXTRA_CAPS:-}" --shapes "${SHAPES:-8b,70b-width}" > "$OUT/memory-measure.log" 2>&1
   echo "measure rc=$? points=$(grep -c '^{' "$OUT/memory-measure.log") t=$(( $(date +%s) - T0 ))s"
   grep -v '^{' "$OUT/memory-measure.log" | grep -iv 'warn' | tail -5
   "$PY" scripts/calibrate_memory.py fit "$OUT/memory-raw.json" --coefficients lorafusion/scheduler/memory_coefficients.json \
