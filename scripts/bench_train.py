@@ -168,9 +168,12 @@ def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, o
     from lorafusion.config import load_run_config
     from lorafusion.runtime.trainer import Trainer
 
-    cfg = load_run_config(config, overrides + [f"output_dir={out}", "logging.progress=false",
-                                               "logging.tensorboard=false"]
-                          + [f"jobs.{i}.max_steps={steps}" for i in range(len(load_run_config(config).jobs))])
+    jobs = load_run_config(config).jobs  # (a warmup longer than the timed steps is refused: cut to them)
+    composed = overrides + [f"output_dir={out}", "logging.progress=false", "logging.tensorboard=false"] \
+        + [f"jobs.{i}.max_steps={steps}" for i in range(len(jobs))] \
+        + [f"jobs.{i}.optimizer.warmup_steps={min(j.optimizer.warmup_steps, steps)}" for i, j in enumerate(jobs)]
+    # each key once (the loader refuses a key given twice): the bench's own settings win over the command line's
+    cfg = load_run_config(config, list({o.partition("=")[0].strip(): o for o in composed}.values()))
     if only_job is not None:  # "scheduler off": this job alone through the same runtime
         cfg = cfg.model_copy(update={"jobs": [cfg.jobs[only_job]]})
     clock, rec = ChunkClock(), BubbleRecorder()

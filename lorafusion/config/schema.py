@@ -16,6 +16,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr,
 
 from lorafusion.core.errors import ConfigError
 from lorafusion.core.lora import LoRASpec, check_adapter_name
+from lorafusion.config.trackers import MlflowConfig, WandbConfig
 
 __all__ = [
     "DATASET_FILE_TYPES",
@@ -247,6 +248,9 @@ class JobConfig(_Strict):
     def _stop_rule(self):
         if self.max_steps is None and self.num_epochs is None:
             raise ValueError("max_steps: expected max_steps or num_epochs (at least one), got neither")
+        if self.max_steps is not None and self.optimizer.warmup_steps > self.max_steps:  # (num_epochs: at load)
+            raise ValueError(f"optimizer.warmup_steps: expected at most max_steps ({self.max_steps}), got "
+                             f"{self.optimizer.warmup_steps}: the lr would never reach optimizer.lr")
         if self.eval_dataset is not None and self.eval_split is not None:
             raise ValueError("eval_split: expected eval_dataset (a file) or eval_split (a share of the training "
                              "file), not both")
@@ -261,37 +265,20 @@ class JobConfig(_Strict):
         return self.eval_dataset is not None or self.eval_split is not None
 
 
-class WandbConfig(_Strict):
-    """Weights & Biases, an optional tracker (``pip install 'lorafusion[wandb]'``): every job's step and eval rows
-    as ``<job>/<metric>``. ``mode: offline`` (the default) writes ``OUTPUT_DIR/wandb/`` and needs no network or
-    account (``wandb sync`` uploads it later); ``online`` logs as it trains. ``name``: default the run directory's
-    name."""
-
-    project: str = "lorafusion"
-    mode: Literal["offline", "online"] = "offline"
-    name: str | None = None
-
-    @model_validator(mode="after")
-    def _installed(self) -> "WandbConfig":
-        import importlib.util
-
-        if importlib.util.find_spec("wandb") is None:
-            raise ValueError("the wandb package is not installed: pip install 'lorafusion[wandb]' (or pip install "
-                             "wandb), or remove logging.wandb")
-        return self
-
-
 class LoggingConfig(_Strict):
     """``progress``: on a terminal a live table (a row per job: step/max, loss, eval loss, tokens/s, ETA); in a log
     file a job's line at its first and last step and in between at most every ``log_every_s`` seconds, at steps
-    that are multiples of ``log_every``. Trackers: ``tensorboard`` (OUTPUT_DIR/tensorboard) and ``wandb``
-    (:class:`WandbConfig`; ``wandb: true`` = its defaults, offline)."""
+    that are multiples of ``log_every``. Trackers: ``tensorboard`` (OUTPUT_DIR/tensorboard), ``wandb``
+    (:class:`WandbConfig`; ``wandb: true`` = its defaults, offline) and ``mlflow`` (:class:`MlflowConfig`;
+    ``mlflow: true`` = its defaults, a file store in OUTPUT_DIR/mlruns)."""
 
     tensorboard: bool = True
     progress: bool = True
     log_every: int = Field(1, ge=1)
     log_every_s: float = Field(30.0, ge=0)
     wandb: Annotated[WandbConfig | None, BeforeValidator(lambda v: {} if v is True else None if v is False else v)] \
+        = None
+    mlflow: Annotated[MlflowConfig | None, BeforeValidator(lambda v: {} if v is True else None if v is False else v)] \
         = None
 
 

@@ -16,11 +16,23 @@ def run_jobs(src: Path) -> list[str]:
     run = RunDir(src)
     names = {p.name for d in (run.adapters, run.checkpoints) if d.is_dir() for p in d.iterdir()
              if p.is_dir() and not p.name.startswith(".")}
-    try:
-        names |= set(json.loads(run.summary.read_text()).get("jobs", {}))
-    except (OSError, json.JSONDecodeError, AttributeError):
-        pass
+    for record in (run.summary, run.status):  # (a live run's jobs are in its status before any file is written)
+        try:
+            names |= {n for n in json.loads(record.read_text()).get("jobs", {}) if isinstance(n, str)}
+        except (OSError, ValueError, AttributeError, TypeError):
+            pass
     return sorted(names)
+
+
+def _nothing_yet(src: Path, job: str) -> str | None:
+    """Why a job that the run's status.json lists has nothing to export: it has no complete checkpoint yet."""
+    try:
+        row = json.loads(RunDir(src).status.read_text())["jobs"][job]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    where = f"{row.get('state')} at step {row.get('step')}" if isinstance(row, dict) else "listed in status.json"
+    return (f"{src}: job {job!r} has no checkpoint yet ({where}): nothing to export yet; it is checkpointed at its "
+            f"save_every, every checkpoint.every_minutes, when it ends or is cancelled, and when the run is stopped")
 
 
 def check_safetensors(path: Path) -> None:
@@ -92,9 +104,11 @@ def _find_adapter(src: Path, job: str, best: bool) -> tuple[Path, str]:
     if run.job_checkpoints(job).is_dir():
         ckpt = latest_checkpoint(run.job_checkpoints(job))
         if ckpt is None:
-            raise MissingFileError(f"{run.job_checkpoints(job)}: no complete checkpoint")
+            raise MissingFileError(_nothing_yet(src, job) or f"{run.job_checkpoints(job)}: no complete checkpoint")
         return ckpt / "adapter", (f"latest checkpoint, step {int(ckpt.name.split('_')[-1])} (the job has not "
                                   f"finished)")
+    if why := _nothing_yet(src, job):
+        raise MissingFileError(why)
     known = run_jobs(src)
     if known:
         raise ConfigError(f"{src}: unknown job {job!r}; the run's jobs: {', '.join(known)}")
@@ -120,3 +134,36 @@ def check_export_out(src: Path, out: Path, base: bool) -> None:
     if out.is_dir() and any((out / n).exists() for n in ("status.json", "summary.json", "checkpoints", ".lock")):
         raise ConfigError(f"{out}: --out is a lorafusion run directory; export replaces only exports, choose "
                           f"another path")
+
+
+# written into every export: `--force` replaces a directory holding it (an earlier export) and nothing else
+EXPORT_MARKER = ".lorafusion-export.json"
+
+
+def check_replace_out(out: Path, force: bool) -> None:
+    """An existing ``--out`` is replaced only with ``force`` and only when it is an earlier ``lorafusion export``
+    (a directory holding :data:`EXPORT_MARKER`) or an empty directory: never a user's own file or directory."""
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not force:
+        raise ConfigError(f"{out}: --out already exists; choose another path or pass --force to replace it "
+                          f"(an earlier lorafusion export only; atomically, once the new export is complete)")
+    if out.is_symlink() or not out.is_dir():
+        raise ConfigError(f"{out}: --out is {'a symlink' if out.is_symlink() else 'a file'}, not an earlier "
+                          f"lorafusion export; --force replaces only those: choose another path")
+    try:
+        empty = not any(out.iterdir())
+    except OSError as e:
+        raise ConfigError(f"{out}: cannot list --out ({e.strerror or e})") from None
+    if not empty and not (out / EXPORT_MARKER).is_file():
+        raise ConfigError(f"{out}: --out is not an earlier lorafusion export (no {EXPORT_MARKER}); --force "
+                          f"replaces only those: choose another path")
+
+
+def marked(fill, record: dict):
+    """``fill`` (for :func:`lorafusion.rundir.atomic.fill_dir_atomically`) that also writes the export marker."""
+    def fill_marked(tmp: Path) -> None:
+        fill(tmp)
+        (tmp / EXPORT_MARKER).write_text(json.dumps({"written_by": "lorafusion export", **record}, indent=2) + "\n")
+
+    return fill_marked
