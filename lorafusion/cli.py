@@ -21,10 +21,13 @@ _ENVIRONMENT_ERRNOS = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, err
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-def _load(args):
+def _load(args, launch: bool = True):
     from lorafusion.config import load_run_config
 
-    return load_run_config(args.config, args.overrides)
+    cfg = load_run_config(args.config, args.overrides)
+    if launch or cfg.parallelism.dp == "auto":  # the layout against WORLD_SIZE before torch too (plan: dp only)
+        cfg.check_world_size()
+    return cfg
 
 
 def cmd_train(args) -> int:
@@ -106,7 +109,7 @@ def _plan_memory(args) -> int:
 def cmd_plan(args) -> int:
     if args.gpu_memory:  # the memory plan per stage for these GPU sizes: no data, no model, no GPU
         return _plan_memory(args)
-    cfg = _load(args)  # before torch is imported
+    cfg = _load(args, launch=False)  # before torch is imported
     from lorafusion.runtime.feed import Feed, scheduler_config
     from lorafusion.runtime.jobs import load_jobs
     from lorafusion.runtime.telemetry.report import stage_model, write_plan_report
