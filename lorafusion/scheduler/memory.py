@@ -232,7 +232,7 @@ def stage_memory(s: MemorySetup, stage: int, capacity: int, recompute_layers: in
     the start of its backward (every saved activation), the backward of its recomputed layers (their
     checkpoints, one recomputed layer, the gradients) and an optimizer step. ``grads_before_backward``: the
     adapters' gradients already exist when a backward starts (microbatches of a global batch accumulate them;
-    False for a lone microbatch, as the calibration measures). ``n_in_flight``: instead of the schedule's count."""
+    the calibration measured them held at a lone microbatch's peak too, and predicts its points with True). ``n_in_flight``: instead of the schedule's count."""
     c = coeffs or Coefficients()
     a, b = s.arch, s.dtype_bytes
     L, last = s.layers(stage), stage == s.pp - 1
