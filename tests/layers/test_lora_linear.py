@@ -213,7 +213,7 @@ def test_fused_kernels_in_the_layers_match_reference_under_interpreter(tmp_path)
     from pathlib import Path
 
     pytest.importorskip("triton")
-    tests = Path(__file__).parent
+    tests = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{tests}:{tests.parent}")
     res = subprocess.run([sys.executable, "-c", FUSED_SCRIPT, str(tests)], env=env, capture_output=True, text=True,
                          timeout=600)
