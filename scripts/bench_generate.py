@@ -188,6 +188,15 @@ def theirs(hf, rows, args) -> dict:
             "outputs": out[0][:, width:].tolist()}
 
 
+def commit() -> str | None:
+    """The tree's commit: ``.commit`` beside scripts/ when the tree was copied without its git directory (a
+    device run), else git's HEAD."""
+    if (ROOT / ".commit").is_file():
+        return (ROOT / ".commit").read_text().strip()
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip() or None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-llama")
@@ -201,6 +210,7 @@ def main() -> None:
     ap.add_argument("--impl", choices=["fused", "reference"], help="LoRA ops (default: fused on CUDA)")
     ap.add_argument("--also-reference", action="store_true",
                     help="time ours again with the torch reference LoRA ops (same model, after the fused run)")
+    ap.add_argument("--also-batch", type=int, help="time ours again on the first N rows only (same model)")
     ap.add_argument("--profile", help="also write torch.profiler's table of 8 decode tokens to this file")
     ap.add_argument("--hf", action="store_true", help="also transformers + PEFT generate (one adapter only)")
     ap.add_argument("--seed", type=int, default=0)
@@ -216,8 +226,7 @@ def main() -> None:
     rows = prompt_rows(args, adapters, arch.vocab_size)
     context = preset(args.model).max_position_embeddings
     res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
-           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                    text=True).stdout.strip() or None,
+           "commit": commit(),
            "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
            "model": args.model, "dtype": args.dtype, "lora_impl": args.impl or "auto", "rows": len(rows), "adapters": adapters,
            "prompt_tokens": [len(x) for _, x in rows], "new_tokens_per_row": args.new_tokens}
@@ -230,6 +239,8 @@ def main() -> None:
         ctx.impl = "reference"
         res["lorafusion_reference_lora"] = ours(model, rows, args, context)
         ctx.impl = impl
+    if args.also_batch:
+        res[f"lorafusion_first_{args.also_batch}_rows"] = ours(model, rows[: args.also_batch], args, context)
     if args.profile:
         Path(args.profile).write_text(profile(model, rows, context))
     if args.hf:
@@ -241,9 +252,9 @@ def main() -> None:
         res["rows_same_first_8_tokens"] = sum(x[:8] == y[:8] for x, y in zip(a, b, strict=True))
         res["speedup_vs_transformers_peft"] = round(res["lorafusion"]["tokens_per_s"]
                                                     / res["transformers_peft"]["tokens_per_s"], 3)
-    for key in ("lorafusion", "lorafusion_reference_lora", "transformers_peft"):
-        if key in res:
-            res[key].pop("outputs")
+    for key in list(res):
+        if isinstance(res[key], dict):
+            res[key].pop("outputs", None)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps(res))
 

@@ -255,7 +255,9 @@ def run_hf_peft(info: dict, batches: dict, warmup: int) -> dict:
     cls = transformers.LlamaConfig if arch.family == "llama" else transformers.Qwen2Config
     cfgd.pop("model_type"), cfgd.pop("architectures")
     hf_cfg = cls(**cfgd, attn_implementation="sdpa")
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[info["dtype"]]
+    from lorafusion.models.base import DTYPES
+
+    dtype = DTYPES[info["dtype"]]
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(dev):
         model = (transformers.LlamaForCausalLM if arch.family == "llama" else transformers.Qwen2ForCausalLM)(hf_cfg)

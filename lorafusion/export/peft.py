@@ -26,7 +26,7 @@ from lorafusion.layers.fused_proj import merge_rows, split_rows
 from lorafusion.layers.inject import add_adapter, get_lora_context, lora_modules
 from lorafusion.core.targets import PEFT_GROUPS, resolve_target_modules, to_peft_target_modules
 from lorafusion.layers.sharding import TPSplit, tp_rank
-from lorafusion.models.layout import qkv_merge, qkv_split
+from lorafusion.models.hf_layout import qkv_merge, qkv_split
 from lorafusion.core.arch import ModelArch
 from lorafusion.rundir.atomic import write_bytes, write_dir_atomically
 
