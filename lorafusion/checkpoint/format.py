@@ -24,12 +24,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from lorafusion.core.errors import MissingFileError
+from lorafusion.dist import multi_process
 from lorafusion.rundir.atomic import file_sha256, write_bytes, write_text_atomic
 from lorafusion.rundir.layout import best_checkpoint, latest_checkpoint, read_state, step_name
 
 
 def _barrier():
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if multi_process():
         dist.barrier()
 
 

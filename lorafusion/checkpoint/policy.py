@@ -202,12 +202,13 @@ class JobCheckpoints:
         """Resume every job that has a checkpoint: adapter, optimizer, data stream and counters."""
         import torch.distributed as dist
 
+        from lorafusion.dist import multi_process
         from lorafusion.layers import adapter_parameters
         from lorafusion.checkpoint.format import load_newest_usable
 
         for name, js in self.jobs.items():
             path, state, tensors, skipped = load_newest_usable(self.root / name)
-            if dist.is_initialized() and dist.get_world_size() > 1:  # every rank must resume the same step
+            if multi_process():  # every rank must resume the same step
                 steps = [None] * dist.get_world_size()
                 dist.all_gather_object(steps, None if path is None else path.name)
                 if len(set(steps)) > 1:
