@@ -200,3 +200,89 @@ def test_cancel_twice_says_it_is_already_under_way(tmp_path, capsys):
     run = _live_run(tmp_path / "2", "cancelling")  # the run took the first one
     assert main(["cancel", str(run), "--job", "a"]) == 2
     _one_line(capsys, "cancel", "job 'a' is already being cancelled: it leaves once its planned batches have run")
+
+
+def test_generate_force_replaces_only_an_earlier_output(tmp_path):
+    """generate --out FILE --force replaced any file — a user's notes, or the --prompts file itself."""
+    from lorafusion.inference.generate import generate_file
+
+    (tmp_path / "notes.txt").write_text("mine\n")
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "a"}) + "\n")
+    (tmp_path / "d").mkdir()
+    for out, what in (("notes.txt", "not an earlier lorafusion generate output"), ("p.jsonl", "is the --prompts file"),
+                      ("d", "a directory")):
+        with pytest.raises(ConfigError, match=what):
+            generate_file(tmp_path / "norun", tmp_path / "p.jsonl", tmp_path / out, force=True)
+    assert (tmp_path / "notes.txt").read_text() == "mine\n"
+    (tmp_path / "o.jsonl").write_text(json.dumps({"prompt": "a", "prompt_ids": [1], "output_ids": [2]}) + "\n")
+    with pytest.raises(MissingFileError):  # an earlier output: replaced, so the run is looked for next
+        generate_file(tmp_path / "norun", tmp_path / "p.jsonl", tmp_path / "o.jsonl", force=True)
+
+
+def test_a_lone_surrogate_in_data_or_prompts_is_named(tmp_path):
+    """'\\ud800' in a JSON string: the data reader said 'Trailing data at position 39'; generate a
+    UnicodeEncodeError traceback."""
+    from lorafusion.data.tokenizer import ByteTokenizer
+    from lorafusion.inference.generate import read_prompts
+
+    msg = _rows_error(tmp_path, "rows.jsonl", '{"prompt": "a\\ud800b", "response": "x"}\n' * 3)
+    assert msg.endswith("line 1 (row 0): \\ud800 is a lone surrogate (half a UTF-16 pair), not text"), msg
+    (tmp_path / "p.jsonl").write_text('{"prompt": "ok"}\n{"prompt": "a\\udfff"}\n')
+    with pytest.raises(ConfigError, match=r"p.jsonl:2: \\udfff is a lone surrogate"):
+        read_prompts(tmp_path / "p.jsonl", ByteTokenizer(), [], 1024, tmp_path)
+
+
+@pytest.mark.parametrize("verb", ["plan", "export", "generate"])
+def test_an_out_that_cannot_be_written_is_one_line(verb, tmp_path, monkeypatch, capsys):
+    """--out /proc/self/x: a FileNotFoundError traceback (plan, generate) or one naming a temporary
+    '/proc/self/.x.tmp-dd62384a' (export), after the work was done."""
+    from lorafusion.cli import main
+    from test_config import make_tree
+
+    monkeypatch.chdir(tmp_path)
+    run = make_tree(tmp_path)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n')
+    argv = {"plan": ["plan", str(run), "--out", "/proc/self/x"],
+            "export": ["export", str(tmp_path), "--job", "a", "--out", "/proc/self/x"],
+            "generate": ["generate", str(tmp_path), "--prompts", "p.jsonl", "--out", "/proc/self/x/o.jsonl"]}[verb]
+    assert main(argv) == 2
+    _one_line(capsys, verb, "--out: cannot write in /proc/self", "No such file or directory")
+
+
+def test_export_refuses_a_damaged_adapter_config(tmp_path, capsys):
+    """A garbled adapter_config.json was copied and reported 'exported final adapter'."""
+    from lorafusion.cli import main
+
+    (tmp_path / "run" / "adapters" / "a").mkdir(parents=True)
+    (tmp_path / "run" / "adapters" / "a" / "adapter_config.json").write_text("{not json")
+    assert main(["export", str(tmp_path / "run"), "--job", "a", "--out", str(tmp_path / "e")]) == 2
+    _one_line(capsys, "export", "adapter_config.json: damaged: not a readable adapter config")
+    assert not (tmp_path / "e").exists()
+
+
+def test_generate_seed_out_of_range(tmp_path):
+    """--seed -1 and --seed 2**70 were taken (greedy decoding never used them; sampling would fail or wrap)."""
+    from lorafusion.inference.generate import generate_file
+
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n')
+    for seed in (-1, 2 ** 70):
+        with pytest.raises(ConfigError, match="--seed: expected an integer from 0 to 2"):
+            generate_file(tmp_path, tmp_path / "p.jsonl", tmp_path / "o.jsonl", seed=seed)
+
+
+def test_a_second_export_to_the_same_new_out_is_refused(tmp_path):
+    """Two exports to one new --out at once: the second replaced the first's without --force (or failed with an
+    OSError traceback, ENOTEMPTY); now it is refused and the first's stays whole."""
+    from lorafusion.rundir.atomic import fill_dir_atomically
+
+    out = tmp_path / "e"
+
+    def fill(tmp):  # the other export finishes while this one writes
+        (tmp / "mine").write_text("second")
+        if not out.exists():
+            out.mkdir()
+            (out / "first").write_text("first")
+    with pytest.raises(ConfigError, match="written meanwhile by another process"):
+        fill_dir_atomically(out, fill, replace=False)
+    assert [p.name for p in tmp_path.iterdir()] == ["e"] and (out / "first").read_text() == "first"
+    assert (fill_dir_atomically(out, fill) / "mine").read_text() == "second"  # (replace: --force)

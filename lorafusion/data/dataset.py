@@ -234,6 +234,10 @@ def _diagnose_json(path: Path) -> str | None:
         row += 1
         if key := _big_int(obj):
             return f"line {n} (row {row}): field {key!r}: a number too large for 64 bits"
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:  # "\ud800": JSON escapes a lone surrogate, which is no character
+            return f"line {n} (row {row}): \\u{ord(e.object[e.start]):04x} is a lone surrogate (half a UTF-16 pair), not text"
         for k, v in obj.items():  # the reader fails on a field's JSON type changing (when it cannot fall back)
             if v is not None and kinds.setdefault(k, _json_kind(v)) != _json_kind(v):
                 return f"line {n} (row {row}): field {k!r}: {_json_kind(v)}, where the rows before have {kinds[k]}"

@@ -207,8 +207,12 @@ def read_prompts(path: str | Path, tokenizer, jobs: Sequence[str], context: int,
             continue
         try:
             row = json.loads(line)
+            json.dumps(row, ensure_ascii=False).encode("utf-8")  # "\ud800" decodes to half a UTF-16 pair, no text
         except json.JSONDecodeError as e:
             raise ConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except UnicodeEncodeError as e:
+            raise ConfigError(f"{where}: \\u{ord(e.object[e.start]):04x} is a lone surrogate (half a UTF-16 pair), "
+                              f"not text") from None
         if not isinstance(row, dict):
             raise ConfigError(f"{where}: expected a JSON object with 'prompt' and optionally 'job'")
         job = row.get("job")
@@ -339,11 +343,13 @@ def generate_file(run_dir, prompts, out, *, max_new_tokens: int = 128, temperatu
     """Everything ``lorafusion generate`` does; returns a summary."""
     import time
 
-    out = Path(out)
-    if (out.exists() or out.is_symlink()) and not force:
-        raise ConfigError(f"{out}: --out already exists; choose another path or pass --force to replace it")
+    from lorafusion.rundir.adapters import check_generate_out
+
+    check_generate_out(out := Path(out), Path(prompts), force)  # --force: an earlier output only
     if not (0 <= temperature < float("inf")) or not (0 < top_p <= 1):  # (NaN fails both)
         raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1], got {temperature} and {top_p}")
+    if not 0 <= seed < 1 << 63:
+        raise ConfigError(f"--seed: expected an integer from 0 to 2**63 - 1, got {seed}")
     info = load_run(run_dir)
     tokenizer = run_tokenizer(info)
     context = _context(info)
