@@ -302,6 +302,8 @@ class RunConfig(_Strict):
     parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
     kernels: Literal["auto", "fused", "reference"] = "auto"
+    """The LoRA ops' implementation: "fused" (the Triton kernels, CUDA only), "reference" (plain torch), "auto"
+    (fused on CUDA, reference elsewhere); internally "triton" / "torch" / None (:mod:`lorafusion.core.impls`)."""
     jobs: list[JobConfig] = Field(min_length=1)
     output_dir: str
     seed: int = Field(1234, ge=0, le=2**63 - 1)  # torch and Megatron take seeds of at most 64 bits

@@ -90,8 +90,9 @@ def _find_adapter(src: Path, job: str, best: bool) -> tuple[Path, str]:
                 "(the job has no eval set — eval_dataset or eval_split — or was not evaluated yet)"
                 if job in known else f"(unknown job; the run's jobs: {', '.join(known) or 'none'})"))
         state = json.loads((ckpt / "state.json").read_text())
-        return ckpt / "adapter", (f"best-eval checkpoint, step {state.get('step')} (eval loss "
-                                  f"{(state.get('eval') or {}).get('best')})")
+        best = (state.get("eval") or {}).get("best")
+        shown = f"{best:.4f}" if isinstance(best, float) else best  # as status and the eval lines show it
+        return ckpt / "adapter", f"best-eval checkpoint, step {state.get('step')} (eval loss {shown})"
     final = run.adapter(job)
     status = None
     if run.summary.is_file():
