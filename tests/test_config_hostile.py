@@ -150,5 +150,4 @@ def test_a_run_yaml_given_as_a_job_yaml_is_one_line(tmp_path, monkeypatch):
     run = make_tree(tmp_path)
     with pytest.raises(ConfigError) as e:
         load_job_config(run)
-    assert str(e.value) == ("run.yaml: is a run config (it lists jobs); expected one adapter job's YAML (name, "
-                            "dataset, lora, ...), e.g. one of the files its jobs list"), str(e.value)
+    assert str(e.value) == "run.yaml: is a run config (it lists jobs); expected one adapter job's YAML (name, ...)"

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from lorafusion.core.errors import ConfigError, MissingFileError, UserError
+from lorafusion.rundir.adapters import check_generate_out
 from lorafusion.rundir.atomic import write_text_atomic
 
 
@@ -206,13 +207,11 @@ def read_prompts(path: str | Path, tokenizer, jobs: Sequence[str], context: int,
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-            json.dumps(row, ensure_ascii=False).encode("utf-8")  # "\ud800" decodes to half a UTF-16 pair, no text
+            json.dumps(row := json.loads(line), ensure_ascii=False).encode("utf-8")  # "\ud800": half a UTF-16 pair
         except json.JSONDecodeError as e:
             raise ConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
         except UnicodeEncodeError as e:
-            raise ConfigError(f"{where}: \\u{ord(e.object[e.start]):04x} is a lone surrogate (half a UTF-16 pair), "
-                              f"not text") from None
+            raise ConfigError(f"{where}: \\u{ord(e.object[e.start]):04x} is a lone surrogate, not text") from None
         if not isinstance(row, dict):
             raise ConfigError(f"{where}: expected a JSON object with 'prompt' and optionally 'job'")
         job = row.get("job")
@@ -348,8 +347,6 @@ def generate_file(run_dir, prompts, out, *, max_new_tokens: int = 128, temperatu
                   seed: int = 0, batch_size: int = 64, force: bool = False, use_cache: bool = True) -> dict:
     """Everything ``lorafusion generate`` does; returns a summary."""
     import time
-
-    from lorafusion.rundir.adapters import check_generate_out
 
     check_generate_out(out := Path(out), Path(prompts), force)  # --force: an earlier output only
     if not (0 <= temperature < float("inf")) or not (0 < top_p <= 1):  # (NaN fails both)
