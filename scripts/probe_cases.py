@@ -74,6 +74,7 @@ def prepare(work: Path) -> None:
                                           for i in range(10)) + "jobs: [*a9]\n")
     (fx / "huge_float.yaml").write_text((work / "qs" / "quickstart.yaml").read_text().replace("seed: 1234",
                                                                                               "seed: 1e400"))
+    __import__("probe_cases_more").prepare_more(work)
 
 
 def copy_run(work: Path, cdir: Path) -> None:
@@ -245,8 +246,9 @@ def plan_cases(Case) -> list:
 
 
 def all_cases(Case) -> list:
+    import probe_cases_more as m
     import probe_cases_run as r
 
     return (train_config_cases(Case) + train_run_cases(Case) + resume_fault_cases(Case) + plan_cases(Case)
             + r.submit_cases(Case) + r.cancel_cases(Case) + r.status_cases(Case) + r.export_cases(Case)
-            + r.generate_cases(Case) + r.fault_cases(Case))
+            + r.generate_cases(Case) + r.fault_cases(Case) + m.train_more(Case) + m.run_more(Case))

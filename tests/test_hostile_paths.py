@@ -286,3 +286,56 @@ def test_a_second_export_to_the_same_new_out_is_refused(tmp_path):
         fill_dir_atomically(out, fill, replace=False)
     assert [p.name for p in tmp_path.iterdir()] == ["e"] and (out / "first").read_text() == "first"
     assert (fill_dir_atomically(out, fill) / "mine").read_text() == "second"  # (replace: --force)
+
+
+def test_round_two_of_the_probe(tmp_path, capsys):
+    """scripts/probe_cli.py round two: a CSV saved with a BOM was unreadable (KeyError '\\ufeffprompt'); a byte
+    tokenizer's tokenizer.path was ignored even when missing; an output_dir component over NAME_MAX said
+    'cannot access' without naming output_dir; a FIFO was '--prompts file not found', '--out is a directory' and
+    'no such run directory'; a CSV header without rows was 'Instruction "train" corresponds to no data!'."""
+    import os
+    from pathlib import Path
+
+    from lorafusion.cli import main
+    from lorafusion.config.schema import TokenizerConfig
+    from lorafusion.rundir.lock import check_output_dir
+
+    msg = _rows_error(tmp_path, "rows.csv", "\ufeffprompt,response\n")  # (a header only: its name is read right)
+    assert msg.endswith("rows.csv: empty dataset (a csv header, no rows)"), msg
+    from lorafusion.config.load import load_job_config
+    from lorafusion.data.dataset import read_rows
+
+    (tmp_path / "rows.csv").write_text("\ufeffprompt,response\na,b\n", encoding="utf-8")
+    job = load_job_config(_job_yaml(tmp_path, ""), [f"dataset.path={tmp_path / 'rows.csv'}"])
+    assert read_rows(job).column_names == ["prompt", "response"]
+    with pytest.raises(ValueError, match="the byte tokenizer reads no file"):
+        TokenizerConfig(type="byte", path="/nowhere")
+    with pytest.raises(ConfigError, match="run.yaml: output_dir: cannot use .* \\(File name too long\\)"):
+        check_output_dir(tmp_path / ("o" * 300), "run.yaml", resume=False)
+    os.mkfifo(tmp_path / "fifo")
+    fifo = str(tmp_path / "fifo")
+    from lorafusion.data.tokenizer import ByteTokenizer
+    from lorafusion.inference.generate import read_prompts
+
+    with pytest.raises(MissingFileError, match="fifo: --prompts is not a regular file"):
+        read_prompts(fifo, ByteTokenizer(), [], 1024, tmp_path)
+    for argv, words in ((["generate", str(tmp_path), "--prompts", "p.jsonl", "--out", fifo, "--force"], "--out is a special "
+                         "file (FIFO, device)"),
+                        (["export", str(tmp_path / "run"), "--job", "a", "--out", fifo, "--force"], "--out is a special file"),
+                        (["status", fifo], "fifo: not a directory")):
+        assert main(argv) == 2
+        _one_line(capsys, argv[0], words)
+    assert Path(fifo).exists()
+
+
+def test_sampling_at_extreme_temperature_and_top_p(tmp_path):
+    """--temperature 1e-320 (logits / t overflowed to inf, then NaN) and --top-p 1e-300 (nothing kept in float32)
+    were 'probability tensor contains inf/nan' / 'invalid multinomial distribution' tracebacks: both are greedy."""
+    import torch
+
+    from lorafusion.inference.generate import _pick
+
+    logits = torch.randn(3, 50)
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    assert _pick(logits, 1e-320, 1.0, gens) == logits.argmax(-1).tolist()
+    assert _pick(logits, 1.0, 1e-300, gens) == logits.argmax(-1).tolist()

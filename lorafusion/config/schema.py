@@ -87,6 +87,12 @@ class TokenizerConfig(_Strict):
     # directory holding tokenizer.model
     path: str | None = None
 
+    @model_validator(mode="after")
+    def _path_used(self) -> "TokenizerConfig":
+        if self.type == "byte" and self.path is not None:  # (it was ignored, even when missing)
+            raise ValueError("path: the byte tokenizer reads no file; remove tokenizer.path or set tokenizer.type")
+        return self
+
 
 def _dp(v: Any) -> Any:
     if isinstance(v, str) and v == "auto":

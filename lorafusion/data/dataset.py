@@ -117,15 +117,17 @@ def read_rows(job: JobConfig, section: str = "dataset") -> Any:
         import csv
 
         try:
-            with open(path, newline="", encoding="utf-8") as f:
-                header = next(csv.reader(f), None)
+            with open(path, newline="", encoding="utf-8-sig") as f:  # (a BOM is no part of the first column's name)
+                rows = csv.reader(f)
+                header, first = next(rows, None), next(rows, None)
         except (OSError, UnicodeDecodeError, csv.Error) as e:
             raise DataError(f"{where}: cannot read as csv ({e})") from None
-        if not header:
-            raise DataError(f"{where}: empty dataset (no csv header)")
+        if not header or first is None:  # (the reader: 'Instruction "train" corresponds to no data!')
+            raise DataError(f"{where}: empty dataset ({'no csv header' if not header else 'a csv header, no rows'})")
         from datasets import Features, Value
 
-        kwargs.update(features=Features({c: Value("string") for c in header}), keep_default_na=False)
+        kwargs.update(features=Features({c: Value("string") for c in header}), keep_default_na=False,
+                      encoding="utf-8-sig")
     with _quiet_datasets() as datasets, tempfile.TemporaryDirectory(prefix="lorafusion-ds-") as cache:
         try:
             ds = datasets.load_dataset(builder, data_files=str(path), split="train", keep_in_memory=True,

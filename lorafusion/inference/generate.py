@@ -191,7 +191,7 @@ def read_prompts(path: str | Path, tokenizer, jobs: Sequence[str], context: int,
     """Validate and encode every row of a prompts JSONL (one error naming the file and line)."""
     path = Path(path)
     if not path.is_file():
-        raise MissingFileError(f"{path}: --prompts {'is a directory, expected a file' if path.is_dir() else 'file not found'}")
+        raise MissingFileError(f"{path}: --prompts {'is a directory, expected a file' if path.is_dir() else 'is not a regular file' if path.exists() else 'file not found'}")
     out = []
     try:
         lines = path.read_bytes().splitlines()
@@ -285,7 +285,7 @@ def _forward(model, jobs, seqs: Sequence[Sequence[int]], positions: torch.Tensor
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, gens: Sequence) -> list[int]:
     if temperature == 0:
         return logits.argmax(-1).tolist()
-    probs = torch.softmax(logits / temperature, dim=-1)
+    probs = torch.softmax((logits.double() - logits.double().amax(-1, keepdim=True)) / temperature, dim=-1)  # (1e-320)
     out = []
     for p, g in zip(probs, gens, strict=True):
         if top_p < 1.0:

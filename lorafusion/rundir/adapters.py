@@ -157,8 +157,9 @@ def check_replace_out(out: Path, force: bool) -> None:
         raise ConfigError(f"{out}: --out already exists; choose another path or pass --force to replace it "
                           f"(an earlier lorafusion export only; atomically, once the new export is complete)")
     if out.is_symlink() or not out.is_dir():
-        raise ConfigError(f"{out}: --out is {'a symlink' if out.is_symlink() else 'a file'}, not an earlier "
-                          f"lorafusion export; --force replaces only those: choose another path")
+        kind = "a symlink" if out.is_symlink() else "a file" if out.is_file() else "a special file (FIFO, device)"
+        raise ConfigError(f"{out}: --out is {kind}, not an earlier lorafusion export; --force replaces only those: "
+                          f"choose another path")
     try:
         empty = not any(out.iterdir())
     except OSError as e:
@@ -189,8 +190,9 @@ def check_generate_out(out: Path, prompts: Path, force: bool) -> None:
     if out.resolve() == prompts.resolve():
         raise ConfigError(f"{out}: --out is the --prompts file; choose another path")
     if out.is_symlink() or not out.is_file():
-        raise ConfigError(f"{out}: --out is {'a symlink' if out.is_symlink() else 'a directory'}, not an earlier "
-                          f"generate output; --force replaces only those: choose another path")
+        kind = "a symlink" if out.is_symlink() else "a directory" if out.is_dir() else "a special file (FIFO, device)"
+        raise ConfigError(f"{out}: --out is {kind}, not an earlier generate output; --force replaces only those: "
+                          f"choose another path")
     try:
         with open(out, "rb") as f:
             first = next((line for line in f if line.strip()), b"")
