@@ -233,6 +233,31 @@ def _maybe_path(parts: list[str], value: Any, where: str) -> Any:
     return value
 
 
+def _load_jobs(raw: dict, run_abs: Path, run_shown: str) -> dict[int, tuple[str, list[Any]]]:
+    """Replace each job of ``raw["jobs"]`` given as a file by that job YAML's contents (paths resolved against
+    it; inline jobs against the run YAML). Returns the job sources: index → (display file, prefix in it)."""
+    sources: dict[int, tuple[str, list[Any]]] = {}
+    jobs = raw.get("jobs")
+    if not isinstance(jobs, list):
+        return sources
+    loaded = []
+    for i, item in enumerate(jobs):
+        if isinstance(item, str):
+            jpath = Path(_resolve_path(item, run_abs.parent, f"{run_shown}: jobs.{i}: "))
+            if not jpath.exists():
+                raise ConfigError(f"{run_shown}: jobs.{i}: file not found: {_display(jpath)} "
+                                  f"(expected a job YAML, relative to {_display(run_abs.parent) or '.'})")
+            job = _read_yaml(jpath, "an adapter job")
+            _resolve_job_paths(job, jpath.parent, f"{_display(jpath)}: ")
+            sources[i] = (_display(jpath), [])
+            loaded.append(job)
+        else:
+            _resolve_job_paths(item, run_abs.parent, f"{run_shown}: jobs.{i}.")
+            loaded.append(item)
+    raw["jobs"] = loaded
+    return sources
+
+
 # ----------------------------------------------------------------------------------------------- loading
 def load_run_config(path: str | os.PathLike, overrides: Sequence[str] = (), check_files: bool = True) -> RunConfig:
     """Read a run YAML (and the job YAMLs it lists), apply ``key=value`` overrides, validate (files: check_files).
@@ -245,25 +270,7 @@ def load_run_config(path: str | os.PathLike, overrides: Sequence[str] = (), chec
     run_abs = run_path.resolve()
     _resolve_run_paths(raw, run_abs.parent, run_shown)
 
-    # job sources: index → (display file, prefix inside that file)
-    sources: dict[int, tuple[str, list[Any]]] = {}
-    jobs = raw.get("jobs")
-    if isinstance(jobs, list):
-        loaded = []
-        for i, item in enumerate(jobs):
-            if isinstance(item, str):
-                jpath = Path(_resolve_path(item, run_abs.parent, f"{run_shown}: jobs.{i}: "))
-                if not jpath.exists():
-                    raise ConfigError(f"{run_shown}: jobs.{i}: file not found: {_display(jpath)} "
-                                      f"(expected a job YAML, relative to {_display(run_abs.parent) or '.'})")
-                job = _read_yaml(jpath, "an adapter job")
-                _resolve_job_paths(job, jpath.parent, f"{_display(jpath)}: ")
-                sources[i] = (_display(jpath), [])
-                loaded.append(job)
-            else:
-                _resolve_job_paths(item, run_abs.parent, f"{run_shown}: jobs.{i}.")
-                loaded.append(item)
-        raw["jobs"] = loaded
+    sources = _load_jobs(raw, run_abs, run_shown)
 
     def names() -> list[Any]:
         js = raw.get("jobs")
@@ -356,6 +363,8 @@ def load_job_config(path: str | os.PathLike, overrides: Sequence[str] = (), *,
     jpath = Path(path)
     shown = _display(jpath)
     raw = _read_yaml(jpath, "an adapter job")
+    if isinstance(raw, dict) and "jobs" in raw and "name" not in raw:  # (one line, not one per run key)
+        raise ConfigError(f"{shown}: is a run config (it lists jobs); expected one adapter job's YAML (name, ...)")
     _resolve_job_paths(raw, jpath.resolve().parent, f"{shown}: ")
     overridden: dict[str, str] = {}
     for item in overrides:  # the keys as the user typed them, e.g. optimizer.lr (not jobs.0.optimizer.lr)

@@ -87,6 +87,12 @@ class TokenizerConfig(_Strict):
     # directory holding tokenizer.model
     path: str | None = None
 
+    @model_validator(mode="after")
+    def _path_used(self) -> "TokenizerConfig":
+        if self.type == "byte" and self.path is not None:  # (it was ignored, even when missing)
+            raise ValueError("path: the byte tokenizer reads no file; remove tokenizer.path or set tokenizer.type")
+        return self
+
 
 def _dp(v: Any) -> Any:
     if isinstance(v, str) and v == "auto":
@@ -151,7 +157,12 @@ def _capacity(v: Any) -> Any:
         return v
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
         raise ValueError(f"expected a positive integer or 'auto', got {v!r}")
+    if v > MAX_TOKEN_CAPACITY:  # (a typo's 10**23 was refused as an adapter needing 8e16 GiB, naming lora.r)
+        raise ValueError(f"expected at most {MAX_TOKEN_CAPACITY:,} tokens a microbatch or 'auto', got {v:,}")
     return v
+
+
+MAX_TOKEN_CAPACITY = 1 << 24  # tokens a microbatch: far above any GPU's memory for a packed LLM microbatch
 
 
 class SchedulerSection(_Strict):
@@ -297,6 +308,8 @@ class RunConfig(_Strict):
     parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
     kernels: Literal["auto", "fused", "reference"] = "auto"
+    """The LoRA ops' implementation: "fused" (the Triton kernels, CUDA only), "reference" (plain torch), "auto"
+    (fused on CUDA, reference elsewhere); internally "triton" / "torch" / None (:mod:`lorafusion.core.impls`)."""
     jobs: list[JobConfig] = Field(min_length=1)
     output_dir: str
     seed: int = Field(1234, ge=0, le=2**63 - 1)  # torch and Megatron take seeds of at most 64 bits

@@ -15,7 +15,7 @@ from pathlib import Path
 from lorafusion.core.errors import ConfigError, MissingFileError
 from lorafusion.rundir.atomic import write_text_atomic
 from lorafusion.rundir.layout import RunDir
-from lorafusion.rundir.states import ENDED  # after these a cancel has nothing to do (the run: LiveJobs._cancel)
+from lorafusion.rundir.states import ENDED, JobStatus  # after these a cancel has nothing to do (the run: LiveJobs._cancel)
 
 
 
@@ -127,7 +127,7 @@ def check_cancel(run_dir: Path, job_name: str) -> None:
     state = row.get("state") if isinstance(row, dict) else None  # (None: only submitted so far)
     if state in ENDED:
         raise ConfigError(f"{run_dir}: --job: job {job_name!r} is already {state}: nothing to cancel")
-    if state == "cancelling":
+    if state == JobStatus.CANCELLING:
         raise ConfigError(f"{run_dir}: --job: job {job_name!r} is already being cancelled: it leaves once its "
                           f"planned batches have run (lorafusion status {run_dir})")
     queued = [p.name for p, r in _listed(run_dir) if isinstance(r, dict) and r["kind"] == "cancel"
@@ -159,12 +159,14 @@ def check_against_run(run_dir: Path, job) -> None:
                           f"scheduler.token_capacity {cap} ({run_dir})")
     check_adapter_memory(job.name, job.lora, arch, cap, memory, mp)
     from lorafusion.config.schema import TokenizerConfig
+    from lorafusion.data import JobStream
     from lorafusion.data.dataset import load_job_samples
     from lorafusion.data.evalset import split_job_samples
     from lorafusion.data.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(TokenizerConfig(**record["tokenizer"]), record.get("path"))
-    split_job_samples(job, load_job_samples(job, tokenizer).samples, tokenizer, record["seed"])
+    samples, _ = split_job_samples(job, load_job_samples(job, tokenizer).samples, tokenizer, record["seed"])
+    JobStream.of(job, len(samples), record["seed"])  # as the run builds it: batch size vs samples, warmup vs steps
 
 
 def check_submission(run_dir: Path, job_name: str) -> None:

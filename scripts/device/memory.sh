@@ -4,8 +4,9 @@
 #     capacities to the 8B shape's grid, e.g. 20480,24576 on a 141 GB GPU), then the committed coefficients checked
 #     on every point (all held out) and a refit on this GPU's points (reported, not written).
 #   MODE=e2e: the shipped 8B config end to end, unchanged (`auto` token_capacity and recompute_layers), beside each
-#     hand-picked capacity in HAND (no recompute), same call; then `lorafusion train` at a capacity that cannot fit
-#     (the runtime out-of-memory error) if time is left.
+#     hand-picked capacity in HAND (no recompute), same call, one process per run in ORDER (scripts/e2e_sweep.py:
+#     e.g. ORDER=auto,24576,20480,auto; $OUT/e2e-summary.json, logs in $OUT/e2e-logs.tgz); then (MODE=all)
+#     `lorafusion train` at a capacity that cannot fit (the runtime out-of-memory error) if time is left.
 #   MODE=all (default): both, the fit written into this tree's coefficients.
 #   run (device tool, carry .whl):  BENCH_COMMIT=abc1234 [MODE=..] bash scripts/device/memory.sh [BUDGET_S] ["HAND ..."]
 set -uo pipefail
@@ -28,17 +29,12 @@ fi
 [ "$MODE" = measure ] && { echo "total t=$(( $(date +%s) - T0 ))s"; exit 0; }
 "$PY" -c 'import torch; f, t = torch.cuda.mem_get_info(); print(f"free {f / 2**30:.2f} of {t / 2**30:.2f} GiB")'
 "$PY" scripts/make_bench_data.py --out data/bench --rows 256 >/dev/null
-for spec in "auto:" ${2:-12288}; do
-  if [ "$spec" = "auto:" ]; then name=auto; args=""
-  else name=hand$spec; args="scheduler.token_capacity=$spec model.recompute=false model.recompute_layers=null"; fi
-  echo "=== e2e $name: $args  t=$(( $(date +%s) - T0 ))s"
-  # shellcheck disable=SC2086
-  timeout "${E2E_TIMEOUT:-200}" "$PY" scripts/bench_train.py --config configs/llama3.1-8b-4adapters.yaml --rows 256 \
-    --steps 6 --warmup 2 --skip-hf --out /tmp/bench_$name $args > "$OUT/e2e-$name.log" 2>&1
-  echo "rc=$?"; grep -v '^{' "$OUT/e2e-$name.log" | grep -E "memory plan|GPU memory|stage|^ +[0-9]|lorafusion |system|rror" | tail -6
-  tail -1 "$OUT/e2e-$name.log" > "$OUT/e2e-$name.json"
-  grep -o '"tokens_per_s": [0-9.]*' "$OUT/e2e-$name.json" | head -1; grep -o '"peak_mem_gib": [0-9.]*' "$OUT/e2e-$name.json" | head -1
-done
+# one fresh process per run, in ORDER (comma-separated: auto or a capacity; default auto then HAND), e.g.
+# ORDER=auto,24576,20480,auto: auto first and last, so the run that compiles the call's kernels is visible
+ORDER=${ORDER:-auto,$(echo "${2:-12288}" | tr ' ' ',')}
+"$PY" scripts/e2e_sweep.py --order "$ORDER" --timeout "${E2E_TIMEOUT:-200}" --out "$OUT/e2e" \
+  --json "$OUT/e2e-summary.json" 2>&1
+tar czf "$OUT/e2e-logs.tgz" -C "$OUT" e2e && rm -rf "$OUT/e2e"  # (few files come back: the logs in one)
 if [ "$MODE" = all ] && [ $(( $(date +%s) - T0 )) -lt 470 ]; then
   echo "=== train at token_capacity 16384 without recompute (does not fit 80 GB)  t=$(( $(date +%s) - T0 ))s"
   timeout 90 "$PY" -m lorafusion.cli train configs/llama3.1-8b-4adapters.yaml scheduler.token_capacity=16384 \
