@@ -198,7 +198,7 @@ def cmd_export(args) -> int:
     a job's adapter merged into it (HF format); atomically, never over an existing --out without --force."""
     from lorafusion.core.errors import ConfigError
     from lorafusion.core.lora import check_adapter_name
-    from lorafusion.rundir.adapters import check_export_out, find_adapter
+    from lorafusion.rundir.adapters import check_export_out, check_replace_out, find_adapter, marked
     from lorafusion.rundir.atomic import copier, fill_dir_atomically
 
     src = Path(args.checkpoint)
@@ -215,9 +215,7 @@ def cmd_export(args) -> int:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     check_export_out(src, out, base=args.base)
-    if (out.exists() or out.is_symlink()) and not args.force:
-        raise ConfigError(f"{out}: --out already exists; choose another path or pass --force to replace it "
-                          f"(atomically, once the new export is complete)")
+    check_replace_out(out, args.force)  # --force: an earlier export only, never a user's own file or directory
     note = ""
     if args.base:
         from lorafusion.export.hf import write_base
@@ -235,12 +233,7 @@ def cmd_export(args) -> int:
         else:
             fill = copier(adapter)
             kind = "adapter"
-    if out.is_file() or out.is_symlink():  # --force over a file: the complete new directory, then the swap
-        new = fill_dir_atomically(out.parent / f".{out.name}.new", fill)
-        out.unlink()
-        os.replace(new, out)
-    else:
-        out = fill_dir_atomically(out, fill)
+    out = fill_dir_atomically(out, marked(fill, {"kind": kind, "job": args.job, "from": str(adapter or src)}))
     job = f" of job {args.job!r}" if args.job else ""
     what = f"{what}{job}{' merged into the base' + note if kind == 'merged' else ''}"
     print(f"exported {what} to {out}", file=sys.stderr)

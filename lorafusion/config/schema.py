@@ -16,6 +16,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr,
 
 from lorafusion.core.errors import ConfigError
 from lorafusion.core.lora import LoRASpec, check_adapter_name
+from lorafusion.config.trackers import MlflowConfig, WandbConfig
 
 __all__ = [
     "DATASET_FILE_TYPES",
@@ -261,37 +262,20 @@ class JobConfig(_Strict):
         return self.eval_dataset is not None or self.eval_split is not None
 
 
-class WandbConfig(_Strict):
-    """Weights & Biases, an optional tracker (``pip install 'lorafusion[wandb]'``): every job's step and eval rows
-    as ``<job>/<metric>``. ``mode: offline`` (the default) writes ``OUTPUT_DIR/wandb/`` and needs no network or
-    account (``wandb sync`` uploads it later); ``online`` logs as it trains. ``name``: default the run directory's
-    name."""
-
-    project: str = "lorafusion"
-    mode: Literal["offline", "online"] = "offline"
-    name: str | None = None
-
-    @model_validator(mode="after")
-    def _installed(self) -> "WandbConfig":
-        import importlib.util
-
-        if importlib.util.find_spec("wandb") is None:
-            raise ValueError("the wandb package is not installed: pip install 'lorafusion[wandb]' (or pip install "
-                             "wandb), or remove logging.wandb")
-        return self
-
-
 class LoggingConfig(_Strict):
     """``progress``: on a terminal a live table (a row per job: step/max, loss, eval loss, tokens/s, ETA); in a log
     file a job's line at its first and last step and in between at most every ``log_every_s`` seconds, at steps
-    that are multiples of ``log_every``. Trackers: ``tensorboard`` (OUTPUT_DIR/tensorboard) and ``wandb``
-    (:class:`WandbConfig`; ``wandb: true`` = its defaults, offline)."""
+    that are multiples of ``log_every``. Trackers: ``tensorboard`` (OUTPUT_DIR/tensorboard), ``wandb``
+    (:class:`WandbConfig`; ``wandb: true`` = its defaults, offline) and ``mlflow`` (:class:`MlflowConfig`;
+    ``mlflow: true`` = its defaults, a file store in OUTPUT_DIR/mlruns)."""
 
     tensorboard: bool = True
     progress: bool = True
     log_every: int = Field(1, ge=1)
     log_every_s: float = Field(30.0, ge=0)
     wandb: Annotated[WandbConfig | None, BeforeValidator(lambda v: {} if v is True else None if v is False else v)] \
+        = None
+    mlflow: Annotated[MlflowConfig | None, BeforeValidator(lambda v: {} if v is True else None if v is False else v)] \
         = None
 
 

@@ -25,7 +25,8 @@ from lorafusion.core.peft_config import COMPARED, read_peft_config
 from lorafusion.layers.fused_proj import merge_rows, split_rows
 from lorafusion.layers.inject import add_adapter, get_lora_context, lora_modules
 from lorafusion.core.targets import PEFT_GROUPS, resolve_target_modules, to_peft_target_modules
-from lorafusion.models.layout import column_shard, column_unshard, qkv_merge, qkv_split, shard
+from lorafusion.layers.sharding import TPSplit, tp_rank
+from lorafusion.models.layout import qkv_merge, qkv_split
 from lorafusion.core.arch import ModelArch
 from lorafusion.rundir.atomic import write_bytes, write_dir_atomically
 
@@ -41,17 +42,14 @@ def _dist() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _gather_tp(t: torch.Tensor, dim_kind: str, kind: str) -> torch.Tensor:
-    """Full tensor from TP shards. dim_kind: "col" (rows sharded like a column-parallel W), "rows" (one
-    projection's rows: contiguous chunks), "row_in" (dim 1 sharded like a row-parallel W) or "rep" (replicated)."""
+def _gather_tp(t: torch.Tensor, split: TPSplit) -> torch.Tensor:
+    """The full tensor from every TP rank's part, put together as its layer's ``split`` says."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    if tp == 1 or dim_kind == "rep":
+    if tp == 1 or split.dim is None:
         return t
     parts = [torch.empty_like(t) for _ in range(tp)]
     dist.all_gather(parts, t.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-    if dim_kind == "rows":
-        return torch.cat(parts, dim=0)
-    return column_unshard(kind, parts) if dim_kind == "col" else torch.cat(parts, dim=1)
+    return split.unshard(parts)
 
 
 def adapter_peft_state(model, name: str, arch: ModelArch, grad: bool = False) -> dict[str, torch.Tensor] | None:
@@ -76,12 +74,10 @@ def adapter_peft_state(model, name: str, arch: ModelArch, grad: bool = False) ->
             b_parts = split_rows(b, mod.projection_index(), chosen)
             for p, a_part, b_part in zip(chosen, a.chunk(len(chosen)), b_parts, strict=True):
                 local[_peft_key(layer, PEFT_GROUPS[kind][p], kind, "A")] = a_part.cpu().clone()
-                local[_peft_key(layer, PEFT_GROUPS[kind][p], kind, "B")] = _gather_tp(b_part, "rows", kind).cpu().clone()
+                b_full = _gather_tp(b_part, mod.tp_split("lora_B_proj"))
+                local[_peft_key(layer, PEFT_GROUPS[kind][p], kind, "B")] = b_full.cpu().clone()
             continue
-        if kind in ("linear_qkv", "linear_fc1"):
-            b = _gather_tp(b, "col", kind)
-        else:
-            a = _gather_tp(a, "row_in", kind)
+        a, b = _gather_tp(a, mod.tp_split("lora_A")), _gather_tp(b, mod.tp_split("lora_B"))
         if kind == "linear_qkv":
             bs = qkv_split(b, arch)
         elif kind == "linear_fc1":
@@ -199,7 +195,7 @@ def job_spec_for_adapter(file_spec: LoRASpec, job_spec: LoRASpec | None, where: 
 def _stage_layer(mod, spec: LoRASpec, tensors: dict, layer: int, st_file: Path, arch: ModelArch, used: set):
     """(A, B) of one targeted linear for this rank from PEFT tensors, checked; PEFT keys read go into ``used``."""
     kind = mod.lora_kind
-    tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    tp, rank = tp_rank()
     projs = spec.projections(kind)
     a_parts, b_parts = [], []
     for peft_module in projs:
@@ -223,7 +219,8 @@ def _stage_layer(mod, spec: LoRASpec, tensors: dict, layer: int, st_file: Path, 
             if b.shape != (rows, spec.r):
                 raise ConfigError(f"{st_file}: layer {layer} {peft_module}.lora_B has shape {tuple(b.shape)}, "
                                   f"expected {(rows, spec.r)}")
-        return torch.cat(a_parts), merge_rows([shard(b, 0, tp, rank) for b in b_parts], index, chosen)
+        b_split = mod.tp_split("lora_B_proj")
+        return torch.cat(a_parts), merge_rows([b_split.shard(b, tp, rank) for b in b_parts], index, chosen)
     a = a_parts[0]
     for other, peft_module in zip(a_parts[1:], projs[1:], strict=True):
         if not torch.equal(other, a):
@@ -234,9 +231,7 @@ def _stage_layer(mod, spec: LoRASpec, tensors: dict, layer: int, st_file: Path, 
     b = qkv_merge(*b_parts, arch) if kind == "linear_qkv" else torch.cat(b_parts, 0)
     if b.shape != (fout, spec.r):
         raise ConfigError(f"{st_file}: layer {layer} {kind} lora_B has shape {tuple(b.shape)}, expected {(fout, spec.r)}")
-    if kind in ("linear_qkv", "linear_fc1"):
-        return a, column_shard(kind, b, tp, rank)
-    return shard(a, 1, tp, rank), b
+    return mod.tp_split("lora_A").shard(a, tp, rank), mod.tp_split("lora_B").shard(b, tp, rank)
 
 
 def import_peft_adapter(model, name: str, path: str | Path, arch: ModelArch | None = None,

@@ -12,7 +12,7 @@ activations' dtype and device). One forward serves every sequence at once, packe
 
 RoPE: Megatron's packed RoPE restarts positions at each ``cu_seqlens`` boundary, so a decode row would be
 rotated as position 0. Inside :func:`decoding` the rows are rotated at their true positions instead
-(``lorafusion.compat.megatron.apply_rope_positions_patch``, which reads ``config.lorafusion_rope_positions``).
+(``lorafusion.compat.megatron.apply_rope_positions_patch``, which reads ``config.rope_positions``, a field of ``LoRAFusionConfig``).
 
 Training never sees any of this: the attention checks one attribute (``kv_cache``, None outside
 :func:`decoding`) and the RoPE patch is installed only by :func:`decoding`.
@@ -77,7 +77,7 @@ class KVCache:
             plan["cu"] = plan["cu"].to(dev)
         self._plan = plan
         for cfg in self._configs:
-            cfg.lorafusion_rope_positions = plan["positions"]
+            cfg.rope_positions = plan["positions"]
 
     def advance(self) -> None:
         """The planned forward has run: its rows now belong to their slots' cached prefixes."""
@@ -132,8 +132,7 @@ def decoding(model, cache: KVCache):
         for m in mods:
             m.kv_cache = None
         for cfg in configs:
-            if hasattr(cfg, "lorafusion_rope_positions"):
-                del cfg.lorafusion_rope_positions
+            cfg.rope_positions = None
         cache._configs = []
 
 

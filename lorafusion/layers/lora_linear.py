@@ -38,6 +38,7 @@ from lorafusion.core.seeds import mix_seed, name_key
 from lorafusion.core.targets import PEFT_GROUPS
 from lorafusion.layers.fp8_base import fp8_base_forward, fp8_fused_forward, is_fp8
 from lorafusion.layers.fused_proj import BlockIndex, block_b, fused_projection_index
+from lorafusion.layers.sharding import COLUMNS, REPLICATED, ROW_HALVES, ROWS, TPSplit
 from lorafusion.ops.tables import TableCache, seed_tensor
 
 
@@ -153,6 +154,8 @@ class _LoRAMixin:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)  # the Megatron parallel linear (next in the MRO)
+        if kwargs.get("tp_comm_buffer_name") in ("qkv", "proj", "fc1", "fc2"):  # Megatron names its linears so
+            self.lora_kind = "linear_" + kwargs["tp_comm_buffer_name"]
         self.lora_A = torch.nn.ParameterDict()
         self.lora_B = torch.nn.ParameterDict()
         self.lora_ctx: LoRAContext | None = None
@@ -180,31 +183,33 @@ class _LoRAMixin:
                 c.kv_channels)
         return self._block_index["proj"]
 
+    def tp_split(self, tensor: str) -> TPSplit:
+        """How ``tensor`` ("weight", "bias", "lora_A", "lora_B", or "lora_B_proj": one projection's B of a
+        fused linear) is split across TP ranks (see the subclasses; :mod:`lorafusion.layers.sharding`)."""
+        raise NotImplementedError
+
     def add_lora(self, name: str, spec: LoRASpec, seed: int) -> None:
         if name in self.lora_A:
             raise ValueError(f"adapter name clash: {name!r} is already on {self.lora_key}")
         tp, rank = self._tp()
         fin, fout = self.full_in_out()
-        a_full = kaiming_uniform_full((spec.r, fin), mix_seed(seed, name_key(name), name_key(self.lora_key)))
-        if self.s_comm_mode == "row":
-            local = fin // tp
-            a = a_full[:, rank * local:(rank + 1) * local].clone()
-            b = torch.zeros(fout, spec.r)
-        elif self.lora_kind in PEFT_GROUPS and len(PEFT_GROUPS[self.lora_kind]) > 1 and not spec.shared_fused_a:
+        if self.lora_kind in PEFT_GROUPS and len(PEFT_GROUPS[self.lora_kind]) > 1 and not spec.shared_fused_a:
             chosen = tuple(PEFT_GROUPS[self.lora_kind].index(p) for p in spec.projections(self.lora_kind))
             a = torch.cat([kaiming_uniform_full((spec.r, fin), mix_seed(seed, name_key(name), name_key(
                 self.lora_key), name_key(PEFT_GROUPS[self.lora_kind][p]))) for p in chosen])
             b = torch.zeros(int(torch.isin(self.projection_index(), torch.tensor(chosen)).sum()), spec.r)
             self.lora_proj[name] = chosen
+            split_a, split_b = self.tp_split("lora_A"), self.tp_split("lora_B_proj")
         else:
-            a = a_full
-            b = torch.zeros(fout // tp, spec.r)
+            split_a, split_b = self.tp_split("lora_A"), self.tp_split("lora_B")
+            a_full = kaiming_uniform_full((spec.r, fin), mix_seed(seed, name_key(name), name_key(self.lora_key)))
+            a = split_a.shard(a_full, tp, rank).clone()
+            b = torch.zeros(split_b.local_shape((fout, spec.r), tp))
         dev = (self.weight if self.weight is not None else self.weight_fp8).device  # FP8 base: weight is None
         pa, pb = torch.nn.Parameter(a.to(dev)), torch.nn.Parameter(b.to(dev))
-        if self.s_comm_mode == "row":
-            set_tensor_model_parallel_attributes(pa, True, 1, 1)
-        else:
-            set_tensor_model_parallel_attributes(pb, True, 0, 1)
+        for p, split in ((pa, split_a), (pb, split_b)):
+            if split.dim is not None:
+                set_tensor_model_parallel_attributes(p, True, split.dim, 1)
         self.lora_A[name] = pa
         self.lora_B[name] = pb
 
@@ -351,8 +356,20 @@ def _saved_as_shard(full: torch.Tensor, shard: torch.Tensor):
 
 
 class LoRAColumnParallelLinear(_LoRAMixin, ColumnParallelLinear):
+    """Column-parallel: W, its bias and LoRA B split by rows (out-features; linear_fc1's [gate; up] halves
+    each split on their own), A replicated; a fused linear's per-projection B by its own rows."""
+
     s_comm_mode = "column"
+
+    def tp_split(self, tensor: str) -> TPSplit:
+        rows = ROW_HALVES if self.lora_kind == "linear_fc1" else ROWS
+        return {"weight": rows, "bias": rows, "lora_A": REPLICATED, "lora_B": rows, "lora_B_proj": ROWS}[tensor]
 
 
 class LoRARowParallelLinear(_LoRAMixin, RowParallelLinear):
+    """Row-parallel: W and LoRA A split by columns (in-features), the bias and LoRA B replicated."""
+
     s_comm_mode = "row"
+
+    def tp_split(self, tensor: str) -> TPSplit:
+        return {"weight": COLUMNS, "bias": REPLICATED, "lora_A": COLUMNS, "lora_B": REPLICATED}[tensor]

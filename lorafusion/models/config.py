@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+import torch
+
 from lorafusion.core.arch import ModelArch
 
 
@@ -37,6 +39,11 @@ class LoRAFusionConfig(TransformerConfig):
     base_model: str | None = None
     """The HF model directory the base weights were loaded from (``build_model_from_hf`` records it): what
     exported PEFT adapters name as their ``base_model_name_or_path``."""
+
+    rope_positions: torch.Tensor | None = None
+    """Decoding with a KV cache only: the position of each packed row ([t] long), set per forward inside
+    :func:`lorafusion.inference.kv_cache.decoding` and read by ``compat.megatron.apply_rope_positions_patch``'s
+    RoPE; None (training, and outside ``decoding``): positions restart at every ``cu_seqlens`` boundary."""
 
 
 __all__ = ["LoRAFusionConfig"]

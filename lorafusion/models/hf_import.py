@@ -10,11 +10,11 @@ import json
 from pathlib import Path
 
 import torch
-from megatron.core import parallel_state
 from safetensors import safe_open
 
 from lorafusion.core.errors import ConfigError, MissingFileError, MissingTensorError
-from lorafusion.models.layout import column_shard, qkv_merge, shard
+from lorafusion.layers.sharding import param_split, tp_rank
+from lorafusion.models.layout import qkv_merge
 from lorafusion.core.arch import ModelArch, arch_from_hf_config
 
 
@@ -80,43 +80,48 @@ class HFCheckpoint:
 
 
 def hf_state_for_rank(ckpt: HFCheckpoint, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The Megatron state-dict entries of ``model`` (this TP rank / PP stage) from the HF checkpoint."""
+    """The Megatron state-dict entries of ``model`` (this TP rank / PP stage) from the HF checkpoint; each
+    tensor cut to this rank by the split its module names (:func:`lorafusion.layers.sharding.param_split`)."""
     a = ckpt.arch
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    rank = parallel_state.get_tensor_model_parallel_rank()
+    tp, rank = tp_rank()
     h, hn, nq, ng, f = a.hidden_size, a.kv_channels, a.num_attention_heads, a.num_query_groups, a.ffn_hidden_size
     out: dict[str, torch.Tensor] = {}
+
+    def put(key: str, module: torch.nn.Module, attr: str, full: torch.Tensor) -> None:
+        out[key] = param_split(module, attr).shard(full, tp, rank)
+
     if getattr(model, "pre_process", True):
-        emb = ckpt.get("model.embed_tokens.weight", (a.vocab_size, h))
-        out["embedding.word_embeddings.weight"] = shard(emb, 0, tp, rank)
+        put("embedding.word_embeddings.weight", model.embedding.word_embeddings, "weight",
+            ckpt.get("model.embed_tokens.weight", (a.vocab_size, h)))
     for local, layer in enumerate(model.decoder.layers):
         i = layer.layer_number - 1
         p, m = f"model.layers.{i}.", f"decoder.layers.{local}."
+        attn, mlp = layer.self_attention, layer.mlp
         out[m + "input_layernorm.weight"] = ckpt.get(p + "input_layernorm.weight", (h,))
         out[m + "pre_mlp_layernorm.weight"] = ckpt.get(p + "post_attention_layernorm.weight", (h,))
         q = ckpt.get(p + "self_attn.q_proj.weight", (nq * hn, h))
         k = ckpt.get(p + "self_attn.k_proj.weight", (ng * hn, h))
         v = ckpt.get(p + "self_attn.v_proj.weight", (ng * hn, h))
-        out[m + "self_attention.linear_qkv.weight"] = column_shard("linear_qkv", qkv_merge(q, k, v, a), tp, rank)
+        put(m + "self_attention.linear_qkv.weight", attn.linear_qkv, "weight", qkv_merge(q, k, v, a))
         if a.qkv_bias:
             qb = ckpt.get(p + "self_attn.q_proj.bias", (nq * hn,))
             kb = ckpt.get(p + "self_attn.k_proj.bias", (ng * hn,))
             vb = ckpt.get(p + "self_attn.v_proj.bias", (ng * hn,))
-            out[m + "self_attention.linear_qkv.bias"] = column_shard("linear_qkv", qkv_merge(qb, kb, vb, a), tp, rank)
-        o = ckpt.get(p + "self_attn.o_proj.weight", (h, nq * hn))
-        out[m + "self_attention.linear_proj.weight"] = shard(o, 1, tp, rank)
+            put(m + "self_attention.linear_qkv.bias", attn.linear_qkv, "bias", qkv_merge(qb, kb, vb, a))
+        put(m + "self_attention.linear_proj.weight", attn.linear_proj, "weight",
+            ckpt.get(p + "self_attn.o_proj.weight", (h, nq * hn)))
         gate = ckpt.get(p + "mlp.gate_proj.weight", (f, h))
         up = ckpt.get(p + "mlp.up_proj.weight", (f, h))
-        out[m + "mlp.linear_fc1.weight"] = column_shard("linear_fc1", torch.cat([gate, up], 0), tp, rank)
-        down = ckpt.get(p + "mlp.down_proj.weight", (h, f))
-        out[m + "mlp.linear_fc2.weight"] = shard(down, 1, tp, rank)
+        put(m + "mlp.linear_fc1.weight", mlp.linear_fc1, "weight", torch.cat([gate, up], 0))
+        put(m + "mlp.linear_fc2.weight", mlp.linear_fc2, "weight", ckpt.get(p + "mlp.down_proj.weight", (h, f)))
     if getattr(model, "post_process", True):
         out["decoder.final_layernorm.weight"] = ckpt.get("model.norm.weight", (h,))
         if a.tie_word_embeddings:
             if not getattr(model, "pre_process", True):  # last stage keeps its own copy of the tied weight
-                out["output_layer.weight"] = shard(ckpt.get("model.embed_tokens.weight", (a.vocab_size, h)), 0, tp, rank)
+                put("output_layer.weight", model.output_layer, "weight",
+                    ckpt.get("model.embed_tokens.weight", (a.vocab_size, h)))
         else:
-            out["output_layer.weight"] = shard(ckpt.get("lm_head.weight", (a.vocab_size, h)), 0, tp, rank)
+            put("output_layer.weight", model.output_layer, "weight", ckpt.get("lm_head.weight", (a.vocab_size, h)))
     return out
 
 

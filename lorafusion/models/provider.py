@@ -137,61 +137,49 @@ def enable_lora_recompute(model: GPTModel) -> None:
         model.embedding.register_forward_hook(_requires_grad)
 
 
-def _global_param_names(model: torch.nn.Module):
-    """(layout-independent name, parameter, megatron kind) for every base parameter: decoder layers by
-    global layer number, the tied output layer under the embedding's name."""
+def _global_params(model: torch.nn.Module):
+    """(layout-independent name, parameter, its TP split) for every base parameter: decoder layers by global
+    layer number, the tied output layer under the embedding's name; the split is the owning module's
+    (:func:`lorafusion.layers.sharding.param_split`)."""
+    from lorafusion.layers.sharding import param_split
+
     tied = getattr(model, "share_embeddings_and_output_weights", False)
+    modules = dict(model.named_modules())
     for name, p in model.named_parameters():
         if "lora_" in name:
             continue
-        key, kind = name, ""
+        owner, _, attr = name.rpartition(".")
+        key = name
         if name.startswith("decoder.layers."):
             local, rest = name[len("decoder.layers."):].split(".", 1)
             key = f"layers.{model.decoder.layers[int(local)].layer_number}.{rest}"
-            kind = rest.split(".")[1] if rest.count(".") >= 2 else ""
         elif name == "output_layer.weight" and tied:
             key = "embedding.word_embeddings.weight"
-        yield key, p, kind
+        yield key, p, param_split(modules[owner], attr)
 
 
 def init_random_weights(model: torch.nn.Module, seed: int, std: float | None = None) -> None:
     """Deterministic random base weights (norm weights 1, biases 0; normal with ``std``, by default
     1/√hidden_size, which for LLaMA-8B-sized models is ≈0.016 and keeps tiny models' logits from being
-    flat). Each tensor is drawn whole from a
-    generator seeded by (seed, its layout-independent name) and then sliced to this rank's TP shard, so
-    every TP/PP layout holds the same model."""
-    from megatron.core import parallel_state
-
-    from lorafusion.models.layout import column_shard, shard
+    flat). Each tensor is drawn whole from a generator seeded by (seed, its layout-independent name) and
+    then cut to this rank's TP shard by its module's split, so every TP/PP layout holds the same model."""
     from lorafusion.core.seeds import mix_seed, name_key
+    from lorafusion.layers.sharding import tp_rank
 
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    rank = parallel_state.get_tensor_model_parallel_rank()
+    tp, rank = tp_rank()
     if std is None:
         std = model.config.hidden_size ** -0.5
     with torch.no_grad():
-        for key, p, kind in _global_param_names(model):
+        for key, p, split in _global_params(model):
             if key.endswith("layernorm.weight") or key.endswith("layer_norm_weight"):
                 p.fill_(1.0)
                 continue
             if key.endswith("bias"):
                 p.zero_()
                 continue
-            # TP sharding by role (Megatron sets partition attributes only when it initialises itself)
-            if kind in ("linear_proj", "linear_fc2"):
-                dim = 1
-            elif kind in ("linear_qkv", "linear_fc1") or key.startswith(("embedding.", "output_layer.")):
-                dim = 0
-            else:
-                dim = None
-            sharded = dim is not None and tp > 1
-            full_shape = list(p.shape)
-            if sharded:
-                full_shape[dim] *= tp
             # drawn on the parameter's device (a CUDA generator differs from the CPU one, but is the same
             # on every rank, which is what TP/PP consistency needs)
             gen = torch.Generator(device=p.device).manual_seed(mix_seed(seed, name_key(key)))
-            full = torch.randn(full_shape, generator=gen, device=p.device, dtype=torch.float32) * std
-            if sharded:
-                full = column_shard(kind, full, tp, rank) if dim == 0 else shard(full, dim, tp, rank)
-            p.copy_(full)
+            full = torch.randn(split.full_shape(tuple(p.shape), tp), generator=gen, device=p.device,
+                               dtype=torch.float32) * std
+            p.copy_(split.shard(full, tp, rank))

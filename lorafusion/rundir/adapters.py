@@ -120,3 +120,36 @@ def check_export_out(src: Path, out: Path, base: bool) -> None:
     if out.is_dir() and any((out / n).exists() for n in ("status.json", "summary.json", "checkpoints", ".lock")):
         raise ConfigError(f"{out}: --out is a lorafusion run directory; export replaces only exports, choose "
                           f"another path")
+
+
+# written into every export: `--force` replaces a directory holding it (an earlier export) and nothing else
+EXPORT_MARKER = ".lorafusion-export.json"
+
+
+def check_replace_out(out: Path, force: bool) -> None:
+    """An existing ``--out`` is replaced only with ``force`` and only when it is an earlier ``lorafusion export``
+    (a directory holding :data:`EXPORT_MARKER`) or an empty directory: never a user's own file or directory."""
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not force:
+        raise ConfigError(f"{out}: --out already exists; choose another path or pass --force to replace it "
+                          f"(an earlier lorafusion export only; atomically, once the new export is complete)")
+    if out.is_symlink() or not out.is_dir():
+        raise ConfigError(f"{out}: --out is {'a symlink' if out.is_symlink() else 'a file'}, not an earlier "
+                          f"lorafusion export; --force replaces only those: choose another path")
+    try:
+        empty = not any(out.iterdir())
+    except OSError as e:
+        raise ConfigError(f"{out}: cannot list --out ({e.strerror or e})") from None
+    if not empty and not (out / EXPORT_MARKER).is_file():
+        raise ConfigError(f"{out}: --out is not an earlier lorafusion export (no {EXPORT_MARKER}); --force "
+                          f"replaces only those: choose another path")
+
+
+def marked(fill, record: dict):
+    """``fill`` (for :func:`lorafusion.rundir.atomic.fill_dir_atomically`) that also writes the export marker."""
+    def fill_marked(tmp: Path) -> None:
+        fill(tmp)
+        (tmp / EXPORT_MARKER).write_text(json.dumps({"written_by": "lorafusion export", **record}, indent=2) + "\n")
+
+    return fill_marked

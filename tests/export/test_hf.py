@@ -117,8 +117,11 @@ def test_export_never_deletes_and_bad_input_is_one_line(run, capfd):
         assert len(err) == 1 and msg in err[0], (args, err)
     assert (tmp / "taken" / "keep").read_text() == "x"
     assert not any((tmp / f"n{i}").exists() for i in range(1, 6))
-    assert _export(out, "--base", "--out", tmp / "taken", "--force") == 0
-    assert (tmp / "taken" / "model.safetensors").is_file() and not (tmp / "taken" / "keep").exists()
+    assert _export(out, "--base", "--out", tmp / "taken", "--force") == 2  # a user's own directory: never replaced
+    assert "not an earlier lorafusion export" in capfd.readouterr().err and (tmp / "taken" / "keep").read_text() == "x"
+    assert _export(out, "--base", "--out", tmp / "b1") == 0
+    assert _export(out, "--job", "a", "--merged", "--out", tmp / "b1", "--force") == 0  # an earlier export: replaced
+    assert (tmp / "b1" / "model.safetensors").is_file() and (tmp / "b1" / ".lorafusion-export.json").is_file()
 
 
 def test_model_path_base_is_copied_and_merged_sharded(tmp_path, megatron_single):

@@ -164,7 +164,7 @@ def test_kv_cache_equals_full_recompute_and_leaves_training_untouched(preset_run
     sampled = run(False, temperature=0.9, top_p=0.9, seed=5)
     assert run(True, temperature=0.9, top_p=0.9, seed=5) == sampled != ref
     assert all(m.kv_cache is None for m in attention_modules(model))
-    assert not hasattr(model.config, "lorafusion_rope_positions")
+    assert model.config.rope_positions is None
     torch.testing.assert_close(logits(model, "beta"), before, rtol=0, atol=0)
 
 

@@ -65,18 +65,30 @@ def test_export_returns_the_final_adapter_says_which_and_never_deletes(tmp_path,
     assert _export(str(out), "--job", "a", "--out", str(tmp_path / "e2")) == 0
     assert (tmp_path / "e2" / "adapter_model.safetensors").read_bytes() == step4
     assert "latest checkpoint, step 4" in capsys.readouterr().err
-    # an existing --out is refused and left as it was; --force replaces it
+    # an existing --out is refused and left as it was; --force replaces an earlier export only (its marker),
+    # never a user's own directory, file or symlink (issue 29: no command replaces what it did not write)
     (tmp_path / "keep").mkdir()
     (tmp_path / "keep" / "mine.txt").write_text("precious")
     (tmp_path / "file.txt").write_text("precious")
-    for existing in ("keep", "file.txt"):
+    (tmp_path / "link").symlink_to(tmp_path / "e1")
+    for existing in ("keep", "file.txt", "link", "e1"):
         assert _export(str(out), "--job", "b", "--out", str(tmp_path / existing)) == 2
         assert "already exists" in capsys.readouterr().err
+    for existing, what in (("keep", "not an earlier lorafusion export"), ("file.txt", "is a file"),
+                           ("link", "is a symlink")):
+        assert _export(str(out), "--job", "b", "--out", str(tmp_path / existing), "--force") == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and what in err and "--force replaces only" in err, err
     assert (tmp_path / "keep" / "mine.txt").read_text() == "precious" and (tmp_path / "file.txt").is_file()
-    for existing in ("keep", "file.txt"):
-        assert _export(str(out), "--job", "b", "--out", str(tmp_path / existing), "--force") == 0
-        assert sorted(p.name for p in (tmp_path / existing).iterdir()) == ["adapter_config.json",
-                                                                          "adapter_model.safetensors"]
+    assert (tmp_path / "link").is_symlink() and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("."))\
+        == []  # no temporary left
+    assert _export(str(out), "--job", "b", "--out", str(tmp_path / "e1"), "--force") == 0  # an earlier export
+    assert sorted(p.name for p in (tmp_path / "e1").iterdir()) == [".lorafusion-export.json", "adapter_config.json",
+                                                                   "adapter_model.safetensors"]
+    assert (tmp_path / "e1" / "adapter_model.safetensors").read_bytes() != final  # job b's now
+    assert json.loads((tmp_path / "e1" / ".lorafusion-export.json").read_text())["job"] == "b"
+    (tmp_path / "empty").mkdir()
+    assert _export(str(out), "--job", "b", "--out", str(tmp_path / "empty"), "--force") == 0  # nothing to lose
     # a step directory of another job
     capsys.readouterr()
     assert _export(str(out / "checkpoints" / "a" / "step_000004"), "--job", "b", "--out", str(tmp_path / "e3")) == 2

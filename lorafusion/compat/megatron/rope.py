@@ -55,10 +55,11 @@ def apply_rope_positions_patch() -> None:
 
     Megatron's packed RoPE restarts positions at every ``cu_seqlens`` boundary, which is right for training
     (each sample starts at 0) but not for a decoding step whose rows continue cached sequences. While a
-    model's ``TransformerConfig`` carries ``lorafusion_rope_positions`` (a [t] long tensor, set only inside
+    model's ``TransformerConfig`` has ``rope_positions`` (a [t] long tensor: a field of
+    ``lorafusion.models.config.LoRAFusionConfig``, not None only inside
     :func:`lorafusion.inference.kv_cache.decoding`), a packed call rotates row ``i`` by ``freqs[positions[i]]``
     with Megatron's own math (what its thd path does per sample: the bshd rotation on gathered freqs);
-    without the attribute every call goes to the function it wraps, unchanged. Idempotent; re-wraps when
+    while it is None every call goes to the function it wraps, unchanged. Idempotent; re-wraps when
     something else was installed over it since (e.g. :func:`apply_packed_rope_patch` by a later model build),
     so call it right before decoding."""
     from megatron.core.transformer import attention
@@ -68,7 +69,7 @@ def apply_rope_positions_patch() -> None:
         return
 
     def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None):
-        positions = getattr(config, "lorafusion_rope_positions", None)
+        positions = getattr(config, "rope_positions", None)
         if positions is None or cu_seqlens is None or t.dim() != 3:
             return current(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
         from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd

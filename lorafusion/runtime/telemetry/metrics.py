@@ -1,5 +1,5 @@
 """Per-adapter metrics: ``metrics.jsonl`` (one object per optimizer step, one ``eval_loss`` object per
-evaluation), tensorboard scalars (the live view: :mod:`.progress`)."""
+evaluation), tensorboard scalars, W&B and MLflow when asked (the live view: :mod:`.progress`)."""
 
 from __future__ import annotations
 
@@ -38,12 +38,14 @@ def cut_metrics(path: Path, steps: dict[str, int]) -> None:
 
 class MetricsWriter:
     """Every step and eval row into ``metrics.jsonl``, and into the trackers the run asks for: tensorboard, and
-    Weights & Biases (``wandb``: a :class:`lorafusion.config.schema.WandbConfig`, offline unless it says online)."""
+    Weights & Biases (``wandb``: a :class:`lorafusion.config.schema.WandbConfig`, offline unless it says online) and
+    MLflow (``mlflow``: a :class:`lorafusion.config.schema.MlflowConfig`, a file store in the run unless it says)."""
 
-    def __init__(self, output_dir: Path, tensorboard: bool = True, wandb=None, config: dict | None = None):
+    def __init__(self, output_dir: Path, tensorboard: bool = True, wandb=None, config: dict | None = None,
+                 mlflow=None):
         self.path = RunDir(output_dir).metrics
         self._f = self.path.open("a", buffering=1)
-        self._tb = self._wandb = None
+        self._tb = self._wandb = self._mlflow = None
         self._rows = 0  # rows logged by this writer: the x axis of the run-wide scalars
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -54,11 +56,17 @@ class MetricsWriter:
 
             self._wandb = wb.init(project=wandb.project, mode=wandb.mode, name=wandb.name or Path(output_dir).name,
                                   dir=str(output_dir), config=config, reinit="finish_previous")
+        if mlflow is not None:
+            from lorafusion.runtime.telemetry.mlflow_tracker import MlflowTracker
+
+            self._mlflow = MlflowTracker(mlflow, output_dir, config)
 
     def _to_wandb(self, record: dict, keys: tuple[str, ...]) -> None:
         if self._wandb is not None:
             job = record["job"]
             self._wandb.log({f"{job}/{k}": record[k] for k in (*keys, "step") if record.get(k) is not None})
+        if self._mlflow is not None:
+            self._mlflow.log(record, keys)
 
     def log_step(self, record: dict) -> None:
         """record: {"job", "step", "loss", "tokens", "lr", "grad_norm", "skipped", "tokens_per_s", "max_memory_gib",
@@ -90,6 +98,8 @@ class MetricsWriter:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+        if self._mlflow is not None:
+            self._mlflow.close()
 
 
 def max_memory_gib() -> float:
