@@ -220,6 +220,26 @@ def lora_linear_ms(m: int, k: int, n: int) -> dict:
     return out
 
 
+def quant_variants(m: int) -> dict:
+    """ms of the row quantization of the long rows (fc1's dY with its column scale, fc2's X) per launch:
+    the shipped one (two loops over a row), one read from registers with 16 / 32 warps, two loops of 8k."""
+    if DEV != "cuda":
+        return {}
+    from lorafusion.kernels.fp8_quant import quantize_rows_triton
+
+    g = torch.Generator(device=DEV).manual_seed(9)
+    out = {}
+    for name, n, cs in (("fc1_dy", 28672, True), ("fc2_x", 14336, False)):
+        x = torch.randn(m, n, device=DEV, generator=g).to(torch.bfloat16)
+        c = torch.rand(n, device=DEV, generator=g) + 0.5 if cs else None
+        for var, kw in (("shipped", {}), ("one_read_w16", {"max_single": 1 << 16, "num_warps": 16}),
+                        ("one_read_w32", {"max_single": 1 << 16, "num_warps": 32}),
+                        ("two_loops_8k_w16", {"block": 8192, "num_warps": 16})):
+            out[f"{name}_{var}"] = cuda_ms(lambda x=x, c=c, kw=kw: quantize_rows_triton(x, F.E4M3, c, F.EPS, **kw))
+        del x
+    return out
+
+
 KINDS = (("quant", ("_quant_rows",)), ("transpose", ("_transpose_kernel",)),
          ("lora", ("_lora_gemm", "_shrink", "_ds_db", "_da_", "_da_kernel")),
          ("attention", ("flash", "fmha", "attn", "cudnn")),
@@ -241,7 +261,7 @@ def profile_step(model, batch, names) -> dict:
     by: dict = {}
     for ev in prof.key_averages():
         ms = getattr(ev, "device_time_total", getattr(ev, "cuda_time_total", 0)) / 1e3
-        if ms <= 0 or ev.key.startswith(("cuda", "Memcpy", "Memset")) and "Kernel" not in ev.key:
+        if ms <= 0 or ev.key.startswith("cuda"):  # runtime calls (host side)
             continue
         kind = next((kd for kd, pats in KINDS if any(pt in ev.key for pt in pats)), "other")
         by[kind] = by.get(kind, 0.0) + ms
@@ -269,6 +289,8 @@ def main() -> None:
         if DEV == "cuda":
             torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps(res, indent=1))
+    res["quant_variants_ms"] = quant_variants(args.tokens)
+    print("quant_variants", json.dumps(res["quant_variants_ms"]), flush=True)
     res["lora_linear"] = {}
     for name, (k, n) in SHAPES.items():
         res["lora_linear"][name] = lora_linear_ms(args.tokens, k, n)
