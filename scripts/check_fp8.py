@@ -177,7 +177,10 @@ def model_check(mb_tokens: int) -> dict:
         out[f"ms_fwd_bwd_{precision}"] = cuda_ms(lambda: step(model, batch, names), iters=3, warm=1)
         out[f"losses_{precision}"] = res[precision][0]
         if DEV == "cuda":
-            out[f"profile_{precision}"] = profile_step(model, batch, names)
+            try:
+                out[f"profile_{precision}"] = profile_step(model, batch, names)
+            except Exception as e:  # noqa: BLE001 - a profiler failure must not lose the measurements
+                out[f"profile_{precision}"] = {"error": repr(e)}
     out["fwd_bwd_speedup"] = out["ms_fwd_bwd_bf16"] / out["ms_fwd_bwd_fp8"]
     g16, g8 = res["bf16"][1], res["fp8"][1]
     cos = {k: float(torch.nn.functional.cosine_similarity(g8[k].flatten().double(), g16[k].flatten().double(),
@@ -289,7 +292,10 @@ def main() -> None:
         if DEV == "cuda":
             torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps(res, indent=1))
-    res["quant_variants_ms"] = quant_variants(args.tokens)
+    try:
+        res["quant_variants_ms"] = quant_variants(args.tokens)
+    except Exception as e:  # noqa: BLE001 - a variant that fails to launch must not lose the rest
+        res["quant_variants_ms"] = {"error": repr(e)}
     print("quant_variants", json.dumps(res["quant_variants_ms"]), flush=True)
     res["lora_linear"] = {}
     for name, (k, n) in SHAPES.items():
