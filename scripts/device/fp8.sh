@@ -43,19 +43,7 @@ gpu_tests() {
   echo "one-op tests rc=$? $((SECONDS-T0))s"; tail -3 "$L/gpu_tests.log"
   grep -v "DEBUG\|^$" "$L/gpu_tests.log" | tail -60 > "$OUT/gpu_tests.log"
 }
-quickstart() {
-for p in bf16 fp8; do
-  rm -rf "/tmp/qs-$p"
-  timeout "${QS_TIMEOUT:-170}" "$PY" -m lorafusion.cli train configs/quickstart.yaml output_dir="/tmp/qs-$p" \
-    model.dtype=bfloat16 model.base_precision="$p" logging.progress=false logging.tensorboard=false \
-    ${QS_ARGS:-} > "$L/qs-$p.log" 2>&1
-  echo "train $p rc=$? $((SECONDS-T0))s"
-  timeout 90 "$PY" -m lorafusion.cli generate "/tmp/qs-$p" --prompts configs/quickstart/heldout.jsonl \
-    --out "/tmp/qs-$p-heldout.jsonl" --max-new-tokens 12 >> "$L/qs-$p.log" 2>&1
-  echo "generate $p rc=$? $((SECONDS-T0))s"
-done
-timeout 60 "$PY" -m lorafusion.cli export /tmp/qs-fp8 --job successor --merged --out /tmp/qs-fp8-merged \
-  >> "$L/qs-fp8.log" 2>&1; echo "export rc=$?"
+qs_summary() {  # what the quickstart runs have written so far -> $OUT/quickstart.json
 "$PY" - > "$OUT/quickstart.json" <<'PY'
 import json, pathlib
 from lorafusion.inference.generate import expected_matches
@@ -71,6 +59,21 @@ if out["bf16"]["heldout"] and out["fp8"]["heldout"]:
                                   if a["output"] != b["output"]]
 print(json.dumps(out, indent=1))
 PY
+}
+quickstart() {
+for p in bf16 fp8; do
+  rm -rf "/tmp/qs-$p"
+  timeout "${QS_TIMEOUT:-170}" "$PY" -m lorafusion.cli train configs/quickstart.yaml output_dir="/tmp/qs-$p" \
+    model.dtype=bfloat16 model.base_precision="$p" logging.progress=false logging.tensorboard=false \
+    ${QS_ARGS:-} > "$L/qs-$p.log" 2>&1
+  echo "train $p rc=$? $((SECONDS-T0))s"
+  timeout 90 "$PY" -m lorafusion.cli generate "/tmp/qs-$p" --prompts configs/quickstart/heldout.jsonl \
+    --out "/tmp/qs-$p-heldout.jsonl" --max-new-tokens 12 >> "$L/qs-$p.log" 2>&1
+  echo "generate $p rc=$? $((SECONDS-T0))s"
+  qs_summary
+done
+timeout 60 "$PY" -m lorafusion.cli export /tmp/qs-fp8 --job successor --merged --out /tmp/qs-fp8-merged \
+  >> "$L/qs-fp8.log" 2>&1; echo "export rc=$?"
 echo "quickstart $((SECONDS-T0))s"
 cat "$L/qs-bf16.log" "$L/qs-fp8.log" | grep -v "DEBUG" | tail -40 > "$OUT/qs.log"
 grep -h -v -i "warn" "$L/qs-bf16.log" "$L/qs-fp8.log" | grep "loss\|expected\|exported\|rror" | head -20
