@@ -21,10 +21,13 @@ _ENVIRONMENT_ERRNOS = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, err
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-def _load(args):
+def _load(args, launch: bool = True):
     from lorafusion.config import load_run_config
 
-    return load_run_config(args.config, args.overrides)
+    cfg = load_run_config(args.config, args.overrides)
+    if launch or cfg.parallelism.dp == "auto":  # the layout against WORLD_SIZE before torch too (plan: dp only)
+        cfg.check_world_size()
+    return cfg
 
 
 def cmd_train(args) -> int:
@@ -106,7 +109,7 @@ def _plan_memory(args) -> int:
 def cmd_plan(args) -> int:
     if args.gpu_memory:  # the memory plan per stage for these GPU sizes: no data, no model, no GPU
         return _plan_memory(args)
-    cfg = _load(args)  # before torch is imported
+    cfg = _load(args, launch=False)  # before torch is imported
     from lorafusion.runtime.feed import Feed, scheduler_config
     from lorafusion.runtime.jobs import load_jobs
     from lorafusion.runtime.telemetry.report import stage_model, write_plan_report
@@ -114,11 +117,11 @@ def cmd_plan(args) -> int:
     out = Path(args.out) if args.out else Path(cfg.output_dir) / "plan"
     stage = stage_model(cfg)
     res = write_plan_report(Feed(load_jobs(cfg)[1], scheduler_config(cfg), dp_rank=None), out,
-                            max_chunks=args.windows, stage=stage)
+                            max_chunks=args.chunks, stage=stage)
     print(f"{'window':>6} {'jobs':>4} {'mbs':>5} {'noops':>5} {'fill':>6} {'imbal':>6} {'bubble':>7} {'plan_s':>7}")
-    for w in res["windows"]:
-        print(f"{w['window']:>6} {len(w['jobs']):>4} {w['microbatches']:>5} {w['noops']:>5} {w['fill']:>6.3f} "
-              f"{w['imbalance'] or 0:>6.3f} {w['simulated_bubble']:>7.3f} {w['plan_s']:>7.3f}")
+    for c in res["chunks"]:
+        print(f"{c['window']:>6} {len(c['jobs']):>4} {c['microbatches']:>5} {c['noops']:>5} {c['fill']:>6.3f} "
+              f"{c['imbalance'] or 0:>6.3f} {c['simulated_bubble']:>7.3f} {c['plan_s']:>7.3f}")
     charts = "" if any(f.endswith(".png") for f in res["files"]) else " (no chunk planned: no charts)"
     print("  (window: a chunk; noops: empty slots keeping a job's next batch behind its optimizer step; fill: mean share "
           "of the token capacity used;\n   imbal: largest microbatch / mean; bubble: simulated idle share of pipeline time)")
@@ -132,13 +135,13 @@ def _print_pipeline(cfg, stage, res, args, out: Path) -> None:
     from lorafusion.runtime.telemetry.report import steady_bubble, sweep_virtual
     from lorafusion.scheduler.stages import CALIBRATION
 
-    if cfg.parallelism.pp == 1 or (b := steady_bubble(res["windows"])) is None:
+    if cfg.parallelism.pp == 1 or (b := steady_bubble(res["chunks"])) is None:
         return
     print(f"pipeline: pp={cfg.parallelism.pp} virtual_stages={stage.virtual_stages} stage_layers={stage.split} "
           f"(output layer + loss = {stage.loss_layers:.2f} layers of work on the last)")
     print(f"simulated steady bubble {b[0]:.3f}, per stage {' '.join(f'{x:.3f}' for x in b[1])}  [{CALIBRATION}]")
     if args.virtual_sweep:
-        rows = sweep_virtual(cfg, args.virtual_sweep, args.windows, out / "sweep")
+        rows = sweep_virtual(cfg, args.virtual_sweep, args.chunks, out / "sweep")
         print(f"{'V':>3} {'split':>5} {'bubble':>7}  per stage / stage_layers")
         for r in rows:
             print(f"{r['virtual_stages']:>3} {r['split']:>5} {r['bubble']:>7.3f}  "
@@ -284,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="schedule a run's data and draw the plan (no model)")
     pl.add_argument("config")
     pl.add_argument("overrides", nargs="*")
-    pl.add_argument("--windows", type=_positive_int, default=20,
+    pl.add_argument("--windows", dest="chunks", type=_positive_int, default=20,
                     help="how many windows (chunks of scheduler.lookahead_batches global batches per job) to plan")
     pl.add_argument("--out", help="directory for tables and charts (default OUTPUT_DIR/plan)")
     pl.add_argument("--gpu-memory", metavar="SIZE[,SIZE...]",

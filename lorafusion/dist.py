@@ -59,6 +59,20 @@ def init_distributed(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str
     return {"rank": dist.get_rank(), "world": world, "tp": tp, "pp": pp, "dp": world // (tp * pp)}
 
 
+def multi_process() -> bool:
+    """Whether torch.distributed runs more than one process (what every collective of ours first asks)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def min_over_ranks(value: float, device="cuda") -> float:
+    """The smallest ``value`` of all ranks (an all-reduce on ``device`` when multi-process; else ``value``)."""
+    if not multi_process():
+        return value
+    t = torch.tensor([float(value)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return t.item()
+
+
 def share_from_rank0(value, group=None):
     """``value`` as global rank 0 has it, on every rank of ``group`` (collective; a single process: ``value``)."""
     if not (dist.is_initialized() and dist.get_world_size(group) > 1):

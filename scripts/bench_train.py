@@ -168,11 +168,16 @@ def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, o
     from lorafusion.config import load_run_config
     from lorafusion.runtime.trainer import Trainer
 
-    cfg = load_run_config(config, overrides + [f"output_dir={out}", "logging.progress=false",
-                                               "logging.tensorboard=false"]
-                          + [f"jobs.{i}.max_steps={steps}" for i in range(len(load_run_config(config).jobs))])
+    jobs = load_run_config(config).jobs  # (a warmup longer than the timed steps is refused: cut to them)
+    composed = overrides + [f"output_dir={out}", "logging.progress=false", "logging.tensorboard=false"] \
+        + [f"jobs.{i}.max_steps={steps}" for i in range(len(jobs))] \
+        + [f"jobs.{i}.optimizer.warmup_steps={min(j.optimizer.warmup_steps, steps)}" for i, j in enumerate(jobs)]
+    # each key once (the loader refuses a key given twice): the bench's own settings win over the command line's
+    cfg = load_run_config(config, list({o.partition("=")[0].strip(): o for o in composed}.values()))
     if only_job is not None:  # "scheduler off": this job alone through the same runtime
         cfg = cfg.model_copy(update={"jobs": [cfg.jobs[only_job]]})
+    from bench_jit import JitClock  # (scripts/ is on sys.path: this file runs as a script)
+
     clock, rec = ChunkClock(), BubbleRecorder()
     look = cfg.scheduler.lookahead_batches
     if warmup < 1 or warmup % look or steps <= warmup:
@@ -181,9 +186,13 @@ def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, o
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.reset_accumulated_memory_stats()
-    trainer = Trainer(cfg, background_planning=background,
-                      callbacks=[clock, rec] + ([profiler] if profiler is not None else []))
-    summary = trainer.run()
+    jit = JitClock()  # Triton compilations per chunk: a timed chunk that compiles is not steady state
+    try:
+        trainer = Trainer(cfg, background_planning=background,
+                          callbacks=[clock, rec, jit] + ([profiler] if profiler is not None else []))
+        summary = trainer.run()
+    finally:
+        jit.close()
     first_timed = warmup // look  # chunks hold `look` global batches per job: chunks before this are warm-up
     steady = [b for b in rec.values[first_timed:] if b is not None]
     per_rank = gather({"peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
@@ -209,7 +218,8 @@ def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, o
            "final_loss": {n: j["final_loss"] for n, j in summary["jobs"].items()},
            "steps_per_job": {n: j["steps"] for n, j in summary["jobs"].items()},
            "timed_steps_per_job": {n: len([r for r in timed if r["job"] == n]) for n in summary["jobs"]},
-           "parallelism": summary["parallelism"], "memory_plan": summary.get("memory_plan")}
+           "parallelism": summary["parallelism"], "memory_plan": summary.get("memory_plan"),
+           **jit.summary(first_timed)}
     if DIST or any(r["bubble_per_chunk"] for r in per_rank):
         res["peak_mem_gib_per_rank"] = [r["peak_mem_gib"] for r in per_rank]
         res["bubble_ratio_per_rank"] = [r["bubble_steady"] for r in per_rank]
@@ -245,7 +255,9 @@ def run_hf_peft(info: dict, batches: dict, warmup: int) -> dict:
     cls = transformers.LlamaConfig if arch.family == "llama" else transformers.Qwen2Config
     cfgd.pop("model_type"), cfgd.pop("architectures")
     hf_cfg = cls(**cfgd, attn_implementation="sdpa")
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[info["dtype"]]
+    from lorafusion.models.base import DTYPES
+
+    dtype = DTYPES[info["dtype"]]
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(dev):
         model = (transformers.LlamaForCausalLM if arch.family == "llama" else transformers.Qwen2ForCausalLM)(hf_cfg)

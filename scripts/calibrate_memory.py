@@ -36,6 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 CAPACITIES = (2048, 4096, 8192, 12288, 16384)
 ADAPTER_SETS = ((4, 16), (12, 16), (4, 64), (12, 64))  # (count, rank)
+GRADS_AT_PEAK = True
+INDEPENDENT_A = True  # LoRASpec's default layout (PEFT's: an A per fused projection); the H100 raw points predate it
 LENGTHS = (3072, 512, 1536, 256, 2048, 1024, 768)  # sample lengths cycled to fill a microbatch (max 4096)
 
 
@@ -130,18 +132,20 @@ def _attach(model, count: int, rank: int) -> dict:
     opts = {}
     for i in range(count):
         name = f"a{i}"
-        add_adapter(model, name, LoRASpec(r=rank, lora_alpha=2 * rank, lora_dropout=0.1, target_modules="all-linear"),
-                    seed=i)
+        add_adapter(model, name, LoRASpec(r=rank, lora_alpha=2 * rank, lora_dropout=0.1, target_modules="all-linear",
+                                          shared_fused_a=not INDEPENDENT_A), seed=i)
         opts[name] = AdapterOptimizer(list(adapter_parameters(model, name).values()), lr=1e-4, weight_decay=0.0,
                                       betas=(0.9, 0.999), eps=1e-8, schedule="constant", warmup_steps=0,
                                       total_steps=100, min_lr_ratio=0.0, max_grad_norm=1.0)
     return opts
 
 
-def _grid(shape: str, layers: int) -> list[dict]:
+def _grid(shape: str, layers: int, extra: tuple[int, ...] = ()) -> list[dict]:
+    """The grid of one shape; ``extra`` capacities (a larger GPU's) are added for the 8B shape."""
     rc = ("none", "half", "full")
+    caps = CAPACITIES + (tuple(extra) if shape == "8b" else ())
     pts = [dict(adapters=c, rank=r, recompute=m, capacity=cap, in_flight=1)
-           for c, r in ADAPTER_SETS for m in rc for cap in CAPACITIES]
+           for c, r in ADAPTER_SETS for m in rc for cap in caps]
     if shape == "8b":  # 1F1B stage 0 of a 2- and 3-stage pipeline: k microbatches in flight
         pts += [dict(adapters=4, rank=16, recompute=m, capacity=cap, in_flight=k)
                 for m, cap, k in (("none", 4096, 2), ("none", 8192, 2), ("half", 8192, 2), ("full", 8192, 2),
@@ -165,13 +169,14 @@ def measure(args) -> None:
     raw = {"device": torch.cuda.get_device_name(), "gpu_total_bytes": torch.cuda.mem_get_info()[1],
            "torch": torch.__version__, "commit": commit, "command": " ".join(["python"] + sys.argv), "points": []}
     shapes = [("8b", preset("llama3.1-8b")), ("70b-width", preset("llama3.1-70b", num_layers=args.layers_70b))]
+    shapes = [(name, arch) for name, arch in shapes if name in args.shapes.split(",")]
     for k, (shape, arch) in enumerate(shapes):
         t0 = time.perf_counter()
         deadline = t0 + (args.budget_s - (t0 - t_start)) / (len(shapes) - k)  # the time left, shared by the shapes
         model = build_model(arch, params_dtype=torch.bfloat16, recompute=True, device=dev, seed=1)
         model.train()
         build_s = time.perf_counter() - t0
-        pts = _grid(shape, arch.num_layers)
+        pts = _grid(shape, arch.num_layers, args.extra_capacities)
         current = None
         for p in sorted(pts, key=lambda p: (p["adapters"] * p["rank"], p["adapters"], p["rank"])):
             if time.perf_counter() > deadline:
@@ -183,7 +188,7 @@ def measure(args) -> None:
                 _set_recompute(model, "full", arch.num_layers)  # the first step creates the AdamW moments
                 _measure_point(model, optimizers, arch, dict(capacity=2048, in_flight=1), dev)
             n = _set_recompute(model, p["recompute"], arch.num_layers)
-            rec = dict(shape=shape, num_layers=arch.num_layers, recompute_layers=n, **p,
+            rec = dict(shape=shape, num_layers=arch.num_layers, recompute_layers=n, independent_a=INDEPENDENT_A, **p,
                        **_measure_point(model, optimizers, arch, p, dev))
             raw["points"].append(rec)
             print(json.dumps(rec), flush=True)
@@ -201,14 +206,15 @@ def _setup(pt: dict):
 
     base = "llama3.1-8b" if pt["shape"] == "8b" else "llama3.1-70b"
     arch = preset(base, num_layers=pt["num_layers"])
-    return MemorySetup(arch, tuple(AdapterShape(pt["rank"], dropout=0.1) for _ in range(pt["adapters"])))
+    a = AdapterShape(pt["rank"], dropout=0.1, independent_a=pt.get("independent_a", False))
+    return MemorySetup(arch, tuple(a for _ in range(pt["adapters"])))
 
 
 def predict(pt: dict, coeffs) -> float:
     from lorafusion.scheduler.memory import stage_memory
 
     return stage_memory(_setup(pt), 0, pt["capacity"], pt["recompute_layers"], coeffs,
-                        n_in_flight=pt["in_flight"], grads_before_backward=False).peak
+                        n_in_flight=pt["in_flight"], grads_before_backward=GRADS_AT_PEAK).peak
 
 
 def in_fit(pt: dict, subset: str) -> bool:
@@ -249,17 +255,19 @@ def fit(points: list[dict], subset: str):
 def fit_main(args) -> None:
     from dataclasses import asdict, replace
 
-    from lorafusion.scheduler.memory import COEFFICIENTS_FILE, GIB
+    from lorafusion.scheduler.memory import COEFFICIENTS_FILE, GIB, load_coefficients
 
     raws = [json.loads(Path(p).read_text()) for p in args.raw]
     points = [p for r in raws for p in r["points"] if not p.get("oom")]
-    coeffs = fit(points, args.subset)
+    check = args.coefficients is not None  # predict with committed coefficients: every point is held out
+    coeffs = load_coefficients(args.coefficients) if check else fit(points, args.subset)
+    held_out = (lambda p: True) if check else (lambda p: not in_fit(p, args.subset))
     rows = []
     for p in [p for r in raws for p in r["points"]]:
         pred = predict(p, coeffs)
         row = {k: p[k] for k in ("shape", "num_layers", "adapters", "rank", "recompute", "recompute_layers",
                                  "capacity", "in_flight")}
-        row.update(predicted_gib=round(pred / GIB, 3), held_out=not in_fit(p, args.subset))
+        row.update(predicted_gib=round(pred / GIB, 3), held_out=held_out(p))
         if p.get("oom"):
             row.update(oom=True, predicted_fits=pred * (1 + coeffs.margin_frac) < raws[0]["gpu_total_bytes"])
         else:
@@ -270,14 +278,17 @@ def fit_main(args) -> None:
     # what a plan keeps free over the prediction: 3% of it (the model's error) and the most the allocator's
     # reserved memory exceeded 1.03 x the prediction on any point (cached blocks, fragmentation), at least 1 GiB
     over = max((r["reserved_gib"] - 1.03 * r["predicted_gib"] for r in ok), default=0.0)
-    coeffs = replace(coeffs, margin_frac=0.03, margin_bytes=max(1.0, math.ceil(over * 10) / 10) * GIB,
-                     source=f"scripts/calibrate_memory.py on {raws[0]['device']} at {raws[0]['commit']} "
-                            f"(fit on {args.subset}: 2k/8k/16k, one microbatch; docs/results/memory-model.json)")
+    if not check:
+        coeffs = replace(coeffs, margin_frac=0.03, margin_bytes=max(1.0, math.ceil(over * 10) / 10) * GIB,
+                         source=f"scripts/calibrate_memory.py on {raws[0]['device']} at {raws[0]['commit']} "
+                                f"(fit on {args.subset}: 2k/8k/16k, one microbatch; docs/results/memory-model.json)")
     held = [abs(r["error_pct"]) for r in ok if r["held_out"]]
     summary = {"device": raws[0]["device"], "commit": raws[0]["commit"], "command": raws[0]["command"],
-               "torch": raws[0]["torch"], "coefficients": asdict(coeffs), "fit_subset": args.subset,
+               "torch": raws[0]["torch"], "coefficients": asdict(coeffs),
+               "fit_subset": "none (committed coefficients, every point held out)" if check else args.subset,
                "max_abs_error_pct_held_out": max(held, default=None), "held_out_points": len(held),
-               "within_7pct": sum(e <= 7 for e in held), "points": rows}
+               "within_7pct": sum(e <= 7 for e in held), "reserved_over_1.03_prediction_gib": round(over, 2),
+               "points": rows}
     for r in rows:
         print(f"{r['shape']:>9} L{r['num_layers']:<2} {r['adapters']:>2}x r{r['rank']:<2} {r['recompute']:>4} "
               f"C{r['capacity']:>5} k{r['in_flight']} pred {r['predicted_gib']:6.1f} meas "
@@ -297,11 +308,16 @@ def main() -> None:
     m.add_argument("--out", required=True)
     m.add_argument("--budget-s", type=float, default=330.0, help="stop starting points after this many seconds")
     m.add_argument("--layers-70b", type=int, default=10)
+    m.add_argument("--shapes", default="8b,70b-width", help="which shapes to measure (comma-separated)")
+    m.add_argument("--extra-capacities", type=lambda v: tuple(int(x) for x in v.split(",") if x), default=(),
+                   help="capacities added to the 8B shape's grid, e.g. 20480,24576 on a 141 GB GPU")
     f = sub.add_parser("fit")
     f.add_argument("raw", nargs="+")
     f.add_argument("--json", help="write grid, predicted, measured, error here")
     f.add_argument("--subset", choices=("8b", "both"), default="8b", help="fit on the 8B shape's points only "
                    "(the 70B-width shape all held out) or on both shapes'")
+    f.add_argument("--coefficients", help="check these coefficients (a memory_coefficients.json) instead of "
+                   "fitting: every point is held out")
     f.add_argument("--write-coefficients", action="store_true",
                    help="rewrite lorafusion/scheduler/memory_coefficients.json with the fit")
     args = ap.parse_args()

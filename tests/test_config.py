@@ -205,7 +205,7 @@ def test_relative_paths_resolve_against_containing_file_not_cwd(in_tmp, tmp_path
 
 def test_overrides(in_tmp):
     make_tree(in_tmp)
-    cfg = load_run_config("run.yaml", ["scheduler.token_capacity=2048", "seed=3", "jobs.0.optimizer.lr=1e-4",
+    cfg = load_run_config("run.yaml", ["seed=3", "jobs.0.optimizer.lr=1e-4",
                                        "jobs.rev.lora.target_modules=[q_proj, k_proj, v_proj]",
                                        "logging.log_every=5", "scheduler.token_capacity=auto",
                                        "jobs.0.num_epochs=2", "jobs.0.optimizer.betas=[0.8, 0.95]"])

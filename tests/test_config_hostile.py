@@ -102,3 +102,34 @@ def test_a_job_file_that_is_a_symlink_loop(tmp_path, monkeypatch):
     (tmp_path / "jobs" / "loop.yaml").symlink_to("loop.yaml")
     assert _error(run).startswith("run.yaml: jobs.0: jobs/loop.yaml: too many levels of symbolic links")
     assert yaml  # (imported for make_tree's users)
+
+
+def test_a_key_given_twice_in_overrides_is_refused_naming_it(tmp_path, monkeypatch):
+    """``seed=1 seed=2``: the last won silently (issue 29); the same key by index and by name, or a key inside a
+    mapping also set whole, is the same key."""
+    monkeypatch.chdir(tmp_path)
+    run = make_tree(tmp_path)
+    for overrides, words in ((["seed=1", "seed=2"], "override 'seed=2': seed is already set by override 'seed=1'"),
+                             (["jobs.0.lora.r=4", "jobs.rev.lora.r=8"], "jobs.0.lora.r is already set"),
+                             (["jobs.0.optimizer={lr: 0.1}", "jobs.0.optimizer.lr=0.2"], "jobs.0.optimizer.lr is "
+                              "already set by override 'jobs.0.optimizer={lr: 0.1}'")):
+        msg = _error(run, overrides)
+        assert msg.startswith("run.yaml: ") and words in msg and "give each key once" in msg, msg
+    assert load_run_config(run, ["seed=1", "jobs.0.lora.r=4", "jobs.rev.lora.lora_alpha=8"]).seed == 1
+    with pytest.raises(ConfigError, match="optimizer.lr is already set by override 'optimizer.lr=1'"):
+        load_job_config(tmp_path / "jobs" / "rev.yaml", ["optimizer.lr=1", "optimizer.lr=2"])
+
+
+def test_warmup_longer_than_the_job_is_refused(tmp_path, monkeypatch):
+    """warmup_steps > max_steps: the lr never reached its value, silently (HF and torchtune accept it too)."""
+    monkeypatch.chdir(tmp_path)
+    run = make_tree(tmp_path)
+    msg = _error(run, ["jobs.0.optimizer.warmup_steps=11"])
+    assert "jobs/rev.yaml: optimizer.warmup_steps: expected at most max_steps (10), got 11" in msg, msg
+    assert load_run_config(run, ["jobs.0.optimizer.warmup_steps=10"]).jobs[0].optimizer.warmup_steps == 10
+    # num_epochs: the job's steps are known once its data is read (5 samples / batch 4 = 1 step an epoch)
+    from lorafusion.runtime.jobs import load_jobs
+
+    cfg = load_run_config(run, ["jobs.0.max_steps=null", "jobs.0.num_epochs=2", "jobs.0.optimizer.warmup_steps=3"])
+    with pytest.raises(ConfigError, match="job 'rev': optimizer.warmup_steps: expected at most the job's 2 steps"):
+        load_jobs(cfg)

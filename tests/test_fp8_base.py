@@ -206,14 +206,14 @@ def test_fused_kernels_take_the_one_op_fp8_path_and_equal_the_torch_lora_path(me
             dy = torch.randn(T, 1, mod.weight_fp8.shape[0], generator=torch.Generator().manual_seed(2)).to(dtype)
             names = sorted(mod.lora_A)
             res = {}
-            for impl in ("fused", "reference"):
+            for impl in ("triton", "torch"):
                 get_lora_context(model).impl = impl
                 n0 = len(calls)
                 xi = x.clone().requires_grad_(True)
                 out, _ = mod(xi)
-                assert len(calls) == n0 + (impl == "fused"), key
+                assert len(calls) == n0 + (impl == "triton"), key
                 params = [xi, *[mod.lora_A[n] for n in names], *[mod.lora_B[n] for n in names]]
                 res[impl] = (out.detach(), *torch.autograd.grad(out, params, dy))
-            for got, want in zip(res["fused"], res["reference"], strict=True):
+            for got, want in zip(res["triton"], res["torch"], strict=True):
                 err = float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
                 assert err < tol, (key, err)

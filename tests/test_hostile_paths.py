@@ -117,3 +117,86 @@ def test_a_status_json_not_utf8_keeps_its_message(tmp_path, capsys):
     (tmp_path / "status.json").write_bytes(b"\xff\xfe")
     assert main(["status", str(tmp_path)]) == 2
     _one_line(capsys, "status", "not a readable run status ('utf-8' codec can't decode")
+
+
+def _rows_error(tmp_path, name: str, text: str) -> str:
+    from lorafusion.config.load import load_job_config
+    from lorafusion.data.dataset import DataError, read_rows
+
+    (tmp_path / name).write_text(text)
+    job = load_job_config(_job_yaml(tmp_path, ""), [f"dataset.path={tmp_path / name}"])
+    with pytest.raises(DataError) as e:
+        read_rows(job)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_json_array_row_with_a_duplicate_key_is_named(tmp_path, nested):
+    """A JSON array (not JSON lines) with a key twice in row 3 was read silently, the last value kept."""
+    rows = [json.dumps({"prompt": f"p{i}", "response": f"r{i}"}) for i in range(6)]
+    rows[3] = ('{"prompt": "a", "messages": [{"role": "u", "role": "v"}], "response": "x"}' if nested
+               else '{"prompt": "a", "prompt": "b", "response": "x"}')
+    msg = _rows_error(tmp_path, "d.json", "[" + ",\n".join(rows) + "]")
+    assert msg.endswith(f"d.json: row 3: duplicate key {'role' if nested else 'prompt'!r} (a key given twice; the "
+                        f"reader would keep the last)"), msg
+
+
+def test_a_bad_value_is_named_at_its_own_line_and_row(tmp_path):
+    """The reader named the row within a block of the file (row 26087 for row 90000 of a 33 MB file), or no row,
+    for a number where the rows before have a string (a blank line defeats its fallback) or over 64 bits."""
+    rows = [json.dumps({"prompt": f"p{i}", "response": f"r{i}"}) for i in range(6)]
+    rows[4] = json.dumps({"prompt": 5, "response": "x"})
+    msg = _rows_error(tmp_path, "rows.jsonl", "\n".join(rows[:1] + [""] + rows[1:]) + "\n")
+    assert msg.endswith("line 6 (row 4): field 'prompt': a number, where the rows before have a string"), msg
+    rows[4] = json.dumps({"prompt": "p", "response": 2 ** 70})
+    msg = _rows_error(tmp_path, "rows.jsonl", "\n".join(rows) + "\n")
+    assert msg.endswith("line 5 (row 4): field 'response': a number too large for 64 bits"), msg
+    msg = _rows_error(tmp_path, "d.json", "[" + ",".join(rows) + "]")
+    assert msg.endswith("d.json: cannot read as json: row 4: field 'response': a number too large for 64 bits"), msg
+
+
+def test_an_output_dir_that_cannot_be_created_is_one_error(tmp_path):
+    """output_dir=/proc/self/x (or under a file) was a FileNotFoundError traceback from the lock."""
+    from lorafusion.rundir.lock import OutputDirLock
+
+    (tmp_path / "f").write_text("x")
+    for out, why in (("/proc/self/x", "No such file or directory"), (str(tmp_path / "f" / "x"), "Not a directory")):
+        with pytest.raises(ConfigError, match=f"run.yaml: output_dir: cannot create .*{why}"):
+            OutputDirLock(__import__("pathlib").Path(out), "run.yaml").acquire(True)
+
+
+def _live_run(tmp_path, state: str):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "b").mkdir(parents=True)  # b: its first checkpoint being written (no complete one)
+    (run / ".lock").write_text("1\n")
+    (run / "status.json").write_text(json.dumps({"run": {"state": "running"}, "jobs": {
+        "a": {"state": state, "step": 3, "max_steps": 100}, "b": {"state": "running", "step": 2, "max_steps": 9}}}))
+    return run
+
+
+def test_export_of_a_live_job_before_its_first_checkpoint(tmp_path, capsys):
+    """It said "unknown job 'a'; the run's jobs: ..." (the live run's status.json was not asked)."""
+    from lorafusion.cli import main
+
+    run = _live_run(tmp_path, "running")
+    for job, where in (("a", "running at step 3"), ("b", "running at step 2")):
+        assert main(["export", str(run), "--job", job, "--out", str(tmp_path / "e")]) == 2
+        _one_line(capsys, "export", f"job {job!r} has no checkpoint yet ({where}): nothing to export yet")
+    assert main(["export", str(run), "--job", "c", "--out", str(tmp_path / "e")]) == 2
+    _one_line(capsys, "export", "unknown job 'c'; the run's jobs: a, b")
+    assert not (tmp_path / "e").exists()
+
+
+def test_cancel_twice_says_it_is_already_under_way(tmp_path, capsys):
+    """A second cancel said "cancel of job 'a' queued" again."""
+    from lorafusion.cli import main
+
+    run = _live_run(tmp_path, "running")
+    assert main(["cancel", str(run), "--job", "a"]) == 0
+    capsys.readouterr()
+    assert main(["cancel", str(run), "--job", "a"]) == 2
+    _one_line(capsys, "cancel", "a cancel of job 'a' is already queued (requests/", "-cancel-a.json)")
+    assert len(list((run / "requests").glob("*.json"))) == 1
+    run = _live_run(tmp_path / "2", "cancelling")  # the run took the first one
+    assert main(["cancel", str(run), "--job", "a"]) == 2
+    _one_line(capsys, "cancel", "job 'a' is already being cancelled: it leaves once its planned batches have run")

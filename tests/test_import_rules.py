@@ -7,7 +7,8 @@ functions included):
 - ``checkpoint``, ``export`` and ``inference`` never import ``runtime`` (nor cli); ``data`` never imports
   ``ops``, ``layers``, ``models`` or ``runtime``;
 - every package of ``lorafusion/`` has a rule; no file has more than 400 lines and no function outside
-  ``kernels`` more than 60 (the ones longer today are listed and may only shrink).
+  ``kernels`` more than 60 (an exception would be listed in LONG_FILES / LONG_FUNCTIONS and may only
+  shrink; there are none).
 
 ``test_the_rules_catch_violations`` plants a violation of each rule in a copy of the tree and checks it is seen.
 """
@@ -40,7 +41,7 @@ ALLOWED: dict[str, set[str]] = {
     "data": {"config"},
     "checkpoint": {"rundir", "export", "layers", "models", "dist"},
     "export": {"rundir", "layers", "models", "data", "dist", "config"},
-    "inference": {"rundir", "export", "checkpoint", "layers", "models", "data", "dist", "config"},
+    "inference": {"rundir", "export", "checkpoint", "ops", "layers", "models", "data", "dist", "config"},
     "runtime": {"config", "scheduler", "rundir", "data", "ops", "layers", "models", "dist", "checkpoint",
                 "export", "inference"},
     "cli": {"config", "scheduler", "rundir", "data", "models", "dist", "checkpoint", "export", "inference",
@@ -50,14 +51,8 @@ STRICT = {"core": set(), "compat": set(), "kernels": {"core"}}  # no LOW for the
 TORCH_FREE = ("config", "scheduler", "rundir")
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
 # files and functions longer than the limits today (issue 26): each may only shrink; new ones are refused
-LONG_FILES = {"lorafusion/config/load.py": 408}
-LONG_FUNCTIONS = {
-    "lorafusion/config/load.py:load_run_config": 75,
-    "lorafusion/core/arch.py:arch_from_hf_config": 61,
-    "lorafusion/models/provider.py:build_model": 62,
-    "lorafusion/models/spec.py:transformer_config": 73,
-    "lorafusion/scheduler/verify.py:sequence": 63,
-}
+LONG_FILES: dict[str, int] = {}  # (none left)
+LONG_FUNCTIONS: dict[str, int] = {}  # (none left)
 
 
 @functools.lru_cache(maxsize=None)

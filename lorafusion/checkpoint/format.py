@@ -24,12 +24,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from lorafusion.core.errors import MissingFileError
+from lorafusion.dist import multi_process
 from lorafusion.rundir.atomic import file_sha256, write_bytes, write_text_atomic
 from lorafusion.rundir.layout import best_checkpoint, latest_checkpoint, read_state, step_name
 
 
 def _barrier():
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if multi_process():
         dist.barrier()
 
 
@@ -39,39 +40,27 @@ def _rank_file() -> str:
 
 
 def save_job_checkpoint(job_dir: Path, step: int, *, adapter_params: dict[str, torch.Tensor], optimizer_state: dict,
-                        state: dict, write_adapter, keep_last: int | None = None) -> Path | None:
-    """Collective over all ranks. ``write_adapter(dir)`` exports the PEFT adapter (collective, rank 0 writes)."""
-    job_dir = Path(job_dir)
-    final, tmp = _step_dirs(job_dir, step)
-    rank0 = _rank0()
-    _make_tmp(job_dir, tmp, rank0)
-    try:
-        write_adapter(tmp / "adapter")
-        if parallel_state.get_data_parallel_rank() == 0:
-            _write_rank_file(tmp, {"adapter": {k: v.detach().cpu() for k, v in adapter_params.items()},
-                                   "optimizer": optimizer_state})
-        if rank0:
-            (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
-        _barrier()
-    except BaseException:
-        _drop_tmp(job_dir, tmp, rank0)
-        raise
-    if rank0:
-        _install(job_dir, final, tmp, keep_last)
+                        state: dict, adapter: tuple | None, keep_last: int | None = None) -> Path | None:
+    """The checkpoint written now (collective over all ranks): :func:`start_job_checkpoint`'s write run at
+    once, every rank returning once it is in place (rank 0 gets its path). ``adapter``: rank 0's
+    ``peft_adapter_snapshot`` of the job (collective; None elsewhere)."""
+    write = start_job_checkpoint(job_dir, step, adapter_params=adapter_params, optimizer_state=optimizer_state,
+                                 state=state, adapter=adapter, keep_last=keep_last)
+    final = write()
     _barrier()
-    return final if rank0 else None
+    return final
 
 
 def start_job_checkpoint(job_dir: Path, step: int, *, adapter_params: dict[str, torch.Tensor], optimizer_state: dict,
                          state: dict, adapter: tuple | None, keep_last: int | None = None,
                          wait_s: float = 600.0) -> Callable[[], Path | None]:
-    """:func:`save_job_checkpoint` in two halves, for a write that must not stall training. This call is
-    collective and quick: the temporary directory is made and this rank's tensors and optimizer state are
-    copied to host memory. It returns the write, which calls no collectives (a background thread runs it):
-    each writing rank's file appears in the temporary directory complete (renamed when written); rank 0 waits
-    up to ``wait_s`` for every model-parallel rank's file there (the synchronous path's barrier), writes the
-    adapter (``adapter``: rank 0's ``peft_adapter_snapshot``) and ``state.json``, and renames the
-    directory into place."""
+    """A job's checkpoint in two halves — the one writer, run at once by :func:`save_job_checkpoint` or on a
+    background thread for a write that must not stall training. This call is collective and quick: the
+    temporary directory is made and this rank's tensors and optimizer state are copied to host memory. It
+    returns the write, which calls no collectives: each writing rank's file appears in the temporary
+    directory complete (renamed when written); rank 0 waits up to ``wait_s`` for every model-parallel rank's
+    file there, writes the adapter (``adapter``: rank 0's ``peft_adapter_snapshot``) and ``state.json``, and
+    renames the directory into place."""
     from lorafusion.export.peft import write_peft_adapter
 
     job_dir = Path(job_dir)
@@ -87,7 +76,7 @@ def start_job_checkpoint(job_dir: Path, step: int, *, adapter_params: dict[str, 
     def write() -> Path | None:
         try:
             if writer:
-                _write_rank_file(tmp, host, atomic=True)
+                _write_rank_file(tmp, host)
             if not rank0:
                 return None
             write_peft_adapter(tmp / "adapter", *adapter)
@@ -134,17 +123,16 @@ def _drop_tmp(job_dir: Path, tmp: Path, rank0: bool) -> None:
             pass
 
 
-def _write_rank_file(tmp: Path, tensors: dict, atomic: bool = False) -> None:
+def _write_rank_file(tmp: Path, tensors: dict) -> None:
     """This model-parallel rank's file: serialised in memory, written by Python (a full disk or ``ulimit -f``
-    is an OSError naming the file; torch's own file writer raises an anonymous RuntimeError). ``atomic``:
-    written under a temporary name, then renamed (another process waits for it to appear)."""
+    is an OSError naming the file; torch's own file writer raises an anonymous RuntimeError), under a
+    temporary name, then renamed (rank 0 waits for it to appear)."""
     buf = io.BytesIO()
     torch.save(tensors, buf)
     target = tmp / _rank_file()
-    part = tmp / f".{target.name}.part" if atomic else target
+    part = tmp / f".{target.name}.part"
     write_bytes(part, buf.getbuffer())
-    if atomic:
-        os.replace(part, target)
+    os.replace(part, target)
 
 
 def _install(job_dir: Path, final: Path, tmp: Path, keep_last: int | None) -> None:

@@ -17,11 +17,11 @@ from lorafusion.rundir.states import JobStatus
 
 class JobCheckpoints:
     """Checkpoints of the jobs ``jobs`` (name -> job state with ``cfg``, ``steps``, ``stream``, ``optimizer``…)
-    of run ``cfg`` under ``OUTPUT_DIR/checkpoints/<job>/``. ``export(name, dir)`` writes a job's PEFT adapter.
-    Saving and loading are collective over all ranks."""
+    of run ``cfg`` under ``OUTPUT_DIR/checkpoints/<job>/``. ``snapshot(name)`` takes a job's PEFT adapter to
+    host memory (collective; rank 0 gets it). Saving and loading are collective over all ranks."""
 
-    def __init__(self, cfg, jobs: dict, model, export, *, is_logger: bool, allow_different_result: bool = False):
-        self.cfg, self.jobs, self.model, self.export, self.is_logger = cfg, jobs, model, export, is_logger
+    def __init__(self, cfg, jobs: dict, model, snapshot, *, is_logger: bool, allow_different_result: bool = False):
+        self.cfg, self.jobs, self.model, self.snapshot, self.is_logger = cfg, jobs, model, snapshot, is_logger
         self.allow_different_result = allow_different_result  # changed _PACKING settings: resumed anyway
         self.root = RunDir(cfg.output_dir).checkpoints
         self._fingerprints: dict[str, dict] = {}
@@ -52,6 +52,12 @@ class JobCheckpoints:
                 continue
             if self._saved_step.get(name) != js.steps and name in self._stream_states:
                 self.save(name, self._stream_states[name])
+
+    def halt(self, name: str, why: JobStatus) -> None:
+        """Pause job ``name`` for good (diverged or early stopped: no more batches, no more updates) and
+        checkpoint it now — the one way a job pauses (the trainer's divergence, the evaluator's early stop)."""
+        self.jobs[name].halt(why)
+        self.save_now(name)
 
     def save_now(self, name: str) -> None:
         """Checkpoint job ``name`` at the newest chunk boundary, saved at this step before or not."""
@@ -97,7 +103,7 @@ class JobCheckpoints:
         save_job_checkpoint(self.root / name, js.steps,
                             adapter_params=adapter_parameters(self.model, name),
                             optimizer_state=js.optimizer.state_dict(), state=self._state(name, stream_state),
-                            write_adapter=lambda d: self.export(name, d), keep_last=self.cfg.checkpoint.keep_last)
+                            adapter=self.snapshot(name), keep_last=self.cfg.checkpoint.keep_last)
         self._saved_step[name], self._saved_status[name] = js.steps, js.status
 
     def _state(self, name: str, stream_state: dict) -> dict:
@@ -196,12 +202,13 @@ class JobCheckpoints:
         """Resume every job that has a checkpoint: adapter, optimizer, data stream and counters."""
         import torch.distributed as dist
 
+        from lorafusion.dist import multi_process
         from lorafusion.layers import adapter_parameters
         from lorafusion.checkpoint.format import load_newest_usable
 
         for name, js in self.jobs.items():
             path, state, tensors, skipped = load_newest_usable(self.root / name)
-            if dist.is_initialized() and dist.get_world_size() > 1:  # every rank must resume the same step
+            if multi_process():  # every rank must resume the same step
                 steps = [None] * dist.get_world_size()
                 dist.all_gather_object(steps, None if path is None else path.name)
                 if len(set(steps)) > 1:

@@ -28,7 +28,8 @@ from lorafusion.config.yamlio import display as _display
 from lorafusion.config.yamlio import read_yaml as _read_yaml
 from lorafusion.config.init_from import check_init_from, fill_lora_from_init
 from lorafusion.config.yamlio import resolve_path as _resolve_path
-from lorafusion.config.yamlio import yaml_loader
+from lorafusion.config.overrides import parse_override as _parse_override
+from lorafusion.config.overrides import record_override
 from lorafusion.core.arch import PRESETS
 from lorafusion.core.errors import ConfigError
 
@@ -165,23 +166,6 @@ def _resolve_run_paths(raw: dict, base: Path, shown: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- overrides
-def _parse_override(item: str) -> tuple[list[str], Any]:
-    import yaml
-
-    if not isinstance(item, str) or "=" not in item:
-        raise ConfigError(f"override {item!r}: expected key=value (e.g. scheduler.token_capacity=8192)")
-    key, _, text = item.partition("=")
-    key = key.strip()
-    parts = key.split(".")
-    if not key or any(not p for p in parts):
-        raise ConfigError(f"override {item!r}: expected a dotted key such as jobs.0.optimizer.lr")
-    try:
-        value = yaml.load(text, Loader=yaml_loader()) if text.strip() else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override {item!r}: value is not valid YAML ({getattr(e, 'problem', e)})") from None
-    return parts, value
-
-
 def _apply_override(raw: dict, item: str, job_names: list[Any], root: type[BaseModel] = RunConfig) -> list[Any]:
     """Set a dotted key in ``raw`` (checked against the schema ``root``); returns the resolved location.
     ``jobs.<i>`` or ``jobs.<name>`` selects a job of a run."""
@@ -249,6 +233,31 @@ def _maybe_path(parts: list[str], value: Any, where: str) -> Any:
     return value
 
 
+def _load_jobs(raw: dict, run_abs: Path, run_shown: str) -> dict[int, tuple[str, list[Any]]]:
+    """Replace each job of ``raw["jobs"]`` given as a file by that job YAML's contents (paths resolved against
+    it; inline jobs against the run YAML). Returns the job sources: index → (display file, prefix in it)."""
+    sources: dict[int, tuple[str, list[Any]]] = {}
+    jobs = raw.get("jobs")
+    if not isinstance(jobs, list):
+        return sources
+    loaded = []
+    for i, item in enumerate(jobs):
+        if isinstance(item, str):
+            jpath = Path(_resolve_path(item, run_abs.parent, f"{run_shown}: jobs.{i}: "))
+            if not jpath.exists():
+                raise ConfigError(f"{run_shown}: jobs.{i}: file not found: {_display(jpath)} "
+                                  f"(expected a job YAML, relative to {_display(run_abs.parent) or '.'})")
+            job = _read_yaml(jpath, "an adapter job")
+            _resolve_job_paths(job, jpath.parent, f"{_display(jpath)}: ")
+            sources[i] = (_display(jpath), [])
+            loaded.append(job)
+        else:
+            _resolve_job_paths(item, run_abs.parent, f"{run_shown}: jobs.{i}.")
+            loaded.append(item)
+    raw["jobs"] = loaded
+    return sources
+
+
 # ----------------------------------------------------------------------------------------------- loading
 def load_run_config(path: str | os.PathLike, overrides: Sequence[str] = (), check_files: bool = True) -> RunConfig:
     """Read a run YAML (and the job YAMLs it lists), apply ``key=value`` overrides, validate (files: check_files).
@@ -261,25 +270,7 @@ def load_run_config(path: str | os.PathLike, overrides: Sequence[str] = (), chec
     run_abs = run_path.resolve()
     _resolve_run_paths(raw, run_abs.parent, run_shown)
 
-    # job sources: index → (display file, prefix inside that file)
-    sources: dict[int, tuple[str, list[Any]]] = {}
-    jobs = raw.get("jobs")
-    if isinstance(jobs, list):
-        loaded = []
-        for i, item in enumerate(jobs):
-            if isinstance(item, str):
-                jpath = Path(_resolve_path(item, run_abs.parent, f"{run_shown}: jobs.{i}: "))
-                if not jpath.exists():
-                    raise ConfigError(f"{run_shown}: jobs.{i}: file not found: {_display(jpath)} "
-                                      f"(expected a job YAML, relative to {_display(run_abs.parent) or '.'})")
-                job = _read_yaml(jpath, "an adapter job")
-                _resolve_job_paths(job, jpath.parent, f"{_display(jpath)}: ")
-                sources[i] = (_display(jpath), [])
-                loaded.append(job)
-            else:
-                _resolve_job_paths(item, run_abs.parent, f"{run_shown}: jobs.{i}.")
-                loaded.append(item)
-        raw["jobs"] = loaded
+    sources = _load_jobs(raw, run_abs, run_shown)
 
     def names() -> list[Any]:
         js = raw.get("jobs")
@@ -288,10 +279,9 @@ def load_run_config(path: str | os.PathLike, overrides: Sequence[str] = (), chec
     overridden: dict[str, str] = {}
     for item in overrides:
         try:
-            loc = _apply_override(raw, item, names())
+            record_override(overridden, _loc(_apply_override(raw, item, names())), item)
         except ConfigError as e:
             raise ConfigError(f"{run_shown}: {e}") from None
-        overridden[_loc(loc)] = item
 
     # duplicate names named with both files before pydantic sees them
     seen: dict[str, int] = {}
@@ -377,7 +367,7 @@ def load_job_config(path: str | os.PathLike, overrides: Sequence[str] = (), *,
     overridden: dict[str, str] = {}
     for item in overrides:  # the keys as the user typed them, e.g. optimizer.lr (not jobs.0.optimizer.lr)
         try:
-            overridden[_loc(_apply_override(raw, item, [], root=JobConfig))] = item
+            record_override(overridden, _loc(_apply_override(raw, item, [], root=JobConfig)), item)
         except ConfigError as e:
             raise ConfigError(f"{shown}: {e}") from None
 

@@ -248,6 +248,9 @@ class JobConfig(_Strict):
     def _stop_rule(self):
         if self.max_steps is None and self.num_epochs is None:
             raise ValueError("max_steps: expected max_steps or num_epochs (at least one), got neither")
+        if self.max_steps is not None and self.optimizer.warmup_steps > self.max_steps:  # (num_epochs: at load)
+            raise ValueError(f"optimizer.warmup_steps: expected at most max_steps ({self.max_steps}), got "
+                             f"{self.optimizer.warmup_steps}: the lr would never reach optimizer.lr")
         if self.eval_dataset is not None and self.eval_split is not None:
             raise ValueError("eval_split: expected eval_dataset (a file) or eval_split (a share of the training "
                              "file), not both")
@@ -294,6 +297,8 @@ class RunConfig(_Strict):
     parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
     kernels: Literal["auto", "fused", "reference"] = "auto"
+    """The LoRA ops' implementation: "fused" (the Triton kernels, CUDA only), "reference" (plain torch), "auto"
+    (fused on CUDA, reference elsewhere); internally "triton" / "torch" / None (:mod:`lorafusion.core.impls`)."""
     jobs: list[JobConfig] = Field(min_length=1)
     output_dir: str
     seed: int = Field(1234, ge=0, le=2**63 - 1)  # torch and Megatron take seeds of at most 64 bits

@@ -118,15 +118,11 @@ def _mapping(cfg, source: str) -> dict:
     return cfg
 
 
-def arch_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArch:
-    """Map a HF LlamaConfig / Qwen2Config dict to ``ModelArch`` (errors name the file and field)."""
-    mt = _mapping(cfg, source).get("model_type")
-    if mt not in ("llama", "qwen2"):
-        raise ConfigError(f"{source}: model_type: expected 'llama' or 'qwen2', got {mt!r}")
-
+def _check_numbers(cfg: dict, source: str) -> None:
+    """The numeric fields' types (e.g. "hidden_size": "64" would otherwise fail deep inside the model build)."""
     _ints = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
              "intermediate_size", "max_position_embeddings", "head_dim")
-    for key in _ints:  # e.g. "hidden_size": "64" would otherwise fail deep inside the model build
+    for key in _ints:
         v = cfg.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
             raise ConfigError(f"{source}: {key}: expected a positive integer, got {v!r}")
@@ -134,6 +130,29 @@ def arch_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArch:
         v = cfg.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)):
             raise ConfigError(f"{source}: {key}: expected a finite number, got {v!r}")
+
+
+def _rope_scaling(cfg: dict, source: str) -> RopeScaling | None:
+    """llama3 RoPE scaling from ``rope_scaling`` (or transformers 5's ``rope_parameters``); None without."""
+    rs = cfg.get("rope_scaling") or (cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict)
+                                     and cfg["rope_parameters"].get("rope_type", "default") != "default"
+                                     else None)
+    if not rs:
+        return None
+    rtype = rs.get("rope_type", rs.get("type"))
+    if rtype != "llama3":
+        raise ConfigError(f"{source}: rope_scaling.rope_type: expected 'llama3' (or no scaling), got {rtype!r}")
+    return RopeScaling(factor=float(rs["factor"]), low_freq_factor=float(rs["low_freq_factor"]),
+                       high_freq_factor=float(rs["high_freq_factor"]),
+                       original_max_position_embeddings=int(rs["original_max_position_embeddings"]))
+
+
+def arch_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArch:
+    """Map a HF LlamaConfig / Qwen2Config dict to ``ModelArch`` (errors name the file and field)."""
+    mt = _mapping(cfg, source).get("model_type")
+    if mt not in ("llama", "qwen2"):
+        raise ConfigError(f"{source}: model_type: expected 'llama' or 'qwen2', got {mt!r}")
+    _check_numbers(cfg, source)
 
     def need(key):
         if key not in cfg:
@@ -147,17 +166,7 @@ def arch_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArch:
         raise ConfigError(f"{source}: mlp_bias: expected false (MLP biases are not supported)")
     if mt == "llama" and cfg.get("attention_bias"):
         raise ConfigError(f"{source}: attention_bias: expected false for llama (o_proj bias is not supported)")
-    rs = cfg.get("rope_scaling") or (cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict)
-                                     and cfg["rope_parameters"].get("rope_type", "default") != "default"
-                                     else None)
-    scaling = None
-    if rs:
-        rtype = rs.get("rope_type", rs.get("type"))
-        if rtype != "llama3":
-            raise ConfigError(f"{source}: rope_scaling.rope_type: expected 'llama3' (or no scaling), got {rtype!r}")
-        scaling = RopeScaling(factor=float(rs["factor"]), low_freq_factor=float(rs["low_freq_factor"]),
-                              high_freq_factor=float(rs["high_freq_factor"]),
-                              original_max_position_embeddings=int(rs["original_max_position_embeddings"]))
+    scaling = _rope_scaling(cfg, source)
     theta = cfg.get("rope_theta")
     if theta is None and isinstance(cfg.get("rope_parameters"), dict):
         theta = cfg["rope_parameters"].get("rope_theta")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,8 +132,11 @@ def read_rows(job: JobConfig, section: str = "dataset") -> Any:
                                        cache_dir=cache, **kwargs)
         except Exception as e:  # noqa: BLE001 - datasets raises many types; all mean "unreadable"
             msg = _diagnose_json(path) if builder == "json" else None
+            # (the reader's "in row N" counts within a block of the file, not from its start: left out)
             raise DataError(f"{where}: cannot read as {ds_cfg.file_type or builder}: "
-                            f"{msg or _first_line(e)}") from None
+                            f"{msg or re.sub(r' in row [0-9]+', '', _first_line(e))}") from None
+    if builder == "json" and (msg := _duplicate_in_document(path)):  # a JSON document: the reader kept the last
+        raise DataError(f"{where}: {msg}")
     if ds.num_rows == 0:
         raise DataError(f"{where}: empty dataset (0 rows)")
     return ds
@@ -169,6 +173,40 @@ def _unique_keys(pairs: list) -> dict:
     return dict(pairs)
 
 
+class _Obj(dict):
+    dup: str | None = None  # the first key given twice in this object or one inside it
+
+
+def _flag_duplicates(pairs: list) -> _Obj:
+    obj, keys = _Obj(pairs), [k for k, _ in pairs]
+    inner = [x for v in obj.values() for x in (v if isinstance(v, list) else [v]) if isinstance(x, _Obj) and x.dup]
+    obj.dup = next((k for k in keys if keys.count(k) > 1), None) or (inner[0].dup if inner else None)
+    return obj
+
+
+def _duplicate_in_document(path: Path) -> str | None:
+    """A JSON array of rows (not JSON lines) read whole keeps the last of a key given twice, silently: which row."""
+    with open(path, "rb") as f:
+        if f.read(64).lstrip()[:1] != b"[":
+            return None
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_flag_duplicates)
+    except ValueError:
+        return None
+    for i, row in enumerate(rows if isinstance(rows, list) else []):
+        if isinstance(row, _Obj) and row.dup is not None:
+            return f"row {i}: duplicate key {row.dup!r} (a key given twice; the reader would keep the last)"
+    return None
+
+
+def _big_int(obj) -> str | None:
+    """A key of ``obj`` (a row) whose integer is outside 64 bits (the reader fails on it, naming no row)."""
+    for k, v in obj.items():
+        if isinstance(v, int) and not isinstance(v, bool) and not -(1 << 63) <= v < (1 << 63):
+            return k
+    return None
+
+
 def _diagnose_json(path: Path) -> str | None:
     """Find the first invalid line of a JSON-lines file (or the error of a JSON document)."""
     try:
@@ -176,10 +214,13 @@ def _diagnose_json(path: Path) -> str | None:
     except (OSError, UnicodeDecodeError) as e:
         return str(e)
     try:
-        json.loads(text, object_pairs_hook=_unique_keys)
-        return None
+        doc = json.loads(text, object_pairs_hook=_unique_keys)
+        rows = [r for r in (doc if isinstance(doc, list) else [doc]) if isinstance(r, dict)]
+        big = [(i, k) for i, r in enumerate(rows) if (k := _big_int(r))]
+        return f"row {big[0][0]}: field {big[0][1]!r}: a number too large for 64 bits" if big else None
     except ValueError:
         pass
+    row, kinds = -1, {}
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -190,7 +231,17 @@ def _diagnose_json(path: Path) -> str | None:
             return f"line {n}{col}: invalid JSON ({getattr(e, 'msg', e)})"
         if not isinstance(obj, dict):
             return f"line {n}: expected a JSON object per line, got {type(obj).__name__}"
+        row += 1
+        if key := _big_int(obj):
+            return f"line {n} (row {row}): field {key!r}: a number too large for 64 bits"
+        for k, v in obj.items():  # the reader fails on a field's JSON type changing (when it cannot fall back)
+            if v is not None and kinds.setdefault(k, _json_kind(v)) != _json_kind(v):
+                return f"line {n} (row {row}): field {k!r}: {_json_kind(v)}, where the rows before have {kinds[k]}"
     return None
+
+
+def _json_kind(v) -> str:
+    return {str: "a string", bool: "a boolean", list: "a list", dict: "an object"}.get(type(v), "a number")
 
 
 def _field(row_value: Any, name: str, where: str) -> str:

@@ -26,8 +26,9 @@ from lorafusion.layers.fused_proj import merge_rows, split_rows
 from lorafusion.layers.inject import add_adapter, get_lora_context, lora_modules
 from lorafusion.core.targets import PEFT_GROUPS, resolve_target_modules, to_peft_target_modules
 from lorafusion.layers.sharding import TPSplit, tp_rank
-from lorafusion.models.layout import qkv_merge, qkv_split
+from lorafusion.models.hf_layout import qkv_merge, qkv_split
 from lorafusion.core.arch import ModelArch
+from lorafusion.dist import multi_process
 from lorafusion.rundir.atomic import write_bytes, write_dir_atomically
 
 _PARENT = {"linear_qkv": "self_attn", "linear_proj": "self_attn", "linear_fc1": "mlp", "linear_fc2": "mlp"}
@@ -36,10 +37,6 @@ _PREFIX = "base_model.model.model.layers"
 
 def _peft_key(layer: int, peft_module: str, kind: str, ab: str) -> str:
     return f"{_PREFIX}.{layer}.{_PARENT[kind]}.{peft_module}.lora_{ab}.weight"
-
-
-def _dist() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _gather_tp(t: torch.Tensor, split: TPSplit) -> torch.Tensor:
@@ -87,7 +84,7 @@ def adapter_peft_state(model, name: str, arch: ModelArch, grad: bool = False) ->
         for peft_module, b_part in zip(PEFT_GROUPS[kind], bs, strict=True):
             local[_peft_key(layer, peft_module, kind, "A")] = a.cpu().clone()
             local[_peft_key(layer, peft_module, kind, "B")] = b_part.cpu().contiguous().clone()
-    if not _dist():
+    if not multi_process():
         return local
     # One copy per pipeline stage is enough: gather from TP rank 0 of DP rank 0 of every stage.
     gathered = [None] * dist.get_world_size()

@@ -252,14 +252,20 @@ def _forward(model, jobs, seqs: Sequence[Sequence[int]], positions: torch.Tensor
 
     from lorafusion.layers import lora_batch
 
+    from lorafusion.ops.tables import to_device  # pinned + non-blocking: no stream sync per copy
+
     counts = [len(s) for s in seqs]
-    cu = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
-    rope_len = int(positions.max()) + 1
-    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu.to(device), cu_seqlens_kv=cu.to(device),
-                          max_seqlen_q=rope_len, max_seqlen_kv=rope_len)
-    tokens = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=device)[None]
+    cu_host = torch.tensor([0, *counts], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    rope_len = int(positions.max()) + 1  # (positions: a host tensor)
+    cu = to_device(cu_host, device) if device is not None else cu_host
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=rope_len,
+                          max_seqlen_kv=rope_len)
+    host = torch.tensor([t for s in seqs for t in s] + (cu_host[1:] - 1).tolist() + positions.tolist(),
+                        dtype=torch.long)  # tokens, each sequence's last row, positions: one copy
+    both = to_device(host, device) if device is not None else host
+    n = host.numel() - len(seqs) - positions.numel()
+    tokens, last, pos = both[:n][None], both[n:n + len(seqs)], both[n + len(seqs):]
     routing, names = _routing(jobs, counts)
-    last = (cu[1:] - 1).to(device, torch.long)
 
     def last_rows_only(_module, args, kwargs):  # the output layer sees each sequence's last row, not [T, V]
         return (args[0].index_select(0, last), *args[1:]), kwargs
@@ -267,7 +273,7 @@ def _forward(model, jobs, seqs: Sequence[Sequence[int]], positions: torch.Tensor
     hook = model.output_layer.register_forward_pre_hook(last_rows_only, with_kwargs=True)
     try:
         with lora_batch(model, routing, names):
-            logits = model(tokens, positions.to(device)[None], attention_mask=None, packed_seq_params=psp)
+            logits = model(tokens, pos[None], attention_mask=None, packed_seq_params=psp)
     finally:
         hook.remove()
     return logits[0].float()

@@ -67,14 +67,17 @@ class KVCache:
         return positions
 
     def _set_plan(self, kind, slots, counts, rows_slot, positions, **extra) -> None:
+        from lorafusion.ops.tables import to_device  # pinned + non-blocking: no stream sync per copy
+
         dev = self.device
-        plan = {"kind": kind, "slots": slots, "counts": counts, "rows_slot": rows_slot.to(dev),
-                "positions": positions.to(dev), **extra}
+        plan = {"kind": kind, "slots": slots, "counts": counts, "rows_slot": to_device(rows_slot, dev),
+                "positions": to_device(positions, dev), **extra}
         if kind == "decode":
             plan["slots_t"] = plan["rows_slot"]
-            plan["key_mask"] = (torch.arange(extra["kv_len"])[None, :] <= positions[:, None]).to(dev)[:, None, None, :]
+            plan["key_mask"] = (torch.arange(extra["kv_len"], device=dev)[None, :]
+                                <= plan["positions"][:, None])[:, None, None, :]
         if "cu" in plan:
-            plan["cu"] = plan["cu"].to(dev)
+            plan["cu"] = to_device(plan["cu"], dev)
         self._plan = plan
         for cfg in self._configs:
             cfg.rope_positions = plan["positions"]

@@ -50,8 +50,9 @@ class LoRAContext:
     """Model-wide adapter registry plus the routing of the microbatch being run.
 
     ``batch_adapters[slot]`` names the adapter of routing slot ``slot``; ``seeds[slot]`` is that
-    adapter's dropout seed for this microbatch (each layer mixes in its own key). ``impl`` and
-    ``main_gemm`` choose the LoRA compute (None: automatic / the kernels' default); ``tables`` keeps the
+    adapter's dropout seed for this microbatch (each layer mixes in its own key). ``impl`` ("triton" |
+    "torch", :mod:`lorafusion.core.impls`) and ``main_gemm`` choose the LoRA compute (None: automatic / the
+    kernels' default); ``tables`` keeps the
     kernels' device tables across the layers and microbatches of this model.
 
     Per microbatch and set of adapters present in a layer, the first layer that runs builds every
@@ -267,14 +268,14 @@ class _LoRAMixin:
         largs = self._lora_args(input_)
         if largs is None:
             return self._base_forward(input_, *args, **kwargs)
-        one_op = self._tp()[0] == 1 and not args and not kwargs and ops.resolve_impl(input_, self.lora_ctx.impl) == "fused"
+        one_op = self._tp()[0] == 1 and not args and not kwargs and ops.resolve_impl(input_, self.lora_ctx.impl) == "triton"
         if one_op and is_fp8(self):  # the FP8 base GEMM with the LoRA term added into its output in place
             return fp8_fused_forward(self, input_, largs)
         if self.weight is not None and one_op:
             routing, a, b, scaling, p, seeds, seed_table = largs
             bias = None if self.skip_bias_add or self.bias is None else self.bias
             ctx = self.lora_ctx
-            y = ops.multi_lora_linear(input_, self.weight, bias, a, b, scaling, p, seeds, routing, impl="fused",
+            y = ops.multi_lora_linear(input_, self.weight, bias, a, b, scaling, p, seeds, routing, impl="triton",
                                       cache=ctx.tables, seed_table=seed_table, main_gemm=ctx.main_gemm)
             return y, (self.bias if self.skip_bias_add else None)
         out, bias = self._base_forward(input_, *args, **kwargs)

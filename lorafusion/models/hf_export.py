@@ -1,7 +1,7 @@
 """lorafusion model → HF LLaMA / Qwen2 checkpoint directory (the inverse of :mod:`lorafusion.models.hf_import`).
 
 :func:`hf_state_from_model` maps a whole model (TP = 1, PP = 1) to HF tensor names: ``linear_qkv`` is split
-back into q/k/v with :func:`~lorafusion.models.layout.qkv_split`, ``linear_fc1`` into gate/up.
+back into q/k/v with :func:`~lorafusion.models.hf_layout.qkv_split`, ``linear_fc1`` into gate/up.
 :func:`write_hf_weights` writes (name, tensor) pairs as ``model.safetensors``, or as shards plus
 ``model.safetensors.index.json`` once they exceed ``max_shard_bytes``, one shard in memory at a time.
 """
@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from lorafusion.core.arch import ModelArch
-from lorafusion.models.layout import qkv_split
+from lorafusion.models.hf_layout import qkv_split
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3  # transformers' save_pretrained default
 

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from lorafusion.core.errors import ConfigError, MissingFileError, MissingTensorError
 from lorafusion.layers.sharding import param_split, tp_rank
-from lorafusion.models.layout import qkv_merge
+from lorafusion.models.hf_layout import qkv_merge
 from lorafusion.core.arch import ModelArch, arch_from_hf_config
 
 

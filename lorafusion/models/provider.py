@@ -33,12 +33,10 @@ def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, p
                 base_precision: str = "bf16", **config_overrides) -> GPTModel | ModelChunks:
     """Build this pipeline stage's ``GPTModel`` (requires ``parallel_state`` to be initialised).
 
-    Base weights are frozen (``requires_grad=False``); initialise them with :mod:`lorafusion.models.hf_import`
-    or :func:`init_random_weights`. ``fused_ops``: "off", "torch" or "triton" (see the module docstring);
-    ``None`` = "triton" when ``device`` is CUDA, else "off". The choice is recorded as
-    ``model.config.fused_ops``. ``sequence_parallel`` (tp > 1): Megatron's sequence parallelism; the
-    norms are then :class:`~lorafusion.models.fused.rms_norm.RMSNorm` even with ``fused_ops="off"`` (its
-    "torch" implementation, ``F.rms_norm`` as ``torch.nn.RMSNorm``), since Megatron's ``WrappedTorchNorm``
+    Base weights are frozen and drawn by :func:`init_random_weights` (HF weights: :mod:`.hf_import`).
+    ``fused_ops``: "off", "torch" or "triton" (module docstring; None: "triton" on CUDA, else "off"), recorded
+    as ``model.config.fused_ops``. ``sequence_parallel`` (tp > 1): Megatron's sequence parallelism; the norms
+    are then our RMSNorm ("torch": ``F.rms_norm``) even with "off", since Megatron's ``WrappedTorchNorm``
     refuses SP. ``base_precision``: "fp8" quantizes the decoder linears after init (:mod:`..layers.fp8_base`).
 
     With Megatron's virtual pipeline (``parallel_state`` initialised with V model chunks per rank) this rank's

@@ -10,6 +10,46 @@ from lorafusion.core.arch import ModelArch
 from lorafusion.core.errors import ConfigError
 
 
+# the settings every model of ours shares: LLaMA/Qwen2 blocks (RMSNorm, SwiGLU, no linear biases but qkv's), no
+# dropout in the frozen base (LoRA dropout is per adapter), no fusions of Apex/TE, weights initialised by us
+# (models.provider.init_random_weights or HF import), packed variable-length microbatches, per-token loss
+_FIXED = dict(
+    normalization="RMSNorm",
+    gated_linear_unit=True,
+    activation_func=torch.nn.functional.silu,
+    add_bias_linear=False,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    bias_activation_fusion=False,
+    bias_dropout_fusion=False,
+    masked_softmax_fusion=False,
+    persist_layer_norm=False,
+    apply_rope_fusion=False,
+    gradient_accumulation_fusion=False,
+    use_cpu_initialization=True,
+    perform_initialization=False,
+    deallocate_pipeline_outputs=False,
+    variable_seq_lengths=True,
+    calculate_per_token_loss=True,
+    moe_token_dispatcher_type="alltoall",
+)
+
+
+def _recompute(recompute: bool, recompute_layers: int | None, stage_max: int, virtual_stages: int) -> dict:
+    """Megatron's recompute settings: none, every layer, or the first ``recompute_layers`` of each stage."""
+    if recompute_layers is not None and not recompute:
+        raise ConfigError(f"model.recompute_layers: {recompute_layers} needs model.recompute: true")
+    if recompute and recompute_layers is not None:
+        if recompute_layers > stage_max:
+            raise ConfigError(f"model.recompute_layers: {recompute_layers} is more than the "
+                              f"{stage_max} decoder layers of a pipeline stage"
+                              f"{'' if virtual_stages == 1 else ' (model chunk)'}")
+        return dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=recompute_layers)
+    if recompute:
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return {}
+
+
 def transformer_config(arch: ModelArch, params_dtype: torch.dtype = torch.float32, *, tp: int = 1, pp: int = 1,
                        recompute: bool = False, recompute_layers: int | None = None, sequence_parallel: bool = False,
                        stage_layers: Sequence[int] | None = None, virtual_stages: int = 1, **overrides):
@@ -34,45 +74,19 @@ def transformer_config(arch: ModelArch, params_dtype: torch.dtype = torch.float3
         ffn_hidden_size=arch.ffn_hidden_size,
         kv_channels=arch.kv_channels,
         layernorm_epsilon=arch.norm_eps,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         sequence_parallel=sequence_parallel,
-        use_cpu_initialization=True,
-        perform_initialization=False,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         pipeline_dtype=params_dtype,
         autocast_dtype=params_dtype,
-        deallocate_pipeline_outputs=False,
-        variable_seq_lengths=True,
-        calculate_per_token_loss=True,
-        moe_token_dispatcher_type="alltoall",
         cuda_graph_scope=[],  # megatron's default "full" warns "full scope is deprecated"; [] is the same
+        **_FIXED,
+        **_recompute(recompute, recompute_layers, stage_max, virtual_stages),
     )
-    if recompute_layers is not None and not recompute:
-        raise ConfigError(f"model.recompute_layers: {recompute_layers} needs model.recompute: true")
-    if recompute and recompute_layers is not None:
-        if recompute_layers > stage_max:
-            raise ConfigError(f"model.recompute_layers: {recompute_layers} is more than the "
-                              f"{stage_max} decoder layers of a pipeline stage"
-                              f"{'' if virtual_stages == 1 else ' (model chunk)'}")
-        kw.update(recompute_granularity="full", recompute_method="block", recompute_num_layers=recompute_layers)
-    elif recompute:
-        kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     kw.update(split)
     kw.update(overrides)
     return LoRAFusionConfig(arch=arch, **kw)

@@ -1,4 +1,4 @@
-"""Autograd Functions over the Triton FusedLoRA / FusedMultiLoRA kernels (``impl="fused"``).
+"""Autograd Functions over the Triton FusedLoRA / FusedMultiLoRA kernels (``impl="triton"``).
 
 Same contracts as :mod:`lorafusion.ops.reference` (see :func:`lorafusion.ops.multi_lora_delta`):
 

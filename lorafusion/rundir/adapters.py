@@ -16,11 +16,23 @@ def run_jobs(src: Path) -> list[str]:
     run = RunDir(src)
     names = {p.name for d in (run.adapters, run.checkpoints) if d.is_dir() for p in d.iterdir()
              if p.is_dir() and not p.name.startswith(".")}
-    try:
-        names |= set(json.loads(run.summary.read_text()).get("jobs", {}))
-    except (OSError, json.JSONDecodeError, AttributeError):
-        pass
+    for record in (run.summary, run.status):  # (a live run's jobs are in its status before any file is written)
+        try:
+            names |= {n for n in json.loads(record.read_text()).get("jobs", {}) if isinstance(n, str)}
+        except (OSError, ValueError, AttributeError, TypeError):
+            pass
     return sorted(names)
+
+
+def _nothing_yet(src: Path, job: str) -> str | None:
+    """Why a job that the run's status.json lists has nothing to export: it has no complete checkpoint yet."""
+    try:
+        row = json.loads(RunDir(src).status.read_text())["jobs"][job]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    where = f"{row.get('state')} at step {row.get('step')}" if isinstance(row, dict) else "listed in status.json"
+    return (f"{src}: job {job!r} has no checkpoint yet ({where}): nothing to export yet; it is checkpointed at its "
+            f"save_every, every checkpoint.every_minutes, when it ends or is cancelled, and when the run is stopped")
 
 
 def check_safetensors(path: Path) -> None:
@@ -71,8 +83,9 @@ def _find_adapter(src: Path, job: str, best: bool) -> tuple[Path, str]:
                 "(the job has no eval set — eval_dataset or eval_split — or was not evaluated yet)"
                 if job in known else f"(unknown job; the run's jobs: {', '.join(known) or 'none'})"))
         state = json.loads((ckpt / "state.json").read_text())
-        return ckpt / "adapter", (f"best-eval checkpoint, step {state.get('step')} (eval loss "
-                                  f"{(state.get('eval') or {}).get('best')})")
+        best = (state.get("eval") or {}).get("best")
+        shown = f"{best:.4f}" if isinstance(best, float) else best  # as status and the eval lines show it
+        return ckpt / "adapter", f"best-eval checkpoint, step {state.get('step')} (eval loss {shown})"
     final = run.adapter(job)
     status = None
     if run.summary.is_file():
@@ -92,9 +105,11 @@ def _find_adapter(src: Path, job: str, best: bool) -> tuple[Path, str]:
     if run.job_checkpoints(job).is_dir():
         ckpt = latest_checkpoint(run.job_checkpoints(job))
         if ckpt is None:
-            raise MissingFileError(f"{run.job_checkpoints(job)}: no complete checkpoint")
+            raise MissingFileError(_nothing_yet(src, job) or f"{run.job_checkpoints(job)}: no complete checkpoint")
         return ckpt / "adapter", (f"latest checkpoint, step {int(ckpt.name.split('_')[-1])} (the job has not "
                                   f"finished)")
+    if why := _nothing_yet(src, job):
+        raise MissingFileError(why)
     known = run_jobs(src)
     if known:
         raise ConfigError(f"{src}: unknown job {job!r}; the run's jobs: {', '.join(known)}")

@@ -56,9 +56,13 @@ class OutputDirLock:
 
         holder = ""
         if is_logger:
-            self.out.mkdir(parents=True, exist_ok=True)
-            path = RunDir(self.out).lock
-            self._file = path.open("a+")
+            try:
+                self.out.mkdir(parents=True, exist_ok=True)
+                path = RunDir(self.out).lock
+                self._file = path.open("a+")
+            except OSError as e:  # e.g. /proc/self/x, a file on the way, a read-only disk: said on every rank
+                holder = f"!cannot create {e.filename or self.out} ({e.strerror or e})"
+        if is_logger and self._file is not None:
             try:
                 fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 self.owned = True
@@ -72,6 +76,9 @@ class OutputDirLock:
                 self._file.close()
                 self._file = None
         holder = share(holder)
+        if holder.startswith("!"):
+            raise ConfigError(f"{self.source}: output_dir: {holder[1:]}; choose a directory you can "
+                              f"write")
         if holder:
             raise ConfigError(f"{self.source}: output_dir: {self.out} is in use by another lorafusion train "
                               f"(pid {holder}); wait for it to end or choose another output_dir")

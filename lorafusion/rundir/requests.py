@@ -15,7 +15,7 @@ from pathlib import Path
 from lorafusion.core.errors import ConfigError, MissingFileError
 from lorafusion.rundir.atomic import write_text_atomic
 from lorafusion.rundir.layout import RunDir
-from lorafusion.rundir.states import ENDED  # after these a cancel has nothing to do (the run: LiveJobs._cancel)
+from lorafusion.rundir.states import ENDED, JobStatus  # after these a cancel has nothing to do (the run: LiveJobs._cancel)
 
 
 
@@ -127,6 +127,14 @@ def check_cancel(run_dir: Path, job_name: str) -> None:
     state = row.get("state") if isinstance(row, dict) else None  # (None: only submitted so far)
     if state in ENDED:
         raise ConfigError(f"{run_dir}: --job: job {job_name!r} is already {state}: nothing to cancel")
+    if state == JobStatus.CANCELLING:
+        raise ConfigError(f"{run_dir}: --job: job {job_name!r} is already being cancelled: it leaves once its "
+                          f"planned batches have run (lorafusion status {run_dir})")
+    queued = [p.name for p, r in _listed(run_dir) if isinstance(r, dict) and r["kind"] == "cancel"
+              and r.get("job") == job_name]
+    if queued:
+        raise ConfigError(f"{run_dir}: --job: a cancel of job {job_name!r} is already queued (requests/{queued[0]}): "
+                          f"it leaves at the next chunk boundary")
 
 
 def check_against_run(run_dir: Path, job) -> None:

@@ -161,12 +161,11 @@ class Evaluator:
                 self.checkpoints.save_best(name)
             patience = js.cfg.early_stopping_patience
             if patience and js.evals_since_best >= patience and js.steps < js.stream.total_steps:
-                js.halt(JobStatus.EARLY_STOPPED)
                 if progress is not None:
                     progress.log(f"job {name}: early stopped at step {js.steps}: {js.evals_since_best} "
                                  f"evaluations without a better eval loss than {js.best_eval:.4f} (step "
                                  f"{js.best_step}); `lorafusion export --best` exports that one")
-                self.checkpoints.save_now(name)
+                self.checkpoints.halt(name, JobStatus.EARLY_STOPPED)
 
     @staticmethod
     def summary(js) -> dict:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from lorafusion.config.schema import RunConfig
+from lorafusion.dist import multi_process
 from lorafusion.data.packing import PackedBatch, loss_token_count, noop_microbatch, pack_microbatch
 from lorafusion.scheduler import (JobSpec, Microbatch, Plan, SchedulerConfig, dependency_distance, plan, policy,
                                   resolve_capacity, verify_plan)
@@ -100,7 +101,7 @@ class Feed:
                  eos_id: int = 0, background: bool = False):
         self.jobs, self.sched, self.dp_rank, self.eos_id = jobs, sched, dp_rank, eos_id
         self.background = background
-        self._multi = dist.is_initialized() and dist.get_world_size() > 1
+        self._multi = multi_process()
         # the broadcasts of plans get their own group, so a broadcast made on the planning thread never
         # interleaves with the training's collectives on the default group (collective call, every rank)
         self._group = dist.new_group(backend="gloo") if self._multi and background else None

@@ -30,14 +30,10 @@ def gpu_free_bytes() -> tuple[float, float] | None:
     """(free, total) bytes of this rank's GPU, the free part the smallest over all ranks; None without CUDA."""
     if not torch.cuda.is_available():
         return None
-    import torch.distributed as dist
+    from lorafusion.dist import min_over_ranks
 
     free, total = torch.cuda.mem_get_info()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        t = torch.tensor([float(free)], device="cuda")
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        free = t.item()
-    return float(free), float(total)
+    return float(min_over_ranks(free)), float(total)
 
 
 def _recompute_setting(cfg, layers: list[int]) -> int | list[int] | str:

@@ -29,12 +29,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from lorafusion.config.load import job_config_from
 from lorafusion.config.schema import JobConfig, RunConfig
 from lorafusion.core.errors import ConfigError, UserError
-from lorafusion.dist import share_from_rank0
+from lorafusion.dist import min_over_ranks, share_from_rank0
 from lorafusion.rundir.atomic import write_text_atomic
 from lorafusion.rundir.layout import RunDir
 from lorafusion.runtime.feed import Feed
@@ -201,10 +200,7 @@ class LiveJobs:
         free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()  # the allocator's cache is free too
         cap = self.cfg.scheduler.token_capacity
         need = adapter_memory_bytes(self.model, name, cap if isinstance(cap, int) else 16384)
-        ok = torch.tensor([int(free - (1 << 30) >= need)], device="cuda")
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # admitted only where every rank has room
-        return bool(ok.item())
+        return bool(min_over_ranks(int(free - (1 << 30) >= need)))  # admitted only where every rank has room
 
     def _admit(self) -> None:
         """Start queued jobs by priority (then arrival) while they fit."""

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from lorafusion.core.seeds import mix_seed, name_key
+from lorafusion.dist import multi_process
 from lorafusion.data.packing import pad_to_multiple
 from lorafusion.runtime.feed import Chunk, Key
 from lorafusion.scheduler import Plan, stage_order
@@ -195,7 +196,7 @@ def sum_from_last_stage(t: torch.Tensor) -> torch.Tensor:
 
     last = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
     t = t * (1.0 if last else 0.0)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if multi_process():
         dist.all_reduce(t)
     return t
 

@@ -48,8 +48,10 @@ class StopSignals:
         import torch
         import torch.distributed as dist
 
+        from lorafusion.dist import multi_process
+
         local = [self.received is not None, *flags]
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
+        if not multi_process():
             return local
         t = torch.tensor([int(x) for x in local], dtype=torch.int32)
         if dist.get_backend() == "nccl":

@@ -20,6 +20,7 @@ import torch
 from lorafusion import ops
 from lorafusion.config.schema import RunConfig
 from lorafusion.core.errors import ConfigError
+from lorafusion.core.impls import kernels_name, lora_impl
 from lorafusion.rundir.atomic import write_text_atomic
 from lorafusion.rundir.layout import RunDir
 from lorafusion.runtime.feed import Feed, scheduler_config, stage_split
@@ -70,7 +71,7 @@ class Trainer:
 
         cfg = self.cfg
         cfg.check_world_size()
-        if cfg.kernels == "fused" and not torch.cuda.is_available():
+        if lora_impl(cfg.kernels) == "triton" and not torch.cuda.is_available():
             raise ConfigError(f"{cfg.source}: kernels: fused needs a CUDA GPU (Triton kernels); this machine has "
                               f"none — use auto (fused on CUDA, reference elsewhere) or reference")
         check_output_dir(self.out, cfg.source, resume=self.resume)
@@ -94,12 +95,12 @@ class Trainer:
                                 **recompute_kwargs(cfg, self.memory_plan, stage, self.arch),
                                 sequence_parallel=cfg.parallelism.sequence_parallel,
                                 stage_layers=stage_split(cfg, self.arch), base_precision=cfg.model.base_precision)
-        get_lora_context(self.model).impl = None if cfg.kernels == "auto" else cfg.kernels
+        get_lora_context(self.model).impl = lora_impl(cfg.kernels)
         self.timers = StageTimers()
         self.model.config.timers = self.timers  # Megatron's schedules time their stages through this hook
         for name, js in self.jobs.items():
             self._attach(js)
-        self.checkpoints = JobCheckpoints(cfg, self.jobs, self.model, self.export, is_logger=self.is_logger,
+        self.checkpoints = JobCheckpoints(cfg, self.jobs, self.model, self.snapshot, is_logger=self.is_logger,
                                           allow_different_result=self.allow_different_result)
         self.evaluator = Evaluator(self.model, self.jobs, self.checkpoints, self.device, self.tokenizer.eos_id)
         if self.resume:  # jobs added by `lorafusion submit` are not in the YAML: they come back from the run dir
@@ -286,8 +287,7 @@ class Trainer:
             "windows": tele.chunks, "plan_s": round(tele.plan_s, 3), "plan_wait_s": round(self.feed.wait_s, 3),
             "noop_microbatches": tele.noops, "bubble_ratio": tele.bubble_ratio,
             "parallelism": cfg.parallelism.model_dump(), "memory_plan": self.memory_plan and self.memory_plan.to_dict(),
-            "kernels": ops.resolve_impl(
-                torch.empty(0, device=self.device or "cpu"), None if cfg.kernels == "auto" else cfg.kernels),
+            "kernels": kernels_name(ops.resolve_impl(torch.empty(0, device=self.device or "cpu"), lora_impl(cfg.kernels))),
             "jobs": {n: {"status": js.final_status,
                          "steps": js.steps, "total_steps": js.stream.total_steps, "tokens": js.tokens,
                          "final_loss": js.last_loss, "first_loss": js.first_loss, **self.evaluator.summary(js)}
@@ -345,10 +345,9 @@ class Trainer:
         next planned chunk on) and no more updates; its weights are those of its last finite step (skipped
         steps change nothing), checkpointed now and exported at the end as its adapter."""
         js = self.jobs[name]
-        js.halt(JobStatus.DIVERGED)
         self.telemetry.log(f"job {name}: diverged ({js.nonfinite} non-finite steps in a row) — paused at step "
                            f"{js.steps}; its adapter is its last finite state; the other jobs continue")
-        self.checkpoints.save_now(name)
+        self.checkpoints.halt(name, JobStatus.DIVERGED)
 
 
 class TrainerCallback:

@@ -96,7 +96,7 @@ def draw_packing(ax, plan: Plan, dp_rank: int, colors: dict, title: str) -> None
     ax.set_title(f"{title}{_rank_label(plan, dp_rank)}: {len(toks)} microbatches, mean fill {fill:.0%}", fontsize=9)
 
 
-def _legend(fig, jobs: Sequence[str], colors: dict, gantt: bool) -> None:
+def _legend(fig, jobs: Sequence[str], colors: dict, gantt: bool, capacities: Sequence[int] = ()) -> None:
     plt = _plt()
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[j]) for j in jobs]
     labels = list(jobs)
@@ -105,7 +105,8 @@ def _legend(fig, jobs: Sequence[str], colors: dict, gantt: bool) -> None:
         labels += ["forward (light; F<slot>[.<model chunk>])", "backward (dark; B<slot>[.<model chunk>])"]
     else:
         handles.append(plt.Line2D([0], [0], color="black", linestyle="--", linewidth=0.8))
-        labels.append("token capacity")
+        caps = sorted(set(capacities))
+        labels.append(f"token capacity ({caps[0]:,} tokens)" if len(caps) == 1 else "token capacity (per panel)")
     fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 6), fontsize=8, frameon=False,
                title="each bar split by job: its share of the microbatch's tokens" if gantt else
                "each bar stacked by job: its tokens in the microbatch", title_fontsize=8)
@@ -125,7 +126,7 @@ def _render(panels: Sequence[tuple], path: str, gantt: bool) -> None:
             draw_gantt(ax, p, tl, r, colors, title)
         else:
             draw_packing(ax, p, r, colors, title)
-    _legend(fig, jobs, colors, gantt)
+    _legend(fig, jobs, colors, gantt, [p.token_capacity for p, *_ in panels])
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.9 / total))
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -101,7 +101,7 @@ class MemorySetup:
     stage_layers: tuple[int, ...] | None = None
     virtual_stages: int = 1
     fused_ops: bool = True  # the fused RMSNorm / SwiGLU / linear cross-entropy (the GPU default)
-    lora_kernels: str = "fused"  # "reference": the torch LoRA path also saves each dropped input
+    lora_kernels: str = "triton"  # the LoRA ops' impl (core.impls); "torch" also saves each dropped input
 
     @property
     def dtype_bytes(self) -> int:
@@ -202,7 +202,7 @@ def lora_elems(s: MemorySetup) -> float:
     targets = {t for a in s.adapters for t in a.targets}
     indep = any(a.independent_a for a in s.adapters)
     n = sum((PROJECTIONS[t] if indep else 1) * r for t in targets)
-    if s.lora_kernels == "reference" and any(a.dropout > 0 for a in s.adapters):
+    if s.lora_kernels == "torch" and any(a.dropout > 0 for a in s.adapters):
         shapes = _linear_shapes(s.arch)
         n += sum(shapes[t][0] for t in targets)
     return n
@@ -232,7 +232,7 @@ def stage_memory(s: MemorySetup, stage: int, capacity: int, recompute_layers: in
     the start of its backward (every saved activation), the backward of its recomputed layers (their
     checkpoints, one recomputed layer, the gradients) and an optimizer step. ``grads_before_backward``: the
     adapters' gradients already exist when a backward starts (microbatches of a global batch accumulate them;
-    False for a lone microbatch, as the calibration measures). ``n_in_flight``: instead of the schedule's count."""
+    the calibration measured them held at a lone microbatch's peak too, and predicts its points with True). ``n_in_flight``: instead of the schedule's count."""
     c = coeffs or Coefficients()
     a, b = s.arch, s.dtype_bytes
     L, last = s.layers(stage), stage == s.pp - 1

@@ -86,7 +86,8 @@ class OnlineScheduler:
             raise PlanError(f"job {name!r} is not running")
         self.active.remove(name)
 
-    def _window(self, name: str, rounds: int) -> JobSpec | None:
+    def _chunk_part(self, name: str, rounds: int) -> JobSpec | None:
+        """Job ``name`` restricted to its next ``rounds`` unplanned global batches (its part of the chunk)."""
         job, k = self.specs[name], self.cursor[name]
         batches = list(job.global_batches[k : k + rounds])
         if not batches:
@@ -103,7 +104,7 @@ class OnlineScheduler:
         ``config.policy`` get ``rounds`` global batches each, its fill jobs the idle slots."""
         works = [policy.JobWork(n, self.specs[n].priority, self.remaining_tokens(n)) for n in self.active]
         names, fill_order = policy.chunk_jobs(self.config.policy, [w for w in works if w.remaining_tokens > 0])
-        main = [w for n in names if (w := self._window(n, rounds)) is not None]
+        main = [j for n in names if (j := self._chunk_part(n, rounds)) is not None]
         seen = dict.fromkeys(fill_order, 0)
 
         def next_batch(name: str):  # looks at the job's next unplanned batch
@@ -116,22 +117,22 @@ class OnlineScheduler:
         room = policy.idle_slots(dependency_distance(self.config.pipeline_depth, self.config.virtual_stages),
                                  self.config.dp_size, rounds)
         taken = policy.take_fill(fill_order, next_batch, int(self.config.token_capacity), room) if fill_order else {}
-        fill = [w for n, k in taken.items() if (w := self._window(n, k)) is not None]
+        fill = [j for n, k in taken.items() if (j := self._chunk_part(n, k)) is not None]
         if not main:
             return None
-        windows = main + fill
-        ready = {w.name: max(0, self.ready.get(w.name, 0) - self.slots) for w in windows}
-        if fill or self.groups is None or {n for g in self.groups for n in g} != {w.name for w in main}:
+        parts = main + fill
+        ready = {j.name: max(0, self.ready.get(j.name, 0) - self.slots) for j in parts}
+        if fill or self.groups is None or {n for g in self.groups for n in g} != {j.name for j in main}:
             self.groups = None
         p = make_plan(main, self.config, self.cost_model, ready, self.groups, fill)
         self.groups = None if fill else (self.groups or p.stats.groups)
         for (job, _), idx in sorted(p.last_microbatch.items(), key=lambda kv: kv[1]):
             self.ready[job] = self.slots + start_slot(p.microbatches[idx].slot, self.config.pipeline_depth,
                                                       self.config.virtual_stages)
-        for w in windows:
-            self.cursor[w.name] += len(w.global_batches)
-            if self.cursor[w.name] >= len(self.specs[w.name].global_batches):
-                self.active.remove(w.name)
+        for j in parts:
+            self.cursor[j.name] += len(j.global_batches)
+            if self.cursor[j.name] >= len(self.specs[j.name].global_batches):
+                self.active.remove(j.name)
         self.plans.append(p)
         self.slots += p.num_slots
         return p

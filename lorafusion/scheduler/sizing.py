@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lorafusion.core.errors import UserError
+from lorafusion.core.impls import lora_impl
 
 from .costmodel import CostModel
 from .memory import GIB, AdapterShape, Coefficients, MemorySetup, StageMemory, plan_memory, stage_memory
@@ -104,7 +105,7 @@ def setup_from_run(cfg, arch, dp: int = 1, fused_ops: bool = True) -> MemorySetu
                        sequence_parallel=p.sequence_parallel,
                        stage_layers=tuple(layers_per_stage(cfg, arch)),
                        virtual_stages=getattr(p, "virtual_stages", None) or 1, fused_ops=fused_ops,
-                       lora_kernels="reference" if cfg.kernels == "reference" else "fused")
+                       lora_kernels=lora_impl(cfg.kernels) or "triton")
 
 
 def _fewest(s: MemorySetup, stage: int, capacity: int, gpu: float, c: Coefficients) -> int | None:

@@ -129,15 +129,10 @@ def sequence(
     while any(queues):
         placed = 0
         for rank in range(dp_size):
-            pending = pick = None
-            for pending in queues:
-                pick = next((k for k, mb in enumerate(pending[:window]) if state.ready(mb, slot)), None)
-                if pick is not None:
-                    break
-            if pick is None:
+            mb = _take_ready(queues, state, slot, window)
+            if mb is None:
                 out.append(Microbatch(len(out), slot, rank, (), is_noop=True, group=-1))
                 continue
-            mb = pending.pop(pick)
             for key in mb.keys:
                 state.remaining[key] -= 1
                 state.last_slot[key] = slot
@@ -153,6 +148,15 @@ def sequence(
             )
         slot += 1
     return out, last_mb
+
+
+def _take_ready(queues, state: _State, slot: int, window: int) -> PackedMicrobatch | None:
+    """Pop the first microbatch within ``window`` pending ones of the first queue that has a ready one."""
+    for pending in queues:
+        pick = next((k for k, mb in enumerate(pending[:window]) if state.ready(mb, slot)), None)
+        if pick is not None:
+            return pending.pop(pick)
+    return None
 
 
 @dataclass(frozen=True)

@@ -53,13 +53,8 @@ def test_the_background_checkpoint_equals_the_synchronous_one(tmp_path, megatron
     state = {"job": "a", "step": 3, "stream": {"pos": 7}}
     snap = ({"base_model.model.x.lora_A.weight": params["1.linear_qkv.lora_A"].clone()}, {"peft_type": "LORA", "r": 4})
 
-    def write_adapter(d):
-        from lorafusion.export.peft import write_peft_adapter
-
-        write_peft_adapter(d, *snap)
-
     sync = checkpoint.save_job_checkpoint(tmp_path / "sync", 3, adapter_params=params, optimizer_state=opt,
-                                          state=state, write_adapter=write_adapter)
+                                          state=state, adapter=snap)
     write = checkpoint.start_job_checkpoint(tmp_path / "bg", 3, adapter_params=params, optimizer_state=opt,
                                             state=state, adapter=snap)
     for v in params.values():  # the model goes on changing: the write holds the values at the call

@@ -20,7 +20,7 @@ from lorafusion.core.arch import preset
 from lorafusion.core.lora import LoRASpec
 from lorafusion.layers import adapter_parameters, add_adapter, lora_modules
 from lorafusion.checkpoint.format import save_job_checkpoint
-from lorafusion.export.peft import export_peft_adapter
+from lorafusion.export.peft import export_peft_adapter, peft_adapter_snapshot
 
 peft = pytest.importorskip("peft")
 
@@ -59,7 +59,7 @@ def _write_run(model, run, base_ref: str, seed: int):
                                                                     "(run) tokenizer.type": "byte"}}
         save_job_checkpoint(run / "checkpoints" / name, 3, adapter_params=adapter_parameters(model, name),
                             optimizer_state={}, state=state,
-                            write_adapter=lambda d, n=name: export_peft_adapter(model, n, d, base_model=base_ref))
+                            adapter=peft_adapter_snapshot(model, name, base_model=base_ref))
     (run / "summary.json").write_text(json.dumps({"status": "done", "jobs": {n: {"status": "done"} for n in SPECS}}))
 
 

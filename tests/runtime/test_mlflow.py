@@ -81,7 +81,8 @@ def test_mlflow_train_logs_every_job(tmp_path):
     res = subprocess.run([sys.executable, "-m", "lorafusion.cli", "train", str(ROOT / "configs" / "quickstart.yaml"),
                           f"output_dir={out}", "logging.mlflow=true", "logging.progress=false",
                           "jobs.shout.eval_split=0.1", "jobs.shout.eval_every=2",
-                          *[f"jobs.{i}.max_steps=2" for i in range(3)]],
+                          *[f"jobs.{i}.max_steps=2" for i in range(3)],
+                          *[f"jobs.{i}.optimizer.warmup_steps=2" for i in range(3)]],
                          cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "warn" not in (res.stdout + res.stderr).lower()  # no tracker banner or warning on a normal run

@@ -32,7 +32,7 @@ def test_wandb_offline_logs_every_job(tmp_path):
     res = subprocess.run([sys.executable, "-m", "lorafusion.cli", "train", str(ROOT / "configs" / "quickstart.yaml"),
                           f"output_dir={out}", "logging.wandb.project=lf-test", "logging.progress=false",
                           "jobs.shout.eval_split=0.1", "jobs.shout.eval_every=2",
-                          *[f"jobs.{i}.max_steps=2" for i in range(3)]],
+                          *[f"jobs.{i}.max_steps=2" for i in range(3)], *[f"jobs.{i}.optimizer.warmup_steps=2" for i in range(3)]],
                          cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     (run_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")

@@ -6,7 +6,8 @@
 - :mod:`.rope` — non-interleaved RoPE for packed (thd) input without host syncs
 
 Every op takes ``impl``: ``"triton"`` (Triton / Liger-Kernel kernels; CUDA, or CPU under
-``TRITON_INTERPRET=1``) or ``"torch"`` (plain torch, any device). The model-level switch is
+``TRITON_INTERPRET=1``) or ``"torch"`` (plain torch, any device) — the words of :mod:`lorafusion.core.impls`,
+which the LoRA ops take too. The model-level switch is
 ``build_model(fused_ops=...)``: ``"off"`` builds Megatron's stock modules exactly as before, ``"torch"`` or
 ``"triton"`` builds these ops with that implementation; the default (``None``) is ``"triton"`` on CUDA and
 ``"off"`` elsewhere.
@@ -16,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
-FUSED_OPS_MODES = ("off", "torch", "triton")
-IMPLS = ("torch", "triton")
+from lorafusion.core.impls import IMPLS, check_impl
+
+FUSED_OPS_MODES = ("off", *IMPLS)
 
 
 def resolve_fused_ops(mode: str | None, device: str | torch.device | None) -> str:
@@ -31,10 +33,4 @@ def resolve_fused_ops(mode: str | None, device: str | torch.device | None) -> st
     return mode
 
 
-def check_impl(impl: str) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
-    return impl
-
-
-__all__ = ["FUSED_OPS_MODES", "IMPLS", "resolve_fused_ops", "check_impl"]
+__all__ = ["FUSED_OPS_MODES", "resolve_fused_ops", "check_impl"]

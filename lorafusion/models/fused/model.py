@@ -32,6 +32,10 @@ class FusedLossGPTModel(GPTModel):
     per-token linear cross-entropy of implementation ``fused_loss`` ("torch" / "triton"); ``None`` keeps
     Megatron's loss."""
 
+    lora_context = None
+    """The model's :class:`~lorafusion.layers.lora_linear.LoRAContext` (adapters, routing), shared by all its
+    LoRA linears and, under virtual pipeline, by all its chunks (``layers.inject.attach_lora_context``)."""
+
     def __init__(self, *args, fused_loss: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.fused_loss = None if fused_loss is None else check_impl(fused_loss)

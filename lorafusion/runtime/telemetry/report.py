@@ -54,14 +54,15 @@ def write_plan_report(feed: Feed, out_dir: Path, max_chunks: int = 20, stage: St
     (one row per chunk: fill, imbalance, simulated bubble overall and per stage, planning time),
     ``gantt.png`` and ``packing.png`` (the first ``CHART_CHUNKS`` chunks, a panel per chunk and DP rank).
     ``stage``: the pipeline's split and costs (default: equal stages, the default cost model). Returns
-    ``{"windows": [...], "dir": ..., "files": [names written]}``."""
+    ``{"chunks": [the rows of windows.json], "dir": ..., "files": [names written]}``. (The files name a
+    chunk's index "window", as they always have: one thing, a chunk.)"""
     from lorafusion.scheduler import render_chunks, simulate_plan
     from lorafusion.scheduler.simulate import bubble_ratio
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows, stats, charted = [], [], []
-    for w in range(max_chunks):
+    for c in range(max_chunks):
         chunk = feed.next()
         if chunk is None:
             break
@@ -71,37 +72,37 @@ def write_plan_report(feed: Feed, out_dir: Path, max_chunks: int = 20, stage: St
                                   stage_costs=stage.stage_costs if stage else None)
         cap = the_plan.token_capacity
         toks = [mb.num_tokens for mb in the_plan.microbatches if not mb.is_noop]
-        stats.append({"window": w, "jobs": sorted(chunk.batches), "microbatches": len(the_plan.microbatches),
+        stats.append({"window": c, "jobs": sorted(chunk.batches), "microbatches": len(the_plan.microbatches),
                       "noops": the_plan.num_noops, "plan_s": round(chunk.plan_s, 4),
                       "fill": sum(toks) / (cap * max(1, len(toks))),
                       "imbalance": max(toks) / (sum(toks) / len(toks)) if toks else None,
                       "simulated_bubble": bubble_ratio(timelines),
                       "simulated_bubble_per_stage": timelines[0].stage_bubbles})
         for mb in the_plan.microbatches:
-            rows.append({"window": w, "slot": mb.slot, "dp_rank": mb.dp_rank, "noop": mb.is_noop,
+            rows.append({"window": c, "slot": mb.slot, "dp_rank": mb.dp_rank, "noop": mb.is_noop,
                          "tokens": mb.num_tokens, "segments": mb.segments()})
-        if w < CHART_CHUNKS and charts:
+        if c < CHART_CHUNKS and charts:
             charted.append((the_plan, timelines))
     if charted:
         render_chunks(charted, str(out_dir / "gantt.png"), str(out_dir / "packing.png"),
-                      titles=[f"chunk {w}" for w in range(len(charted))])
+                      titles=[f"chunk {c}" for c in range(len(charted))])
     (out_dir / "plan.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (out_dir / "windows.json").write_text(json.dumps(stats, indent=2) + "\n")
     files = [f for f in ("plan.jsonl", "windows.json", "gantt.png", "packing.png") if (out_dir / f).is_file()]
-    return {"windows": stats, "dir": str(out_dir), "files": files}
+    return {"chunks": stats, "dir": str(out_dir), "files": files}
 
 
-def steady_bubble(windows: list[dict]) -> tuple[float, list[float]] | None:
+def steady_bubble(chunks: list[dict]) -> tuple[float, list[float]] | None:
     """Mean simulated bubble (overall, per stage) over the chunks after the first (the first alone if one)."""
-    rows = windows[1:] or windows
+    rows = chunks[1:] or chunks
     if not rows:
         return None
-    per = [sum(w["simulated_bubble_per_stage"][s] for w in rows) / len(rows)
+    per = [sum(r["simulated_bubble_per_stage"][s] for r in rows) / len(rows)
            for s in range(len(rows[0]["simulated_bubble_per_stage"]))]
-    return sum(w["simulated_bubble"] for w in rows) / len(rows), per
+    return sum(r["simulated_bubble"] for r in rows) / len(rows), per
 
 
-def sweep_virtual(cfg, virtuals: list[int], windows: int, out_dir: Path) -> list[dict]:
+def sweep_virtual(cfg, virtuals: list[int], max_chunks: int, out_dir: Path) -> list[dict]:
     """For each V: the run's chunks planned for V, simulated with the even split (when it exists) and the
     loss-aware ``auto`` split; one row per (V, split) with the steady bubble overall and per stage."""
     from lorafusion.core.errors import ConfigError
@@ -119,8 +120,8 @@ def sweep_virtual(cfg, virtuals: list[int], windows: int, out_dir: Path) -> list
                 continue
             _, jobs = load_jobs(cfg_v)
             res = write_plan_report(Feed(jobs, scheduler_config(cfg_v), dp_rank=None), out_dir / f"v{V}-{name}",
-                                    windows, st, charts=False)
-            if (b := steady_bubble(res["windows"])) is not None:
+                                    max_chunks, st, charts=False)
+            if (b := steady_bubble(res["chunks"])) is not None:
                 rows.append({"virtual_stages": V, "split": name, "stage_layers": st.split, "bubble": b[0],
                              "bubble_per_stage": b[1]})
     return rows

@@ -29,7 +29,7 @@ from lorafusion.data import (
     load_job_samples,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def job_for(path, fmt="prompt_response", name="j", **ds) -> JobConfig:
