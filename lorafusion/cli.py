@@ -110,11 +110,13 @@ def cmd_plan(args) -> int:
     if args.gpu_memory:  # the memory plan per stage for these GPU sizes: no data, no model, no GPU
         return _plan_memory(args)
     cfg = _load(args, launch=False)  # before torch is imported
+    from lorafusion.rundir.atomic import check_writable_dir
     from lorafusion.runtime.feed import Feed, scheduler_config
     from lorafusion.runtime.jobs import load_jobs
     from lorafusion.runtime.telemetry.report import stage_model, write_plan_report
 
     out = Path(args.out) if args.out else Path(cfg.output_dir) / "plan"
+    check_writable_dir(out, f"{out}: --out")  # before the work
     stage = stage_model(cfg)
     res = write_plan_report(Feed(load_jobs(cfg)[1], scheduler_config(cfg), dp_rank=None), out,
                             max_chunks=args.chunks, stage=stage)
@@ -236,7 +238,8 @@ def cmd_export(args) -> int:
         else:
             fill = copier(adapter)
             kind = "adapter"
-    out = fill_dir_atomically(out, marked(fill, {"kind": kind, "job": args.job, "from": str(adapter or src)}))
+    out = fill_dir_atomically(out, marked(fill, {"kind": kind, "job": args.job, "from": str(adapter or src)}),
+                              replace=args.force)
     job = f" of job {args.job!r}" if args.job else ""
     what = f"{what}{job}{' merged into the base' + note if kind == 'merged' else ''}"
     print(f"exported {what} to {out}", file=sys.stderr)

@@ -87,6 +87,12 @@ class TokenizerConfig(_Strict):
     # directory holding tokenizer.model
     path: str | None = None
 
+    @model_validator(mode="after")
+    def _path_used(self) -> "TokenizerConfig":
+        if self.type == "byte" and self.path is not None:  # (it was ignored, even when missing)
+            raise ValueError("path: the byte tokenizer reads no file; remove tokenizer.path or set tokenizer.type")
+        return self
+
 
 def _dp(v: Any) -> Any:
     if isinstance(v, str) and v == "auto":
@@ -151,7 +157,12 @@ def _capacity(v: Any) -> Any:
         return v
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
         raise ValueError(f"expected a positive integer or 'auto', got {v!r}")
+    if v > MAX_TOKEN_CAPACITY:  # (a typo's 10**23 was refused as an adapter needing 8e16 GiB, naming lora.r)
+        raise ValueError(f"expected at most {MAX_TOKEN_CAPACITY:,} tokens a microbatch or 'auto', got {v:,}")
     return v
+
+
+MAX_TOKEN_CAPACITY = 1 << 24  # tokens a microbatch: far above any GPU's memory for a packed LLM microbatch
 
 
 class SchedulerSection(_Strict):
