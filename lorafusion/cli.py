@@ -110,11 +110,13 @@ def cmd_plan(args) -> int:
     if args.gpu_memory:  # the memory plan per stage for these GPU sizes: no data, no model, no GPU
         return _plan_memory(args)
     cfg = _load(args, launch=False)  # before torch is imported
+    from lorafusion.rundir.atomic import check_writable_dir
     from lorafusion.runtime.feed import Feed, scheduler_config
     from lorafusion.runtime.jobs import load_jobs
     from lorafusion.runtime.telemetry.report import stage_model, write_plan_report
 
     out = Path(args.out) if args.out else Path(cfg.output_dir) / "plan"
+    check_writable_dir(out, f"{out}: --out")  # before the work
     stage = stage_model(cfg)
     res = write_plan_report(Feed(load_jobs(cfg)[1], scheduler_config(cfg), dp_rank=None), out,
                             max_chunks=args.chunks, stage=stage)
@@ -236,7 +238,8 @@ def cmd_export(args) -> int:
         else:
             fill = copier(adapter)
             kind = "adapter"
-    out = fill_dir_atomically(out, marked(fill, {"kind": kind, "job": args.job, "from": str(adapter or src)}))
+    out = fill_dir_atomically(out, marked(fill, {"kind": kind, "job": args.job, "from": str(adapter or src)}),
+                              replace=args.force)
     job = f" of job {args.job!r}" if args.job else ""
     what = f"{what}{job}{' merged into the base' + note if kind == 'merged' else ''}"
     print(f"exported {what} to {out}", file=sys.stderr)
@@ -315,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--best", action="store_true", help="with --job: the job's best-eval checkpoint (jobs with "
                    "eval_dataset/eval_split), not its final adapter")
     e.add_argument("--out", required=True, help="a new directory (an existing one is refused unless --force)")
-    e.add_argument("--force", action="store_true", help="replace an existing --out once the export is complete")
+    e.add_argument("--force", action="store_true", help="replace an earlier export at --out (nothing else), once complete")
     g = sub.add_parser("generate", help="decode prompts with a run's adapters (and base), batched together")
     g.add_argument("run_dir", help="the run's output_dir")
     g.add_argument("--prompts", required=True, help="JSONL: one {\"prompt\": ..., \"job\": NAME or null} per line; a "
@@ -328,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0, help="sampling seed (each row: its own generator)")
     g.add_argument("--batch-size", type=_positive_int, default=64, help="prompts decoded together")
-    g.add_argument("--force", action="store_true", help="replace an existing --out")
+    g.add_argument("--force", action="store_true", help="replace an earlier generate output at --out (nothing else)")
     p.subcommands = sub.choices  # name -> its parser (main's _flags_last reads their options)
     return p
 

@@ -133,3 +133,29 @@ def test_warmup_longer_than_the_job_is_refused(tmp_path, monkeypatch):
     cfg = load_run_config(run, ["jobs.0.max_steps=null", "jobs.0.num_epochs=2", "jobs.0.optimizer.warmup_steps=3"])
     with pytest.raises(ConfigError, match="job 'rev': optimizer.warmup_steps: expected at most the job's 2 steps"):
         load_jobs(cfg)
+
+
+def test_a_huge_token_capacity_names_token_capacity(tmp_path, monkeypatch):
+    """scheduler.token_capacity=10**23 was refused as 'lora.r = 8: its adapter needs about 8e16 GiB'."""
+    monkeypatch.chdir(tmp_path)
+    run = make_tree(tmp_path)
+    msg = _error(run, ["scheduler.token_capacity=99999999999999999999999"])
+    assert "scheduler.token_capacity: expected at most 16,777,216 tokens a microbatch or 'auto'" in msg, msg
+    assert load_run_config(run, [f"scheduler.token_capacity={1 << 24}"]).scheduler.token_capacity == 1 << 24
+
+
+def test_a_run_yaml_given_as_a_job_yaml_is_one_line(tmp_path, monkeypatch):
+    """submit RUN run.yaml listed every run key as unknown, one line each (13 lines)."""
+    monkeypatch.chdir(tmp_path)
+    run = make_tree(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        load_job_config(run)
+    assert str(e.value) == "run.yaml: is a run config (it lists jobs); expected one adapter job's YAML (name, ...)"
+
+
+def test_an_output_dir_name_over_255_bytes_names_output_dir(tmp_path, monkeypatch):
+    """output_dir=/tmp/ooo...(300) was 'cannot access ...: File name too long' from a stat in train, no field."""
+    monkeypatch.chdir(tmp_path)
+    run = make_tree(tmp_path)
+    msg = _error(run, [f"output_dir={tmp_path / ('o' * 300)}"])
+    assert "run.yaml: output_dir: a name in it is 300 bytes, over the file system's 255" in msg, msg

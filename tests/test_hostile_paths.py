@@ -200,3 +200,142 @@ def test_cancel_twice_says_it_is_already_under_way(tmp_path, capsys):
     run = _live_run(tmp_path / "2", "cancelling")  # the run took the first one
     assert main(["cancel", str(run), "--job", "a"]) == 2
     _one_line(capsys, "cancel", "job 'a' is already being cancelled: it leaves once its planned batches have run")
+
+
+def test_generate_force_replaces_only_an_earlier_output(tmp_path):
+    """generate --out FILE --force replaced any file — a user's notes, or the --prompts file itself."""
+    from lorafusion.inference.generate import generate_file
+
+    (tmp_path / "notes.txt").write_text("mine\n")
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "a"}) + "\n")
+    (tmp_path / "d").mkdir()
+    for out, what in (("notes.txt", "not an earlier lorafusion generate output"), ("p.jsonl", "is the --prompts file"),
+                      ("d", "a directory")):
+        with pytest.raises(ConfigError, match=what):
+            generate_file(tmp_path / "norun", tmp_path / "p.jsonl", tmp_path / out, force=True)
+    assert (tmp_path / "notes.txt").read_text() == "mine\n"
+    (tmp_path / "o.jsonl").write_text(json.dumps({"prompt": "a", "prompt_ids": [1], "output_ids": [2]}) + "\n")
+    with pytest.raises(MissingFileError):  # an earlier output: replaced, so the run is looked for next
+        generate_file(tmp_path / "norun", tmp_path / "p.jsonl", tmp_path / "o.jsonl", force=True)
+
+
+def test_a_lone_surrogate_in_data_or_prompts_is_named(tmp_path):
+    """'\\ud800' in a JSON string: the data reader said 'Trailing data at position 39'; generate a
+    UnicodeEncodeError traceback."""
+    from lorafusion.data.tokenizer import ByteTokenizer
+    from lorafusion.inference.generate import read_prompts
+
+    msg = _rows_error(tmp_path, "rows.jsonl", '{"prompt": "a\\ud800b", "response": "x"}\n' * 3)
+    assert msg.endswith("line 1 (row 0): \\ud800 is a lone surrogate (half a UTF-16 pair), not text"), msg
+    (tmp_path / "p.jsonl").write_text('{"prompt": "ok"}\n{"prompt": "a\\udfff"}\n')
+    with pytest.raises(ConfigError, match=r"p.jsonl:2: \\udfff is a lone surrogate"):
+        read_prompts(tmp_path / "p.jsonl", ByteTokenizer(), [], 1024, tmp_path)
+
+
+@pytest.mark.parametrize("verb", ["plan", "export", "generate"])
+def test_an_out_that_cannot_be_written_is_one_line(verb, tmp_path, monkeypatch, capsys):
+    """--out /proc/self/x: a FileNotFoundError traceback (plan, generate) or one naming a temporary
+    '/proc/self/.x.tmp-dd62384a' (export), after the work was done."""
+    from lorafusion.cli import main
+    from test_config import make_tree
+
+    monkeypatch.chdir(tmp_path)
+    run = make_tree(tmp_path)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n')
+    argv = {"plan": ["plan", str(run), "--out", "/proc/self/x"],
+            "export": ["export", str(tmp_path), "--job", "a", "--out", "/proc/self/x"],
+            "generate": ["generate", str(tmp_path), "--prompts", "p.jsonl", "--out", "/proc/self/x/o.jsonl"]}[verb]
+    assert main(argv) == 2
+    _one_line(capsys, verb, "--out: cannot write in /proc/self", "No such file or directory")
+
+
+def test_export_refuses_a_damaged_adapter_config(tmp_path, capsys):
+    """A garbled adapter_config.json was copied and reported 'exported final adapter'."""
+    from lorafusion.cli import main
+
+    (tmp_path / "run" / "adapters" / "a").mkdir(parents=True)
+    (tmp_path / "run" / "adapters" / "a" / "adapter_config.json").write_text("{not json")
+    assert main(["export", str(tmp_path / "run"), "--job", "a", "--out", str(tmp_path / "e")]) == 2
+    _one_line(capsys, "export", "adapter_config.json: damaged: not a readable adapter config")
+    assert not (tmp_path / "e").exists()
+
+
+def test_generate_seed_out_of_range(tmp_path):
+    """--seed -1 and --seed 2**70 were taken (greedy decoding never used them; sampling would fail or wrap)."""
+    from lorafusion.inference.generate import generate_file
+
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n')
+    for seed in (-1, 2 ** 70):
+        with pytest.raises(ConfigError, match="--seed: expected an integer from 0 to 2"):
+            generate_file(tmp_path, tmp_path / "p.jsonl", tmp_path / "o.jsonl", seed=seed)
+
+
+def test_a_second_export_to_the_same_new_out_is_refused(tmp_path):
+    """Two exports to one new --out at once: the second replaced the first's without --force (or failed with an
+    OSError traceback, ENOTEMPTY); now it is refused and the first's stays whole."""
+    from lorafusion.rundir.atomic import fill_dir_atomically
+
+    out = tmp_path / "e"
+
+    def fill(tmp):  # the other export finishes while this one writes
+        (tmp / "mine").write_text("second")
+        if not out.exists():
+            out.mkdir()
+            (out / "first").write_text("first")
+    with pytest.raises(ConfigError, match="written meanwhile by another process"):
+        fill_dir_atomically(out, fill, replace=False)
+    assert [p.name for p in tmp_path.iterdir()] == ["e"] and (out / "first").read_text() == "first"
+    assert (fill_dir_atomically(out, fill) / "mine").read_text() == "second"  # (replace: --force)
+
+
+def test_round_two_of_the_probe(tmp_path, capsys):
+    """scripts/probe_cli.py round two: a CSV saved with a BOM was unreadable (KeyError '\\ufeffprompt'); a byte
+    tokenizer's tokenizer.path was ignored even when missing; an output_dir component over NAME_MAX said
+    'cannot access' without naming output_dir; a FIFO was '--prompts file not found', '--out is a directory' and
+    'no such run directory'; a CSV header without rows was 'Instruction "train" corresponds to no data!'."""
+    import os
+    from pathlib import Path
+
+    from lorafusion.cli import main
+    from lorafusion.config.schema import TokenizerConfig
+    from lorafusion.rundir.lock import check_output_dir
+
+    msg = _rows_error(tmp_path, "rows.csv", "\ufeffprompt,response\n")  # (a header only: its name is read right)
+    assert msg.endswith("rows.csv: empty dataset (a csv header, no rows)"), msg
+    from lorafusion.config.load import load_job_config
+    from lorafusion.data.dataset import read_rows
+
+    (tmp_path / "rows.csv").write_text("\ufeffprompt,response\na,b\n", encoding="utf-8")
+    job = load_job_config(_job_yaml(tmp_path, ""), [f"dataset.path={tmp_path / 'rows.csv'}"])
+    assert read_rows(job).column_names == ["prompt", "response"]
+    with pytest.raises(ValueError, match="the byte tokenizer reads no file"):
+        TokenizerConfig(type="byte", path="/nowhere")
+    with pytest.raises(ConfigError, match="run.yaml: output_dir: cannot use .* \\(File name too long\\)"):
+        check_output_dir(tmp_path / ("o" * 300), "run.yaml", resume=False)
+    os.mkfifo(tmp_path / "fifo")
+    fifo = str(tmp_path / "fifo")
+    from lorafusion.data.tokenizer import ByteTokenizer
+    from lorafusion.inference.generate import read_prompts
+
+    with pytest.raises(MissingFileError, match="fifo: --prompts is not a regular file"):
+        read_prompts(fifo, ByteTokenizer(), [], 1024, tmp_path)
+    for argv, words in ((["generate", str(tmp_path), "--prompts", "p.jsonl", "--out", fifo, "--force"], "--out is a special "
+                         "file (FIFO, device)"),
+                        (["export", str(tmp_path / "run"), "--job", "a", "--out", fifo, "--force"], "--out is a special file"),
+                        (["status", fifo], "fifo: not a directory")):
+        assert main(argv) == 2
+        _one_line(capsys, argv[0], words)
+    assert Path(fifo).exists()
+
+
+def test_sampling_at_extreme_temperature_and_top_p(tmp_path):
+    """--temperature 1e-320 (logits / t overflowed to inf, then NaN) and --top-p 1e-300 (nothing kept in float32)
+    were 'probability tensor contains inf/nan' / 'invalid multinomial distribution' tracebacks: both are greedy."""
+    import torch
+
+    from lorafusion.inference.generate import _pick
+
+    logits = torch.randn(3, 50)
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    assert _pick(logits, 1e-320, 1.0, gens) == logits.argmax(-1).tolist()
+    assert _pick(logits, 1.0, 1e-300, gens) == logits.argmax(-1).tolist()

@@ -75,12 +75,13 @@ def start_job_checkpoint(job_dir: Path, step: int, *, adapter_params: dict[str, 
 
     def write() -> Path | None:
         try:
+            if rank0:  # the adapter first: the file users read, so a full disk names it before the rank files
+                write_peft_adapter(tmp / "adapter", *adapter)
+                (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
             if writer:
                 _write_rank_file(tmp, host)
             if not rank0:
                 return None
-            write_peft_adapter(tmp / "adapter", *adapter)
-            (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
             deadline = time.monotonic() + wait_s
             while missing := [n for n in expected if not (tmp / n).is_file()]:
                 if time.monotonic() > deadline:

@@ -214,7 +214,10 @@ class JobCheckpoints:
                 if len(set(steps)) > 1:
                     raise MissingFileError(f"{self.root / name}: ranks found different usable "
                                            f"checkpoints ({sorted(set(map(str, steps)))}); a checkpoint is damaged")
-            if path is None:
+            if path is None:  # (--resume of a job never checkpointed: said, not silent — a mistyped output_dir?)
+                if self.is_logger:
+                    print(f"job {name}: --resume: no checkpoint in {self.root / name}; it starts from step 0",
+                          flush=True)
                 continue
             if skipped and self.is_logger:
                 for bad, why in skipped:

@@ -363,6 +363,8 @@ def load_job_config(path: str | os.PathLike, overrides: Sequence[str] = (), *,
     jpath = Path(path)
     shown = _display(jpath)
     raw = _read_yaml(jpath, "an adapter job")
+    if isinstance(raw, dict) and "jobs" in raw and "name" not in raw:  # (one line, not one per run key)
+        raise ConfigError(f"{shown}: is a run config (it lists jobs); expected one adapter job's YAML (name, ...)")
     _resolve_job_paths(raw, jpath.resolve().parent, f"{shown}: ")
     overridden: dict[str, str] = {}
     for item in overrides:  # the keys as the user typed them, e.g. optimizer.lr (not jobs.0.optimizer.lr)

@@ -87,6 +87,12 @@ class TokenizerConfig(_Strict):
     # directory holding tokenizer.model
     path: str | None = None
 
+    @model_validator(mode="after")
+    def _path_used(self) -> "TokenizerConfig":
+        if self.type == "byte" and self.path is not None:  # (it was ignored, even when missing)
+            raise ValueError("path: the byte tokenizer reads no file; remove tokenizer.path or set tokenizer.type")
+        return self
+
 
 def _dp(v: Any) -> Any:
     if isinstance(v, str) and v == "auto":
@@ -151,7 +157,12 @@ def _capacity(v: Any) -> Any:
         return v
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
         raise ValueError(f"expected a positive integer or 'auto', got {v!r}")
+    if v > MAX_TOKEN_CAPACITY:  # (a typo's 10**23 was refused as an adapter needing 8e16 GiB, naming lora.r)
+        raise ValueError(f"expected at most {MAX_TOKEN_CAPACITY:,} tokens a microbatch or 'auto', got {v:,}")
     return v
+
+
+MAX_TOKEN_CAPACITY = 1 << 24  # tokens a microbatch: far above any GPU's memory for a packed LLM microbatch
 
 
 class SchedulerSection(_Strict):
@@ -312,6 +323,8 @@ class RunConfig(_Strict):
     def _output_dir(cls, v: str) -> str:
         if not v:  # "" would train into the current directory
             raise ValueError(f"expected a directory path (the run's own directory), got {v!r}")
+        if long := [p for p in Path(v).parts if len(p.encode()) > 255]:  # (every later stat: ENAMETOOLONG)
+            raise ValueError(f"a name in it is {len(long[0].encode())} bytes, over the file system's 255: {long[0]:.40}...")
         return v
 
     @model_validator(mode="after")

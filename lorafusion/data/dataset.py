@@ -117,15 +117,17 @@ def read_rows(job: JobConfig, section: str = "dataset") -> Any:
         import csv
 
         try:
-            with open(path, newline="", encoding="utf-8") as f:
-                header = next(csv.reader(f), None)
+            with open(path, newline="", encoding="utf-8-sig") as f:  # (a BOM is no part of the first column's name)
+                rows = csv.reader(f)
+                header, first = next(rows, None), next(rows, None)
         except (OSError, UnicodeDecodeError, csv.Error) as e:
             raise DataError(f"{where}: cannot read as csv ({e})") from None
-        if not header:
-            raise DataError(f"{where}: empty dataset (no csv header)")
+        if not header or first is None:  # (the reader: 'Instruction "train" corresponds to no data!')
+            raise DataError(f"{where}: empty dataset ({'no csv header' if not header else 'a csv header, no rows'})")
         from datasets import Features, Value
 
-        kwargs.update(features=Features({c: Value("string") for c in header}), keep_default_na=False)
+        kwargs.update(features=Features({c: Value("string") for c in header}), keep_default_na=False,
+                      encoding="utf-8-sig")
     with _quiet_datasets() as datasets, tempfile.TemporaryDirectory(prefix="lorafusion-ds-") as cache:
         try:
             ds = datasets.load_dataset(builder, data_files=str(path), split="train", keep_in_memory=True,
@@ -234,6 +236,10 @@ def _diagnose_json(path: Path) -> str | None:
         row += 1
         if key := _big_int(obj):
             return f"line {n} (row {row}): field {key!r}: a number too large for 64 bits"
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:  # "\ud800": JSON escapes a lone surrogate, which is no character
+            return f"line {n} (row {row}): \\u{ord(e.object[e.start]):04x} is a lone surrogate (half a UTF-16 pair), not text"
         for k, v in obj.items():  # the reader fails on a field's JSON type changing (when it cannot fall back)
             if v is not None and kinds.setdefault(k, _json_kind(v)) != _json_kind(v):
                 return f"line {n} (row {row}): field {k!r}: {_json_kind(v)}, where the rows before have {kinds[k]}"

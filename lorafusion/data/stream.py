@@ -59,6 +59,18 @@ class JobStream:
         self._perm: np.ndarray | None = None
         self._perm_epoch = -1
 
+    @classmethod
+    def of(cls, job, num_samples: int, seed: int) -> "JobStream":
+        """The stream of a job (a ``JobConfig``) of ``num_samples`` training samples; its optimizer's warmup must
+        fit in its steps (``max_steps`` alone is checked by the config; ``num_epochs``' steps are known here)."""
+        stream = cls(job.name, num_samples, job.global_batch_size, seed, max_steps=job.max_steps,
+                     num_epochs=job.num_epochs)
+        if job.optimizer.warmup_steps > stream.total_steps:
+            raise ConfigError(f"job {job.name!r}: optimizer.warmup_steps: expected at most the job's "
+                              f"{stream.total_steps} steps (num_epochs x samples / global_batch_size), got "
+                              f"{job.optimizer.warmup_steps}: the lr would never reach optimizer.lr")
+        return stream
+
     # ------------------------------------------------------------------ order
     @property
     def total_steps(self) -> int:

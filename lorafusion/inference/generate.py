@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from lorafusion.core.errors import ConfigError, MissingFileError, UserError
+from lorafusion.rundir.adapters import check_generate_out
 from lorafusion.rundir.atomic import write_text_atomic
 
 
@@ -190,7 +191,7 @@ def read_prompts(path: str | Path, tokenizer, jobs: Sequence[str], context: int,
     """Validate and encode every row of a prompts JSONL (one error naming the file and line)."""
     path = Path(path)
     if not path.is_file():
-        raise MissingFileError(f"{path}: --prompts {'is a directory, expected a file' if path.is_dir() else 'file not found'}")
+        raise MissingFileError(f"{path}: --prompts {'is a directory, expected a file' if path.is_dir() else 'is not a regular file' if path.exists() else 'file not found'}")
     out = []
     try:
         lines = path.read_bytes().splitlines()
@@ -206,9 +207,11 @@ def read_prompts(path: str | Path, tokenizer, jobs: Sequence[str], context: int,
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            json.dumps(row := json.loads(line), ensure_ascii=False).encode("utf-8")  # "\ud800": half a UTF-16 pair
         except json.JSONDecodeError as e:
             raise ConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except UnicodeEncodeError as e:
+            raise ConfigError(f"{where}: \\u{ord(e.object[e.start]):04x} is a lone surrogate, not text") from None
         if not isinstance(row, dict):
             raise ConfigError(f"{where}: expected a JSON object with 'prompt' and optionally 'job'")
         job = row.get("job")
@@ -282,7 +285,7 @@ def _forward(model, jobs, seqs: Sequence[Sequence[int]], positions: torch.Tensor
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, gens: Sequence) -> list[int]:
     if temperature == 0:
         return logits.argmax(-1).tolist()
-    probs = torch.softmax(logits / temperature, dim=-1)
+    probs = torch.softmax((logits.double() - logits.double().amax(-1, keepdim=True)) / temperature, dim=-1)  # (1e-320)
     out = []
     for p, g in zip(probs, gens, strict=True):
         if top_p < 1.0:
@@ -345,11 +348,11 @@ def generate_file(run_dir, prompts, out, *, max_new_tokens: int = 128, temperatu
     """Everything ``lorafusion generate`` does; returns a summary."""
     import time
 
-    out = Path(out)
-    if (out.exists() or out.is_symlink()) and not force:
-        raise ConfigError(f"{out}: --out already exists; choose another path or pass --force to replace it")
+    check_generate_out(out := Path(out), Path(prompts), force)  # --force: an earlier output only
     if not (0 <= temperature < float("inf")) or not (0 < top_p <= 1):  # (NaN fails both)
         raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1], got {temperature} and {top_p}")
+    if not 0 <= seed < 1 << 63:
+        raise ConfigError(f"--seed: expected an integer from 0 to 2**63 - 1, got {seed}")
     info = load_run(run_dir)
     tokenizer = run_tokenizer(info)
     context = _context(info)

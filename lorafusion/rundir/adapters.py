@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from lorafusion.core.errors import ConfigError, MissingFileError
+from lorafusion.rundir.atomic import check_writable_dir
 from lorafusion.rundir.layout import RunDir, best_checkpoint, latest_checkpoint, read_state
 from lorafusion.rundir.states import ENDED, JobStatus
 
@@ -65,6 +66,12 @@ def find_adapter(src: Path, job: str, best: bool = False) -> tuple[Path, str]:
     adapter, what = _find_adapter(src, job, best)
     if (weights := adapter / "adapter_model.safetensors").is_file():
         check_safetensors(weights)
+    if (config := adapter / "adapter_config.json").is_file():  # (copied as is, it would load nowhere)
+        try:
+            if not isinstance(json.loads(config.read_text(encoding="utf-8")), dict):
+                raise ValueError("expected a JSON object")
+        except (OSError, ValueError) as e:
+            raise MissingFileError(f"{config}: damaged: not a readable adapter config ({e})") from None
     return adapter, what
 
 
@@ -145,13 +152,14 @@ def check_replace_out(out: Path, force: bool) -> None:
     """An existing ``--out`` is replaced only with ``force`` and only when it is an earlier ``lorafusion export``
     (a directory holding :data:`EXPORT_MARKER`) or an empty directory: never a user's own file or directory."""
     if not (out.exists() or out.is_symlink()):
-        return
+        return check_writable_dir(out.parent, f"{out}: --out")
     if not force:
         raise ConfigError(f"{out}: --out already exists; choose another path or pass --force to replace it "
                           f"(an earlier lorafusion export only; atomically, once the new export is complete)")
     if out.is_symlink() or not out.is_dir():
-        raise ConfigError(f"{out}: --out is {'a symlink' if out.is_symlink() else 'a file'}, not an earlier "
-                          f"lorafusion export; --force replaces only those: choose another path")
+        kind = "a symlink" if out.is_symlink() else "a file" if out.is_file() else "a special file (FIFO, device)"
+        raise ConfigError(f"{out}: --out is {kind}, not an earlier lorafusion export; --force replaces only those: "
+                          f"choose another path")
     try:
         empty = not any(out.iterdir())
     except OSError as e:
@@ -168,3 +176,29 @@ def marked(fill, record: dict):
         (tmp / EXPORT_MARKER).write_text(json.dumps({"written_by": "lorafusion export", **record}, indent=2) + "\n")
 
     return fill_marked
+
+
+def check_generate_out(out: Path, prompts: Path, force: bool) -> None:
+    """``generate --out`` is new, or (with ``force``) an earlier ``generate`` output (rows with prompt_ids and
+    output_ids) or an empty file — never the --prompts file, a user's own file, a directory or a symlink; and its
+    directory can be written."""
+    if not (out.exists() or out.is_symlink()):
+        return check_writable_dir(out.parent, f"{out}: --out")
+    if not force:
+        raise ConfigError(f"{out}: --out already exists; choose another path or pass --force to replace it "
+                          f"(an earlier generate output only)")
+    if out.resolve() == prompts.resolve():
+        raise ConfigError(f"{out}: --out is the --prompts file; choose another path")
+    if out.is_symlink() or not out.is_file():
+        kind = "a symlink" if out.is_symlink() else "a directory" if out.is_dir() else "a special file (FIFO, device)"
+        raise ConfigError(f"{out}: --out is {kind}, not an earlier generate output; --force replaces only those: "
+                          f"choose another path")
+    try:
+        with open(out, "rb") as f:
+            first = next((line for line in f if line.strip()), b"")
+        row = json.loads(first) if first else {"prompt_ids": [], "output_ids": []}
+    except (OSError, ValueError):
+        row = None
+    if not (isinstance(row, dict) and "prompt_ids" in row and "output_ids" in row):
+        raise ConfigError(f"{out}: --out is not an earlier lorafusion generate output (rows with prompt_ids and "
+                          f"output_ids); --force replaces only those: choose another path")

@@ -4,9 +4,11 @@ clears after a failed run) and renamed into place: a reader sees the old one or 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -43,20 +45,32 @@ def write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
-def fill_dir_atomically(out_dir: str | Path, fill: Callable[[Path], None]) -> Path:
+def fill_dir_atomically(out_dir: str | Path, fill: Callable[[Path], None], *, replace: bool = True) -> Path:
     """``fill(tmp_dir)`` writes into a temporary sibling directory, which is then renamed to ``out_dir``;
-    an existing ``out_dir`` is replaced only after the new one is complete."""
+    an existing ``out_dir`` is replaced only after the new one is complete, and only with ``replace`` (without:
+    one written meanwhile, e.g. by a second export to the same path, is a :class:`ConfigError`)."""
+    from lorafusion.core.errors import ConfigError
+
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_sibling(out)
     tmp.mkdir()
+    taken = ConfigError(f"{out}: written meanwhile by another process (a second export to the same path?); "
+                        f"left as it is")
     try:
         fill(tmp)
         old = None
-        if out.exists():
+        if out.exists() or out.is_symlink():
+            if not replace:
+                raise taken
             old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
             os.replace(out, old)
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError as e:  # a non-empty directory appeared at out since the check above
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            raise taken from None
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
@@ -84,6 +98,20 @@ def copier(src: str | Path) -> Callable[[Path], None]:
             shutil.copyfile(p, tmp / p.name)
 
     return fill
+
+
+def check_writable_dir(path: Path, what: str) -> None:
+    """One :class:`ConfigError` naming ``what`` (e.g. ``--out``) unless directory ``path`` exists or can be created
+    and a file can be created in it (``/proc/self/x``, a path under a file, a read-only disk), before any work."""
+    from lorafusion.core.errors import ConfigError
+
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".lorafusion-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot write in {path} ({e.strerror or e})") from None
 
 
 def remove_partial_outputs(out: Path) -> None:

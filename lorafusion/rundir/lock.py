@@ -12,8 +12,11 @@ from lorafusion.rundir.layout import RunDir
 
 def check_output_dir(out: Path, source, *, resume: bool) -> None:
     """A fresh run refuses a directory that already holds a run's checkpoints, adapters or summary."""
-    if resume or not out.exists():
-        return
+    try:
+        if resume or not out.exists():
+            return
+    except OSError as e:  # a name over NAME_MAX, a path through a file, ...
+        raise ConfigError(f"{source}: output_dir: cannot use {out} ({e.strerror or e})") from None
     # what a failed run leaves before its first checkpoint (metrics rows, tensorboard, the lock) holds nothing
     # to keep: such a directory may be trained again from scratch
     taken = [n for n in ("checkpoints", "adapters", "summary.json")

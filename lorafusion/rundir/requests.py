@@ -159,12 +159,14 @@ def check_against_run(run_dir: Path, job) -> None:
                           f"scheduler.token_capacity {cap} ({run_dir})")
     check_adapter_memory(job.name, job.lora, arch, cap, memory, mp)
     from lorafusion.config.schema import TokenizerConfig
+    from lorafusion.data import JobStream
     from lorafusion.data.dataset import load_job_samples
     from lorafusion.data.evalset import split_job_samples
     from lorafusion.data.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(TokenizerConfig(**record["tokenizer"]), record.get("path"))
-    split_job_samples(job, load_job_samples(job, tokenizer).samples, tokenizer, record["seed"])
+    samples, _ = split_job_samples(job, load_job_samples(job, tokenizer).samples, tokenizer, record["seed"])
+    JobStream.of(job, len(samples), record["seed"])  # as the run builds it: batch size vs samples, warmup vs steps
 
 
 def check_submission(run_dir: Path, job_name: str) -> None:

@@ -29,7 +29,8 @@ def read_status(run_dir: Path) -> dict:
     """The status of the run in ``run_dir`` (see the module doc); one clear error if there is none."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise MissingFileError(f"{run_dir}: no such run directory (the output_dir of a lorafusion train run)")
+        raise MissingFileError(f"{run_dir}: {'not a directory' if run_dir.exists() else 'no such run directory'} "
+                               f"(expected the output_dir of a lorafusion train run)")
     path = RunDir(run_dir).status
     if not path.is_file():
         raise MissingFileError(f"{run_dir}: no {path.name} — not a lorafusion run directory, or its run has "

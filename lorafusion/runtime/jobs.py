@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from lorafusion.config.schema import JobConfig, RunConfig
-from lorafusion.core.errors import ConfigError
 from lorafusion.data import JobStream, build_tokenizer, load_job_samples
 from lorafusion.data.evalset import split_job_samples
 from lorafusion.rundir.states import HALTED, JobStatus, final_state, shown_state
@@ -160,12 +159,7 @@ def job_state(job: JobConfig, tokenizer, seed: int) -> JobState:
     """A job's samples (without its held-out eval share), eval samples and data stream (its optimizer comes
     with its adapter, on the model)."""
     samples, eval_samples = split_job_samples(job, load_job_samples(job, tokenizer).samples, tokenizer, seed)
-    stream = JobStream(job.name, len(samples), job.global_batch_size, seed,
-                       max_steps=job.max_steps, num_epochs=job.num_epochs)
-    if job.optimizer.warmup_steps > stream.total_steps:  # (max_steps alone: refused by the config already)
-        raise ConfigError(f"job {job.name!r}: optimizer.warmup_steps: expected at most the job's "
-                          f"{stream.total_steps} steps (num_epochs x samples / global_batch_size), got "
-                          f"{job.optimizer.warmup_steps}: the lr would never reach optimizer.lr")
+    stream = JobStream.of(job, len(samples), seed)
     return JobState(job, samples, stream, eval_samples=eval_samples)
 
 

@@ -127,3 +127,15 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
         raise AssertionError("expected an error")
     except MissingFileError as e:
         assert "no usable checkpoint" in str(e) and "state.json: not valid JSON" in str(e), str(e)
+
+
+def test_resume_without_a_checkpoint_says_so(tmp_path, capsys, megatron_single):
+    """--resume of a directory with no checkpoint (a mistyped output_dir?) trained from step 0 without a word."""
+    from runtime_utils import job_dict, write_dataset
+
+    jobs = [job_dict("a", write_dataset(tmp_path / "a.jsonl", 1), r=4, steps=1)]
+    capsys.readouterr()
+    s, out = train_inprocess(write_run(tmp_path, jobs, out="fresh", capacity=1024), resume=True)
+    assert s["jobs"]["a"]["steps"] == 1
+    assert f"job a: --resume: no checkpoint in {out / 'checkpoints' / 'a'}; it starts from step 0" \
+        in capsys.readouterr().out

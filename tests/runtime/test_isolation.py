@@ -120,7 +120,8 @@ def _submit_job(tmp_path, name="extra", **dataset):
     return path, data
 
 
-@pytest.mark.parametrize("case", ["invalid_json", "over_capacity", "long_sample", "huge_r"])
+@pytest.mark.parametrize("case", ["invalid_json", "over_capacity", "long_sample", "huge_r", "batch_over_samples",
+                                  "warmup_over_epochs"])
 def test_submit_refuses_what_the_run_would_refuse(tmp_path, capsys, three_jobs, case):
     out = three_jobs[3]
     path, data = _submit_job(tmp_path, max_seq_len=200 if case == "over_capacity" else 64)
@@ -133,6 +134,12 @@ def test_submit_refuses_what_the_run_would_refuse(tmp_path, capsys, three_jobs, 
     elif case == "long_sample":
         data.write_text(data.read_text() + json.dumps({"prompt": "p" * 100, "response": "r"}) + "\n")
         words = [str(data), "sample 24 (row 24) is 103 tokens, longer than dataset.max_seq_len = 64"]
+    elif case == "batch_over_samples":  # (submit said "submitted"; the run refused it at the boundary)
+        overrides, words = ["global_batch_size=1000"], ["job 'extra': global_batch_size: expected at most the number "
+                                                        "of samples (24), got 1000"]
+    elif case == "warmup_over_epochs":
+        overrides = ["max_steps=null", "num_epochs=1", "optimizer.warmup_steps=1000"]
+        words = ["job 'extra': optimizer.warmup_steps: expected at most the job's"]
     else:
         overrides, words = ["lora.r=1000000000000"], ["job 'extra': lora.r = 1000000000000: its adapter needs"]
     before = sorted(str(p) for p in out.rglob("*"))
