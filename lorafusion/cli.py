@@ -318,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--best", action="store_true", help="with --job: the job's best-eval checkpoint (jobs with "
                    "eval_dataset/eval_split), not its final adapter")
     e.add_argument("--out", required=True, help="a new directory (an existing one is refused unless --force)")
-    e.add_argument("--force", action="store_true", help="replace an existing --out once the export is complete")
+    e.add_argument("--force", action="store_true", help="replace an earlier export at --out (nothing else), once complete")
     g = sub.add_parser("generate", help="decode prompts with a run's adapters (and base), batched together")
     g.add_argument("run_dir", help="the run's output_dir")
     g.add_argument("--prompts", required=True, help="JSONL: one {\"prompt\": ..., \"job\": NAME or null} per line; a "
@@ -331,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0, help="sampling seed (each row: its own generator)")
     g.add_argument("--batch-size", type=_positive_int, default=64, help="prompts decoded together")
-    g.add_argument("--force", action="store_true", help="replace an existing --out")
+    g.add_argument("--force", action="store_true", help="replace an earlier generate output at --out (nothing else)")
     p.subcommands = sub.choices  # name -> its parser (main's _flags_last reads their options)
     return p
 

@@ -213,6 +213,7 @@ def main() -> None:
     ap.add_argument("--also-batch", type=int, help="time ours again on the first N rows only (same model)")
     ap.add_argument("--profile", help="also write torch.profiler's table of 8 decode tokens to this file")
     ap.add_argument("--hf", action="store_true", help="also transformers + PEFT generate (one adapter only)")
+    ap.add_argument("--skip-syncs", action="store_true", help="do not count the syncs per decode step")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -231,7 +232,18 @@ def main() -> None:
            "model": args.model, "dtype": args.dtype, "lora_impl": args.impl or "auto", "rows": len(rows), "adapters": adapters,
            "prompt_tokens": [len(x) for _, x in rows], "new_tokens_per_row": args.new_tokens}
     res["lorafusion"] = ours(model, rows, args, context)
-    res["syncs_per_decode_step"] = sync_count(model, rows, args, context)
+    save(res, args.out)  # after each phase: a run cut short by its time limit keeps what it measured
+    if not args.skip_syncs:
+        res["syncs_per_decode_step"] = sync_count(model, rows, args, context)
+    if args.hf:
+        if len(adapters) != 1:
+            raise SystemExit("--hf compares one adapter (--adapters 1)")
+        res["transformers_peft"] = theirs(hf_peft(model, arch, adapters[0]), rows, args)
+        a, b = res["lorafusion"]["outputs"], res["transformers_peft"]["outputs"]
+        res["rows_same_first_8_tokens"] = sum(x[:8] == y[:8] for x, y in zip(a, b, strict=True))
+        res["speedup_vs_transformers_peft"] = round(res["lorafusion"]["tokens_per_s"]
+                                                    / res["transformers_peft"]["tokens_per_s"], 3)
+        save(res, args.out)
     if args.also_reference:
         from lorafusion.layers import get_lora_context
 
@@ -239,24 +251,20 @@ def main() -> None:
         ctx.impl = "reference"
         res["lorafusion_reference_lora"] = ours(model, rows, args, context)
         ctx.impl = impl
+        save(res, args.out)
     if args.also_batch:
         res[f"lorafusion_first_{args.also_batch}_rows"] = ours(model, rows[: args.also_batch], args, context)
     if args.profile:
         Path(args.profile).write_text(profile(model, rows, context))
-    if args.hf:
-        if len(adapters) != 1:
-            raise SystemExit("--hf compares one adapter (--adapters 1)")
-        hf = hf_peft(model, arch, adapters[0])
-        res["transformers_peft"] = theirs(hf, rows, args)
-        a, b = res["lorafusion"]["outputs"], res["transformers_peft"]["outputs"]
-        res["rows_same_first_8_tokens"] = sum(x[:8] == y[:8] for x, y in zip(a, b, strict=True))
-        res["speedup_vs_transformers_peft"] = round(res["lorafusion"]["tokens_per_s"]
-                                                    / res["transformers_peft"]["tokens_per_s"], 3)
-    for key in list(res):
-        if isinstance(res[key], dict):
-            res[key].pop("outputs", None)
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-    print(json.dumps(res))
+    save(res, args.out)
+    print(Path(args.out).read_text())
+
+
+def save(res: dict, out: str) -> None:
+    """``res`` as JSON, without the generated token ids."""
+    clean = {k: ({kk: vv for kk, vv in v.items() if kk != "outputs"} if isinstance(v, dict) else v)
+             for k, v in res.items()}
+    Path(out).write_text(json.dumps(clean, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,12 @@
     that every A gets a gradient), one packed microbatch of ``--mb-tokens`` tokens over the 4 adapters: every
     LoRA gradient with the bf16 base, then the same model quantized in place (model.base_precision: fp8) on
     the same microbatch (same dropout masks): cosine similarity per tensor, losses, base-weight bytes and
-    allocated memory before / after, and forward+backward time of the microbatch (median of 3) for both.
+    allocated memory before / after, and forward+backward time of the microbatch (median of 3) for both;
+    ``profile``: one step of each under torch.profiler, GPU kernel time by kind (GEMM, FP8 quantization, W_q
+    transpose, LoRA kernels, attention, other) against the step's wall time.
+(c) ``lora_linear``: per linear, 4 adapters r=16 over the rows, forward+backward of base + LoRA (CUDA events,
+    median): bf16 one op (the fused kernels, cuBLAS), FP8 split (fp8_linear + the LoRA term, added by
+    autograd: the path before the one-op FP8 linear), FP8 one op (lorafusion.ops.fp8_lora).
 """
 
 from __future__ import annotations
@@ -171,6 +176,11 @@ def model_check(mb_tokens: int) -> dict:
         res[precision] = step(model, batch, names)
         out[f"ms_fwd_bwd_{precision}"] = cuda_ms(lambda: step(model, batch, names), iters=3, warm=1)
         out[f"losses_{precision}"] = res[precision][0]
+        if DEV == "cuda":
+            try:
+                out[f"profile_{precision}"] = profile_step(model, batch, names)
+            except Exception as e:  # noqa: BLE001 - a profiler failure must not lose the measurements
+                out[f"profile_{precision}"] = {"error": repr(e)}
     out["fwd_bwd_speedup"] = out["ms_fwd_bwd_bf16"] / out["ms_fwd_bwd_fp8"]
     g16, g8 = res["bf16"][1], res["fp8"][1]
     cos = {k: float(torch.nn.functional.cosine_similarity(g8[k].flatten().double(), g16[k].flatten().double(),
@@ -184,6 +194,81 @@ def model_check(mb_tokens: int) -> dict:
         by_kind.setdefault(k.split(".")[1] + "." + k.split(".")[2], []).append(v)
     out["grad_cosine"]["min_by_kind"] = {k: min(v) for k, v in sorted(by_kind.items())}
     return out
+
+
+def lora_linear_ms(m: int, k: int, n: int) -> dict:
+    """Forward+backward ms of one LoRA linear (4 adapters r=16, dropout 0.1) with a bf16 / FP8 base."""
+    from lorafusion.core.routing import Routing
+    from lorafusion.ops.fp8_lora import fp8_multi_lora_linear
+    from lorafusion.ops.fused import multi_lora_delta_fused, multi_lora_linear_fused
+    from lorafusion.ops.tables import TableCache
+
+    g = torch.Generator(device=DEV).manual_seed(3)
+    x = torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16).requires_grad_(True)
+    w = (torch.randn(n, k, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
+    q, s = F.quantize_weight(w)
+    A = [(torch.randn(16, k, device=DEV, generator=g) * 0.01).to(torch.bfloat16).requires_grad_(True) for _ in range(4)]
+    B = [(torch.randn(n, 16, device=DEV, generator=g) * 0.01).to(torch.bfloat16).requires_grad_(True) for _ in range(4)]
+    cut = [0, int(m * 0.3), int(m * 0.45), int(m * 0.8), m]
+    routing = Routing(segments=tuple((a, cut[a], cut[a + 1] - cut[a]) for a in range(4)), num_rows=m)
+    dy = torch.randn(m, n, device=DEV, generator=g).to(torch.bfloat16)
+    lo = ([2.0] * 4, [0.1] * 4, [11, 12, 13, 14], routing)
+    cache = TableCache()
+    fns = {"bf16_one_op": lambda: multi_lora_linear_fused(x, w, None, A, B, *lo, cache=cache),
+           "fp8_split": lambda: F.fp8_linear(x, q, s) + multi_lora_delta_fused(x, A, B, *lo, cache=cache),
+           "fp8_one_op": lambda: fp8_multi_lora_linear(x, q, s, None, A, B, *lo, cache=cache)}
+    out = {f"ms_fwd_bwd_{key}": cuda_ms(lambda fn=fn: fn().backward(dy)) for key, fn in fns.items()}
+    out["one_op_saves_ms"] = out["ms_fwd_bwd_fp8_split"] - out["ms_fwd_bwd_fp8_one_op"]
+    out["speedup_fp8_one_op_vs_bf16"] = out["ms_fwd_bwd_bf16_one_op"] / out["ms_fwd_bwd_fp8_one_op"]
+    return out
+
+
+def quant_variants(m: int) -> dict:
+    """ms of the row quantization of the long rows (fc1's dY with its column scale, fc2's X) per launch:
+    the shipped one (two loops over a row), one read from registers with 16 / 32 warps, two loops of 8k."""
+    if DEV != "cuda":
+        return {}
+    from lorafusion.kernels.fp8_quant import quantize_rows_triton
+
+    g = torch.Generator(device=DEV).manual_seed(9)
+    out = {}
+    for name, n, cs in (("fc1_dy", 28672, True), ("fc2_x", 14336, False)):
+        x = torch.randn(m, n, device=DEV, generator=g).to(torch.bfloat16)
+        c = torch.rand(n, device=DEV, generator=g) + 0.5 if cs else None
+        for var, kw in (("shipped", {}), ("one_read_w16", {"max_single": 1 << 16, "num_warps": 16}),
+                        ("one_read_w32", {"max_single": 1 << 16, "num_warps": 32}),
+                        ("two_loops_8k_w16", {"block": 8192, "num_warps": 16})):
+            out[f"{name}_{var}"] = cuda_ms(lambda x=x, c=c, kw=kw: quantize_rows_triton(x, F.E4M3, c, F.EPS, **kw))
+        del x
+    return out
+
+
+KINDS = (("quant", ("_quant_rows",)), ("transpose", ("_transpose_kernel",)),
+         ("lora", ("_lora_gemm", "_shrink", "_ds_db", "_da_", "_da_kernel")),
+         ("attention", ("flash", "fmha", "attn", "cudnn")),
+         ("gemm", ("gemm", "cutlass", "nvjet", "sm90", "cublas", "xmma")))
+
+
+def profile_step(model, batch, names) -> dict:
+    """GPU kernel ms of one step by kind, and the step's wall ms (CPU-bound if the kernels add up to less)."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        step(model, batch, names)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3
+    by: dict = {}
+    for ev in prof.key_averages():
+        ms = getattr(ev, "device_time_total", getattr(ev, "cuda_time_total", 0)) / 1e3
+        if ms <= 0 or ev.key.startswith("cuda"):  # runtime calls (host side)
+            continue
+        kind = next((kd for kd, pats in KINDS if any(pt in ev.key for pt in pats)), "other")
+        by[kind] = by.get(kind, 0.0) + ms
+    return {"wall_ms_profiled": wall, "kernel_ms": sum(by.values()), "kernel_ms_by_kind": by}
 
 
 def main() -> None:
@@ -206,6 +291,16 @@ def main() -> None:
         print(name, json.dumps(res["layers"][name]), flush=True)
         if DEV == "cuda":
             torch.cuda.empty_cache()
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    try:
+        res["quant_variants_ms"] = quant_variants(args.tokens)
+    except Exception as e:  # noqa: BLE001 - a variant that fails to launch must not lose the rest
+        res["quant_variants_ms"] = {"error": repr(e)}
+    print("quant_variants", json.dumps(res["quant_variants_ms"]), flush=True)
+    res["lora_linear"] = {}
+    for name, (k, n) in SHAPES.items():
+        res["lora_linear"][name] = lora_linear_ms(args.tokens, k, n)
+        print("lora_linear", name, json.dumps(res["lora_linear"][name]), flush=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     if not args.skip_model:
         res["model"] = model_check(args.mb_tokens)

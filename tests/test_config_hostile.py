@@ -151,3 +151,11 @@ def test_a_run_yaml_given_as_a_job_yaml_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as e:
         load_job_config(run)
     assert str(e.value) == "run.yaml: is a run config (it lists jobs); expected one adapter job's YAML (name, ...)"
+
+
+def test_an_output_dir_name_over_255_bytes_names_output_dir(tmp_path, monkeypatch):
+    """output_dir=/tmp/ooo...(300) was 'cannot access ...: File name too long' from a stat in train, no field."""
+    monkeypatch.chdir(tmp_path)
+    run = make_tree(tmp_path)
+    msg = _error(run, [f"output_dir={tmp_path / ('o' * 300)}"])
+    assert "run.yaml: output_dir: a name in it is 300 bytes, over the file system's 255" in msg, msg

@@ -179,3 +179,45 @@ def test_cuda_fp8_base_with_the_fused_lora_kernels_equals_the_torch_lora_path(me
             for got, want in zip(res["fused"], res["reference"]):
                 err = float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12))
                 assert err < 2e-2, (key, err)
+
+
+def test_fused_kernels_take_the_one_op_fp8_path_and_equal_the_torch_lora_path(megatron_single, monkeypatch):
+    """With the Triton LoRA kernels (interpreter on CPU) and no TP, each FP8 LoRA linear is one op (the LoRA
+    term added into the FP8 GEMM's output) and equals the split torch path: output and every gradient. (One
+    column-parallel fused linear and one row-parallel; float16 and odd shapes: tests/ops/test_fp8_lora.py.)"""
+    from lorafusion.layers import get_lora_context
+    from lorafusion.ops import fp8_lora
+
+    dtype = torch.float32
+    calls = []
+    real = fp8_lora.fp8_multi_lora_linear
+    monkeypatch.setattr(fp8_lora, "fp8_multi_lora_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = build_model(preset("tiny-llama"), params_dtype=dtype, seed=11, base_precision="fp8")
+    add_adapter(model, "a", SPEC, seed=3)
+    add_adapter(model, "b", LoRASpec(r=8, lora_alpha=8, target_modules=("q_proj", "k_proj", "v_proj", "down_proj")),
+                seed=3)
+    randomize_b(model, seed=5)
+    model.train()
+    batch = _batch()
+    T = batch.tokens.numel()
+    tol = 1e-5
+    seen = []
+    with lora_batch(model, batch.routing, batch.adapters, [7, 9]):
+        for key, mod in [kv for kv in lora_modules(model) if kv[0] in ("1.linear_qkv", "1.linear_fc2")]:
+            x = torch.randn(T, 1, mod.input_size, generator=torch.Generator().manual_seed(1)).to(dtype)
+            dy = torch.randn(T, 1, mod.weight_fp8.shape[0], generator=torch.Generator().manual_seed(2)).to(dtype)
+            names = sorted(mod.lora_A)
+            res = {}
+            for impl in ("triton", "torch"):
+                get_lora_context(model).impl = impl
+                n0 = len(calls)
+                xi = x.clone().requires_grad_(True)
+                out, _ = mod(xi)
+                assert len(calls) == n0 + (impl == "triton"), key
+                params = [xi, *[mod.lora_A[n] for n in names], *[mod.lora_B[n] for n in names]]
+                res[impl] = (out.detach(), *torch.autograd.grad(out, params, dy))
+            seen.append(key)
+            for got, want in zip(res["triton"], res["torch"], strict=True):
+                err = float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+                assert err < tol, (key, err)
+    assert seen == ["1.linear_qkv", "1.linear_fc2"], seen

@@ -203,3 +203,20 @@ def test_forward_and_input_gradient_against_the_original_weight_with_channels_ov
     assert float(per_channel.max()) < 0.1, per_channel
     dx_ref = dy.double() @ w.double()
     assert float((x.grad.double() - dx_ref).norm() / dx_ref.norm()) < 0.06
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU: Triton's interpreter (the GPU test above checks q)")
+@pytest.mark.parametrize("max_single", [8192, 32])  # one read from registers / the two-loop path
+@pytest.mark.parametrize("col_scale", [False, True])
+@pytest.mark.parametrize("src", [torch.float32, torch.float16])
+def test_triton_row_kernel_scales_on_cpu(src, col_scale, max_single):
+    """The row kernel's loads (times the column scale) and max|v| in the interpreter: scales equal the torch
+    path's bit for bit. (q is not compared here: the interpreter's float→fp8 cast does not round to nearest.)"""
+    from lorafusion.kernels.fp8_quant import quantize_rows_triton
+
+    x, _ = _data(6, 70, 8, src)
+    x[2] = 0
+    c = torch.rand(70, generator=torch.Generator().manual_seed(4)) + 0.5 if col_scale else None
+    q, s = quantize_rows_triton(x, F.E4M3, c, F.EPS, max_single=max_single)
+    _, s_ref = F.quantize_rows_torch(x, F.E4M3, c)
+    assert q.shape == x.shape and q.dtype == F.E4M3 and torch.equal(s, s_ref)

@@ -323,6 +323,8 @@ class RunConfig(_Strict):
     def _output_dir(cls, v: str) -> str:
         if not v:  # "" would train into the current directory
             raise ValueError(f"expected a directory path (the run's own directory), got {v!r}")
+        if long := [p for p in Path(v).parts if len(p.encode()) > 255]:  # (every later stat: ENAMETOOLONG)
+            raise ValueError(f"a name in it is {len(long[0].encode())} bytes, over the file system's 255: {long[0]:.40}...")
         return v
 
     @model_validator(mode="after")

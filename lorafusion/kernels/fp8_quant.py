@@ -25,47 +25,49 @@ MAX_SINGLE = 8192  # longest row quantized from registers (one read); measured o
 
 
 @triton.jit
+def _load_scaled(x_row, cs_ptr, cols, mask, HAS_CS: tl.constexpr):
+    """x[i, cols] in float32, times col_scale[cols] when given (0 outside ``mask``)."""
+    v = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_CS:
+        v = v * tl.load(cs_ptr + cols, mask=mask, other=0.0)
+    return v
+
+
+@triton.jit
 def _quant_rows_kernel(x_ptr, cs_ptr, q_ptr, s_ptr, N, stride_x, stride_q,
                        QMAX: tl.constexpr, EPS: tl.constexpr, HAS_CS: tl.constexpr, BLOCK: tl.constexpr,
                        SINGLE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
-    if SINGLE:  # the whole row in registers
+    if SINGLE:  # the whole row in registers: one read
         cols = tl.arange(0, BLOCK)
         mask = cols < N
-        v = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_CS:
-            v = v * tl.load(cs_ptr + cols, mask=mask, other=0.0)
+        v = _load_scaled(x_row, cs_ptr, cols, mask, HAS_CS)
         scale = tl.maximum(tl.max(tl.abs(v), axis=0), EPS) / QMAX
         tl.store(s_ptr + row, scale)
         q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -QMAX), QMAX)
         tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-        return
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, N, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < N
-        v = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_CS:
-            v = v * tl.load(cs_ptr + cols, mask=mask, other=0.0)
-        amax = tl.maximum(amax, tl.abs(v))
-    scale = tl.maximum(tl.max(amax, axis=0), EPS) / QMAX
-    tl.store(s_ptr + row, scale)
-    for start in range(0, N, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < N
-        v = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_CS:
-            v = v * tl.load(cs_ptr + cols, mask=mask, other=0.0)
-        q = tl.math.div_rn(v, scale)
-        q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
-        tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    else:  # two loops over the row: max|v|, then q
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, N, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            amax = tl.maximum(amax, tl.abs(_load_scaled(x_row, cs_ptr, cols, cols < N, HAS_CS)))
+        scale = tl.maximum(tl.max(amax, axis=0), EPS) / QMAX
+        tl.store(s_ptr + row, scale)
+        for start in range(0, N, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < N
+            q = tl.math.div_rn(_load_scaled(x_row, cs_ptr, cols, mask, HAS_CS), scale)
+            q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
+            tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, col_scale: torch.Tensor | None = None,
-                         eps: float = 1e-12, max_single: int = MAX_SINGLE) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [m, n] ``dtype``, scale [m, 1] float32) for a 2-D CUDA tensor ``x`` whose last dim is contiguous."""
+                         eps: float = 1e-12, max_single: int = MAX_SINGLE, num_warps: int | None = None,
+                         block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [m, n] ``dtype``, scale [m, 1] float32) for a 2-D CUDA tensor ``x`` whose last dim is contiguous
+    (``num_warps`` / ``block``: override the launch, for benchmarks)."""
     m, n = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -74,8 +76,8 @@ def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, col_scale: torch.T
     if m == 0:
         return q, s
     single = n <= max_single
-    block = triton.next_power_of_2(n) if single else 4096
-    warps = 16 if block >= 16384 else 8 if block >= 2048 else 4
+    block = block or (triton.next_power_of_2(n) if single else 4096)
+    warps = num_warps or (16 if block >= 16384 else 8 if block >= 2048 else 4)
     cs = col_scale if col_scale is not None else s
     _quant_rows_kernel[(m,)](x, cs, q, s, n, x.stride(0), q.stride(0), QMAX=float(torch.finfo(dtype).max),
                              EPS=eps, HAS_CS=col_scale is not None, BLOCK=block, SINGLE=single, num_warps=warps)

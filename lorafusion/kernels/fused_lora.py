@@ -59,7 +59,7 @@ def _lora_gemm_kernel(
     k_total, k_offset,
     HAS_MAIN: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, ALIGNED: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RK: tl.constexpr, GROUP_M: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, ACCUM: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BM)
@@ -126,7 +126,10 @@ def _lora_gemm_kernel(
         bias = tl.load(bias_ptr + offs_n, mask=nmask, other=0.0)
         acc += bias.to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & nmask[None, :])
+    omask = (offs_m[:, None] < M) & nmask[None, :]
+    if ACCUM:  # out += the result (out holds e.g. the FP8 base GEMM's output)
+        acc += tl.load(out_ptrs, mask=omask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
 
 
 @triton.jit

@@ -33,11 +33,14 @@ def dot_precision(dtype: torch.dtype) -> str:
 def lora_gemm(x: torch.Tensor | None, w_kn: torch.Tensor | None, bias: torch.Tensor | None, S: torch.Tensor,
               L_rn: torch.Tensor, coef: torch.Tensor, st, routing, *, n: int, dropout: bool = False,
               row_ids: torch.Tensor | None = None, k_total: int = 0, k_offset: int = 0,
-              out: torch.Tensor | None = None, out_dtype=None, cache) -> torch.Tensor:
+              out: torch.Tensor | None = None, out_dtype=None, accumulate: bool = False, cache) -> torch.Tensor:
     """``out[m, n] = x·w_kn (+bias) + Σ_seg coef[a]·keep⊙(S[:, :r_a]·L_rn[roff_a:roff_a+r_a, :])``.
 
     ``w_kn`` and ``L_rn`` are any strided views with shapes [K, n] and [R_tot, n]; ``x`` None → low-rank only.
+    ``accumulate``: ``out`` (given) is added to, in place (``out +=`` the above, one read and one write of it).
     """
+    if accumulate and out is None:
+        raise ValueError("lora_gemm: accumulate needs out")
     m = S.shape[0]
     has_main = x is not None
     kdim = x.shape[1] if has_main else 0
@@ -59,7 +62,7 @@ def lora_gemm(x: torch.Tensor | None, w_kn: torch.Tensor | None, bias: torch.Ten
         k_total, k_offset,
         HAS_MAIN=has_main, HAS_BIAS=bias is not None, DROPOUT=bool(dropout), ALIGNED=k_offset % 8 == 0,
         BM=bm, BN=bn, BK=cfg.get("BK", 16), RK=min(st.rb, 64), GROUP_M=cfg["GROUP_M"], PREC=dot_precision(S.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        ACCUM=accumulate, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 

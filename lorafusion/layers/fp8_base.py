@@ -6,7 +6,8 @@ per output channel), both non-persistent buffers, and frees the bf16 parameter (
 the base is never checkpointed, so nothing of it is written. :func:`fp8_base_forward` is Megatron's
 Column/RowParallelLinear forward (TP collectives, sequence parallelism, bias) around
 :func:`lorafusion.ops.fp8_linear.fp8_linear` instead of the bf16 GEMM. The LoRA term is unchanged and sees the
-bf16 X. The output layer and embeddings stay in the model dtype.
+bf16 X. The output layer and embeddings stay in the model dtype. Without TP, with the fused LoRA kernels,
+:func:`fp8_fused_forward` runs base and LoRA term as one op (:mod:`lorafusion.ops.fp8_lora`).
 """
 
 from __future__ import annotations
@@ -96,3 +97,15 @@ def fp8_base_forward(mod, input_: torch.Tensor):
     if mod.skip_bias_add:
         return y, mod.bias
     return (y + mod.bias if mod.bias is not None else y), None
+
+
+def fp8_fused_forward(mod, input_: torch.Tensor, largs):
+    """(output, output bias) of an FP8 LoRA linear without TP: the FP8 base GEMM and the LoRA term in one op
+    (:func:`lorafusion.ops.fp8_lora.fp8_multi_lora_linear`; ``largs`` = the layer's ``_lora_args``)."""
+    from lorafusion.ops.fp8_lora import fp8_multi_lora_linear
+
+    routing, a, b, scaling, p, seeds, seed_table = largs
+    bias = None if mod.skip_bias_add or mod.bias is None else mod.bias
+    y = fp8_multi_lora_linear(input_, mod.weight_fp8, mod.weight_scale, bias, a, b, scaling, p, seeds, routing,
+                              cache=mod.lora_ctx.tables, seed_table=seed_table)
+    return y, (mod.bias if mod.skip_bias_add else None)

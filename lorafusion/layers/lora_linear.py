@@ -36,7 +36,7 @@ from lorafusion.core.lora import LoRASpec
 from lorafusion.core.routing import Routing
 from lorafusion.core.seeds import mix_seed, name_key
 from lorafusion.core.targets import PEFT_GROUPS
-from lorafusion.layers.fp8_base import fp8_base_forward
+from lorafusion.layers.fp8_base import fp8_base_forward, fp8_fused_forward, is_fp8
 from lorafusion.layers.fused_proj import BlockIndex, block_b, fused_projection_index
 from lorafusion.layers.sharding import COLUMNS, REPLICATED, ROW_HALVES, ROWS, TPSplit
 from lorafusion.ops.tables import TableCache, seed_tensor
@@ -268,7 +268,10 @@ class _LoRAMixin:
         largs = self._lora_args(input_)
         if largs is None:
             return self._base_forward(input_, *args, **kwargs)
-        if self.weight is not None and self._tp()[0] == 1 and not args and not kwargs and ops.resolve_impl(input_, self.lora_ctx.impl) == "triton":
+        one_op = self._tp()[0] == 1 and not args and not kwargs and ops.resolve_impl(input_, self.lora_ctx.impl) == "triton"
+        if one_op and is_fp8(self):  # the FP8 base GEMM with the LoRA term added into its output in place
+            return fp8_fused_forward(self, input_, largs)
+        if self.weight is not None and one_op:
             routing, a, b, scaling, p, seeds, seed_table = largs
             bias = None if self.skip_bias_add or self.bias is None else self.bias
             ctx = self.lora_ctx

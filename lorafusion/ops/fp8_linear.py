@@ -31,7 +31,7 @@ from lorafusion.core.errors import ConfigError
 
 __all__ = ["E4M3", "E5M2", "GRAD_DTYPE", "Fp8BaseLinear", "fp8_linear", "fp8_linear_reference",
            "quantize_rows", "quantize_rows_torch", "quantize_weight", "dequantize", "scaled_gemm", "transpose",
-           "check_fp8_device"]
+           "check_fp8_device", "unit_scale"]
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -77,6 +77,18 @@ def transpose(w_q: torch.Tensor) -> torch.Tensor:
     return w_q.t().contiguous()
 
 
+_UNIT: dict = {}
+
+
+def unit_scale(n: int, device) -> torch.Tensor:
+    """A [1, n] float32 tensor of ones (the column scale of a GEMM whose scale is folded elsewhere), made once
+    per (n, device) rather than per backward call."""
+    key = (n, str(device))
+    if key not in _UNIT:
+        _UNIT[key] = torch.ones(1, n, device=device, dtype=torch.float32)
+    return _UNIT[key]
+
+
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(W_q [n, k] float8_e4m3fn, row-major; s_w [n] float32): one scale per output channel."""
     q, s = quantize_rows_torch(weight.detach(), E4M3)
@@ -119,8 +131,7 @@ class Fp8BaseLinear(torch.autograd.Function):
         w_q, w_scale = ctx.saved_tensors
         g_q, s_g = quantize_rows(dy, ctx.grad_dtype, col_scale=w_scale)  # dY·diag(s_w), per row
         w_t = transpose(w_q)  # [k, n]: N-major, as the FP8 GEMM needs for dY·W_q; freed after the call
-        ones = torch.ones(1, w_t.shape[0], device=dy.device, dtype=torch.float32)
-        dx = scaled_gemm(g_q, s_g, w_t, ones, dy.dtype)
+        dx = scaled_gemm(g_q, s_g, w_t, unit_scale(w_t.shape[0], dy.device), dy.dtype)
         return dx, None, None, None
 
 

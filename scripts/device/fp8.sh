@@ -1,54 +1,86 @@
 #!/usr/bin/env bash
-# Issue 23 (FP8 frozen base) on one GPU, one device call (carry .whl):
-#   1. the gpu-marked FP8 tests;
-#   2. scripts/check_fp8.py: per-layer output / input-gradient error and GEMM times on the 8B shapes, every LoRA
-#      gradient of the 8B model with the bf16 base vs the same model quantized (cosine), base-weight bytes;
-#   3. scripts/bench_train.py on configs/llama3.1-8b-4adapters.yaml: bf16 and fp8 at token_capacity $CAP, then fp8
-#      at $BIG (what the freed memory allows), one process each, one after the other;
-#   4. the quickstart (configs/quickstart.yaml, model.dtype=bfloat16) trained with a bf16 and an fp8 base (both at
-#      once: tiny), then `lorafusion generate` on the same prompts, and `export --merged` of the fp8 run.
-#   run (kind nvidia-h100-x1):  bash scripts/device/fp8.sh
-# Writes $OUT/run.log, fp8_quality.json, bf16.json, fp8.json, fp8big.json, quickstart.json, logs.tar.gz (every log).
+# Issue 23 (FP8 frozen base) on one GPU (kind nvidia-h100-x1, carry .whl). PHASE=all (one device call): main,
+# then the quickstart pair on the GPU while the tests run (neither is timed). Or one phase:
+#   PHASE=main:
+#     1. scripts/bench_train.py on configs/llama3.1-8b-4adapters.yaml, one process each, one after the other:
+#        bf16 and fp8 at token_capacity $CAP, then fp8 at token_capacity auto (what the memory model gives the
+#        freed memory on this GPU);
+#     2. scripts/check_fp8.py: per-layer error and GEMM times on the 8B shapes, the LoRA linear forward+backward
+#        (bf16 one op / fp8 split / fp8 one op), every LoRA gradient's cosine (8B, random base), a profiled step;
+#     3. the gpu-marked FP8 tests and the one-op FP8 LoRA tests on CUDA.
+#   PHASE=quickstart: configs/quickstart.yaml (model.dtype=bfloat16) trained with a bf16 and then an fp8 base,
+#     `lorafusion generate` on configs/quickstart/heldout.jsonl (greedy), `export --merged` of the fp8 run.
+#   run:  PHASE=all bash scripts/device/fp8.sh
+# Writes under $OUT: run.log, bf16.json, fp8.json, fp8auto.json, fp8_quality.json, gpu_tests.log (main);
+# quickstart.json, qs.log (quickstart).
 set -uo pipefail
 . "$(dirname "$0")/setup.sh"  # $OUT, $PY, the carried wheels
-CAP=${CAP:-12288}; BIG=${BIG:-13824}; L=/tmp/fp8logs; rm -rf "$L"; mkdir -p "$L"
+PHASE=${PHASE:-all}; CAP=${CAP:-12288}; L=/tmp/fp8logs; mkdir -p "$L"
 exec > >(tee -a "$OUT/run.log") 2>&1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total --format=csv,noheader
 T0=$SECONDS
-timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_linear.py tests/test_fp8_base.py > "$L/gpu_tests.log" 2>&1
-grep -v "Warning\|warn" "$L/gpu_tests.log" | tail -12; echo "tests $((SECONDS-T0))s"
-timeout 200 "$PY" scripts/check_fp8.py --out "$OUT/fp8_quality.json" > "$L/quality.log" 2>&1
-echo "quality rc=$? $((SECONDS-T0))s"; grep -v "^linear\|^model" "$L/quality.log" | grep -v -i warn | tail -5
-"$PY" scripts/make_bench_data.py --out data/bench --rows 256 >/dev/null
-for spec in "bf16:$CAP:bf16:6" "fp8:$CAP:fp8:6" "fp8big:$BIG:fp8:4"; do
-  IFS=: read -r name cap prec steps <<< "$spec"
-  timeout 170 "$PY" scripts/bench_train.py --config configs/llama3.1-8b-4adapters.yaml --rows 256 --steps "$steps" \
-    --warmup 2 --skip-hf --out "/tmp/bench_$name" scheduler.token_capacity="$cap" model.base_precision="$prec" \
-    > "$L/$name.log" 2>&1
-  echo "$name rc=$? $((SECONDS-T0))s"; tail -1 "$L/$name.log" > "$OUT/$name.json"
-  grep -v "^{" "$L/$name.log" | grep -i "tokens/s\|error\|Traceback\|peak\|lorafusion " | head -6
-done
-printf '%s\n' '{"prompt": "count 5=", "job": "count"}' '{"prompt": "after e=", "job": "successor"}' \
-  '{"prompt": "count 7=", "job": "count"}' '{"messages": [{"role": "user", "content": "kitab"}], "job": "vowel"}' \
-  '{"prompt": "count 3="}' > /tmp/fp8-prompts.jsonl
-qs() {  # $1 = bf16 | fp8
-  rm -rf "/tmp/qs-$1"
-  timeout 200 "$PY" -m lorafusion.cli train configs/quickstart.yaml output_dir="/tmp/qs-$1" model.dtype=bfloat16 \
-    model.base_precision="$1" logging.progress=false logging.tensorboard=false > "$L/qs-$1.log" 2>&1 || return 1
-  "$PY" -m lorafusion.cli generate "/tmp/qs-$1" --prompts /tmp/fp8-prompts.jsonl --out "/tmp/qs-$1-generated.jsonl" \
-    --max-new-tokens 16 >> "$L/qs-$1.log" 2>&1
+bench() {
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total --format=csv,noheader
+  "$PY" scripts/make_bench_data.py --out data/bench --rows 256 >/dev/null
+  for spec in "bf16:$CAP:bf16" "fp8:$CAP:fp8" "fp8auto:auto:fp8"; do
+    IFS=: read -r name cap prec <<< "$spec"
+    timeout "${BENCH_TIMEOUT:-150}" "$PY" scripts/bench_train.py --config configs/llama3.1-8b-4adapters.yaml \
+      --rows 256 --steps "${STEPS:-6}" --warmup 2 --skip-hf --out "/tmp/bench_$name" \
+      scheduler.token_capacity="$cap" model.base_precision="$prec" > "$L/$name.log" 2>&1
+    echo "$name rc=$? $((SECONDS-T0))s"; tail -1 "$L/$name.log" > "$OUT/$name.json"
+    grep -v "^{" "$L/$name.log" | grep -i "tokens/s\|error\|Traceback\|lorafusion \|capacity" | head -6
+  done
 }
-qs bf16 & qs fp8; wait
-"$PY" -m lorafusion.cli export /tmp/qs-fp8 --job count --merged --out /tmp/qs-fp8-merged >> "$L/qs-fp8.log" 2>&1
+quality() {
+  timeout "${QUALITY_TIMEOUT:-200}" "$PY" scripts/check_fp8.py --out "$OUT/fp8_quality.json" ${QUALITY_ARGS:-} \
+    > "$L/quality.log" 2>&1
+  echo "quality rc=$? $((SECONDS-T0))s"; grep -v -i "warn" "$L/quality.log" | cut -c1-400 | tail -12
+}
+gpu_tests() {
+  timeout "${TESTS_TIMEOUT:-150}" "$PY" -m pytest -q -p no:cacheprovider -m "${TEST_MARK:-gpu}" \
+    tests/test_fp8_linear.py tests/test_fp8_base.py > "$L/gpu_tests.log" 2>&1
+  echo "gpu tests rc=$?"; tail -3 "$L/gpu_tests.log"
+  timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/ops/test_fp8_lora.py >> "$L/gpu_tests.log" 2>&1
+  echo "one-op tests rc=$? $((SECONDS-T0))s"; tail -3 "$L/gpu_tests.log"
+  grep -v "DEBUG\|^$" "$L/gpu_tests.log" | tail -60 > "$OUT/gpu_tests.log"
+}
+qs_summary() {  # what the quickstart runs have written so far -> $OUT/quickstart.json
 "$PY" - > "$OUT/quickstart.json" <<'PY'
 import json, pathlib
+from lorafusion.inference.generate import expected_matches
 out = {}
 for p in ("bf16", "fp8"):
-    s, g = pathlib.Path(f"/tmp/qs-{p}/summary.json"), pathlib.Path(f"/tmp/qs-{p}-generated.jsonl")
-    out[p] = {"summary": json.loads(s.read_text()) if s.is_file() else None,
-              "generated": [json.loads(x) for x in g.read_text().splitlines()] if g.is_file() else None}
+    s, g = pathlib.Path(f"/tmp/qs-{p}/summary.json"), pathlib.Path(f"/tmp/qs-{p}-heldout.jsonl")
+    rows = [json.loads(x) for x in g.read_text().splitlines()] if g.is_file() else None
+    out[p] = {"summary": json.loads(s.read_text()) if s.is_file() else None, "heldout": rows,
+              "heldout_right": expected_matches(rows) if rows else None}
+if out["bf16"]["heldout"] and out["fp8"]["heldout"]:
+    out["answers_that_differ"] = [[a["job"], a["prompt"], a["output"], b["output"]]
+                                  for a, b in zip(out["bf16"]["heldout"], out["fp8"]["heldout"])
+                                  if a["output"] != b["output"]]
 print(json.dumps(out, indent=1))
 PY
+}
+quickstart() {
+for p in bf16 fp8; do
+  rm -rf "/tmp/qs-$p"
+  timeout "${QS_TIMEOUT:-170}" "$PY" -m lorafusion.cli train configs/quickstart.yaml output_dir="/tmp/qs-$p" \
+    model.dtype=bfloat16 model.base_precision="$p" logging.progress=false logging.tensorboard=false \
+    ${QS_ARGS:-} > "$L/qs-$p.log" 2>&1
+  echo "train $p rc=$? $((SECONDS-T0))s"
+  timeout 90 "$PY" -m lorafusion.cli generate "/tmp/qs-$p" --prompts configs/quickstart/heldout.jsonl \
+    --out "/tmp/qs-$p-heldout.jsonl" --max-new-tokens 12 >> "$L/qs-$p.log" 2>&1
+  echo "generate $p rc=$? $((SECONDS-T0))s"
+  qs_summary
+done
+timeout 60 "$PY" -m lorafusion.cli export /tmp/qs-fp8 --job successor --merged --out /tmp/qs-fp8-merged \
+  >> "$L/qs-fp8.log" 2>&1; echo "export rc=$?"
 echo "quickstart $((SECONDS-T0))s"
-grep -h -v -i "warn" "$L/qs-bf16.log" "$L/qs-fp8.log" | grep "loss\|generated\|exported\|rror" | head -20
-tar -czf "$OUT/logs.tar.gz" -C "$L" .
+cat "$L/qs-bf16.log" "$L/qs-fp8.log" | grep -v "DEBUG" | tail -40 > "$OUT/qs.log"
+grep -h -v -i "warn" "$L/qs-bf16.log" "$L/qs-fp8.log" | grep "loss\|expected\|exported\|rror" | head -20
+}
+case "$PHASE" in
+  main) bench; quality; gpu_tests ;;
+  quickstart) quickstart ;;
+  all) bench; quality; quickstart > "$L/quickstart.out" 2>&1 & QS=$!; gpu_tests; wait "$QS"; cat "$L/quickstart.out" ;;
+esac
+echo "done $((SECONDS-T0))s"

@@ -1,0 +1,106 @@
+"""FP8 frozen base plus the multi-adapter LoRA term in one autograd op (``model.base_precision: fp8``, no TP).
+
+``Y = X·Wᵀ (+bias) + Σ_seg s·dropout(X_seg)·A_aᵀ·B_aᵀ`` with W stored as (W_q float8_e4m3fn [n, k], s_w [n])
+(:mod:`lorafusion.ops.fp8_linear`). Against the split form ``fp8_linear(X) + multi_lora_delta(X)`` it saves
+two passes over Y in forward and two over dX in backward, and one activation-sized allocation each way:
+
+- forward: the shrink kernel (S = drop(X)·Aᵀ/(1-p)), X quantized per row, ``Y = scaled_mm(X_q, W_q)``, then
+  the expand kernel adds ``s·S·Bᵀ`` (and the bias) into Y in place (``lora_gemm(..., accumulate=True)``),
+  instead of writing the low-rank term to its own tensor and adding the two;
+- backward: one pass over dY for dS and dB; ``dX = (dY·diag(s_w))_q·W_q`` by the FP8 GEMM; then one pass adds
+  keep⊙(dS·A)/(1-p) into that dX in place and produces dA with the same mask (the bf16 path's "cublas"
+  order), instead of autograd summing a separate low-rank dX. No dW (W is not a parameter).
+
+The LoRA path sees the bf16 X, as in the bf16 base. Saved for backward: X, S, W_q (a reference to the model's
+buffer), s_w. :func:`fp8_multi_lora_linear_reference` is the split form in torch (the ground truth of tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lorafusion.core.routing import Routing
+from lorafusion.ops.fp8_linear import GRAD_DTYPE, fp8_linear, quantize_rows, scaled_gemm, transpose, unit_scale
+
+__all__ = ["fp8_multi_lora_linear", "fp8_multi_lora_linear_reference"]
+
+
+class _Fp8MultiLoRALinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, w_q, w_scale, bias, plan, grad_dtype, *params):
+        from lorafusion.kernels import fused_multi_lora as K
+        from lorafusion.ops.fused import _cat_A, _cat_B
+
+        ns = plan.n_slots
+        st = plan.st
+        A_cat, B_cat = _cat_A(params[:ns], x2d.dtype), _cat_B(params[ns:], x2d.dtype)
+        S = K.lora_shrink(x2d, A_cat, st, plan.routing, plan.row_ids, k_total=plan.k_total, cache=plan.cache)
+        x_q, s_x = quantize_rows(x2d)
+        y = scaled_gemm(x_q, s_x, w_q, w_scale.view(1, -1), x2d.dtype)
+        del x_q, s_x
+        K.lora_gemm(None, None, bias, S, B_cat.t().contiguous(), st.scale, st, plan.routing, n=plan.n, out=y,
+                    accumulate=True, cache=plan.cache)
+        ctx.plan, ctx.grad_dtype, ctx.has_bias = plan, grad_dtype, bias is not None
+        ctx.save_for_backward(x2d, w_q, w_scale, S, A_cat, B_cat, *params)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from lorafusion.kernels import fused_multi_lora as K
+        from lorafusion.ops.fused import _grads
+
+        plan = ctx.plan
+        st = plan.st
+        x2d, w_q, w_scale, S, A_cat, B_cat, *params = ctx.saved_tensors
+        ns = plan.n_slots
+        need_x, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
+        need_da, need_db = any(ctx.needs_input_grad[6:6 + ns]), any(ctx.needs_input_grad[6 + ns:])
+        dy = dy.to(x2d.dtype)
+        if not dy.is_contiguous():
+            dy = dy.contiguous()
+        dS, dB = K.lora_ds_db(dy, B_cat, S, st, plan.routing, need_db=need_db, cache=plan.cache)
+        dx, dA = None, [None] * ns
+        if need_x:
+            g_q, s_g = quantize_rows(dy, ctx.grad_dtype, col_scale=w_scale)  # dY·diag(s_w), per row
+            w_t = transpose(w_q)  # [k, n], freed after the call (the base keeps one byte a weight)
+            dx = scaled_gemm(g_q, s_g, w_t, unit_scale(w_t.shape[0], dy.device), x2d.dtype)
+            del g_q, s_g, w_t
+            dx, dA = K.lora_da_dx(x2d, dS, A_cat, dx, st, plan.routing, plan.row_ids, k_total=plan.k_total,
+                                  need_da=need_da, cache=plan.cache)
+        elif need_da:
+            dA = K.lora_da(x2d, dS, st, plan.routing, plan.row_ids, k_total=plan.k_total, cache=plan.cache)
+        dbias = dy.sum(0) if (need_b and ctx.has_bias) else None
+        if not need_db:
+            dB = [None] * ns
+        return (dx, None, None, dbias, None, None, *_grads(dA, params[:ns]), *_grads(dB, params[ns:]))
+
+
+def fp8_multi_lora_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                          lora_A: Sequence[torch.Tensor], lora_B: Sequence[torch.Tensor],
+                          scaling: Sequence[float], dropout_p: Sequence[float], seeds: Sequence[int],
+                          routing: Routing, *, cache=None, seed_table: torch.Tensor | None = None,
+                          grad_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """FP8 base plus LoRA through the Triton LoRA kernels (CUDA, or Triton's interpreter on CPU).
+    Shapes as :func:`lorafusion.ops.multi_lora_linear`, with the weight given as (W_q [n, k], s_w [n])."""
+    from lorafusion.ops.fused import _Plan
+
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1])
+    if w_q.shape[1] != x2d.shape[1] or lora_B[0].shape[0] != w_q.shape[0]:
+        raise ValueError(f"weight {tuple(w_q.shape)} / lora_B {tuple(lora_B[0].shape)} do not fit x {tuple(x.shape)}")
+    if x2d.is_cuda and x2d.dtype != torch.bfloat16:
+        raise ValueError(f"fp8_multi_lora_linear: CUDA row-wise FP8 GEMMs write bfloat16; got {x.dtype}")
+    plan = _Plan(x2d, lora_A, lora_B, scaling, dropout_p, seeds, routing, cache=cache, seed_table=seed_table)
+    y = _Fp8MultiLoRALinear.apply(x2d, w_q, w_scale, bias, plan, grad_dtype or GRAD_DTYPE, *lora_A, *lora_B)
+    return y.reshape(*lead, y.shape[-1])
+
+
+def fp8_multi_lora_linear_reference(x, w_q, w_scale, bias, lora_A, lora_B, scaling, dropout_p, seeds, routing,
+                                    *, grad_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The split form in torch: ``fp8_linear(X) (+bias) + multi_lora_delta_reference(X)``."""
+    from lorafusion.ops.reference import multi_lora_delta_reference
+
+    y = fp8_linear(x, w_q, w_scale, bias, grad_dtype=grad_dtype)
+    return y + multi_lora_delta_reference(x, lora_A, lora_B, scaling, dropout_p, seeds, routing)
