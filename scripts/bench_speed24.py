@@ -127,7 +127,7 @@ def _lora_row(m: int, k: int, n: int) -> dict:
         A = [(torch.randn(r, k, device="cuda") / k**0.5).requires_grad_(True) for r in ranks]
         B = [(torch.randn(n, r, device="cuda") * 0.01).requires_grad_(True) for r in ranks]
         tc, nr = TableCache(), len(ranks)
-        for mg in ("cublas", "cublas_fold"):
+        for mg in MAIN_GEMMS:
             def step(A=A, B=B, routing=routing, tc=tc, mg=mg, nr=nr):
                 for t in (x, *A, *B):
                     t.grad = None
@@ -136,18 +136,49 @@ def _lora_row(m: int, k: int, n: int) -> dict:
                 y.backward(g)
 
             row[f"{cname}_{mg}"] = median_ms(step)
+            if PROFILE_KERNELS and mg == "cublas":
+                row[f"{cname}_kernels_us"] = kernel_times(step)
     row["multi_over_single_r16"] = row["multi_4x16_cublas"] / row["single_r16_cublas"]
     row["multi_over_single_r64"] = row["multi_4x16_cublas"] / row["single_r64_cublas"]
-    row["fold_over_cublas_multi"] = row["multi_4x16_cublas_fold"] / row["multi_4x16_cublas"]
+    if "multi_4x16_cublas_fold" in row:
+        row["fold_over_cublas_multi"] = row["multi_4x16_cublas_fold"] / row["multi_4x16_cublas"]
     return row
 
 
-def bench_lora(tokens: int) -> dict:
+PROFILE_KERNELS = False
+MAIN_GEMMS = ("cublas", "cublas_fold")
+
+
+def kernel_times(fn, reps: int = 5) -> dict:
+    """Device time per call (µs) of each CUDA kernel ``fn`` launches, by name, over ``reps`` profiled calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    by: dict[str, float] = {}
+    for e in p.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by[e.name[:60]] = by.get(e.name[:60], 0.0) + e.time_range.elapsed_us() / reps
+    return dict(sorted(((k, round(v, 1)) for k, v in by.items()), key=lambda kv: -kv[1]))
+
+
+def bench_lora(tokens: int, linears: list[str] | None = None) -> dict:
     out = {}
     for lname, (k, n) in LINEARS.items():
+        if linears and lname not in linears:
+            continue
         row = out[lname] = _lora_row(tokens, k, n)
-        print(f"lora {lname} m={tokens} k={k} n={n}: " + ", ".join(f"{a} {b:.3f}" for a, b in row.items()), flush=True)
-    tot = {key: sum(r[key] for r in out.values()) for key in out["qkv"] if "_over_" not in key}
+        print(f"lora {lname} m={tokens} k={k} n={n}: " + ", ".join(f"{a} {b:.3f}" for a, b in row.items()
+                                                                 if isinstance(b, float)), flush=True)
+        for a, b in row.items():
+            if isinstance(b, dict):
+                print(f"  {a}: " + ", ".join(f"{kn} {us:.1f}" for kn, us in list(b.items())[:12]), flush=True)
+    first = next(iter(out.values()))
+    tot = {key: sum(r[key] for r in out.values()) for key in first if "_over_" not in key and "_kernels" not in key}
     out["sum_4_linears"] = tot
     print("lora, sum over the 4 linears (ms): " + ", ".join(f"{a} {b:.3f}" for a, b in tot.items()), flush=True)
     return out
@@ -158,10 +189,16 @@ def main() -> None:
     ap.add_argument("--only", choices=["attention", "lora"])
     ap.add_argument("--tokens", type=int, default=12288)
     ap.add_argument("--out")
+    ap.add_argument("--linears", nargs="+", choices=list(LINEARS), help="lora: only these linears")
+    ap.add_argument("--main-gemms", default="cublas,cublas_fold", help="lora: main_gemm variants to time")
+    ap.add_argument("--kernels", action="store_true", help="lora: also device time per kernel (torch.profiler)")
     args = ap.parse_args()
+    global PROFILE_KERNELS, MAIN_GEMMS
+    PROFILE_KERNELS = args.kernels
+    MAIN_GEMMS = tuple(args.main_gemms.split(","))
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "cudnn": torch.backends.cudnn.version(), "tokens": args.tokens}
-    for name, fn in (("attention", bench_attention), ("lora", bench_lora)):
+    for name, fn in (("attention", bench_attention), ("lora", lambda t: bench_lora(t, args.linears))):
         if args.only in (None, name):
             try:
                 res[name] = fn(args.tokens)

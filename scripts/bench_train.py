@@ -205,6 +205,11 @@ def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, o
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     warm = [r for r in rows if r["step"] <= warmup]
     timed = [r for r in rows if r["step"] > warmup]
+    if not warm or not timed:  # say what ran instead of max() of an empty list
+        jobs = {n: {k: j.get(k) for k in ("status", "steps", "total_steps") if k in j}
+                for n, j in summary["jobs"].items()}
+        raise RuntimeError(f"no {'timed' if warm else 'warm-up'} steps to measure: {len(rows)} metrics rows, steps "
+                           f"{sorted({r['step'] for r in rows})}, --warmup {warmup}, --steps {steps}; jobs {jobs}")
     t0 = max(r["elapsed_s"] for r in warm)
     t1 = max(r["elapsed_s"] for r in timed)
     res = {"tokens_per_s": sum(r["tokens"] for r in timed) / (t1 - t0), "timed_tokens": sum(r["tokens"] for r in timed),

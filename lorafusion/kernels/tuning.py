@@ -32,7 +32,9 @@ INTERPRET: dict[str, dict] = {
 
 # (kernel, bucket) -> config; bucket = (m rounded up to a power of two, n, k) as the kernel sees them.
 # Written from scripts/tune_kernels.py output on one H200 (2026-11-22, see docs/BENCHMARKS.md, "Kernels");
-# the comment is the tuned kernel's median time there.
+# the comment is the tuned kernel's median time there. That tuner built the routing tables afresh for every timed
+# call, so these times include host-side table building, which favours larger row blocks (issue 24, H100 section);
+# it now reuses them as training does.
 TUNED: dict[tuple[str, tuple[int, int, int]], dict] = {
     ("gemm", (8192, 4096, 4096)): dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3),  # 426.1 us
     ("lowrank", (8192, 4096, 0)): dict(BM=64, BN=128, GROUP_M=8, num_warps=4, num_stages=1),  # 32.2 us

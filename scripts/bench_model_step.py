@@ -1,0 +1,237 @@
+"""Four adapters in one packed microbatch vs one adapter over the same tokens (issue 24): forward + backward of
+the whole LLaMA-3.1-8B-shaped model (bf16, the layers' fused LoRA path as training runs it, fused loss) on one
+microbatch of realistic samples (the four bench datasets' lognormal lengths packed up to ``--tokens``), the same
+samples and model every time; only the routing differs:
+
+  one_r16   every sample trains one r=16 adapter (what "one job at a time" runs per microbatch)
+  four_r16  the samples in four contiguous groups, one r=16 adapter each (what packing four jobs runs)
+  one_r64   one r=64 adapter (the same total rank as the four)
+
+Alternating variants, CUDA events, ``--warmup`` calls, median of ``--iters``. ``--profile``: then one profiled
+step per variant (torch.profiler): GPU time by kernel family and the kernels that differ most between
+four_r16 and one_r16. Prints a table, last line JSON.
+
+    python3 scripts/bench_model_step.py --tokens 12288 --profile --out /tmp/model_step.json
+    python3 scripts/bench_model_step.py --preset tiny-llama --tokens 256 --layers 2 --iters 1   # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+
+VARIANTS = {"one_r16": (1, 16), "four_r16": (4, 16), "one_r64": (1, 64)}
+FAMILIES = (("LoRA (Triton)", ("_lora_gemm", "_shrink", "_ds_db", "_da_dx", "_da_kernel")),  # first match wins
+            ("attention (FA2)", ("flash",)),
+            ("gemm (cuBLAS)", ("nvjet", "gemm", "cutlass", "sm90_xmma", "cublas")),
+            ("loss / norm / SwiGLU / RoPE (Triton)", ("liger", "_rms", "swiglu", "silu", "rope", "cross_entropy",
+                                                       "triton")),
+            ("copies", ("memcpy", "memset", "copy", "cat")),
+            ("reductions / elementwise (ATen)", ("reduce", "elementwise", "vectorized", "at::native")))
+
+
+def sample_lengths(tokens: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Token ids of samples drawn round robin from the bench datasets' length profiles, up to ``tokens``."""
+    from lorafusion.core.lengths import LENGTH_PROFILES
+
+    gen = torch.Generator().manual_seed(seed)
+    profiles = list(LENGTH_PROFILES.values())
+    out, total = [], 0
+    while True:
+        med, sigma = profiles[len(out) % len(profiles)]
+        n = int(min(4094, max(16, math.exp(math.log(med) + sigma * torch.randn((), generator=gen).item()))))
+        if total + n > tokens:
+            if out:
+                break
+            n = tokens  # a tiny smoke-test budget: one sample
+        out.append(torch.randint(0, vocab, (n,), generator=gen).tolist())
+        total += n
+    return out
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    for fam, keys in FAMILIES:
+        if any(k in low for k in keys):
+            return fam
+    return "other"
+
+
+def build(args, dev):
+    """(model, {variant: (batch, seeds)}) with every variant's adapters added to one model."""
+    from lorafusion.core.arch import preset
+    from lorafusion.core.lora import LoRASpec
+    from lorafusion.data import pack_microbatch
+    from lorafusion.layers import adapter_parameters, add_adapter
+    from lorafusion.models.provider import build_model
+
+    arch = preset(args.preset, num_layers=args.layers)
+    cuda = dev.type == "cuda"
+    model = build_model(arch, params_dtype=torch.bfloat16 if cuda else torch.float32, device=dev if cuda else None,
+                        seed=0)
+    samples = sample_lengths(args.tokens, arch.vocab_size)
+    batches = {}
+    for v, (count, r) in VARIANTS.items():
+        names = [f"{v}_{i}" for i in range(count)]
+        for i, name in enumerate(names):
+            add_adapter(model, name, LoRASpec(r=r, lora_alpha=2 * r, lora_dropout=0.1), seed=i)
+            with torch.no_grad():
+                for k, p in adapter_parameters(model, name).items():
+                    if k.endswith("lora_B"):
+                        p.normal_(0, 0.01)
+        owner = [names[min(count - 1, i * count // len(samples))] for i in range(len(samples))]  # contiguous groups
+        batch = pack_microbatch(list(zip(owner, samples, strict=True)), row_ids=list(range(len(samples)))).to(dev)
+        batches[v] = (batch, list(range(count)))
+    model.train()
+    return model, batches, samples
+
+
+def step(model, batch, seeds):
+    from lorafusion.layers import lora_batch
+
+    model.zero_grad(set_to_none=True)
+    with lora_batch(model, batch.routing, batch.adapters, seeds):
+        loss = model(batch.tokens, batch.position_ids, attention_mask=None, labels=batch.labels,
+                     packed_seq_params=batch.packed_seq_params())
+    loss.float().sum().backward()
+
+
+def parse_settings(specs: list[str]) -> dict[str, dict[str, str]]:
+    """``NAME:VAR=VALUE[,VAR=VALUE]`` → {"": {} (the shipped settings), "+NAME": {VAR: VALUE, ...}}."""
+    out: dict[str, dict[str, str]] = {"": {}}
+    for spec in specs:
+        name, _, assigns = spec.partition(":")
+        pairs = [a.partition("=") for a in assigns.split(",") if a]
+        if not name or not pairs or any(not k or not eq for k, eq, _ in pairs):
+            raise SystemExit(f"--setting: expected NAME:VAR=VALUE[,VAR=VALUE], got {spec!r}")
+        out["+" + name] = {k: v for k, _, v in pairs}
+    return out
+
+
+def apply_env(env: dict[str, str], all_vars: set[str]) -> None:
+    """Exactly ``env`` among ``all_vars`` (the LoRA ops read LORAFUSION_TUNING_FILE / LORAFUSION_MAIN_GEMM at
+    each call, so a setting applies from the next step on)."""
+    import os
+
+    for k in all_vars:
+        if k in env:
+            os.environ[k] = env[k]
+        else:
+            os.environ.pop(k, None)
+
+
+def timed(fn, cuda: bool) -> float:
+    if not cuda:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def kernel_profile(fn) -> dict[str, float]:
+    """GPU ms of each kernel name over one call of ``fn``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        fn()
+        torch.cuda.synchronize()
+    by: dict[str, float] = {}
+    for e in p.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by[e.name[:80]] = by.get(e.name[:80], 0.0) + e.time_range.elapsed_us() / 1e3
+    return by
+
+
+def summarise(prof: dict[str, dict[str, float]]) -> dict:
+    out = {}
+    for v, by in prof.items():
+        fams: dict[str, float] = {}
+        for name, ms in by.items():
+            fams[family(name)] = fams.get(family(name), 0.0) + ms
+        total = sum(by.values())
+        out[v] = {"kernel_ms": total, "families_ms": dict(sorted(fams.items(), key=lambda kv: -kv[1])),
+                  "top": sorted(by.items(), key=lambda kv: -kv[1])[:15]}
+    if "four_r16" in prof and "one_r16" in prof:
+        a, b = prof["four_r16"], prof["one_r16"]
+        diff = {n: a.get(n, 0.0) - b.get(n, 0.0) for n in set(a) | set(b)}
+        out["four_minus_one_r16"] = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:12]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=12288)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--preset", default="llama3.1-8b", help="tiny-llama + a CPU: a smoke test of this script")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--setting", action="append", default=[], metavar="NAME:VAR=VALUE[,VAR=VALUE]",
+                    help="also time every variant with these environment settings (LORAFUSION_TUNING_FILE=tuned.json, "
+                    "LORAFUSION_MAIN_GEMM=cublas_fold), alternating with the shipped ones")
+    ap.add_argument("--profile-setting", default="", help="the setting NAME to profile under (default: shipped)")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    settings = parse_settings(args.setting)
+    all_vars = {k for env in settings.values() for k in env}
+    from lorafusion.dist import init_distributed
+
+    init_distributed(1, 1)
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    model, batches, samples = build(args, dev)
+    times: dict[str, list[float]] = {v + t: [] for v in VARIANTS for t in settings}
+    for it in range(args.warmup + args.iters):
+        for v, (batch, seeds) in batches.items():  # alternating: clocks and temperature drift hit all alike
+            for tag, env in settings.items():
+                apply_env(env, all_vars)
+                ms = timed(lambda b=batch, s=seeds: step(model, b, s), cuda)
+                if it >= args.warmup:
+                    times[v + tag].append(ms)
+    apply_env({}, all_vars)
+    med = {v: statistics.median(t) for v, t in times.items()}
+    name = torch.cuda.get_device_name() if cuda else "CPU"
+    ntok = sum(len(s) for s in samples)
+    print(f"{name}: {args.preset} {args.layers} layers, {ntok} tokens in {len(samples)} samples")
+    for v in times:
+        print(f"  {v:9s} fwd+bwd median {med[v]:8.1f} ms  tokens/s {ntok / med[v] * 1e3:8,.0f}  "
+              f"(all {', '.join(f'{x:.1f}' for x in times[v])})")
+    rec = {"device": name, "torch": torch.__version__, **vars(args), "tokens_packed": ntok, "samples": len(samples),
+           "median_ms": med, "all_ms": times, "four_over_one_r16": med["four_r16"] / med["one_r16"],
+           "four_over_one_r64": med["four_r16"] / med["one_r64"],
+           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+    for tag in list(settings)[1:]:
+        rec[f"{tag[1:]}_over_shipped"] = {v: med[v + tag] / med[v] for v in VARIANTS}
+        rec[f"four_over_one_r16{tag}"] = med["four_r16" + tag] / med["one_r16" + tag]
+        print(f"  {tag[1:]} / shipped: " + ", ".join(f"{v} {x:.4f}" for v, x in rec[f'{tag[1:]}_over_shipped'].items())
+              + f"; four_r16 / one_r16 with it {rec[f'four_over_one_r16{tag}']:.4f}")
+    print(f"  four_r16 / one_r16 {rec['four_over_one_r16']:.4f}   four_r16 / one_r64 {rec['four_over_one_r64']:.4f}")
+    if args.profile and cuda:
+        apply_env(settings.get("+" + args.profile_setting, {}), all_vars)
+        rec["profile"] = summarise({v: kernel_profile(lambda b=b, s=s: step(model, b, s))
+                                    for v, (b, s) in batches.items()})
+        for v, p in rec["profile"].items():
+            if v == "four_minus_one_r16":
+                print("  four_r16 - one_r16 by kernel (ms): " + ", ".join(f"{n[:40]} {d:+.2f}" for n, d in p))
+            else:
+                print(f"  {v} kernels {p['kernel_ms']:.1f} ms: " + ", ".join(f"{f} {ms:.1f}"
+                                                                            for f, ms in p["families_ms"].items()))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rec, f, indent=2)
+    print(json.dumps(rec))
+
+
+if __name__ == "__main__":
+    main()
