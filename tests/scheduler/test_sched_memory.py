@@ -95,10 +95,12 @@ def test_committed_coefficients_predict_the_8b_runs_measured_on_an_h100(capacity
     assert abs(m.peak / GIB / measured_gib - 1) < 0.07
 
 
-@pytest.mark.parametrize("capacity, measured_gib", [(23040, 123.9), (24576, 131.1), (20480, 112.4), (16384, 93.7)])
+@pytest.mark.parametrize("capacity, measured_gib", [(23040, 123.9), (24576, 131.1), (20480, 112.4), (16384, 93.7),
+                                                    (11264, 70.4)])
 def test_committed_coefficients_predict_the_shipped_8b_runs_measured_on_an_h200(capacity, measured_gib):
     # docs/results/shipped-8b-auto-h200.json (commit f100dbe, one H200): the shipped 8B config, PEFT's LoRA layout,
-    # auto (23,040) and hand-picked capacities without recompute; peak allocated per run
+    # auto (23,040) and hand-picked capacities without recompute; peak allocated per run. 11,264: the same config's
+    # auto choice on one H100 (docs/results/issue24-h100-speed3.json, 70.4 GiB)
     from lorafusion.config import load_run_config
     from lorafusion.scheduler.sizing import run_arch, setup_from_run
 
