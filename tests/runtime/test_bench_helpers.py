@@ -1,0 +1,43 @@
+"""Helpers of the speed benchmark scripts (issue 24) that decide what a GPU run reports: the tuner's check that a
+candidate block config computes what the default config computes, and the model-step bench's settings."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+import bench_model_step  # noqa: E402
+import tune_kernels  # noqa: E402
+
+
+def test_tuner_check_compares_each_output_part_on_its_own_scale():
+    ref = tune_kernels._parts((torch.randn(64, 16), [torch.randn(40, 16) * 1e3, None, torch.randn(40, 16)]))
+    assert len(ref) == 3  # dS and the two slots that have rows
+    assert not tune_kernels.differs([t.clone() for t in ref], ref)
+    assert not tune_kernels.differs([t * (1 + 1e-3) for t in ref], ref)  # fp32 summation order, bf16 rounding
+    bad = [t.clone() for t in ref]
+    bad[0][5, 3] += 1.0  # a wrong dS entry: small next to the large dB, still caught
+    assert tune_kernels.differs(bad, ref)
+    assert tune_kernels.differs(ref[:2], ref)  # a missing slot
+
+
+def test_model_step_settings_parse_and_apply(monkeypatch):
+    s = bench_model_step.parse_settings(["tuned:LORAFUSION_TUNING_FILE=t.json",
+                                         "both:LORAFUSION_MAIN_GEMM=cublas_fold,LORAFUSION_TUNING_FILE=u.json"])
+    assert s == {"": {}, "+tuned": {"LORAFUSION_TUNING_FILE": "t.json"},
+                 "+both": {"LORAFUSION_MAIN_GEMM": "cublas_fold", "LORAFUSION_TUNING_FILE": "u.json"}}
+    keys = {"LORAFUSION_MAIN_GEMM", "LORAFUSION_TUNING_FILE"}
+    monkeypatch.setenv("LORAFUSION_MAIN_GEMM", "triton")
+    monkeypatch.setenv("LORAFUSION_TUNING_FILE", "old.json")  # restored (unset) after the test whatever happens
+    bench_model_step.apply_env(s["+tuned"], keys)
+    import os
+
+    assert os.environ["LORAFUSION_TUNING_FILE"] == "t.json" and "LORAFUSION_MAIN_GEMM" not in os.environ
+    bench_model_step.apply_env(s[""], keys)
+    assert not keys & set(os.environ)
+    for bad in ("tuned", "tuned:", ":A=1", "x:=1", "x:A"):
+        with pytest.raises(SystemExit, match="--setting"):
+            bench_model_step.parse_settings([bad])
