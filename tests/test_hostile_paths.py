@@ -237,7 +237,7 @@ def test_an_out_that_cannot_be_written_is_one_line(verb, tmp_path, monkeypatch, 
     """--out /proc/self/x: a FileNotFoundError traceback (plan, generate) or one naming a temporary
     '/proc/self/.x.tmp-dd62384a' (export), after the work was done."""
     from lorafusion.cli import main
-    from test_config import make_tree
+    from config_utils import make_tree
 
     monkeypatch.chdir(tmp_path)
     run = make_tree(tmp_path)

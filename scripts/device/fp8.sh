@@ -37,7 +37,7 @@ quality() {
 }
 gpu_tests() {
   timeout "${TESTS_TIMEOUT:-150}" "$PY" -m pytest -q -p no:cacheprovider -m "${TEST_MARK:-gpu}" \
-    tests/test_fp8_linear.py tests/test_fp8_base.py > "$L/gpu_tests.log" 2>&1
+    tests/ops/test_fp8_linear.py tests/layers/test_fp8_base.py > "$L/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?"; tail -3 "$L/gpu_tests.log"
   timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/ops/test_fp8_lora.py >> "$L/gpu_tests.log" 2>&1
   echo "one-op tests rc=$? $((SECONDS-T0))s"; tail -3 "$L/gpu_tests.log"

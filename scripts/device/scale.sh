@@ -38,7 +38,7 @@ export BENCH_COMMIT=$COMMIT
 STEPS=${STEPS:-12}; WARMUP=${WARMUP:-4}; ROWS=${ROWS:-256}
 
 if [ "${GPU_TESTS:-1}" = 1 ] && [ "$NGPU" -ge 1 ]; then
-  "$PY" -m pytest -q -m gpu -p no:cacheprovider ${GPU_TEST_PATHS:-tests/test_recompute.py tests/kernels} 2>&1 \
+  "$PY" -m pytest -q -m gpu -p no:cacheprovider ${GPU_TEST_PATHS:-tests/models/test_recompute.py tests/kernels} 2>&1 \
     | tail -15 | tee "$OUT/gpu_tests.log"
 fi
 # (bench_train.py makes data/bench on rank 0 when a config reads it)

@@ -8,7 +8,7 @@ import yaml
 
 from lorafusion.config import ConfigError, load_job_config, load_run_config
 from lorafusion.core.lora import ADAPTER_NAME_MAX
-from test_config import make_tree
+from config_utils import make_tree
 
 
 def _error(run, overrides=()) -> str:

@@ -17,7 +17,7 @@ from lorafusion.layers import add_adapter, lora_batch, lora_modules
 from lorafusion.layers.fp8_base import base_weight_bytes, quantize_base
 from lorafusion.models.provider import build_model
 from lorafusion.ops import fp8_linear as F
-from model_utils import adapter_losses, lora_grads, randomize_b
+from model_utils import adapter_losses, interleaved_grads, lora_grads, randomize_b
 
 SPEC = LoRASpec(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=("all-linear",))
 
@@ -99,13 +99,11 @@ def test_fp8_model_trains_like_its_bf16_twin(megatron_single):
 
 
 def test_recompute_with_fp8_base_equals_no_recompute(megatron_single, monkeypatch):
-    import test_recompute as R
-
     import lorafusion.models.provider as P
 
     monkeypatch.setattr(P, "build_model", functools.partial(P.build_model, base_precision="fp8"))
-    want_losses, want = R._interleaved_grads("cpu", torch.bfloat16, recompute=False)
-    got_losses, got = R._interleaved_grads("cpu", torch.bfloat16, recompute=True)
+    want_losses, want = interleaved_grads("cpu", torch.bfloat16, recompute=False)
+    got_losses, got = interleaved_grads("cpu", torch.bfloat16, recompute=True)
     assert got_losses == want_losses
     assert got.keys() == want.keys() and want
     for k in want:

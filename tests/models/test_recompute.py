@@ -7,51 +7,14 @@ import pytest
 import torch
 
 from lorafusion.core.arch import preset
-from lorafusion.core.lora import LoRASpec
 from lorafusion.data import pack_microbatch
-from lorafusion.layers import add_adapter, lora_modules, set_batch
-from model_utils import adapter_seed, randomize_b
-
-SPECS = {
-    "a": LoRASpec(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=("all-linear",)),
-    "b": LoRASpec(r=8, lora_alpha=8, lora_dropout=0.2, target_modules=("q_proj", "k_proj", "v_proj", "down_proj")),
-}
-
-
-def _tok(seed, n, vocab):
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _interleaved_grads(device, dtype, recompute: bool, layers: int | None = None) -> tuple[list[float], dict]:
-    from lorafusion.models.provider import build_model
-
-    arch = preset("tiny-llama")
-    v = arch.vocab_size
-    model = build_model(arch, params_dtype=dtype, recompute=recompute, recompute_layers=layers, device=device, seed=3)
-    for i, (name, spec) in enumerate(SPECS.items()):
-        add_adapter(model, name, spec, seed=i)
-    randomize_b(model, seed=1)
-    model.train()
-    mbs = [pack_microbatch([("a", _tok(1, 37, v)), ("b", _tok(2, 21, v))], row_ids=[0, 1]),
-           pack_microbatch([("b", _tok(3, 15, v)), ("a", _tok(4, 9, v)), ("b", _tok(5, 30, v))], row_ids=[2, 3, 4])]
-    losses = []
-    for mb in mbs:
-        b = mb.to(device)
-        set_batch(model, b.routing, b.adapters, [adapter_seed(7, n) for n in b.adapters])
-        per_token = model(b.tokens, b.position_ids, attention_mask=None, labels=b.labels,
-                          packed_seq_params=b.packed_seq_params())
-        losses.append((per_token.float() * b.loss_mask).sum() / b.loss_mask.sum())
-    for loss in losses:  # backward of microbatch 1 while the routing in force is microbatch 2's
-        loss.backward()
-    set_batch(model, None, ())
-    grads = {f"{key}.{p}.{n}": getattr(mod, p)[n].grad.detach().float().cpu().clone()
-             for key, mod in lora_modules(model) for p in ("lora_A", "lora_B") for n in getattr(mod, p)}
-    return [x.item() for x in losses], grads
+from lorafusion.layers import add_adapter, set_batch
+from model_utils import RECOMPUTE_SPECS, adapter_seed, interleaved_grads, tokens
 
 
 def _check(device, dtype, tol, layers=None):
-    want_losses, want = _interleaved_grads(device, dtype, recompute=False)
-    got_losses, got = _interleaved_grads(device, dtype, recompute=True, layers=layers)
+    want_losses, want = interleaved_grads(device, dtype, recompute=False)
+    got_losses, got = interleaved_grads(device, dtype, recompute=True, layers=layers)
     assert got_losses == pytest.approx(want_losses, rel=tol)
     assert got.keys() == want.keys() and len(want) > 0
     for k in want:
@@ -83,8 +46,8 @@ def test_recompute_layers_checkpoints_the_first_n_layers_of_the_stage(megatron_s
     model = build_model(preset("tiny-llama"), recompute=True, recompute_layers=layers, seed=3)
     apply_recompute_state_hook(capture, ll.restore_routing)  # counts the checkpointed forwards
     try:
-        add_adapter(model, "a", SPECS["a"], seed=0)
-        mb = pack_microbatch([("a", _tok(1, 12, 64))], row_ids=[0])
+        add_adapter(model, "a", RECOMPUTE_SPECS["a"], seed=0)
+        mb = pack_microbatch([("a", tokens(1, 12, 64))], row_ids=[0])
         set_batch(model, mb.routing, mb.adapters, [adapter_seed(7, "a")])
         model.train()
         model(mb.tokens, mb.position_ids, attention_mask=None, labels=mb.labels,
