@@ -8,6 +8,17 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, model_validator
 
 
+def _require(tracker: BaseModel, package: str, pip_name: str) -> BaseModel:
+    """``tracker`` when ``package`` (the extra of the same name, ``logging.<package>``) is importable; else the
+    one error the field's validation reports."""
+    import importlib.util
+
+    if importlib.util.find_spec(package) is None:
+        raise ValueError(f"the {package} package is not installed: pip install 'lorafusion[{package}]' (or pip "
+                         f"install {pip_name}), or remove logging.{package}")
+    return tracker
+
+
 class _Strict(BaseModel):  # as lorafusion.config.schema's (which imports this module)
     model_config = ConfigDict(extra="forbid", strict=True, validate_default=False, allow_inf_nan=False)
 
@@ -24,12 +35,7 @@ class WandbConfig(_Strict):
 
     @model_validator(mode="after")
     def _installed(self) -> "WandbConfig":
-        import importlib.util
-
-        if importlib.util.find_spec("wandb") is None:
-            raise ValueError("the wandb package is not installed: pip install 'lorafusion[wandb]' (or pip install "
-                             "wandb), or remove logging.wandb")
-        return self
+        return _require(self, "wandb", "wandb")
 
 
 class MlflowConfig(_Strict):
@@ -45,9 +51,4 @@ class MlflowConfig(_Strict):
 
     @model_validator(mode="after")
     def _installed(self) -> "MlflowConfig":
-        import importlib.util
-
-        if importlib.util.find_spec("mlflow") is None:
-            raise ValueError("the mlflow package is not installed: pip install 'lorafusion[mlflow]' (or pip install "
-                             "mlflow-skinny), or remove logging.mlflow")
-        return self
+        return _require(self, "mlflow", "mlflow-skinny")

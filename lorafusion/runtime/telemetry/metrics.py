@@ -61,7 +61,7 @@ class MetricsWriter:
 
             self._mlflow = MlflowTracker(mlflow, output_dir, config)
 
-    def _to_wandb(self, record: dict, keys: tuple[str, ...]) -> None:
+    def _to_trackers(self, record: dict, keys: tuple[str, ...]) -> None:
         if self._wandb is not None:
             job = record["job"]
             self._wandb.log({f"{job}/{k}": record[k] for k in (*keys, "step") if record.get(k) is not None})
@@ -81,7 +81,7 @@ class MetricsWriter:
             for key in ("tokens_per_s", "max_memory_gib"):  # run-wide: one point per logged row
                 if record.get(key) is not None:
                     self._tb.add_scalar(f"run/{key}", record[key], self._rows)
-        self._to_wandb({k: _finite_or_none(v) for k, v in record.items()}, ("loss", "lr", "grad_norm", "tokens"))
+        self._to_trackers({k: _finite_or_none(v) for k, v in record.items()}, ("loss", "lr", "grad_norm", "tokens"))
         self._rows += 1
 
     def log_eval(self, record: dict) -> None:
@@ -90,7 +90,7 @@ class MetricsWriter:
         self._f.write(json.dumps({k: _finite_or_none(v) for k, v in record.items()}, allow_nan=False) + "\n")
         if self._tb is not None and record.get("eval_loss") is not None and math.isfinite(record["eval_loss"]):
             self._tb.add_scalar(f"{record['job']}/eval_loss", record["eval_loss"], record["step"])
-        self._to_wandb({k: _finite_or_none(v) for k, v in record.items()}, ("eval_loss", "best_eval_loss"))
+        self._to_trackers({k: _finite_or_none(v) for k, v in record.items()}, ("eval_loss", "best_eval_loss"))
 
     def close(self) -> None:
         self._f.close()
