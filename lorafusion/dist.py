@@ -64,6 +64,11 @@ def multi_process() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def is_rank0() -> bool:
+    """Whether this process is global rank 0 (a single process is)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def min_over_ranks(value: float, device="cuda") -> float:
     """The smallest ``value`` of all ranks (an all-reduce on ``device`` when multi-process; else ``value``)."""
     if not multi_process():

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from lorafusion.core.errors import MissingFileError
-from lorafusion.dist import multi_process
+from lorafusion.dist import is_rank0, multi_process
 from lorafusion.rundir.atomic import file_sha256, write_bytes, write_text_atomic
 from lorafusion.rundir.layout import best_checkpoint, latest_checkpoint, read_state, step_name
 
@@ -65,7 +65,7 @@ def start_job_checkpoint(job_dir: Path, step: int, *, adapter_params: dict[str, 
 
     job_dir = Path(job_dir)
     final, tmp = _step_dirs(job_dir, step)
-    rank0 = _rank0()
+    rank0 = is_rank0()
     _make_tmp(job_dir, tmp, rank0)
     writer = parallel_state.get_data_parallel_rank() == 0
     host = _to_host({"adapter": {k: v.detach() for k, v in adapter_params.items()},
@@ -95,10 +95,6 @@ def start_job_checkpoint(job_dir: Path, step: int, *, adapter_params: dict[str, 
         return final
 
     return write
-
-
-def _rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _step_dirs(job_dir: Path, step: int) -> tuple[Path, Path]:

@@ -27,10 +27,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from lorafusion.core.arch import ModelArch, arch_from_hf_config, arch_to_hf_config
 from lorafusion.core.errors import ConfigError, MissingFileError
+from lorafusion.dist import is_rank0
 
 RECORD = "base_model.json"
 # tokenizer and generation files of a HF model directory, copied with it when present
@@ -43,7 +43,7 @@ def base_reference(cfg, run_dir: Path, arch: ModelArch, device) -> str:
     with every adapter export (a resume must keep seed, model and dtype, so its record is the same)."""
     run_dir = Path(run_dir)
     ref = str(Path(cfg.model.path).resolve()) if cfg.model.path else str(run_dir.resolve() / "base")
-    if dist.is_initialized() and dist.get_rank() != 0:
+    if not is_rank0():
         return ref
     from lorafusion.rundir.atomic import write_text_atomic
 

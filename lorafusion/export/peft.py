@@ -252,7 +252,7 @@ def import_peft_adapter(model, name: str, path: str | Path, arch: ModelArch | No
     for key, mod in lora_modules(model):
         if mod.lora_kind in spec.megatron_targets:
             staged[key] = _stage_layer(mod, spec, tensors, int(key.split(".")[0]) - 1, st_file, arch, used)
-    if not dist.is_initialized() or dist.get_world_size() == 1 or parallel_state.get_pipeline_model_parallel_world_size() == 1:
+    if not multi_process() or parallel_state.get_pipeline_model_parallel_world_size() == 1:
         extra = sorted(set(k for k in tensors if ".layers." in k) - used)
         if extra:
             raise ConfigError(f"{st_file}: tensors {extra[:3]}... target modules outside target_modules "
