@@ -113,13 +113,25 @@ def scaled_gemm(a_q: torch.Tensor, s_a: torch.Tensor, b_q: torch.Tensor, s_b: to
     return (a @ b.t()).to(out_dtype)
 
 
+def fp8_matmul(x2d: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """``X·Wᵀ`` in x's dtype: X quantized per row (e4m3), then the scaled FP8 GEMM with W's channel scales."""
+    x_q, s_x = quantize_rows(x2d, E4M3)
+    return scaled_gemm(x_q, s_x, w_q, w_scale.view(1, -1), x2d.dtype)
+
+
+def fp8_input_grad(dy: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, grad_dtype: torch.dtype) -> torch.Tensor:
+    """``dX = dY·W`` in dy's dtype: ``dY·diag(s_w)`` quantized per row to ``grad_dtype``, times W_q."""
+    g_q, s_g = quantize_rows(dy, grad_dtype, col_scale=w_scale)  # dY·diag(s_w), per row
+    w_t = transpose(w_q)  # [k, n]: N-major, as the FP8 GEMM needs for dY·W_q; freed after the call
+    return scaled_gemm(g_q, s_g, w_t, unit_scale(w_t.shape[0], dy.device), dy.dtype)
+
+
 class Fp8BaseLinear(torch.autograd.Function):
     """``Y = X·Wᵀ`` with X quantized per row and W given as (W_q, s_w); gradient for X only."""
 
     @staticmethod
     def forward(ctx, x2d, w_q, w_scale, grad_dtype):
-        x_q, s_x = quantize_rows(x2d, E4M3)
-        y = scaled_gemm(x_q, s_x, w_q, w_scale.view(1, -1), x2d.dtype)
+        y = fp8_matmul(x2d, w_q, w_scale)
         ctx.save_for_backward(w_q, w_scale)
         ctx.grad_dtype = grad_dtype
         return y
@@ -129,10 +141,7 @@ class Fp8BaseLinear(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
         w_q, w_scale = ctx.saved_tensors
-        g_q, s_g = quantize_rows(dy, ctx.grad_dtype, col_scale=w_scale)  # dY·diag(s_w), per row
-        w_t = transpose(w_q)  # [k, n]: N-major, as the FP8 GEMM needs for dY·W_q; freed after the call
-        dx = scaled_gemm(g_q, s_g, w_t, unit_scale(w_t.shape[0], dy.device), dy.dtype)
-        return dx, None, None, None
+        return fp8_input_grad(dy, w_q, w_scale, ctx.grad_dtype), None, None, None
 
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,

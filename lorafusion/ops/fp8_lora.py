@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from lorafusion.core.routing import Routing
-from lorafusion.ops.fp8_linear import GRAD_DTYPE, fp8_linear, quantize_rows, scaled_gemm, transpose, unit_scale
+from lorafusion.ops.fp8_linear import GRAD_DTYPE, fp8_input_grad, fp8_linear, fp8_matmul
 
 __all__ = ["fp8_multi_lora_linear", "fp8_multi_lora_linear_reference"]
 
@@ -37,9 +37,7 @@ class _Fp8MultiLoRALinear(torch.autograd.Function):
         st = plan.st
         A_cat, B_cat = _cat_A(params[:ns], x2d.dtype), _cat_B(params[ns:], x2d.dtype)
         S = K.lora_shrink(x2d, A_cat, st, plan.routing, plan.row_ids, k_total=plan.k_total, cache=plan.cache)
-        x_q, s_x = quantize_rows(x2d)
-        y = scaled_gemm(x_q, s_x, w_q, w_scale.view(1, -1), x2d.dtype)
-        del x_q, s_x
+        y = fp8_matmul(x2d, w_q, w_scale)
         K.lora_gemm(None, None, bias, S, B_cat.t().contiguous(), st.scale, st, plan.routing, n=plan.n, out=y,
                     accumulate=True, cache=plan.cache)
         ctx.plan, ctx.grad_dtype, ctx.has_bias = plan, grad_dtype, bias is not None
@@ -63,10 +61,7 @@ class _Fp8MultiLoRALinear(torch.autograd.Function):
         dS, dB = K.lora_ds_db(dy, B_cat, S, st, plan.routing, need_db=need_db, cache=plan.cache)
         dx, dA = None, [None] * ns
         if need_x:
-            g_q, s_g = quantize_rows(dy, ctx.grad_dtype, col_scale=w_scale)  # dY·diag(s_w), per row
-            w_t = transpose(w_q)  # [k, n], freed after the call (the base keeps one byte a weight)
-            dx = scaled_gemm(g_q, s_g, w_t, unit_scale(w_t.shape[0], dy.device), x2d.dtype)
-            del g_q, s_g, w_t
+            dx = fp8_input_grad(dy, w_q, w_scale, ctx.grad_dtype)  # dy is in x's dtype
             dx, dA = K.lora_da_dx(x2d, dS, A_cat, dx, st, plan.routing, plan.row_ids, k_total=plan.k_total,
                                   need_da=need_da, cache=plan.cache)
         elif need_da:
