@@ -260,12 +260,12 @@ def _forward(model, jobs, seqs: Sequence[Sequence[int]], positions: torch.Tensor
     counts = [len(s) for s in seqs]
     cu_host = torch.tensor([0, *counts], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     rope_len = int(positions.max()) + 1  # (positions: a host tensor)
-    cu = to_device(cu_host, device) if device is not None else cu_host
+    cu = to_device(cu_host, device)
     psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=rope_len,
                           max_seqlen_kv=rope_len)
     host = torch.tensor([t for s in seqs for t in s] + (cu_host[1:] - 1).tolist() + positions.tolist(),
                         dtype=torch.long)  # tokens, each sequence's last row, positions: one copy
-    both = to_device(host, device) if device is not None else host
+    both = to_device(host, device)
     n = host.numel() - len(seqs) - positions.numel()
     tokens, last, pos = both[:n][None], both[n:n + len(seqs)], both[n + len(seqs):]
     routing, names = _routing(jobs, counts)

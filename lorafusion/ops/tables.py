@@ -36,7 +36,10 @@ def rank_block(r_max: int) -> int:
 
 
 def to_device(host: torch.Tensor, device) -> torch.Tensor:
-    """Host → device without stalling the host on the stream: pinned staging + non-blocking copy on CUDA."""
+    """Host → device without stalling the host on the stream: pinned staging + non-blocking copy on CUDA
+    (``device`` None: ``host`` as it is)."""
+    if device is None:
+        return host
     dev = torch.device(device)
     if dev.type == "cuda":
         return host.pin_memory().to(dev, non_blocking=True)
