@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# Issue 23 (FP8 frozen base) on one GPU (kind nvidia-h100-x1, carry .whl). PHASE=all (one device call): main,
-# then the quickstart pair on the GPU while the tests run (neither is timed). Or one phase:
+# Issue 23 (FP8 frozen base) on one GPU (kind nvidia-h100-x1, carry .whl). One device call per PHASE:
+#   PHASE=probe: scripts/check_fp8.py --sections quant (row-quantization launch variants), scripts/fp8_probe.py
+#     (host time per LoRA linear call; the 8B model's LoRA-gradient cosine vs the bf16 base with the first 4/2/1/0
+#     layers kept in bf16, uniform and Zipf tokens, dY e5m2, fast accumulation; syncs and host ops of one step),
+#     the gpu-marked row-quantization tests.
 #   PHASE=main:
 #     1. scripts/bench_train.py on configs/llama3.1-8b-4adapters.yaml, one process each, one after the other:
-#        bf16 and fp8 at token_capacity $CAP, then fp8 at token_capacity auto (what the memory model gives the
-#        freed memory on this GPU);
+#        bf16 and fp8 at token_capacity $CAP, both without recompute (model.recompute=false: like for like), then
+#        fp8 at token_capacity auto with the config's recompute_layers: auto (what the freed memory gives);
 #     2. scripts/check_fp8.py: per-layer error and GEMM times on the 8B shapes, the LoRA linear forward+backward
 #        (bf16 one op / fp8 split / fp8 one op), every LoRA gradient's cosine (8B, random base), a profiled step;
 #     3. the gpu-marked FP8 tests and the one-op FP8 LoRA tests on CUDA.
 #   PHASE=quickstart: configs/quickstart.yaml (model.dtype=bfloat16) trained with a bf16 and then an fp8 base,
 #     `lorafusion generate` on configs/quickstart/heldout.jsonl (greedy), `export --merged` of the fp8 run.
+#   PHASE=all: main, then the quickstart pair while the tests run (neither is timed).
 #   run:  PHASE=all bash scripts/device/fp8.sh
 # Writes under $OUT: run.log, bf16.json, fp8.json, fp8auto.json, fp8_quality.json, gpu_tests.log (main);
-# quickstart.json, qs.log (quickstart).
+# quickstart.json, qs.log (quickstart); quant.json, fp8_probe.json, probe_tests.log (probe).
 set -uo pipefail
 . "$(dirname "$0")/setup.sh"  # $OUT, $PY, the carried wheels
 PHASE=${PHASE:-all}; CAP=${CAP:-12288}; L=/tmp/fp8logs; mkdir -p "$L"
@@ -21,11 +25,13 @@ T0=$SECONDS
 bench() {
   nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total --format=csv,noheader
   "$PY" scripts/make_bench_data.py --out data/bench --rows 256 >/dev/null
-  for spec in "bf16:$CAP:bf16" "fp8:$CAP:fp8" "fp8auto:auto:fp8"; do
-    IFS=: read -r name cap prec <<< "$spec"
+  NORC="model.recompute=false model.recompute_layers=null"
+  for spec in "bf16:$CAP:bf16:$NORC" "fp8:$CAP:fp8:$NORC" "fp8auto:auto:fp8:"; do
+    IFS=: read -r name cap prec extra <<< "$spec"
+    # shellcheck disable=SC2086
     timeout "${BENCH_TIMEOUT:-150}" "$PY" scripts/bench_train.py --config configs/llama3.1-8b-4adapters.yaml \
       --rows 256 --steps "${STEPS:-6}" --warmup 2 --skip-hf --out "/tmp/bench_$name" \
-      scheduler.token_capacity="$cap" model.base_precision="$prec" > "$L/$name.log" 2>&1
+      scheduler.token_capacity="$cap" model.base_precision="$prec" $extra > "$L/$name.log" 2>&1
     echo "$name rc=$? $((SECONDS-T0))s"; tail -1 "$L/$name.log" > "$OUT/$name.json"
     grep -v "^{" "$L/$name.log" | grep -i "tokens/s\|error\|Traceback\|lorafusion \|capacity" | head -6
   done
@@ -78,7 +84,18 @@ echo "quickstart $((SECONDS-T0))s"
 cat "$L/qs-bf16.log" "$L/qs-fp8.log" | grep -v "DEBUG" | tail -40 > "$OUT/qs.log"
 grep -h -v -i "warn" "$L/qs-bf16.log" "$L/qs-fp8.log" | grep "loss\|expected\|exported\|rror" | head -20
 }
+probe() {
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total --format=csv,noheader
+  timeout 60 "$PY" scripts/check_fp8.py --sections quant --out "$OUT/quant.json" > "$L/quant.log" 2>&1
+  echo "quant rc=$? $((SECONDS-T0))s"; grep "^quant_variants" "$L/quant.log" | cut -c1-1500
+  timeout "${PROBE_TIMEOUT:-150}" "$PY" scripts/fp8_probe.py --out "$OUT/fp8_probe.json" > "$L/probe.log" 2>&1
+  echo "probe rc=$? $((SECONDS-T0))s"; grep -v -i "warn" "$L/probe.log" | cut -c1-700 | tail -14
+  timeout 60 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_fp8_linear.py -k "quantization" \
+    > "$L/probe_tests.log" 2>&1; echo "probe tests rc=$?"; tail -2 "$L/probe_tests.log"
+  tail -40 "$L/probe_tests.log" > "$OUT/probe_tests.log"; cp "$L/probe.log" "$OUT/probe.log"
+}
 case "$PHASE" in
+  probe) probe ;;
   main) bench; quality; gpu_tests ;;
   quickstart) quickstart ;;
   all) bench; quality; quickstart > "$L/quickstart.out" 2>&1 & QS=$!; gpu_tests; wait "$QS"; cat "$L/quickstart.out" ;;
