@@ -14,6 +14,8 @@
 #   PHASE=quickstart: configs/quickstart.yaml (model.dtype=bfloat16) trained with a bf16 and then an fp8 base,
 #     `lorafusion generate` on configs/quickstart/heldout.jsonl (greedy), `export --merged` of the fp8 run.
 #   PHASE=all: main, then the quickstart pair while the tests run (neither is timed).
+#   PHASE=final: the benches, then the quickstart pairs (seeds $QS_SEEDS) while the tests run, then check_fp8.py's
+#     per-layer errors and LoRA-linear times ($FINAL_SECTIONS; the model section is fp8_probe.py's, PHASE=probe).
 #   run:  PHASE=all bash scripts/device/fp8.sh
 # Writes under $OUT: run.log, bf16.json, fp8.json, fp8auto.json, fp8_quality.json, gpu_tests.log (main);
 # quickstart.json, qs.log (quickstart); quant.json, fp8_probe.json, probe_tests.log (probe).
@@ -50,39 +52,54 @@ gpu_tests() {
   grep -v "DEBUG\|^$" "$L/gpu_tests.log" | tail -60 > "$OUT/gpu_tests.log"
 }
 qs_summary() {  # what the quickstart runs have written so far -> $OUT/quickstart.json
-"$PY" - > "$OUT/quickstart.json" <<'PY'
-import json, pathlib
+QS_SEEDS="$QS_SEEDS" "$PY" - > "$OUT/quickstart.json" <<'PY'
+import json, os, pathlib, statistics
 from lorafusion.inference.generate import expected_matches
 out = {}
-for p in ("bf16", "fp8"):
-    s, g = pathlib.Path(f"/tmp/qs-{p}/summary.json"), pathlib.Path(f"/tmp/qs-{p}-heldout.jsonl")
-    rows = [json.loads(x) for x in g.read_text().splitlines()] if g.is_file() else None
-    out[p] = {"summary": json.loads(s.read_text()) if s.is_file() else None, "heldout": rows,
-              "heldout_right": expected_matches(rows) if rows else None}
-if out["bf16"]["heldout"] and out["fp8"]["heldout"]:
-    out["answers_that_differ"] = [[a["job"], a["prompt"], a["output"], b["output"]]
-                                  for a, b in zip(out["bf16"]["heldout"], out["fp8"]["heldout"])
-                                  if a["output"] != b["output"]]
+for seed in os.environ["QS_SEEDS"].split():
+    for p in ("bf16", "fp8"):
+        run = pathlib.Path(f"/tmp/qs-{p}-{seed}")
+        s, g, m = run / "summary.json", pathlib.Path(f"{run}-heldout.jsonl"), run / "metrics.jsonl"
+        rows = [json.loads(x) for x in g.read_text().splitlines()] if g.is_file() else None
+        steps = [json.loads(x) for x in m.read_text().splitlines()] if m.is_file() else []
+        last10 = {}
+        for r in steps:
+            if r.get("loss") is not None and "job" in r:
+                last10.setdefault(r["job"], []).append(r["loss"])
+        summ = json.loads(s.read_text()) if s.is_file() else None
+        out[f"{p}_seed{seed}"] = {
+            "final_loss": {j: v["final_loss"] for j, v in summ["jobs"].items()} if summ else None,
+            "mean_loss_last10": {j: statistics.fmean(v[-10:]) for j, v in last10.items()},
+            "heldout_right": expected_matches(rows) if rows else None, "heldout": rows}
+    a, b = out[f"bf16_seed{seed}"], out[f"fp8_seed{seed}"]
+    if a["heldout"] and b["heldout"]:
+        out[f"answers_that_differ_seed{seed}"] = [[x["job"], x["prompt"], x["output"], y["output"]]
+                                                  for x, y in zip(a["heldout"], b["heldout"]) if x["output"] != y["output"]]
+    for key in ("final_loss", "mean_loss_last10"):
+        if a[key] and b[key]:
+            out[f"{key}_fp8_over_bf16_seed{seed}"] = {j: b[key][j] / a[key][j] for j in a[key]}
 print(json.dumps(out, indent=1))
 PY
 }
 quickstart() {
-for p in bf16 fp8; do
-  rm -rf "/tmp/qs-$p"
-  timeout "${QS_TIMEOUT:-170}" "$PY" -m lorafusion.cli train configs/quickstart.yaml output_dir="/tmp/qs-$p" \
-    model.dtype=bfloat16 model.base_precision="$p" logging.progress=false logging.tensorboard=false \
-    ${QS_ARGS:-} > "$L/qs-$p.log" 2>&1
-  echo "train $p rc=$? $((SECONDS-T0))s"
-  timeout 90 "$PY" -m lorafusion.cli generate "/tmp/qs-$p" --prompts configs/quickstart/heldout.jsonl \
-    --out "/tmp/qs-$p-heldout.jsonl" --max-new-tokens 12 >> "$L/qs-$p.log" 2>&1
-  echo "generate $p rc=$? $((SECONDS-T0))s"
-  qs_summary
-done
-timeout 60 "$PY" -m lorafusion.cli export /tmp/qs-fp8 --job successor --merged --out /tmp/qs-fp8-merged \
-  >> "$L/qs-fp8.log" 2>&1; echo "export rc=$?"
+QS_SEEDS=${QS_SEEDS:-1234 3}
+for seed in $QS_SEEDS; do for p in bf16 fp8; do
+  rm -rf "/tmp/qs-$p-$seed"
+  ( timeout "${QS_TIMEOUT:-170}" "$PY" -m lorafusion.cli train configs/quickstart.yaml output_dir="/tmp/qs-$p-$seed" \
+      model.dtype=bfloat16 model.base_precision="$p" seed="$seed" logging.progress=false logging.tensorboard=false \
+      ${QS_ARGS:-} > "$L/qs-$p-$seed.log" 2>&1; echo "train $p seed $seed rc=$? $((SECONDS-T0))s"
+    timeout 120 "$PY" -m lorafusion.cli generate "/tmp/qs-$p-$seed" --prompts configs/quickstart/heldout.jsonl \
+      --out "/tmp/qs-$p-$seed-heldout.jsonl" --max-new-tokens 12 >> "$L/qs-$p-$seed.log" 2>&1
+    echo "generate $p seed $seed rc=$? $((SECONDS-T0))s" ) &
+done; done
+wait
+qs_summary
+S1=${QS_SEEDS%% *}
+timeout 90 "$PY" -m lorafusion.cli export "/tmp/qs-fp8-$S1" --job successor --merged --out /tmp/qs-fp8-merged \
+  >> "$L/qs-fp8-$S1.log" 2>&1; echo "export rc=$?"
 echo "quickstart $((SECONDS-T0))s"
-cat "$L/qs-bf16.log" "$L/qs-fp8.log" | grep -v "DEBUG" | tail -40 > "$OUT/qs.log"
-grep -h -v -i "warn" "$L/qs-bf16.log" "$L/qs-fp8.log" | grep "loss\|expected\|exported\|rror" | head -20
+cat "$L"/qs-*.log | grep -v "DEBUG" | tail -60 > "$OUT/qs.log"
+grep -h -v -i "warn" "$L"/qs-*.log | grep "loss\|expected\|exported\|rror" | head -24
 }
 probe() {
   nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total --format=csv,noheader
@@ -98,6 +115,8 @@ case "$PHASE" in
   probe) probe ;;
   main) bench; quality; gpu_tests ;;
   quickstart) quickstart ;;
+  final) bench; quickstart > "$L/quickstart.out" 2>&1 & QS=$!; gpu_tests; wait "$QS"; cat "$L/quickstart.out"
+         QUALITY_ARGS="--sections ${FINAL_SECTIONS:-layers,lora}" quality ;;
   all) bench; quality; quickstart > "$L/quickstart.out" 2>&1 & QS=$!; gpu_tests; wait "$QS"; cat "$L/quickstart.out" ;;
 esac
 echo "done $((SECONDS-T0))s"
