@@ -243,8 +243,12 @@ def quant_variants(m: int) -> dict:
                                   ("qkv_x", 4096, False, short_rows), ("qkv_dy", 6144, True, short_rows)):
         x = torch.randn(m, n, device=DEV, generator=g).to(torch.bfloat16)
         c = torch.rand(n, device=DEV, generator=g) + 0.5 if cs else None
+        q0, s0 = quantize_rows_triton(x, F.E4M3, c, F.EPS, rows=1)
         for var, kw in variants:
             out[f"{name}_{var}"] = cuda_ms(lambda x=x, c=c, kw=kw: quantize_rows_triton(x, F.E4M3, c, F.EPS, **kw))
+            q1, s1 = quantize_rows_triton(x, F.E4M3, c, F.EPS, **kw)
+            out[f"{name}_{var}_equal"] = bool(torch.equal(s0, s1) and torch.equal(q0.view(torch.uint8),
+                                                                                  q1.view(torch.uint8)))
         del x
     return out
 

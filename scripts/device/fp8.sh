@@ -56,12 +56,13 @@ gpu_tests() {
   grep -v "DEBUG\|^$" "$L/gpu_tests.log" | tail -60 > "$OUT/gpu_tests.log"
 }
 qs_summary() {  # what the quickstart runs have written so far -> $OUT/quickstart.json
-QS_SEEDS="$QS_SEEDS" "$PY" - > "$OUT/quickstart.json" <<'PY'
+QS_SEEDS="$QS_SEEDS" QS_VARIANTS="$QS_VARIANTS" "$PY" - > "$OUT/quickstart.json" <<'PY'
 import json, os, pathlib, statistics
 from lorafusion.inference.generate import expected_matches
 out = {}
 for seed in os.environ["QS_SEEDS"].split():
-    for p in ("bf16", "fp8"):
+    variants = os.environ["QS_VARIANTS"].split()
+    for p in variants:
         run = pathlib.Path(f"/tmp/qs-{p}-{seed}")
         s, g, m = run / "summary.json", pathlib.Path(f"{run}-heldout.jsonl"), run / "metrics.jsonl"
         rows = [json.loads(x) for x in g.read_text().splitlines()] if g.is_file() else None
@@ -75,26 +76,30 @@ for seed in os.environ["QS_SEEDS"].split():
             "final_loss": {j: v["final_loss"] for j, v in summ["jobs"].items()} if summ else None,
             "mean_loss_last10": {j: statistics.fmean(v[-10:]) for j, v in last10.items()},
             "heldout_right": expected_matches(rows) if rows else None, "heldout": rows}
-    a, b = out[f"bf16_seed{seed}"], out[f"fp8_seed{seed}"]
-    if a["heldout"] and b["heldout"]:
-        out[f"answers_that_differ_seed{seed}"] = [[x["job"], x["prompt"], x["output"], y["output"]]
-                                                  for x, y in zip(a["heldout"], b["heldout"]) if x["output"] != y["output"]]
-    for key in ("final_loss", "mean_loss_last10"):
-        if a[key] and b[key]:
-            out[f"{key}_fp8_over_bf16_seed{seed}"] = {j: b[key][j] / a[key][j] for j in a[key]}
+    a = out[f"bf16_seed{seed}"]
+    for v in variants[1:]:
+        b = out[f"{v}_seed{seed}"]
+        if a["heldout"] and b["heldout"]:
+            out[f"answers_that_differ_{v}_seed{seed}"] = [[x["job"], x["prompt"], x["output"], y["output"]]
+                                                          for x, y in zip(a["heldout"], b["heldout"])
+                                                          if x["output"] != y["output"]]
+        for key in ("final_loss", "mean_loss_last10"):
+            if a[key] and b[key]:
+                out[f"{key}_{v}_over_bf16_seed{seed}"] = {j: b[key][j] / a[key][j] for j in a[key]}
 print(json.dumps(out, indent=1))
 PY
 }
-quickstart() {
-QS_SEEDS=${QS_SEEDS:-1234 3}
-for seed in $QS_SEEDS; do for p in bf16 fp8; do
-  rm -rf "/tmp/qs-$p-$seed"
-  ( timeout "${QS_TIMEOUT:-170}" "$PY" -m lorafusion.cli train configs/quickstart.yaml output_dir="/tmp/qs-$p-$seed" \
+quickstart() {  # QS_VARIANTS: bf16, fp8 (the shipped default), fp8kN (FP8 with the first N layers bf16)
+QS_SEEDS=${QS_SEEDS:-1234 3}; QS_VARIANTS=${QS_VARIANTS:-bf16 fp8}
+for seed in $QS_SEEDS; do for v in $QS_VARIANTS; do
+  rm -rf "/tmp/qs-$v-$seed"
+  case "$v" in fp8k*) CLI=(scripts/fp8_cli.py "${v#fp8k}"); p=fp8 ;; *) CLI=(-m lorafusion.cli); p=$v ;; esac
+  ( timeout "${QS_TIMEOUT:-170}" "$PY" "${CLI[@]}" train configs/quickstart.yaml output_dir="/tmp/qs-$v-$seed" \
       model.dtype=bfloat16 model.base_precision="$p" seed="$seed" logging.progress=false logging.tensorboard=false \
-      ${QS_ARGS:-} > "$L/qs-$p-$seed.log" 2>&1; echo "train $p seed $seed rc=$? $((SECONDS-T0))s"
-    timeout 120 "$PY" -m lorafusion.cli generate "/tmp/qs-$p-$seed" --prompts configs/quickstart/heldout.jsonl \
-      --out "/tmp/qs-$p-$seed-heldout.jsonl" --max-new-tokens 12 >> "$L/qs-$p-$seed.log" 2>&1
-    echo "generate $p seed $seed rc=$? $((SECONDS-T0))s" ) &
+      ${QS_ARGS:-} > "$L/qs-$v-$seed.log" 2>&1; echo "train $v seed $seed rc=$? $((SECONDS-T0))s"
+    timeout 120 "$PY" "${CLI[@]}" generate "/tmp/qs-$v-$seed" --prompts configs/quickstart/heldout.jsonl \
+      --out "/tmp/qs-$v-$seed-heldout.jsonl" --max-new-tokens 12 >> "$L/qs-$v-$seed.log" 2>&1
+    echo "generate $v seed $seed rc=$? $((SECONDS-T0))s" ) &
 done; done
 wait
 qs_summary
@@ -115,6 +120,7 @@ probe() {
 }
 case "$PHASE" in
   probe) probe ;;
+  probeqs) probe; QS_SEEDS=${QS_SEEDS:-1234} QS_VARIANTS=${QS_VARIANTS:-bf16 fp8 fp8k1} quickstart ;;
   main) bench; quality; gpu_tests ;;
   quickstart) quickstart ;;
   final) bench; quickstart > "$L/quickstart.out" 2>&1 & QS=$!; gpu_tests; wait "$QS"; cat "$L/quickstart.out"
