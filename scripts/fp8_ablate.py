@@ -14,7 +14,9 @@ random noise, not FP8),
 RMSNorm weight of 4 hidden channels per layer by F (the massive-activation channels of trained LLMs) to see
 per-row X quantization under outliers. ``--pretrain N``: first train the whole base (float32, AdamW) for N
 steps on the quickstart data as bytes, then cast it to bf16, and take the microbatch from that text. Prints one JSON per mode: per-tensor cosine (median, min), the cosine
-of all LoRA gradients concatenated, and the relative error of every adapter's loss.
+of all LoRA gradients concatenated, and the relative error of every adapter's loss. ``--keep 1,2,4``: the shipped FP8 with the first N decoder layers
+exact (bf16, as ``quantize_base(bf16_layers=N)``); ``--per-layer``: FP8 in one layer at a time, the others exact;
+``--modes shipped``: of the forward/backward rows only the shipped one.
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ from lorafusion.ops import fp8_linear as F  # noqa: E402
 ORIG: dict[int, torch.Tensor] = {}  # id(weight_fp8) -> the original bf16 weight
 NOISY: dict[int, torch.Tensor] = {}  # id(weight_fp8) -> W·(1 + e), e: W's own relative e4m3 errors shuffled
 MODE = {"fwd": "fp8", "bwd": "fp8"}
+LAYER: dict[int, int] = {}  # id(weight_fp8) -> its decoder layer (1-based)
+EXACT_LAYERS: set[int] = set()  # layers whose linears run exact (their original weight) in both directions
+
+
+def _mode(w_q, direction: str) -> str:
+    return "exact" if LAYER.get(id(w_q)) in EXACT_LAYERS else MODE[direction]
 
 
 def _weight(w_q, w_s, mode):
@@ -56,20 +64,20 @@ class _Ablate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, w_q, w_s):
         ctx.save_for_backward(w_q, w_s)
-        if MODE["fwd"] == "fp8":
+        if _mode(w_q, "fwd") == "fp8":
             x_q, s_x = F.quantize_rows(x2d, F.E4M3)
             return F.scaled_gemm(x_q, s_x, w_q, w_s.view(1, -1), x2d.dtype)
-        w = _weight(w_q, w_s, MODE["fwd"])
+        w = _weight(w_q, w_s, _mode(w_q, "fwd"))
         return (x2d.float() @ w.t()).to(x2d.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         w_q, w_s = ctx.saved_tensors
-        if MODE["bwd"] == "fp8":
+        if _mode(w_q, "bwd") == "fp8":
             g_q, s_g = F.quantize_rows(dy, F.GRAD_DTYPE, col_scale=w_s)
             ones = torch.ones(1, w_q.shape[1], dtype=torch.float32)
             return F.scaled_gemm(g_q, s_g, F.transpose(w_q), ones, dy.dtype), None, None
-        w = _weight(w_q, w_s, MODE["bwd"])
+        w = _weight(w_q, w_s, _mode(w_q, "bwd"))
         return (dy.float() @ w).to(dy.dtype), None, None
 
 
@@ -175,6 +183,9 @@ def main() -> None:
     for k, v in (("hidden", 64), ("ffn", 0), ("layers", 4), ("tokens", 512), ("seed", 1234), ("pretrain", 0)):
         ap.add_argument(f"--{k}", type=int, default=v)
     ap.add_argument("--outliers", type=float, default=0.0)
+    ap.add_argument("--keep", default="", help="comma list of N: FP8 with the first N layers exact (bf16)")
+    ap.add_argument("--per-layer", action="store_true", help="FP8 in one layer at a time, the others exact")
+    ap.add_argument("--modes", default="all", help="'all' or 'shipped': which forward/backward rows to run")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     model, names = build(args)
@@ -197,14 +208,26 @@ def main() -> None:
     mods = [m for _, m in lora_modules(model)]
     weights = [m.weight.data.clone() for m in mods]
     FB.quantize_base(model, "fp8")
-    for m, w in zip(mods, weights):
+    for (key, m), w in zip(lora_modules(model), weights):
         ORIG[id(m.weight_fp8)] = w
+        LAYER[id(m.weight_fp8)] = int(key.split(".")[0])
         NOISY[id(m.weight_fp8)] = _noisy(w, m.weight_fp8, m.weight_scale, torch.Generator().manual_seed(9))
     FB.fp8_linear = _patched
-    for fwd, bwd in (("exact", "exact"), ("fp8", "fp8"), ("fp8", "exact"), ("exact", "fp8"), ("w", "w"),
-                     ("w", "exact"), ("fp8", "w"), ("w", "fp8"), ("noise", "noise")):
+    rows = (("exact", "exact"), ("fp8", "fp8"), ("fp8", "exact"), ("exact", "fp8"), ("w", "w"),
+            ("w", "exact"), ("fp8", "w"), ("w", "fp8"), ("noise", "noise"))
+    for fwd, bwd in rows if args.modes == "all" else rows[1:2]:
         MODE.update(fwd=fwd, bwd=bwd)
         out[f"fwd={fwd},bwd={bwd}"] = compare(step(model, batch, names), ref)
+    MODE.update(fwd="fp8", bwd="fp8")
+    for keep in [int(v) for v in args.keep.split(",") if v]:
+        EXACT_LAYERS.clear()
+        EXACT_LAYERS.update(range(1, keep + 1))
+        out[f"fp8, first {keep} layers bf16"] = compare(step(model, batch, names), ref)
+    for layer in range(1, args.layers + 1) if args.per_layer else ():
+        EXACT_LAYERS.clear()
+        EXACT_LAYERS.update(set(range(1, args.layers + 1)) - {layer})
+        out[f"fp8 in layer {layer} only"] = compare(step(model, batch, names), ref)
+    EXACT_LAYERS.clear()
     for k, v in out.items():
         print(k, json.dumps(v), flush=True)
 

@@ -22,6 +22,9 @@ import triton.language as tl
 
 
 MAX_SINGLE = 8192  # longest row quantized from registers (one read); measured on an H100 (docs/BENCHMARKS.md)
+# two-loop rows of LONG_ROWS_FROM columns or more (fc1's dY, 28,672): 8k blocks and 16 warps, 0.51 ms against 0.60 with
+# 4k blocks and 8 warps at 12,288 rows on an H100; rows of 8k-16k columns (fc2's X) keep 4k / 8 (0.21 vs 0.23 ms)
+LONG_ROWS_FROM, LONG_ROWS = 16384, (8192, 16)
 ROWS_PER_PROGRAM = 1  # rows a program quantizes when they fit MAX_SINGLE (quant_variants_ms in check_fp8.py)
 _QMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
@@ -91,9 +94,10 @@ def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, col_scale: torch.T
     if m == 0:
         return q, s
     single = n <= max_single
-    block = block or (triton.next_power_of_2(n) if single else 4096)
+    long_block, long_warps = LONG_ROWS if n >= LONG_ROWS_FROM else (4096, 8)
+    block = block or (triton.next_power_of_2(n) if single else long_block)
     rows = (rows or ROWS_PER_PROGRAM) if single else 1
-    warps = num_warps or _warps(block * rows)
+    warps = num_warps or (_warps(block * rows) if single else long_warps)
     cs = col_scale if col_scale is not None else s
     _quant_rows_kernel[(triton.cdiv(m, rows),)](
         x, cs, q, s, m, n, x.stride(0), q.stride(0), QMAX=_QMAX[dtype], EPS=eps, HAS_CS=col_scale is not None,

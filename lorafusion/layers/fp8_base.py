@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import torch
 
+from lorafusion.core.precision import BASE_PRECISIONS, FP8_BF16_LEADING_LAYERS
 from lorafusion.ops.fp8_linear import check_fp8_device, fp8_linear, quantize_weight
 
-BASE_PRECISIONS = ("bf16", "fp8")
-# Decoder layers (the first ones of the model, global numbering) whose linears stay in the model dtype with an fp8
-# base: the LoRA gradients are most sensitive to the first layers' rounding (docs/BENCHMARKS.md, FP8 quality).
-BF16_LEADING_LAYERS = 0
+# The first decoder layers of the whole model (global numbering) whose linears stay in the model dtype with an
+# fp8 base (lorafusion.core.precision; the memory model counts the same number)
+BF16_LEADING_LAYERS = FP8_BF16_LEADING_LAYERS
 
 
 def is_fp8(mod) -> bool:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from lorafusion.core.arch import ModelArch
@@ -94,6 +94,7 @@ class MemorySetup:
     # bytes per frozen parameter of the decoder's linears; None: the dtype's. FP8 base: 1 (scales: row_scale_bytes)
     base_bytes_per_param: float | None = None
     row_scale_bytes: int = 0  # per output row of each base linear (fp8: one fp32 scale per channel = 4)
+    bf16_base_layers: int = 0  # fp8 base: the model's first decoder layers whose linears keep the dtype (stage 0)
     tp: int = 1
     pp: int = 1
     dp: int = 1
@@ -219,6 +220,10 @@ def stage_weights(s: MemorySetup, stage: int) -> float:
     first, last = stage == 0, stage == s.pp - 1
     emb = a.vocab_size * a.hidden_size / s.tp * b
     weights = s.layers(stage) * base_bytes_per_layer(s) + (emb if first else 0.0)
+    if first and s.bf16_base_layers and s.base_bytes_per_param is not None:  # fp8 base, leading layers in dtype
+        kept = min(s.bf16_base_layers, s.layers(0))
+        full = replace(s, base_bytes_per_param=None, row_scale_bytes=0)
+        weights += kept * (base_bytes_per_layer(full) - base_bytes_per_layer(s))
     if last and not (first and a.tie_word_embeddings):
         weights += emb
     return weights + ((a.hidden_size * b) if last else 0.0)

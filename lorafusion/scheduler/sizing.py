@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from lorafusion.core.errors import UserError
 from lorafusion.core.impls import lora_impl
+from lorafusion.core.precision import FP8_BF16_LEADING_LAYERS
 
 from .costmodel import CostModel
 from .memory import GIB, AdapterShape, Coefficients, MemorySetup, StageMemory, plan_memory, stage_memory
@@ -101,7 +102,8 @@ def setup_from_run(cfg, arch, dp: int = 1, fused_ops: bool = True) -> MemorySetu
                                   independent_a=not getattr(j.lora, "shared_fused_a", True)) for j in cfg.jobs)
     fp8 = getattr(m, "base_precision", None) == "fp8"
     return MemorySetup(arch, adapters, dtype=m.dtype, base_bytes_per_param=1.0 if fp8 else None,
-                       row_scale_bytes=4 if fp8 else 0, tp=p.tp, pp=p.pp, dp=dp,
+                       row_scale_bytes=4 if fp8 else 0, bf16_base_layers=FP8_BF16_LEADING_LAYERS if fp8 else 0,
+                       tp=p.tp, pp=p.pp, dp=dp,
                        sequence_parallel=p.sequence_parallel,
                        stage_layers=tuple(layers_per_stage(cfg, arch)),
                        virtual_stages=getattr(p, "virtual_stages", None) or 1, fused_ops=fused_ops,

@@ -173,7 +173,7 @@ def test_cuda_forward_and_input_gradient_against_float64(m, k, n):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_fp8(), reason="needs an sm_89+ GPU")
-@pytest.mark.parametrize("m,n", [(1, 16), (70, 130), (4096, 14336)])
+@pytest.mark.parametrize("m,n", [(1, 16), (70, 130), (4096, 14336), (256, 28672)])  # the last: 8k blocks
 def test_triton_transpose_and_two_pass_quantization(m, n):
     from lorafusion.kernels.fp8_quant import quantize_rows_triton
 
@@ -183,6 +183,8 @@ def test_triton_transpose_and_two_pass_quantization(m, n):
     one, s1 = quantize_rows_triton(x, F.E4M3)
     two, s2 = quantize_rows_triton(x, F.E4M3, max_single=64)  # the two-loop path
     assert torch.equal(s1, s2) and torch.equal(one.view(torch.uint8), two.view(torch.uint8))
+    wide, s3 = quantize_rows_triton(x, F.E4M3, max_single=1 << 16, num_warps=32)  # the whole row from registers
+    assert torch.equal(s1, s3) and torch.equal(one.view(torch.uint8), wide.view(torch.uint8))
     if n <= 8192:  # several rows a program
         four, s4 = quantize_rows_triton(x, F.E4M3, rows=4)
         assert torch.equal(s1, s4) and torch.equal(one.view(torch.uint8), four.view(torch.uint8))

@@ -47,7 +47,12 @@ def test_generate_uses_the_fp8_base(fp8_run, tmp_path, megatron_single):
     model = build_run_model(info, ["a"])
     from lorafusion.layers import lora_modules
 
-    assert all(mod.weight is None and mod.weight_fp8 is not None for _, mod in lora_modules(model))
+    from lorafusion.layers.fp8_base import BF16_LEADING_LAYERS, layer_number
+
+    mods = [mod for _, mod in lora_modules(model)]
+    assert all((mod.weight is None and mod.weight_fp8 is not None) == (layer_number(mod) > BF16_LEADING_LAYERS)
+               for mod in mods)
+    assert sum(mod.weight is None for mod in mods) > len(mods) // 2
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "reverse abc:", "job": "a"}) + "\n")
     assert _main("generate", out, "--prompts", tmp_path / "p.jsonl", "--out", tmp_path / "g.jsonl",
                  "--max-new-tokens", 4) == 0
@@ -108,7 +113,8 @@ def test_two_process_fp8_runs_equal_one_process(fp8_single, two_process, name):
     initial adapter (B = 0: the loss is the base model's): PP and recompute change no operand, so it agrees to
     bf16 rounding; under TP the row-parallel linears quantize each rank's in-dim shard of X with its own row
     scales (one process: the whole row), so TP agrees to FP8 precision. Later steps add bf16 training noise,
-    which FP8 rounding flips amplify."""
+    which FP8 rounding flips amplify: with the first layer bf16 (the default) one later step's gradient norm of
+    59 tokens moved by 5.6% under TP=2 + SP (its loss by 0.07%; every other step within 1.4%)."""
     two = two_process(name)
     first_rel = 1e-2 if "tp2" in name else 1e-3
     key = lambda r: (r["job"], r["step"])  # noqa: E731
@@ -119,7 +125,7 @@ def test_two_process_fp8_runs_equal_one_process(fp8_single, two_process, name):
     for a, b in zip(ours, ref):
         first = a["step"] == 1
         assert a["loss"] == pytest.approx(b["loss"], rel=first_rel if first else 2e-2), (a, b)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=5 * first_rel if first else 5e-2), (a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=5 * first_rel if first else 8e-2), (a, b)
     assert json.loads((two / "base_model.json").read_text())["base_precision"] == "fp8"
 
 
@@ -142,3 +148,25 @@ def test_memory_model_counts_the_fp8_base_70b_pp2_fits_80gib(tmp_path):
         weights = [float(x.split()[4]) for x in lines[2:4]]  # the stages' weight GiB
         assert (precision == "fp8") == (max(weights) < 40), lines
     assert fits == {"bf16": False, "fp8": True}
+
+
+def test_memory_model_counts_the_first_layer_kept_in_bf16():
+    """With an FP8 base the first decoder layer keeps its bf16 linears (lorafusion.core.precision): the memory
+    model adds them to stage 0 only, one layer's linear parameters at 2 bytes instead of 1 (plus no scales)."""
+    from dataclasses import replace
+
+    from lorafusion.core.arch import preset
+    from lorafusion.scheduler.memory import AdapterShape, MemorySetup, stage_weights
+
+    arch = preset("llama3.1-8b")
+    s = MemorySetup(arch, (AdapterShape(16, ("all-linear",), 0.1),), base_bytes_per_param=1.0, row_scale_bytes=4,
+                    pp=2)
+    kept = replace(s, bf16_base_layers=1)
+    h, f = arch.hidden_size, arch.ffn_hidden_size
+    q = arch.num_attention_heads * arch.kv_channels + 2 * arch.num_query_groups * arch.kv_channels
+    params = h * q + arch.num_attention_heads * arch.kv_channels * h + h * 2 * f + f * h
+    scales = 4 * (q + h + 2 * f + h)
+    assert stage_weights(kept, 0) - stage_weights(s, 0) == pytest.approx(params - scales)
+    assert stage_weights(kept, 1) == stage_weights(s, 1)
+    assert stage_weights(replace(kept, base_bytes_per_param=None, row_scale_bytes=0), 0) == \
+        stage_weights(replace(s, base_bytes_per_param=None, row_scale_bytes=0), 0)  # bf16 base: nothing to add
