@@ -207,7 +207,7 @@ def main() -> None:
     out = {"args": vars(args), "bf16": compare(step(model, batch, names), ref)}
     mods = [m for _, m in lora_modules(model)]
     weights = [m.weight.data.clone() for m in mods]
-    FB.quantize_base(model, "fp8")
+    FB.quantize_base(model, "fp8", bf16_layers=0)  # every layer: the modes below choose per layer
     for (key, m), w in zip(lora_modules(model), weights):
         ORIG[id(m.weight_fp8)] = w
         LAYER[id(m.weight_fp8)] = int(key.split(".")[0])

@@ -66,7 +66,8 @@ class ModelConfig(_Strict):
     # precision of the frozen base's decoder linears (qkv, proj, fc1, fc2). "fp8": each weight is quantized once
     # at load to float8_e4m3fn with one scale per output channel (its bf16 copy freed: half the bytes), X and dY
     # are quantized per row on the fly and the forward and input-gradient GEMMs run in FP8 (torch._scaled_mm;
-    # needs an sm_89+ GPU, or the CPU). The LoRA path, embeddings, norms and the output layer stay in `dtype`.
+    # needs an sm_89+ GPU, or the CPU). The LoRA path, embeddings, norms, the output layer and the first decoder
+    # layer's linears (lorafusion.core.precision.FP8_BF16_LEADING_LAYERS) stay in `dtype`.
     # Needs dtype: bfloat16. Exports and merges use the original bf16 weights, reloaded from the source.
     base_precision: Literal["bf16", "fp8"] = "bf16"
 

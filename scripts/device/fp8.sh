@@ -80,9 +80,9 @@ for seed in os.environ["QS_SEEDS"].split():
     for v in variants[1:]:
         b = out[f"{v}_seed{seed}"]
         if a["heldout"] and b["heldout"]:
-            out[f"answers_that_differ_{v}_seed{seed}"] = [[x["job"], x["prompt"], x["output"], y["output"]]
+            out[f"answers_that_differ_{v}_seed{seed}"] = [[x.get("job"), x.get("prompt", x.get("input")), x.get("output"), y.get("output")]
                                                           for x, y in zip(a["heldout"], b["heldout"])
-                                                          if x["output"] != y["output"]]
+                                                          if x.get("output") != y.get("output")]
         for key in ("final_loss", "mean_loss_last10"):
             if a[key] and b[key]:
                 out[f"{key}_{v}_over_bf16_seed{seed}"] = {j: b[key][j] / a[key][j] for j in a[key]}
