@@ -5,7 +5,7 @@
 # Each run spec: NAME, then space-separated VAR=VALUE settings for that run alone (LORAFUSION_MAIN_GEMM, ...),
 # then bench_train arguments; every run gets --skip-hf and $CAP_ARGS. Needs liger-kernel among the wheels.
 #   bash scripts/device/speed24.sh "base|LORAFUSION_MAIN_GEMM=cublas|--ablate" "fold|LORAFUSION_MAIN_GEMM=cublas_fold|"
-# MICRO=0 / GPU_TESTS=0 skip those parts; CAP_ARGS (default scheduler.token_capacity=12288: the shipped 16384
+# MICRO=0 / GPU_TESTS=0 skip those parts (MICRO_TUNED=0: the levers once, not again on the tuned configs); CAP_ARGS (default scheduler.token_capacity=12288: the shipped 16384
 # does not fit an 80 GB H100; CAP_ARGS= runs the shipped config's auto capacity).
 # MODEL_STEP=1: scripts/bench_model_step.py (after TUNE: shipped vs tuned configs, alternating; MODEL_STEP_ARGS
 # adds more, e.g. "--setting fold:LORAFUSION_MAIN_GEMM=cublas_fold --profile-setting tuned").
@@ -50,7 +50,7 @@ if [ "${MICRO:-1}" = 1 ]; then  # MICRO_ARGS: bench_speed24 arguments; with TUNE
   stamp "levers alone"
   # shellcheck disable=SC2086
   timeout ${MICRO_TIMEOUT:-300} "$PY" scripts/bench_speed24.py --out "$L/micro.json" ${MICRO_ARGS:-} 2>&1 | grep -v '^{' | tee "$L/micro.log"; pack
-  if [ -s "$L/tuned.json" ]; then
+  if [ -s "$L/tuned.json" ] && [ "${MICRO_TUNED:-1}" = 1 ]; then
     stamp "levers alone, tuned configs"
     # shellcheck disable=SC2086
     LORAFUSION_TUNING_FILE="$L/tuned.json" timeout ${MICRO_TIMEOUT:-300} "$PY" scripts/bench_speed24.py \
