@@ -15,7 +15,7 @@
   gemm       cuBLAS alone at those linears: the base GEMMs with and without the low-rank term as C, and with the
              LoRA term folded into their K / N dimension (see bench_gemm).
 
-    python3 scripts/bench_speed24.py [--only attention|lora|gemm] [--tokens 12288] [--out FILE]
+    python3 scripts/bench_speed24.py [--only attention,gemm,lora] [--tokens 12288] [--out FILE]
 
 Prints one line per measurement and, last, one JSON object with every number (also written to --out).
 """
@@ -222,7 +222,7 @@ def bench_lora(tokens: int, linears: list[str] | None = None) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", choices=["attention", "lora", "gemm"])
+    ap.add_argument("--only", help="comma-separated parts to run, of attention, gemm, lora (default: all)")
     ap.add_argument("--tokens", type=int, default=12288)
     ap.add_argument("--out")
     ap.add_argument("--linears", nargs="+", choices=list(LINEARS), help="lora: only these linears")
@@ -236,7 +236,7 @@ def main() -> None:
            "cudnn": torch.backends.cudnn.version(), "tokens": args.tokens}
     for name, fn in (("attention", bench_attention), ("gemm", lambda t: bench_gemm(t, args.linears)),
                      ("lora", lambda t: bench_lora(t, args.linears))):
-        if args.only in (None, name):
+        if args.only is None or name in args.only.split(","):
             try:
                 res[name] = fn(args.tokens)
             except Exception as e:  # keep the other lever's numbers
