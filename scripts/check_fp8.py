@@ -224,20 +224,26 @@ def lora_linear_ms(m: int, k: int, n: int) -> dict:
 
 
 def quant_variants(m: int) -> dict:
-    """ms of the row quantization of the long rows (fc1's dY with its column scale, fc2's X) per launch:
-    the shipped one (two loops over a row), one read from registers with 16 / 32 warps, two loops of 8k."""
+    """ms of the row quantization per launch variant: the long rows (fc1's dY with its column scale, fc2's X) as
+    shipped (two loops over a row), one read from registers with 16 / 32 warps, two loops of 8k; the 4096- and
+    6144-column rows (X of qkv/proj/fc1, dY of qkv) one row a program as shipped, or 2 / 4 rows a program."""
     if DEV != "cuda":
         return {}
     from lorafusion.kernels.fp8_quant import quantize_rows_triton
 
     g = torch.Generator(device=DEV).manual_seed(9)
+    long_rows = (("shipped", {}), ("one_read_w16", {"max_single": 1 << 16, "num_warps": 16}),
+                 ("one_read_w32", {"max_single": 1 << 16, "num_warps": 32}),
+                 ("two_loops_8k_w16", {"block": 8192, "num_warps": 16}))
+    short_rows = (("shipped", {}), ("w4", {"num_warps": 4}), ("w16", {"num_warps": 16}),
+                  ("rows2_w8", {"rows": 2, "num_warps": 8}), ("rows2_w16", {"rows": 2, "num_warps": 16}),
+                  ("rows4_w16", {"rows": 4, "num_warps": 16}), ("rows4_w32", {"rows": 4, "num_warps": 32}))
     out = {}
-    for name, n, cs in (("fc1_dy", 28672, True), ("fc2_x", 14336, False)):
+    for name, n, cs, variants in (("fc1_dy", 28672, True, long_rows), ("fc2_x", 14336, False, long_rows),
+                                  ("qkv_x", 4096, False, short_rows), ("qkv_dy", 6144, True, short_rows)):
         x = torch.randn(m, n, device=DEV, generator=g).to(torch.bfloat16)
         c = torch.rand(n, device=DEV, generator=g) + 0.5 if cs else None
-        for var, kw in (("shipped", {}), ("one_read_w16", {"max_single": 1 << 16, "num_warps": 16}),
-                        ("one_read_w32", {"max_single": 1 << 16, "num_warps": 32}),
-                        ("two_loops_8k_w16", {"block": 8192, "num_warps": 16})):
+        for var, kw in variants:
             out[f"{name}_{var}"] = cuda_ms(lambda x=x, c=c, kw=kw: quantize_rows_triton(x, F.E4M3, c, F.EPS, **kw))
         del x
     return out
@@ -276,9 +282,11 @@ def main() -> None:
     ap.add_argument("--out", default="fp8_quality.json")
     ap.add_argument("--tokens", type=int, default=12288)
     ap.add_argument("--mb-tokens", type=int, default=6144)
+    ap.add_argument("--sections", default="layers,quant,lora,model", help="comma list of what to run")
     ap.add_argument("--skip-model", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="CPU, small shapes: checks the script runs")
     args = ap.parse_args()
+    run = set(args.sections.split(",")) - ({"model"} if args.skip_model else set())
     if args.smoke:
         global DEV
         DEV = "cpu"
@@ -286,23 +294,24 @@ def main() -> None:
             SHAPES[key] = (k // 64, n // 64)
     res = {"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "torch": torch.__version__,
            "tokens": args.tokens, "layers": {}}
-    for name, (k, n) in SHAPES.items():
+    for name, (k, n) in SHAPES.items() if "layers" in run else ():
         res["layers"][name] = layer_row(args.tokens, k, n)
         print(name, json.dumps(res["layers"][name]), flush=True)
         if DEV == "cuda":
             torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps(res, indent=1))
-    try:
-        res["quant_variants_ms"] = quant_variants(args.tokens)
-    except Exception as e:  # noqa: BLE001 - a variant that fails to launch must not lose the rest
-        res["quant_variants_ms"] = {"error": repr(e)}
-    print("quant_variants", json.dumps(res["quant_variants_ms"]), flush=True)
+    if "quant" in run:
+        try:
+            res["quant_variants_ms"] = quant_variants(args.tokens)
+        except Exception as e:  # noqa: BLE001 - a variant that fails to launch must not lose the rest
+            res["quant_variants_ms"] = {"error": repr(e)}
+        print("quant_variants", json.dumps(res["quant_variants_ms"]), flush=True)
     res["lora_linear"] = {}
-    for name, (k, n) in SHAPES.items():
+    for name, (k, n) in SHAPES.items() if "lora" in run else ():
         res["lora_linear"][name] = lora_linear_ms(args.tokens, k, n)
         print("lora_linear", name, json.dumps(res["lora_linear"][name]), flush=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
-    if not args.skip_model:
+    if "model" in run:
         res["model"] = model_check(args.mb_tokens)
         print("model", json.dumps(res["model"]), flush=True)
     Path(args.out).write_text(json.dumps(res, indent=1))

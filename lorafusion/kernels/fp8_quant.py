@@ -22,6 +22,8 @@ import triton.language as tl
 
 
 MAX_SINGLE = 8192  # longest row quantized from registers (one read); measured on an H100 (docs/BENCHMARKS.md)
+ROWS_PER_PROGRAM = 1  # rows a program quantizes when they fit MAX_SINGLE (quant_variants_ms in check_fp8.py)
+_QMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
 @triton.jit
@@ -34,9 +36,21 @@ def _load_scaled(x_row, cs_ptr, cols, mask, HAS_CS: tl.constexpr):
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, cs_ptr, q_ptr, s_ptr, N, stride_x, stride_q,
+def _quant_rows_kernel(x_ptr, cs_ptr, q_ptr, s_ptr, M, N, stride_x, stride_q,
                        QMAX: tl.constexpr, EPS: tl.constexpr, HAS_CS: tl.constexpr, BLOCK: tl.constexpr,
-                       SINGLE: tl.constexpr):
+                       SINGLE: tl.constexpr, ROWS: tl.constexpr):
+    if ROWS > 1:  # ROWS whole rows per program, in registers: one read (short rows: fewer, fuller programs)
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        v = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_CS:
+            v = v * tl.load(cs_ptr + cols, mask=cols < N, other=0.0)[None, :]
+        scale = tl.maximum(tl.max(tl.abs(v), axis=1), EPS) / QMAX
+        tl.store(s_ptr + rows, scale, mask=rows < M)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale[:, None]), -QMAX), QMAX)
+        tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        return
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
@@ -65,9 +79,10 @@ def _quant_rows_kernel(x_ptr, cs_ptr, q_ptr, s_ptr, N, stride_x, stride_q,
 
 def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, col_scale: torch.Tensor | None = None,
                          eps: float = 1e-12, max_single: int = MAX_SINGLE, num_warps: int | None = None,
-                         block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         block: int | None = None, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [m, n] ``dtype``, scale [m, 1] float32) for a 2-D CUDA tensor ``x`` whose last dim is contiguous
-    (``num_warps`` / ``block``: override the launch, for benchmarks)."""
+    (``num_warps`` / ``block`` / ``rows`` (rows per program, single-read rows only): override the launch,
+    for benchmarks)."""
     m, n = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -77,11 +92,17 @@ def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, col_scale: torch.T
         return q, s
     single = n <= max_single
     block = block or (triton.next_power_of_2(n) if single else 4096)
-    warps = num_warps or (16 if block >= 16384 else 8 if block >= 2048 else 4)
+    rows = (rows or ROWS_PER_PROGRAM) if single else 1
+    warps = num_warps or _warps(block * rows)
     cs = col_scale if col_scale is not None else s
-    _quant_rows_kernel[(m,)](x, cs, q, s, n, x.stride(0), q.stride(0), QMAX=float(torch.finfo(dtype).max),
-                             EPS=eps, HAS_CS=col_scale is not None, BLOCK=block, SINGLE=single, num_warps=warps)
+    _quant_rows_kernel[(triton.cdiv(m, rows),)](
+        x, cs, q, s, m, n, x.stride(0), q.stride(0), QMAX=_QMAX[dtype], EPS=eps, HAS_CS=col_scale is not None,
+        BLOCK=block, SINGLE=single, ROWS=rows, num_warps=warps)
     return q, s
+
+
+def _warps(elements: int) -> int:
+    return 16 if elements >= 16384 else 8 if elements >= 2048 else 4
 
 
 @triton.jit

@@ -17,6 +17,9 @@ import torch
 from lorafusion.ops.fp8_linear import check_fp8_device, fp8_linear, quantize_weight
 
 BASE_PRECISIONS = ("bf16", "fp8")
+# Decoder layers (the first ones of the model, global numbering) whose linears stay in the model dtype with an fp8
+# base: the LoRA gradients are most sensitive to the first layers' rounding (docs/BENCHMARKS.md, FP8 quality).
+BF16_LEADING_LAYERS = 0
 
 
 def is_fp8(mod) -> bool:
@@ -35,16 +38,24 @@ def quantize_linear(mod) -> None:
     mod.weight = None  # Module.__setattr__ keeps the name registered as a (None) parameter
 
 
-def quantize_base(model, precision: str = "fp8") -> int:
+def layer_number(mod) -> int:
+    """The global (1-based) decoder layer number of a LoRA linear (from its ``lora_key`` "<layer>.<kind>")."""
+    return int(mod.lora_key.split(".", 1)[0])
+
+
+def quantize_base(model, precision: str = "fp8", bf16_layers: int | None = None) -> int:
     """Put the frozen decoder linears of ``model`` (a stage or a list of chunks) in ``precision``;
-    returns how many linears were quantized. "bf16" leaves the model as built."""
+    returns how many linears are FP8. "bf16" leaves the model as built. With "fp8" the linears of the first
+    ``bf16_layers`` decoder layers of the whole model (None: :data:`BF16_LEADING_LAYERS`) stay as they are;
+    called again with a smaller number it quantizes the rest (idempotent otherwise)."""
     from lorafusion.layers.inject import _chunks, _unwrap, lora_modules
 
     if precision not in BASE_PRECISIONS:
         raise ValueError(f"model.base_precision: expected one of {BASE_PRECISIONS}, got {precision!r}")
     if precision == "bf16":
         return 0
-    mods = [m for _, m in lora_modules(model)]
+    keep = BF16_LEADING_LAYERS if bf16_layers is None else int(bf16_layers)
+    mods = [m for _, m in lora_modules(model) if layer_number(m) > keep]
     if mods:
         check_fp8_device(mods[0].weight_fp8.device if is_fp8(mods[0]) else mods[0].weight.device)
     for mod in mods:

@@ -38,6 +38,9 @@ E5M2 = torch.float8_e5m2
 GRAD_DTYPE = E4M3  # dY's FP8 type in the input-gradient GEMM (e4m3 vs e5m2: docs/BENCHMARKS.md, FP8 base)
 EPS = 1e-12  # smallest row amax: an all-zero row gets a tiny scale and q = 0
 ALIGN = 16  # torch._scaled_mm: K and N multiples of 16
+# The forward GEMM uses Hopper's fast FP8 accumulation (use_fast_accum) when its K is at most this (0: never);
+# measured per shape in docs/BENCHMARKS.md (FP8 base). The input-gradient GEMM always accumulates in full fp32.
+FWD_FAST_ACCUM_MAX_K = 0
 
 
 def quantize_rows_torch(x: torch.Tensor, dtype: torch.dtype = E4M3, col_scale: torch.Tensor | None = None):
@@ -51,12 +54,20 @@ def quantize_rows_torch(x: torch.Tensor, dtype: torch.dtype = E4M3, col_scale: t
     return q, scale
 
 
+_TRITON: dict = {}
+
+
 def _triton(name: str):
-    try:
-        from lorafusion.kernels import fp8_quant
-    except ImportError:  # no Triton: the torch path
-        return None
-    return getattr(fp8_quant, name)
+    """The CUDA kernel launcher ``name`` of :mod:`lorafusion.kernels.fp8_quant`, looked up once (None without
+    Triton: the torch path)."""
+    if name not in _TRITON:
+        try:
+            from lorafusion.kernels import fp8_quant
+        except ImportError:
+            _TRITON[name] = None
+        else:
+            _TRITON[name] = getattr(fp8_quant, name)
+    return _TRITON[name]
 
 
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype = E4M3, col_scale: torch.Tensor | None = None):
@@ -116,7 +127,7 @@ def scaled_gemm(a_q: torch.Tensor, s_a: torch.Tensor, b_q: torch.Tensor, s_b: to
 def fp8_matmul(x2d: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """``X·Wᵀ`` in x's dtype: X quantized per row (e4m3), then the scaled FP8 GEMM with W's channel scales."""
     x_q, s_x = quantize_rows(x2d, E4M3)
-    return scaled_gemm(x_q, s_x, w_q, w_scale.view(1, -1), x2d.dtype)
+    return scaled_gemm(x_q, s_x, w_q, w_scale.view(1, -1), x2d.dtype, x2d.shape[1] <= FWD_FAST_ACCUM_MAX_K)
 
 
 def fp8_input_grad(dy: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, grad_dtype: torch.dtype) -> torch.Tensor:

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 import torch
 
 from lorafusion.core.routing import Routing
-from lorafusion.ops.fp8_linear import GRAD_DTYPE, fp8_input_grad, fp8_linear, fp8_matmul
+from lorafusion.ops import fp8_linear as F
+from lorafusion.ops.fp8_linear import fp8_input_grad, fp8_linear, fp8_matmul
 
 __all__ = ["fp8_multi_lora_linear", "fp8_multi_lora_linear_reference"]
 
@@ -88,7 +89,7 @@ def fp8_multi_lora_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Ten
     if x2d.is_cuda and x2d.dtype != torch.bfloat16:
         raise ValueError(f"fp8_multi_lora_linear: CUDA row-wise FP8 GEMMs write bfloat16; got {x.dtype}")
     plan = _Plan(x2d, lora_A, lora_B, scaling, dropout_p, seeds, routing, cache=cache, seed_table=seed_table)
-    y = _Fp8MultiLoRALinear.apply(x2d, w_q, w_scale, bias, plan, grad_dtype or GRAD_DTYPE, *lora_A, *lora_B)
+    y = _Fp8MultiLoRALinear.apply(x2d, w_q, w_scale, bias, plan, grad_dtype or F.GRAD_DTYPE, *lora_A, *lora_B)
     return y.reshape(*lead, y.shape[-1])
 
 

@@ -62,6 +62,25 @@ def test_every_decoder_linear_is_fp8_and_its_bf16_copy_is_gone(megatron_single):
         quantize_base(fp8, "fp4")
 
 
+def test_leading_layers_can_stay_bf16_and_be_quantized_later(megatron_single):
+    bf16, model = _model("bf16"), _model("bf16")
+    batch = _batch()
+    assert quantize_base(model, "fp8", bf16_layers=4) == 0  # every layer kept: the bf16 model, bit for bit
+    want = adapter_losses(bf16, batch)
+    got = adapter_losses(model, batch)
+    assert {k: v.item() for k, v in got.items()} == {k: v.item() for k, v in want.items()}
+    assert quantize_base(model, "fp8", bf16_layers=1) == 12
+    for key, mod in lora_modules(model):
+        first = key.startswith("1.")
+        assert (mod.weight is not None) == first and (getattr(mod, "weight_fp8", None) is None) == first, key
+    losses = adapter_losses(model, batch)
+    sum(losses.values()).backward()
+    assert all(torch.isfinite(g).all() for g in lora_grads(model, "a").values())
+    assert all(v.item() != want[k].item() for k, v in losses.items())  # the other layers are FP8 now
+    assert quantize_base(model, "fp8", bf16_layers=0) == 16
+    assert all(mod.weight is None for _, mod in lora_modules(model))
+
+
 def test_lora_linear_is_the_fp8_base_plus_the_unchanged_lora_term(megatron_single):
     model = _model("fp8")
     batch = _batch()

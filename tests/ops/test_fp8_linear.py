@@ -183,6 +183,9 @@ def test_triton_transpose_and_two_pass_quantization(m, n):
     one, s1 = quantize_rows_triton(x, F.E4M3)
     two, s2 = quantize_rows_triton(x, F.E4M3, max_single=64)  # the two-loop path
     assert torch.equal(s1, s2) and torch.equal(one.view(torch.uint8), two.view(torch.uint8))
+    if n <= 8192:  # several rows a program
+        four, s4 = quantize_rows_triton(x, F.E4M3, rows=4)
+        assert torch.equal(s1, s4) and torch.equal(one.view(torch.uint8), four.view(torch.uint8))
 
 
 @pytest.mark.parametrize("m,k,n", [(32, 64, 48), (33, 20, 7)])
@@ -206,10 +209,10 @@ def test_forward_and_input_gradient_against_the_original_weight_with_channels_ov
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU: Triton's interpreter (the GPU test above checks q)")
-@pytest.mark.parametrize("max_single", [8192, 32])  # one read from registers / the two-loop path
-@pytest.mark.parametrize("col_scale", [False, True])
+@pytest.mark.parametrize("max_single,rows", [(8192, 1), (8192, 4), (32, 1)])  # one read: a row / 4 rows a
+@pytest.mark.parametrize("col_scale", [False, True])  # program (6 rows: the last program half empty); two loops
 @pytest.mark.parametrize("src", [torch.float32, torch.float16])
-def test_triton_row_kernel_scales_on_cpu(src, col_scale, max_single):
+def test_triton_row_kernel_scales_on_cpu(src, col_scale, max_single, rows):
     """The row kernel's loads (times the column scale) and max|v| in the interpreter: scales equal the torch
     path's bit for bit. (q is not compared here: the interpreter's float→fp8 cast does not round to nearest.)"""
     from lorafusion.kernels.fp8_quant import quantize_rows_triton
@@ -217,6 +220,6 @@ def test_triton_row_kernel_scales_on_cpu(src, col_scale, max_single):
     x, _ = _data(6, 70, 8, src)
     x[2] = 0
     c = torch.rand(70, generator=torch.Generator().manual_seed(4)) + 0.5 if col_scale else None
-    q, s = quantize_rows_triton(x, F.E4M3, c, F.EPS, max_single=max_single)
+    q, s = quantize_rows_triton(x, F.E4M3, c, F.EPS, max_single=max_single, rows=rows)
     _, s_ref = F.quantize_rows_torch(x, F.E4M3, c)
     assert q.shape == x.shape and q.dtype == F.E4M3 and torch.equal(s, s_ref)
