@@ -17,11 +17,10 @@ must record those, never the live stream.
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -247,20 +246,6 @@ class Feed:
             by_key = {(name, s.id): s for name, bs in batches.items() for _, samples in bs for s in samples}
             chunk.packed = [self._pack(mb, by_key) for mb in the_plan.for_rank(self.dp_rank)]
         return chunk
-
-
-def preview(jobs: dict[str, JobState], sched: SchedulerConfig, chunks: int) -> list[tuple[list[JobSpec], list[JobSpec]]]:
-    """The first ``chunks`` chunks' (jobs, fill jobs) as a :class:`Feed` would draw them, from copies of the jobs'
-    streams: the run's own streams do not move."""
-    copies = {n: replace(js, stream=copy.deepcopy(js.stream)) for n, js in jobs.items()}
-    feed, out = Feed(copies, sched, dp_rank=None), []
-    for _ in range(chunks):
-        batches, fill = feed._draw()
-        if not batches:
-            break
-        specs = feed._specs(batches)
-        out.append(([s for s in specs if s.name not in fill], [s for s in specs if s.name in fill]))
-    return out
 
 
 class _Ahead:

@@ -51,38 +51,6 @@ def _chunk_tokens(cfg, jobs) -> float:
     return sum(js.mean_len * js.cfg.global_batch_size * look for js in jobs.values())
 
 
-def packing_cost(cfg, arch, jobs, chunks: int = 2):
-    """``packing(C)`` for :func:`~lorafusion.scheduler.sizing.choose`: the run's first ``chunks`` chunks planned at
-    capacity C, every microbatch (a no-op one too: it runs) counted at no fewer than the host floor's tokens, over
-    the tokens they hold. None when no job has a batch to draw."""
-    from dataclasses import replace
-
-    from lorafusion.runtime.feed import preview, scheduler_config
-    from lorafusion.scheduler import PlanError, plan
-    from lorafusion.scheduler.sizing import host_floor_tokens
-
-    sched = scheduler_config(cfg)
-    drawn = preview(jobs, sched, chunks)
-    if not drawn:
-        return None
-    floor = host_floor_tokens(arch, cfg.parallelism.tp)
-    quick = replace(sched, milp_time_limit_s=min(sched.milp_time_limit_s, 0.1))
-
-    def cost(capacity: int) -> float:
-        paid = used = 0
-        for main, fill in drawn:
-            try:
-                mbs = plan(main, replace(quick, token_capacity=capacity), fill=fill).microbatches
-            except PlanError:  # (a sample longer than this capacity in a job that does not truncate)
-                return float("inf")
-            for mb in mbs:
-                n = sum(e.num_tokens for e in mb.entries)
-                paid, used = paid + max(n, floor), used + n
-        return paid / max(1, used)
-
-    return cost
-
-
 def size_run(cfg, arch, jobs, *, is_logger: bool, memory: tuple[float, float] | None = None) -> MemoryPlan | None:
     """Resolve ``auto`` in place (``cfg.scheduler.token_capacity`` becomes the chosen integer) and return the
     plan; None without CUDA. Raises :class:`MemoryFitError` when an ``auto`` setting finds nothing that fits;
@@ -96,7 +64,7 @@ def size_run(cfg, arch, jobs, *, is_logger: bool, memory: tuple[float, float] | 
     longest = {n: js.cfg.dataset.max_seq_len for n, js in jobs.items()}
     plan = choose(setup, free, max(longest.values(), default=1), capacity=cfg.scheduler.token_capacity,
                   recompute=_recompute_setting(cfg, layers), coeffs=load_coefficients(),
-                  chunk_tokens=_chunk_tokens(cfg, jobs), packing=packing_cost(cfg, arch, jobs))
+                  chunk_tokens=_chunk_tokens(cfg, jobs))
     auto = any(plan.chosen.values())
     if not plan.fits and auto:
         raise MemoryFitError(no_fit_message(setup, plan, longest, cfg.source, load_coefficients()))
@@ -109,11 +77,6 @@ def size_run(cfg, arch, jobs, *, is_logger: bool, memory: tuple[float, float] | 
               + ", ".join(said), file=sys.stderr)
         for line in plan.lines():
             print("  " + line, file=sys.stderr)
-        if plan.packing:
-            k = plan.packing
-            print(f"  (auto took {plan.capacity}, not {k['without_packing']}: packed at that size the run's first "
-                  f"chunks leave small microbatches, whose host time exceeds their GPU time (predicted "
-                  f"{100 * (k['cost_without'] / k['cost_chosen'] - 1):.1f}% slower))", file=sys.stderr)
         if not plan.fits:
             print(f"lorafusion: warning: {no_fit_message(setup, plan, longest, cfg.source, load_coefficients())}",
                   file=sys.stderr)

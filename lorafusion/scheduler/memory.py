@@ -41,7 +41,7 @@ from pathlib import Path
 from lorafusion.core.arch import ModelArch
 from lorafusion.core.targets import MEGATRON_TARGETS
 
-__all__ = ["GIB", "AdapterShape", "Coefficients", "MemorySetup", "StageMemory", "in_flight", "linear_shapes", "load_coefficients",
+__all__ = ["GIB", "AdapterShape", "Coefficients", "MemorySetup", "StageMemory", "in_flight", "load_coefficients",
            "plan_memory", "stage_memory"]
 
 GIB = 1 << 30
@@ -144,7 +144,7 @@ def in_flight(pp: int, stage: int, virtual_stages: int = 1) -> float:
     return (2 * (pp - stage - 1) + (v - 1) * pp + 1) / v
 
 
-def linear_shapes(arch: ModelArch) -> dict[str, tuple[int, int]]:
+def _linear_shapes(arch: ModelArch) -> dict[str, tuple[int, int]]:
     """(in, out) features of each decoder linear (unsharded)."""
     h, kv = arch.hidden_size, arch.kv_channels
     q, g = arch.num_attention_heads * kv, arch.num_query_groups * kv
@@ -155,7 +155,7 @@ def linear_shapes(arch: ModelArch) -> dict[str, tuple[int, int]]:
 def lora_params_per_layer(arch: ModelArch, a: AdapterShape, tp: int = 1) -> float:
     """One adapter's LoRA parameters in one decoder layer on one TP rank (A: r x in per projection, B: out x r;
     column linears shard B, row linears shard A)."""
-    shapes, n = linear_shapes(arch), 0.0
+    shapes, n = _linear_shapes(arch), 0.0
     for t in a.targets:
         fin, fout = shapes[t]
         k = PROJECTIONS[t] if a.independent_a else 1
@@ -170,10 +170,10 @@ def base_bytes_per_layer(s: MemorySetup) -> float:
     """Frozen bytes of one decoder layer on one TP rank (linears at the base precision, norms at the dtype)."""
     per = s.dtype_bytes if s.base_bytes_per_param is None else s.base_bytes_per_param
     total = 0.0
-    for fin, fout in linear_shapes(s.arch).values():
+    for fin, fout in _linear_shapes(s.arch).values():
         total += fin * fout / s.tp * per + fout / s.tp * s.row_scale_bytes
     if s.arch.qkv_bias:
-        total += linear_shapes(s.arch)["linear_qkv"][1] / s.tp * s.dtype_bytes
+        total += _linear_shapes(s.arch)["linear_qkv"][1] / s.tp * s.dtype_bytes
     return total + 2 * s.arch.hidden_size * s.dtype_bytes
 
 
@@ -203,7 +203,7 @@ def lora_elems(s: MemorySetup) -> float:
     indep = any(a.independent_a for a in s.adapters)
     n = sum((PROJECTIONS[t] if indep else 1) * r for t in targets)
     if s.lora_kernels == "torch" and any(a.dropout > 0 for a in s.adapters):
-        shapes = linear_shapes(s.arch)
+        shapes = _linear_shapes(s.arch)
         n += sum(shapes[t][0] for t in targets)
     return n
 

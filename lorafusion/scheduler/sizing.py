@@ -6,38 +6,25 @@ pair with the most tokens/s by the cost model: time per token ``(a + b·C·(1 + 
 largest recomputed share of a stage's layers (``α`` = ``RECOMPUTE_COST``: recomputing every layer of a stage
 costs that share of a training step) and, with pipeline stages, the 1F1B bubble ``(pp - 1) / M`` of ``M`` =
 chunk tokens / C microbatches. A fixed capacity or recompute setting is kept and only checked.
-
-With the run's data at hand (``lorafusion train``), ``packing`` refines the choice: the fitting capacities down to
-``PACKING_BAND`` of the best are scored again with the run's first chunks packed at each (the real planner) and
-every microbatch counted at no fewer than :func:`host_floor_tokens` tokens — a microbatch whose GPU work is
-shorter than its host work (Python, Megatron and kernel launches, a fixed time a decoder layer) costs that host
-time, so a capacity that leaves small tail microbatches loses to a neighbour that does not.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lorafusion.core.errors import UserError
 from lorafusion.core.impls import lora_impl
 
 from .costmodel import CostModel
-from .memory import (GIB, AdapterShape, Coefficients, MemorySetup, StageMemory, linear_shapes, plan_memory,
-                     stage_memory)
+from .memory import GIB, AdapterShape, Coefficients, MemorySetup, StageMemory, plan_memory, stage_memory
 
-__all__ = ["MemoryFitError", "MemoryPlan", "RECOMPUTE_COST", "choose", "host_floor_tokens", "no_fit_message",
-           "parse_bytes", "setup_from_run", "what_fits"]
+__all__ = ["MemoryFitError", "MemoryPlan", "RECOMPUTE_COST", "choose", "no_fit_message", "parse_bytes", "setup_from_run",
+           "what_fits"]
 
 # a step with every decoder layer recomputed over one with none (Qwen2.5-32B PP=2 on 2x H200, recompute of 16 of
 # 32 layers per stage was 17.3% faster than of all 32: (1 + α) / (1 + α/2) = 1.173, docs/BENCHMARKS.md)
 RECOMPUTE_COST = 0.42
-# host time of one microbatch's forward + backward, a decoder layer: on the GPU machines measured, a 546- and a
-# 1,093-token tail microbatch of the 8B (32 layers) each cost ~0.27 s on an H200, an extra full one ~0.06 s
-# (docs/BENCHMARKS.md, issue 22); a tiny 32-layer model's 64-token step takes 0.22 s on a CPU core, all host
-HOST_S_PER_LAYER = 8.4e-3
-GPU_FLOPS = 4.8e14  # a training step's effective bf16 rate at these shapes (8B: ~16k tokens/s x 30 GFLOP a token)
-PACKING_BAND = 0.75  # capacities rescored by their packing: from this share of the best one up
 
 
 class MemoryFitError(UserError):
@@ -53,7 +40,6 @@ class MemoryPlan:
     stages: list[StageMemory]
     gpu_bytes: float
     chosen: dict  # which of capacity / recompute_layers were "auto"
-    packing: dict | None = None  # set when the run's packing moved auto below the largest capacity that fits
 
     @property
     def fits(self) -> bool:
@@ -73,7 +59,6 @@ class MemoryPlan:
     def to_dict(self) -> dict:
         return {"token_capacity": self.capacity, "recompute_layers": self.recompute_layers,
                 "gpu_memory_gib": round(self.gpu_bytes / GIB, 2), "auto": self.chosen, "fits": self.fits,
-                **({"packing": self.packing} if self.packing else {}),
                 "stages": [{"stage": s.stage, "layers": s.layers, "recompute_layers": s.recompute_layers,
                             "in_flight": s.in_flight, "predicted_peak_gib": round(s.peak / GIB, 2),
                             "need_gib": round(s.need / GIB, 2)} for s in self.stages]}
@@ -123,13 +108,6 @@ def setup_from_run(cfg, arch, dp: int = 1, fused_ops: bool = True) -> MemorySetu
                        lora_kernels=lora_impl(cfg.kernels) or "triton")
 
 
-def host_floor_tokens(arch, tp: int = 1) -> int:
-    """Tokens whose GPU time (forward and input gradient of every decoder linear, 4 FLOPs a parameter on this TP
-    rank, at ``GPU_FLOPS``) equals a decoder layer's host time: a microbatch costs at least this many tokens."""
-    params = sum(fin * fout for fin, fout in linear_shapes(arch).values()) / tp
-    return round(HOST_S_PER_LAYER * GPU_FLOPS / (4 * params))
-
-
 def _fewest(s: MemorySetup, stage: int, capacity: int, gpu: float, c: Coefficients) -> int | None:
     """The fewest recomputed layers of ``stage`` that fit ``gpu`` bytes at ``capacity`` (None: none fits)."""
     for n in range(s.layers(stage) + 1):
@@ -150,17 +128,15 @@ def _score(s: MemorySetup, capacity: int, rc: Sequence[int], cost: CostModel, ch
 def choose(s: MemorySetup, gpu_bytes: float, longest: int, *, capacity: int | str = "auto",
            recompute: int | Sequence[int] | str = "auto", coeffs: Coefficients | None = None,
            cost_model: CostModel | None = None, chunk_tokens: float | None = None, multiple: int = 512,
-           max_capacity: int = 32768, packing: Callable[[int], float] | None = None) -> MemoryPlan:
+           max_capacity: int = 32768) -> MemoryPlan:
     """The plan for ``gpu_bytes`` of memory per GPU. ``capacity`` / ``recompute`` (a count for every stage, or
-    one per stage): a value is kept, ``"auto"`` is chosen. ``packing(C)``: the run's first chunks' cost at
-    capacity C over their tokens (>= 1; see the module docstring), multiplied into the scores of the capacities
-    within ``PACKING_BAND`` of the best. Never raises: a plan that does not fit has ``fits`` False (the largest
-    capacity at the most recompute that was tried)."""
+    one per stage): a value is kept, ``"auto"`` is chosen. Never raises: a plan that does not fit has
+    ``fits`` False (the largest capacity at the most recompute that was tried)."""
     c, cost = coeffs or Coefficients(), cost_model or CostModel()
     chosen = {"token_capacity": capacity == "auto", "recompute_layers": recompute == "auto"}
     lo = -(-max(1, longest) // multiple) * multiple
     caps = [int(capacity)] if capacity != "auto" else list(range(lo, max(lo, max_capacity) + 1, multiple))
-    scored = []
+    best = None
     for cap in caps:
         if recompute == "auto":
             rc = [_fewest(s, k, cap, gpu_bytes, c) for k in range(s.pp)]
@@ -170,32 +146,16 @@ def choose(s: MemorySetup, gpu_bytes: float, longest: int, *, capacity: int | st
             rc = [recompute] * s.pp if isinstance(recompute, int) else list(recompute)
             if not all(m.fits(gpu_bytes) for m in plan_memory(s, cap, rc, c)):
                 continue
-        scored.append((_score(s, cap, rc, cost, chunk_tokens), cap, rc))
-    best = _best(scored, packing if capacity == "auto" else None)
+        score = _score(s, cap, rc, cost, chunk_tokens)
+        if best is None or score < best[0] * (1 - 1e-9):
+            best = (score, cap, rc)
     if best is None:  # nothing fits: report the smallest capacity tried at the most recompute allowed
         cap = caps[0]
         rc = [s.layers(k) for k in range(s.pp)] if recompute == "auto" else (
             [recompute] * s.pp if isinstance(recompute, int) else list(recompute))
         return MemoryPlan(cap, rc, plan_memory(s, cap, rc, c), gpu_bytes, chosen)
     _, cap, rc = best
-    plan = MemoryPlan(cap, rc, plan_memory(s, cap, rc, c), gpu_bytes, chosen)
-    first = _best(scored, None)[1]  # the cost model's choice before the packing's
-    if packing is not None and capacity == "auto" and cap != first:
-        plan.packing = {"without_packing": first, "cost_without": round(packing(first), 4),
-                        "cost_chosen": round(packing(cap), 4)}
-    return plan
-
-
-def _best(scored: list[tuple[float, int, list[int]]], packing: Callable[[int], float] | None):
-    """The lowest score (the larger capacity on a tie); with ``packing``, the band below the best rescored."""
-    best = None
-    for item in sorted(scored, key=lambda x: -x[1]):  # larger capacities first: a tie keeps the larger
-        if best is None or item[0] < best[0] * (1 - 1e-9):
-            best = item
-    if best is None or packing is None:
-        return best
-    band = [(score * packing(cap), cap, rc) for score, cap, rc in scored if cap >= PACKING_BAND * best[1]]
-    return _best(band, None)
+    return MemoryPlan(cap, rc, plan_memory(s, cap, rc, c), gpu_bytes, chosen)
 
 
 def what_fits(s: MemorySetup, gpu_bytes: float, longest: int, capacity: int, recompute: Sequence[int],
@@ -285,9 +245,6 @@ def report(cfg, gpu_sizes: Sequence[float], coeffs: Coefficients | None = None) 
                      f"per stage {plan.recompute_layers}" + (f" (auto: {', '.join(auto)})" if auto else ""))
         lines += ["  " + x for x in plan.lines()]
         if plan.fits:
-            if plan.chosen["token_capacity"]:
-                lines.append(f"  (train may take a smaller capacity, down to {PACKING_BAND:.0%} of this one, where the "
-                             f"run's data packs without small microbatches)")
             lines.append("  fits")
         else:
             ok = False

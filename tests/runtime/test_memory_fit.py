@@ -6,7 +6,6 @@ written intact; ``lorafusion plan --gpu-memory``; ``recompute_layers: auto`` in 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -147,31 +146,3 @@ def test_recompute_kwargs_per_stage():
     assert recompute_kwargs(cfg, plan, 1, arch) == {"recompute": True, "recompute_layers": 7}
     cfg.model.recompute_layers = 5  # a fixed count is the config's
     assert recompute_kwargs(cfg, plan, 3, arch) == {"recompute": True, "recompute_layers": 5}
-
-
-def test_packing_cost_reads_the_first_chunks_without_moving_the_streams(tmp_path, megatron_single):
-    from lorafusion.config import load_run_config
-    from lorafusion.runtime.jobs import load_jobs
-    from lorafusion.runtime.memory import packing_cost
-    from lorafusion.scheduler.sizing import host_floor_tokens, run_arch
-
-    cfg = load_run_config(_run(tmp_path, steps=6), [])
-    arch = run_arch(cfg)
-    _, jobs = load_jobs(cfg)
-    before = {n: js.stream.state_dict() for n, js in jobs.items()}
-    cost = packing_cost(cfg, arch, jobs)
-    assert {n: js.stream.state_dict() for n, js in jobs.items()} == before
-    floor = host_floor_tokens(arch)  # a tiny model: every microbatch is under it, so fewer microbatches cost less
-    assert floor > 4096
-    small, large = cost(64), cost(4096)
-    assert small > large >= 1.0
-    # what the cost counts: the chunks as the feed will draw them, each microbatch at the floor
-    from lorafusion.runtime.feed import preview, scheduler_config
-    from lorafusion.scheduler import plan
-
-    drawn = preview(jobs, scheduler_config(cfg), 2)
-    assert len(drawn) == 2 and {s.name for s in drawn[0][0]} == {"a", "b"}
-    mbs = [mb for main, fill in drawn for mb in plan(main, replace(scheduler_config(cfg), token_capacity=4096),
-                                                     fill=fill).microbatches]
-    tokens = sum(e.num_tokens for mb in mbs for e in mb.entries)
-    assert large == pytest.approx(len(mbs) * floor / tokens)

@@ -232,31 +232,3 @@ def test_run_config_fp8_base_and_virtual_stages_reach_the_model():
     w8, w16 = stage_memory(s, 1, 4096).weights, stage_memory(bf16, 1, 4096).weights
     assert 0.5 < w8 / w16 < 0.51  # a middle stage holds decoder linears only (and norms)
     assert stage_memory(s, 0, 4096).in_flight == 5.5 and stage_memory(bf16, 0, 4096).in_flight == 4
-
-
-def test_packing_rescores_the_band_below_the_largest_capacity_that_fits():
-    from lorafusion.scheduler.sizing import PACKING_BAND, host_floor_tokens
-
-    c = load_coefficients()
-    plain = choose(_setup(), 139 * GIB, 4096, coeffs=c)
-    calls = []
-
-    def packing(cap):  # the largest fitting capacity packs badly (a tiny tail), every other one well
-        calls.append(cap)
-        return 1.05 if cap == plain.capacity else 1.0
-
-    p = choose(_setup(), 139 * GIB, 4096, coeffs=c, packing=packing)
-    assert p.fits and p.capacity == plain.capacity - 512  # the next one down: all else equal, the larger wins
-    assert min(calls) >= PACKING_BAND * plain.capacity and plain.capacity in calls
-    # nothing in the band packs better than the largest: the largest stays
-    assert choose(_setup(), 139 * GIB, 4096, coeffs=c, packing=lambda cap: 1.0).capacity == plain.capacity
-    # below the band, even a perfect packing is not taken
-    far = choose(_setup(), 139 * GIB, 4096, coeffs=c,
-                 packing=lambda cap: 1.0 if cap < PACKING_BAND * plain.capacity else 2.0)
-    assert far.capacity >= PACKING_BAND * plain.capacity
-    # a capacity the user set is kept, whatever its packing
-    assert choose(_setup(), 139 * GIB, 4096, capacity=8192, recompute=0, coeffs=c, packing=lambda cap: 9.0).capacity == 8192
-    # the host floor: the 8B's decoder layer at tp 1 and 2 (GPU time of its linears = a layer's host time)
-    arch = preset("llama3.1-8b")
-    assert 4000 < host_floor_tokens(arch) < 5000 and host_floor_tokens(arch, tp=2) == pytest.approx(
-        2 * host_floor_tokens(arch), abs=1)
