@@ -143,9 +143,13 @@ class _TorchShrink(torch.autograd.Function):
         x2d, *lora_A = ctx.saved_tensors
         dS = dS.to(x2d.dtype)
         need_x = ctx.needs_input_grad[0]
-        dx = torch.zeros_like(x2d) if need_x else None
+        dx = torch.empty_like(x2d) if need_x else None  # every segment's rows are written below; gaps zeroed here
         dA = [None] * len(lora_A)
+        pos = 0
         for slot, start, length in routing.segments:
+            if need_x and start > pos:
+                dx[pos:start].zero_()
+            pos = start + length
             a = lora_A[slot]
             r = a.shape[0]
             ds = dS[start:start + length, :r]
@@ -156,6 +160,8 @@ class _TorchShrink(torch.autograd.Function):
                 dA[slot] = g if dA[slot] is None else dA[slot] + g
             if need_x:
                 dx[sl] = _drop(ds @ a.to(x2d.dtype), seeds[slot], ids[sl], ps[slot], k_offset, k_total)
+        if need_x and pos < x2d.shape[0]:
+            dx[pos:].zero_()
         return (dx, None, *dA)
 
 
