@@ -94,14 +94,14 @@ def test_static_step_equals_the_dynamic_step_sampling_and_at_the_context_limit(c
     # rows limited by the context (one with no room at all) next to rows that are not
     from lorafusion.inference import generate as G
 
-    ctx = len(PROMPTS[6]) + 4
+    ctx = len(PROMPTS[1]) + 4  # row 1: 4 tokens of room; row 6: none (its prompt is longer than that)
     out = {}
     for decode in ("dynamic", "static"):
         reqs = [G.Request({}, j, p, "") for j, p in zip(JOBS[:7], PROMPTS[:7])]
         G.generate_ids(cpu_model, reqs, eos_id=-1, max_new_tokens=NEW, context=ctx, decode=decode)
         out[decode] = [r.output_ids for r in reqs]
-    assert out["static"] == out["dynamic"]
-    assert [len(o) for o in out["static"]] == [min(NEW, ctx - len(p)) for p in PROMPTS[:7]]
+    assert out["static"] == out["dynamic"] and out["static"][6] == [] and len(out["static"][1]) == 4
+    assert [len(o) for o in out["static"]] == [max(0, min(NEW, ctx - len(p))) for p in PROMPTS[:7]]
 
 
 def test_static_decode_leaves_the_model_as_it_was(cpu_model):
@@ -109,8 +109,12 @@ def test_static_decode_leaves_the_model_as_it_was(cpu_model):
     from lorafusion.inference.kv_cache import attention_modules
     from lorafusion.core.errors import ConfigError
 
-    generate_ids(cpu_model, [Request({}, "alpha", PROMPTS[0], "")], eos_id=-1, max_new_tokens=3, context=64,
-                 decode="static")
+    outs = {}
+    for decode in ("static", "dynamic"):  # base rows only: no LoRA segment at all
+        reqs = [Request({}, None, p, "") for p in PROMPTS[:3]]
+        generate_ids(cpu_model, reqs, eos_id=-1, max_new_tokens=3, context=64, decode=decode)
+        outs[decode] = [r.output_ids for r in reqs]
+    assert outs["static"] == outs["dynamic"]
     assert all(m.kv_cache is None for m in attention_modules(cpu_model))
     assert cpu_model.config.rope_positions is None
     assert cpu_model.lora_context.routing is None
