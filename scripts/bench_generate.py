@@ -211,7 +211,7 @@ def commit() -> str | None:
                           text=True).stdout.strip() or None
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-llama")
     ap.add_argument("--dtype", default="bfloat16")
@@ -233,7 +233,11 @@ def main() -> None:
     ap.add_argument("--skip-syncs", action="store_true", help="do not count the syncs per decode step")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     from lorafusion.core.arch import preset
 
     adapters = [f"a{i}" for i in range(args.adapters)]
@@ -270,10 +274,7 @@ def main() -> None:
         ctx.impl = impl
         save(res, args.out)
     if args.also_dynamic:
-        res["lorafusion_dynamic"] = ours(model, rows, args, context, decode="dynamic")
-        res["rows_same_as_dynamic"] = sum(x == y for x, y in zip(res["lorafusion"]["outputs"],
-                                                                 res["lorafusion_dynamic"]["outputs"], strict=True))
-        res["speedup_vs_dynamic"] = round(res["lorafusion"]["tokens_per_s"] / res["lorafusion_dynamic"]["tokens_per_s"], 3)
+        res.update(against_dynamic(res["lorafusion"], ours(model, rows, args, context, decode="dynamic")))
         save(res, args.out)
     if args.also_batch:
         res[f"lorafusion_first_{args.also_batch}_rows"] = ours(model, rows[: args.also_batch], args, context)
@@ -281,6 +282,13 @@ def main() -> None:
         Path(args.profile).write_text(profile(model, rows, context))
     save(res, args.out)
     print(Path(args.out).read_text())
+
+
+def against_dynamic(mine: dict, dynamic: dict) -> dict:
+    """The dynamic step's timing beside ours: rows whose tokens equal, and the speed ratio."""
+    return {"lorafusion_dynamic": dynamic,
+            "rows_same_as_dynamic": sum(x == y for x, y in zip(mine["outputs"], dynamic["outputs"], strict=True)),
+            "speedup_vs_dynamic": round(mine["tokens_per_s"] / dynamic["tokens_per_s"], 3)}
 
 
 def save(res: dict, out: str) -> None:
