@@ -31,7 +31,7 @@ import torch
 
 from lorafusion.core.errors import ConfigError, MissingFileError, UserError
 from lorafusion.rundir.adapters import check_generate_out
-from lorafusion.inference.static_decode import adapter_routing, decode_static
+from lorafusion.inference.static_decode import GRAPH_BY_DEFAULT, adapter_routing, decode_static
 from lorafusion.rundir.atomic import write_text_atomic
 
 DECODE_MODES = ("auto", "graph", "static", "dynamic")
@@ -236,7 +236,6 @@ def _forward(model, jobs, seqs: Sequence[Sequence[int]], positions: torch.Tensor
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from lorafusion.layers import lora_batch
-
     from lorafusion.ops.tables import to_device  # pinned + non-blocking: no stream sync per copy
 
     counts = [len(s) for s in seqs]
@@ -295,21 +294,22 @@ def generate_ids(model, requests: Sequence[Request], *, eos_id: int, max_new_tok
                  first_row: int = 0, decode: str = "auto") -> None:
     """Decode ``requests`` together (fills each one's ``output_ids``). Sequences are ordered by adapter so
     that each adapter's rows form one routing segment; ``first_row`` numbers the rows for their seeds.
-    ``decode`` (with the cache): "graph" — after the prefill, every step is one static step replayed from a
-    CUDA graph (:mod:`lorafusion.inference.static_decode`; eager off CUDA); "static" — the same step, eager;
-    "dynamic" — one packed row per live sequence per step; "auto" — graph on CUDA, dynamic elsewhere."""
+    ``decode`` (with the cache): "graph" — after the prefill, every step is one static step replayed from a CUDA
+    graph (:mod:`lorafusion.inference.static_decode`; eager off CUDA); "static" — the same step, eager; "dynamic"
+    — one packed row per live sequence per step; "auto" — graph on CUDA if ``GRAPH_BY_DEFAULT``, else dynamic."""
     from lorafusion.core.seeds import mix_seed
     from lorafusion.inference.kv_cache import KVCache, decoding
 
     if decode not in DECODE_MODES:
         raise ConfigError(f"decode: expected one of {', '.join(DECODE_MODES)}, got {decode!r}")
     device = next(model.parameters()).device
-    static = use_cache and (decode in ("graph", "static") or (decode == "auto" and device.type == "cuda"))
+    auto = "graph" if GRAPH_BY_DEFAULT and device.type == "cuda" else "dynamic"
+    decode = auto if decode == "auto" else decode
+    static = use_cache and decode != "dynamic"
     order = sorted(range(len(requests)), key=lambda i: (requests[i].job is not None, requests[i].job or ""))
     reqs = [requests[i] for i in order]
-    gens = None
-    if temperature > 0:
-        gens = [torch.Generator(device=device).manual_seed(mix_seed(seed, first_row + i)) for i in order]
+    gens = ([torch.Generator(device=device).manual_seed(mix_seed(seed, first_row + i)) for i in order]
+            if temperature > 0 else None)
     limit = [min(max_new_tokens, context - len(r.prompt_ids)) for r in reqs]
     for r in reqs:
         r.output_ids = []

@@ -30,6 +30,9 @@ from collections.abc import Sequence
 import torch
 
 WARMUP_STEPS = 2  # eager steps on the capture stream before capture (lazy init, Triton JIT, cuBLAS workspace)
+GRAPH_BY_DEFAULT = False
+"""Whether ``decode="auto"`` (generate's default) takes the graph on CUDA. Off until the GPU tests and the timing
+of ``scripts/device/generate.sh`` have run on a GPU (issue 28); ``--decode graph`` takes it now."""
 
 
 class GraphCaptureWarning(UserWarning):
@@ -144,4 +147,4 @@ def decode_static(model, cache, reqs, live: list[int], limit: Sequence[int], *, 
             live = G._commit(reqs, live, picked, eos_id, limit)
 
 
-__all__ = ["GraphCaptureWarning", "StaticStep", "WARMUP_STEPS", "adapter_routing", "decode_static"]
+__all__ = ["GRAPH_BY_DEFAULT", "GraphCaptureWarning", "StaticStep", "WARMUP_STEPS", "adapter_routing", "decode_static"]

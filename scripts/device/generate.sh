@@ -6,11 +6,11 @@
 # prompts (70 rows, 3 adapters) and on the first 4, beside the dynamic step (no graph).
 #   run (kind nvidia-h100-x1):  bash scripts/device/generate.sh
 #   SKIP_TESTS=1, SKIP_TINY=1, SKIP_8B=1; NEW_8B (128), REPEATS_8B (2), ALSO_REF_8B=1 (our torch-LoRA path too),
-#   DECODE (auto: the CUDA graph), TESTS_TIMEOUT (120 s)
+#   DECODE (graph), TESTS_TIMEOUT (120 s)
 # Writes $OUT/generate-*.json, $OUT/gpu_tests.log and $OUT/generate.log.
 set -uo pipefail
 . "$(dirname "$0")/setup.sh"  # $OUT, $PY, the carried wheels
-B="$PY scripts/bench_generate.py --decode ${DECODE:-auto}"
+B="$PY scripts/bench_generate.py --decode ${DECODE:-graph}"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
   if [ -z "${SKIP_TESTS:-}" ]; then

@@ -137,9 +137,8 @@ def test_cuda_graph_replay_equals_the_eager_static_step(megatron_single, monkeyp
         _same(graph, eager, atol=tol)
     eos = eager[0][0][2]
     _same(_run(model, 8, "graph", monkeypatch, eos=eos), _run(model, 8, "static", monkeypatch, eos=eos), atol=tol)
-    # default on CUDA is the graph; its tokens against the dynamic step (float32: the same greedy tokens)
-    if dtype == torch.float32:
-        assert _run(model, 8, "auto", monkeypatch)[0] == _run(model, 8, "dynamic", monkeypatch)[0]
+    if dtype == torch.float32:  # the graph's greedy tokens and logits against the dynamic step's
+        _same(_run(model, 8, "graph", monkeypatch), _run(model, 8, "dynamic", monkeypatch), atol=1e-4)
 
 
 def test_the_static_step_reads_nothing_back_and_builds_no_host_tensor(cpu_model, monkeypatch):
