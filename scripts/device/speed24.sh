@@ -77,8 +77,8 @@ for spec in "$@"; do
   stamp "=== $name: env [$envs] args [$args] (limit ${lim}s)"
   # shellcheck disable=SC2086
   # a run cut at its limit gets SIGTERM: the trainer stops at the next chunk boundary and bench_train reports what
-  # it measured (RunStopped ends its ablation); -k: killed 20 s later if it does not exit
-  env $envs BENCH_COMMIT="${BENCH_COMMIT:-}" timeout -k 20 $lim "$PY" scripts/bench_train.py \
+  # it measured (RunStopped ends its ablation); -k: killed 60 s later if it has not exited (a chunk runs to its end)
+  env $envs BENCH_COMMIT="${BENCH_COMMIT:-}" timeout -k 60 $lim "$PY" scripts/bench_train.py \
     --config ${CONFIG:-configs/llama3.1-8b-4adapters.yaml} --rows ${ROWS:-256} --steps ${STEPS:-6} \
     --warmup ${WARMUP:-2} --out /tmp/bench_$name --skip-hf $args $CAP_ARGS > "$L/$name.log" 2>&1
   echo "rc=$?"
