@@ -320,9 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--force", action="store_true", help="replace an earlier export at --out (nothing else), once complete")
     g = sub.add_parser("generate", help="decode prompts with a run's adapters (and base), batched together")
     g.add_argument("run_dir", help="the run's output_dir")
-    g.add_argument("--prompts", required=True, help="JSONL: one {\"prompt\": ..., \"job\": NAME or null} per line; a "
-                   "chat job's row: {\"messages\": [{\"role\": \"user\", \"content\": ...}], \"job\": NAME} (rendered "
-                   "with training's chat template); an optional \"expected\" answer is counted")
+    g.add_argument("--prompts", required=True, help="JSONL: one {\"prompt\": ..., \"job\": NAME or null} per line; a chat "
+                   "job's: {\"messages\": [{\"role\": \"user\", \"content\": ...}], \"job\": NAME}; rows with \"expected\" are scored")
     g.add_argument("--out", required=True, help="JSONL written atomically: the input rows plus prompt_ids, "
                    "output_ids and output (an existing file is refused unless --force)")
     g.add_argument("--max-new-tokens", type=_positive_int, default=128)
