@@ -251,9 +251,8 @@ def cmd_export(args) -> int:
 def cmd_generate(args) -> int:
     from lorafusion.inference.generate import generate_file
 
-    res = generate_file(args.run_dir, args.prompts, args.out, max_new_tokens=args.max_new_tokens,
-                        temperature=args.temperature, top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,
-                        force=args.force)
+    kw = {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_p", "seed", "batch_size", "force", "decode")}
+    res = generate_file(args.run_dir, args.prompts, args.out, **kw)
     print(f"generated {res['new_tokens']:,} tokens for {res['rows']} prompts ({', '.join(res['jobs']) or 'base only'}) "
           f"in {res['generate_s']:.1f}s ({res['tokens_per_s']:,.0f} tokens/s); written to {res['out']}", file=sys.stderr)
     if hits := ", ".join(f"{job} {hit}/{n}" for job, (hit, n) in res["expected"].items()):  # rows with "expected"
@@ -321,9 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--force", action="store_true", help="replace an earlier export at --out (nothing else), once complete")
     g = sub.add_parser("generate", help="decode prompts with a run's adapters (and base), batched together")
     g.add_argument("run_dir", help="the run's output_dir")
-    g.add_argument("--prompts", required=True, help="JSONL: one {\"prompt\": ..., \"job\": NAME or null} per line; a "
-                   "chat job's row: {\"messages\": [{\"role\": \"user\", \"content\": ...}], \"job\": NAME} (rendered "
-                   "with training's chat template); an optional \"expected\" answer is counted")
+    g.add_argument("--prompts", required=True, help="JSONL: one {\"prompt\": ..., \"job\": NAME or null} per line; a chat "
+                   "job's: {\"messages\": [{\"role\": \"user\", \"content\": ...}], \"job\": NAME}; rows with \"expected\" are scored")
     g.add_argument("--out", required=True, help="JSONL written atomically: the input rows plus prompt_ids, "
                    "output_ids and output (an existing file is refused unless --force)")
     g.add_argument("--max-new-tokens", type=_positive_int, default=128)
@@ -332,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="sampling seed (each row: its own generator)")
     g.add_argument("--batch-size", type=_positive_int, default=64, help="prompts decoded together")
     g.add_argument("--force", action="store_true", help="replace an earlier generate output at --out (nothing else)")
+    g.add_argument("--decode", choices=["auto", "graph", "static", "dynamic"], default="auto",
+                   help="graph: one CUDA graph per token; static: that step eagerly; dynamic: live rows only (auto)")
     p.subcommands = sub.choices  # name -> its parser (main's _flags_last reads their options)
     return p
 

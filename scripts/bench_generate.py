@@ -7,6 +7,9 @@ preset base with random weights and LoRA adapters (r=16, all-linear, B drawn non
 Every sequence decodes exactly ``--new-tokens`` tokens (no eos: ours with ``eos_id=-1``, transformers with
 ``min_new_tokens``), greedy. Each timed call is bracketed by CUDA events; the first call is the warm-up (Triton
 JIT, cuBLAS heuristics) and is reported apart; tokens/s = new tokens / median time over ``--repeats``.
+``--decode`` picks generate_ids' decode steps (default auto: on a GPU the static step replayed from a CUDA graph,
+:mod:`lorafusion.inference.static_decode`; ``--also-dynamic`` times the packed step of live rows beside it);
+``ms_per_decode_step`` = (median time - the prefill alone) / (new tokens - 1), capture and warm-up included.
 ``syncs_per_decode_step``: device-to-host syncs one decode step makes, counted with
 ``torch.cuda.set_sync_debug_mode("warn")`` (one is needed: the picked tokens, to see who has finished).
 
@@ -88,21 +91,32 @@ def timed(fn) -> float:
     return start.elapsed_time(end) / 1e3
 
 
-def ours(model, rows, args, context: int) -> dict:
+def ours(model, rows, args, context: int, decode: str | None = None) -> dict:
+    """``generate_ids`` timed (``decode``: args.decode); prefill alone (one new token) timed too, so the decode
+    steps' share is known; capture fallbacks (GraphCaptureWarning) recorded."""
     from lorafusion.inference.generate import Request, generate_ids
+    from lorafusion.inference.static_decode import GraphCaptureWarning
 
     reqs: list = []
+    decode = decode or args.decode
 
-    def run():
+    def run(new=args.new_tokens):
         reqs[:] = [Request({}, job, ids, "bench") for job, ids in rows]
-        generate_ids(model, reqs, eos_id=-1, max_new_tokens=args.new_tokens, context=context)
+        generate_ids(model, reqs, eos_id=-1, max_new_tokens=new, context=context, decode=decode)
 
-    first = timed(run)
-    times = [timed(run) for _ in range(args.repeats)]
-    new = sum(len(r.output_ids) for r in reqs)
-    return {"first_call_s": round(first, 3), "times_s": [round(t, 4) for t in times], "new_tokens": new,
-            "tokens_per_s": round(new / statistics.median(times), 1),
-            "outputs": [r.output_ids for r in reqs]}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", GraphCaptureWarning)
+        first = timed(run)
+        times = [timed(run) for _ in range(args.repeats)]
+    outputs = [r.output_ids for r in reqs]
+    new = sum(len(o) for o in outputs)
+    prefill = statistics.median([timed(lambda: run(1)) for _ in range(2)])
+    med = statistics.median(times)
+    return {"decode": decode, "first_call_s": round(first, 3), "times_s": [round(t, 4) for t in times],
+            "new_tokens": new, "tokens_per_s": round(new / med, 1), "prefill_only_s": round(prefill, 4),
+            "ms_per_decode_step": round((med - prefill) / max(args.new_tokens - 1, 1) * 1e3, 2),
+            "capture_warnings": [str(w.message)[:400] for w in caught if issubclass(w.category, GraphCaptureWarning)],
+            "outputs": outputs}
 
 
 def sync_count(model, rows, args, context: int) -> float | None:
@@ -119,7 +133,7 @@ def sync_count(model, rows, args, context: int) -> float | None:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                generate_ids(model, reqs, eos_id=-1, max_new_tokens=n, context=context)
+                generate_ids(model, reqs, eos_id=-1, max_new_tokens=n, context=context, decode=args.decode)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         return sum("synchroniz" in str(x.message) for x in w)
@@ -197,7 +211,7 @@ def commit() -> str | None:
                           text=True).stdout.strip() or None
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-llama")
     ap.add_argument("--dtype", default="bfloat16")
@@ -211,12 +225,19 @@ def main() -> None:
     ap.add_argument("--also-reference", action="store_true",
                     help="time ours again with the torch reference LoRA ops (same model, after the fused run)")
     ap.add_argument("--also-batch", type=int, help="time ours again on the first N rows only (same model)")
+    ap.add_argument("--decode", default="auto", help="generate_ids' decode steps (auto: the CUDA graph on a GPU)")
+    ap.add_argument("--also-dynamic", action="store_true", help="time ours again with decode=dynamic (the packed "
+                    "step of live rows, no graph) and count the rows whose tokens equal")
     ap.add_argument("--profile", help="also write torch.profiler's table of 8 decode tokens to this file")
     ap.add_argument("--hf", action="store_true", help="also transformers + PEFT generate (one adapter only)")
     ap.add_argument("--skip-syncs", action="store_true", help="do not count the syncs per decode step")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     from lorafusion.core.arch import preset
 
     adapters = [f"a{i}" for i in range(args.adapters)]
@@ -252,12 +273,22 @@ def main() -> None:
         res["lorafusion_reference_lora"] = ours(model, rows, args, context)
         ctx.impl = impl
         save(res, args.out)
+    if args.also_dynamic:
+        res.update(against_dynamic(res["lorafusion"], ours(model, rows, args, context, decode="dynamic")))
+        save(res, args.out)
     if args.also_batch:
         res[f"lorafusion_first_{args.also_batch}_rows"] = ours(model, rows[: args.also_batch], args, context)
     if args.profile:
         Path(args.profile).write_text(profile(model, rows, context))
     save(res, args.out)
     print(Path(args.out).read_text())
+
+
+def against_dynamic(mine: dict, dynamic: dict) -> dict:
+    """The dynamic step's timing beside ours: rows whose tokens equal, and the speed ratio."""
+    return {"lorafusion_dynamic": dynamic,
+            "rows_same_as_dynamic": sum(x == y for x, y in zip(mine["outputs"], dynamic["outputs"], strict=True)),
+            "speedup_vs_dynamic": round(mine["tokens_per_s"] / dynamic["tokens_per_s"], 3)}
 
 
 def save(res: dict, out: str) -> None:

@@ -21,16 +21,17 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
 
 import torch
 
 VARIANTS = {"one_r16": (1, 16), "four_r16": (4, 16), "one_r64": (1, 64)}
 FAMILIES = (("LoRA (Triton)", ("_lora_gemm", "_shrink", "_ds_db", "_da_dx", "_da_kernel")),  # first match wins
-            ("attention (FA2)", ("flash",)),
+            ("attention (flash)", ("flash",)),
             ("gemm (cuBLAS)", ("nvjet", "gemm", "cutlass", "sm90_xmma", "cublas")),
             ("loss / norm / SwiGLU / RoPE (Triton)", ("liger", "_rms", "swiglu", "silu", "rope", "cross_entropy",
-                                                       "triton")),
+                                                       "triton", "_fwd", "_bwd")),
             ("copies", ("memcpy", "memset", "copy", "cat")),
             ("reductions / elementwise (ATen)", ("reduce", "elementwise", "vectorized", "at::native")))
 
@@ -76,7 +77,8 @@ def build(args, dev):
                         seed=0)
     samples = sample_lengths(args.tokens, arch.vocab_size)
     batches = {}
-    for v, (count, r) in VARIANTS.items():
+    for v in args.variants:
+        count, r = VARIANTS[v]
         names = [f"{v}_{i}" for i in range(count)]
         for i, name in enumerate(names):
             add_adapter(model, name, LoRASpec(r=r, lora_alpha=2 * r, lora_dropout=0.1), seed=i)
@@ -139,34 +141,84 @@ def timed(fn, cuda: bool) -> float:
     return start.elapsed_time(end)
 
 
-def kernel_profile(fn) -> dict[str, float]:
-    """GPU ms of each kernel name over one call of ``fn``."""
+def kernel_profile(fn) -> tuple[dict[str, float], dict]:
+    """GPU ms of each kernel name over one call of ``fn`` (CUDA activity only: the host is not traced, so its
+    pace is close to an unprofiled step's), and the timeline: the step's wall time (CUDA events around it),
+    the kernels' busy time (union of their intervals) and the idle gaps between them."""
+    from bench_train import summarise_profile  # (scripts/ is on sys.path: this file runs as a script)
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        fn()
-        torch.cuda.synchronize()
+    cuda = torch.cuda.is_available()  # (on a CPU: its ops, a smoke test of this code)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as p:
+        wall = timed(fn, cuda)
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
     by: dict[str, float] = {}
     for e in p.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
+        if e.device_type == kind:
             by[e.name[:80]] = by.get(e.name[:80], 0.0) + e.time_range.elapsed_us() / 1e3
-    return by
+    tl = summarise_profile(p, top=0)
+    tl.pop("top_kernels", None)
+    busy = tl.get("window_ms", 0.0) * tl.get("gpu_busy_frac", 0.0)
+    return by, dict(tl, wall_ms=wall, busy_ms=busy, idle_ms=wall - busy)
 
 
-def summarise(prof: dict[str, dict[str, float]]) -> dict:
+def summarise(prof: dict[str, tuple[dict[str, float], dict]]) -> dict:
     out = {}
-    for v, by in prof.items():
+    for v, (by, timeline) in prof.items():
         fams: dict[str, float] = {}
         for name, ms in by.items():
             fams[family(name)] = fams.get(family(name), 0.0) + ms
         total = sum(by.values())
         out[v] = {"kernel_ms": total, "families_ms": dict(sorted(fams.items(), key=lambda kv: -kv[1])),
-                  "top": sorted(by.items(), key=lambda kv: -kv[1])[:15]}
+                  "families_frac": {f: ms / max(total, 1e-9) for f, ms in sorted(fams.items(), key=lambda kv: -kv[1])},
+                  "timeline": timeline, "top": sorted(by.items(), key=lambda kv: -kv[1])[:20]}
+    prof = {v: by for v, (by, _) in prof.items()}
     if "four_r16" in prof and "one_r16" in prof:
         a, b = prof["four_r16"], prof["one_r16"]
         diff = {n: a.get(n, 0.0) - b.get(n, 0.0) for n in set(a) | set(b)}
         out["four_minus_one_r16"] = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:12]
     return out
+
+
+def stamp(t0: float, msg: str) -> None:
+    print(f"[+{time.perf_counter() - t0:.0f}s] {msg}", flush=True)  # progress: a run cut by its limit says how far it got
+
+
+def print_profile(prof: dict) -> None:
+    for v, p in prof.items():
+        if v == "four_minus_one_r16":
+            print("  four_r16 - one_r16 by kernel (ms): " + ", ".join(f"{n[:40]} {d:+.2f}" for n, d in p))
+            continue
+        tl = p["timeline"]
+        print(f"  {v}: step {tl['wall_ms']:.1f} ms wall, kernels {p['kernel_ms']:.1f} ms, GPU busy {tl['busy_ms']:.1f} ms"
+              f" → idle {tl['idle_ms']:.1f} ms ({tl['idle_ms'] / max(tl['wall_ms'], 1e-9):.1%}); gaps ≥ 1 ms "
+              f"{tl.get('idle_gaps_ge_1ms')}, < 1 ms {tl.get('idle_gaps_lt_1ms_total_ms', 0):.1f} ms")
+        print("    by family: " + ", ".join(f"{f} {ms:.1f} ms ({p['families_frac'][f]:.1%})"
+                                            for f, ms in p["families_ms"].items()))
+        for name, ms in p["top"]:
+            print(f"    {ms:8.2f} ms {ms / max(p['kernel_ms'], 1e-9):6.1%}  {name}")
+    sys.stdout.flush()
+
+
+def report(args, samples, times, settings, name, cuda) -> dict:
+    med = {v: statistics.median(t) for v, t in times.items() if t}
+    ntok = sum(len(s) for s in samples)
+    print(f"{name}: {args.preset} {args.layers} layers, {ntok} tokens in {len(samples)} samples")
+    for v, t in times.items():
+        if t:
+            print(f"  {v:9s} fwd+bwd median {med[v]:8.1f} ms  tokens/s {ntok / med[v] * 1e3:8,.0f}  "
+                  f"(all {', '.join(f'{x:.1f}' for x in t)})")
+    rec = {"device": name, "torch": torch.__version__, **vars(args), "tokens_packed": ntok, "samples": len(samples),
+           "median_ms": med, "all_ms": times, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+    ratio = lambda a, b: med[a] / med[b] if a in med and b in med else None  # noqa: E731
+    rec["four_over_one_r16"], rec["four_over_one_r64"] = ratio("four_r16", "one_r16"), ratio("four_r16", "one_r64")
+    for tag in list(settings)[1:]:
+        rec[f"{tag[1:]}_over_shipped"] = {v: ratio(v + tag, v) for v in args.variants}
+        rec[f"four_over_one_r16{tag}"] = ratio("four_r16" + tag, "one_r16" + tag)
+        print(f"  {tag[1:]} / shipped: {rec[f'{tag[1:]}_over_shipped']}; four_r16 / one_r16 with it "
+              f"{rec[f'four_over_one_r16{tag}']}")
+    print(f"  four_r16 / one_r16 {rec['four_over_one_r16']}   four_r16 / one_r64 {rec['four_over_one_r64']}")
+    return rec
 
 
 def main() -> None:
@@ -175,14 +227,22 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--preset", default="llama3.1-8b", help="tiny-llama + a CPU: a smoke test of this script")
-    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="one profiled step per variant right after the warm-up "
+                    "(printed before the timed loop, so a run cut later still has it)")
+    ap.add_argument("--budget", type=float, default=0.0,
+                    help="seconds from the start: the timed loop stops after the round that passes it (0: no limit)")
     ap.add_argument("--setting", action="append", default=[], metavar="NAME:VAR=VALUE[,VAR=VALUE]",
                     help="also time every variant with these environment settings (LORAFUSION_TUNING_FILE=tuned.json, "
                     "LORAFUSION_MAIN_GEMM=cublas_fold), alternating with the shipped ones")
     ap.add_argument("--profile-setting", default="", help="the setting NAME to profile under (default: shipped)")
     ap.add_argument("--out")
     args = ap.parse_args()
+    args.variants = [v for v in args.variants.split(",") if v]
+    if not args.variants or any(v not in VARIANTS for v in args.variants):
+        raise SystemExit(f"--variants: expected some of {list(VARIANTS)}, got {args.variants}")
+    t0 = time.perf_counter()
     settings = parse_settings(args.setting)
     all_vars = {k for env in settings.values() for k in env}
     from lorafusion.dist import init_distributed
@@ -190,43 +250,32 @@ def main() -> None:
     init_distributed(1, 1)
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    model, batches, samples = build(args, dev)
-    times: dict[str, list[float]] = {v + t: [] for v in VARIANTS for t in settings}
-    for it in range(args.warmup + args.iters):
-        for v, (batch, seeds) in batches.items():  # alternating: clocks and temperature drift hit all alike
-            for tag, env in settings.items():
-                apply_env(env, all_vars)
-                ms = timed(lambda b=batch, s=seeds: step(model, b, s), cuda)
-                if it >= args.warmup:
-                    times[v + tag].append(ms)
-    apply_env({}, all_vars)
-    med = {v: statistics.median(t) for v, t in times.items()}
     name = torch.cuda.get_device_name() if cuda else "CPU"
-    ntok = sum(len(s) for s in samples)
-    print(f"{name}: {args.preset} {args.layers} layers, {ntok} tokens in {len(samples)} samples")
-    for v in times:
-        print(f"  {v:9s} fwd+bwd median {med[v]:8.1f} ms  tokens/s {ntok / med[v] * 1e3:8,.0f}  "
-              f"(all {', '.join(f'{x:.1f}' for x in times[v])})")
-    rec = {"device": name, "torch": torch.__version__, **vars(args), "tokens_packed": ntok, "samples": len(samples),
-           "median_ms": med, "all_ms": times, "four_over_one_r16": med["four_r16"] / med["one_r16"],
-           "four_over_one_r64": med["four_r16"] / med["one_r64"],
-           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
-    for tag in list(settings)[1:]:
-        rec[f"{tag[1:]}_over_shipped"] = {v: med[v + tag] / med[v] for v in VARIANTS}
-        rec[f"four_over_one_r16{tag}"] = med["four_r16" + tag] / med["one_r16" + tag]
-        print(f"  {tag[1:]} / shipped: " + ", ".join(f"{v} {x:.4f}" for v, x in rec[f'{tag[1:]}_over_shipped'].items())
-              + f"; four_r16 / one_r16 with it {rec[f'four_over_one_r16{tag}']:.4f}")
-    print(f"  four_r16 / one_r16 {rec['four_over_one_r16']:.4f}   four_r16 / one_r64 {rec['four_over_one_r64']:.4f}")
-    if args.profile and cuda:
+    model, batches, samples = build(args, dev)
+    stamp(t0, f"built on {name}: {args.layers} layers, variants {args.variants}, settings {list(settings)}")
+    runs = [(v, tag, env) for v in batches for tag, env in settings.items()]
+    for it in range(args.warmup):
+        for v, tag, env in runs:
+            apply_env(env, all_vars)
+            ms = timed(lambda b=batches[v][0], s=batches[v][1]: step(model, b, s), cuda)
+            stamp(t0, f"warm-up {it}: {v}{tag} {ms:.1f} ms")
+    rec: dict = {}
+    if args.profile:
         apply_env(settings.get("+" + args.profile_setting, {}), all_vars)
         rec["profile"] = summarise({v: kernel_profile(lambda b=b, s=s: step(model, b, s))
                                     for v, (b, s) in batches.items()})
-        for v, p in rec["profile"].items():
-            if v == "four_minus_one_r16":
-                print("  four_r16 - one_r16 by kernel (ms): " + ", ".join(f"{n[:40]} {d:+.2f}" for n, d in p))
-            else:
-                print(f"  {v} kernels {p['kernel_ms']:.1f} ms: " + ", ".join(f"{f} {ms:.1f}"
-                                                                            for f, ms in p["families_ms"].items()))
+        stamp(t0, f"profile (setting {args.profile_setting or 'shipped'}):")
+        print_profile(rec["profile"])
+    times: dict[str, list[float]] = {v + tag: [] for v, tag, _ in runs}
+    for it in range(args.iters):
+        if args.budget and time.perf_counter() - t0 > args.budget:
+            stamp(t0, f"budget {args.budget:.0f}s spent: {it} of {args.iters} timed rounds")
+            break
+        for v, tag, env in runs:  # alternating: clocks and temperature drift hit all alike
+            apply_env(env, all_vars)
+            times[v + tag].append(timed(lambda b=batches[v][0], s=batches[v][1]: step(model, b, s), cuda))
+    apply_env({}, all_vars)
+    rec = dict(report(args, samples, times, settings, name, cuda), **rec)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rec, f, indent=2)

@@ -12,8 +12,10 @@
              (FusedMultiLoRA); one r=64 adapter (the same total rank) — each with main_gemm "cublas" (dX:
              cuBLAS then a Triton pass adds the low-rank term) and "cublas_fold" (the low-rank dX term
              first, cuBLAS adds dY·W into it).
+  gemm       cuBLAS alone at those linears: the base GEMMs with and without the low-rank term as C, and with the
+             LoRA term folded into their K / N dimension (see bench_gemm).
 
-    python3 scripts/bench_speed24.py [--only attention|lora] [--tokens 12288] [--out FILE]
+    python3 scripts/bench_speed24.py [--only attention,gemm,lora] [--tokens 12288] [--out FILE]
 
 Prints one line per measurement and, last, one JSON object with every number (also written to --out).
 """
@@ -166,6 +168,40 @@ def kernel_times(fn, reps: int = 5) -> dict:
     return dict(sorted(((k, round(v, 1)) for k, v in by.items()), key=lambda kv: -kv[1]))
 
 
+def bench_gemm(tokens: int, linears: list[str] | None = None, extra: int = 64) -> dict:
+    """cuBLAS alone at the 8B's linears (m = ``tokens``, bf16): what the LoRA term costs the base GEMMs and what
+    folding it into their K (forward) or N (input gradient) dimension would cost instead:
+
+      fwd_beta0   Y = X·Wᵀ                       the frozen base alone
+      fwd_beta1   Y += X·Wᵀ (C = the low-rank term, in place: what the fused forward's addmm_ does)
+      fwd_k_aug   [X | s·S]·[W | B]ᵀ with K = k + ``extra`` (X and W as strided views of wider buffers)
+      dx_beta0    dX = dY·W
+      dx_n_aug    [dY | dS]·[W ; A] with the inner dimension n + ``extra`` (dropout 0 only: the mask is per element)
+    """
+    out = {}
+    bf = torch.bfloat16
+    for lname, (k, n) in LINEARS.items():
+        if linears and lname not in linears:
+            continue
+        torch.manual_seed(0)
+        xa = torch.randn(tokens, k + extra, device="cuda", dtype=bf)
+        wa = torch.randn(n, k + extra, device="cuda", dtype=bf) / k**0.5
+        x, w = xa[:, :k], wa[:, :k]  # strided views: the plain GEMMs below get contiguous copies
+        xc, wc = x.contiguous(), w.contiguous()
+        c = torch.randn(tokens, n, device="cuda", dtype=bf)
+        dya = torch.randn(tokens, n + extra, device="cuda", dtype=bf)
+        dyc = dya[:, :n].contiguous()
+        wr = torch.randn(n + extra, k, device="cuda", dtype=bf) / k**0.5
+        row = {"fwd_beta0": median_ms(lambda: torch.mm(xc, wc.t())),
+               "fwd_beta1": median_ms(lambda: c.addmm_(xc, wc.t())),
+               "fwd_k_aug": median_ms(lambda: torch.mm(xa, wa.t())),
+               "dx_beta0": median_ms(lambda: torch.mm(dyc, wr[:n])),
+               "dx_n_aug": median_ms(lambda: torch.mm(dya, wr))}
+        out[lname] = row
+        print(f"gemm {lname} m={tokens} k={k} n={n}: " + ", ".join(f"{a} {b:.3f}" for a, b in row.items()), flush=True)
+    return out
+
+
 def bench_lora(tokens: int, linears: list[str] | None = None) -> dict:
     out = {}
     for lname, (k, n) in LINEARS.items():
@@ -186,7 +222,7 @@ def bench_lora(tokens: int, linears: list[str] | None = None) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", choices=["attention", "lora"])
+    ap.add_argument("--only", help="comma-separated parts to run, of attention, gemm, lora (default: all)")
     ap.add_argument("--tokens", type=int, default=12288)
     ap.add_argument("--out")
     ap.add_argument("--linears", nargs="+", choices=list(LINEARS), help="lora: only these linears")
@@ -198,8 +234,9 @@ def main() -> None:
     MAIN_GEMMS = tuple(args.main_gemms.split(","))
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "cudnn": torch.backends.cudnn.version(), "tokens": args.tokens}
-    for name, fn in (("attention", bench_attention), ("lora", lambda t: bench_lora(t, args.linears))):
-        if args.only in (None, name):
+    for name, fn in (("attention", bench_attention), ("gemm", lambda t: bench_gemm(t, args.linears)),
+                     ("lora", lambda t: bench_lora(t, args.linears))):
+        if args.only is None or name in args.only.split(","):
             try:
                 res[name] = fn(args.tokens)
             except Exception as e:  # keep the other lever's numbers

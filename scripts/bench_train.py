@@ -162,6 +162,11 @@ class ChunkClock:
         self.inside.append(self._last_exit - self._t0)
 
 
+class RunStopped(RuntimeError):
+    """A trainer run ended on a stop signal (SIGTERM from ``timeout``: the bench's time limit), not at its
+    last step: the trainer stops gracefully at the next chunk boundary, so the run returns with fewer steps."""
+
+
 def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, out: Path,
                    only_job: int | None = None, profiler: ChunkProfiler | None = None,
                    background: bool = True) -> dict:
@@ -202,6 +207,10 @@ def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, o
         del trainer
         gc.collect()
         return {}, {}, {}
+    if summary["status"] == "stopped":  # (every rank: the ranks agree on a stop)
+        done = {n: j["steps"] for n, j in summary["jobs"].items()}
+        raise RunStopped(f"the run at {out} was stopped by {summary['stopped_by']} after {summary['windows']} chunk(s) "
+                         f"(a time limit's SIGTERM?): steps per job {done}")
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     warm = [r for r in rows if r["step"] <= warmup]
     timed = [r for r in rows if r["step"] > warmup]
@@ -441,12 +450,14 @@ def main() -> None:
             if profiler is not None:
                 result["profile"] = profiler.summary
             break
-        except Exception:
+        except Exception as e:
             if DIST:  # the ranks would not agree on a retry: fail the launch (torchrun stops the others)
                 raise
             traceback.print_exc()
             result[f"lorafusion_error_{attempt}"] = traceback.format_exc(limit=4)
             _reset_between_runs()
+            if isinstance(e, RunStopped):  # a stop signal (the time limit) is no reason to retry
+                break
     if ours is None:
         print(json.dumps(result, default=str))
         return
@@ -489,12 +500,15 @@ def main() -> None:
                     steady = [p["bubble_ratio_steady"] for p in parts if p.get("bubble_ratio_steady") is not None]
                     result[key]["bubble_ratio"] = sum(steady) / len(steady) if steady else None
                 write_results(result, args, out)
-            except Exception:
+            except Exception as e:
                 if DIST:
                     raise
                 traceback.print_exc()
                 result[f"{key}_error"] = traceback.format_exc(limit=4)
                 destroy_distributed()
+                if isinstance(e, RunStopped):  # the time limit: no more baselines (they would run past it)
+                    write_results(result, args, out)
+                    break
     if not args.skip_hf and not DIST:
         # HF+PEFT materialises the logits and pads: at our capacity it may not fit. Then it gets its best
         # chance: the largest capacity (halving from ours) that runs, recorded with the result.

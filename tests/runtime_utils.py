@@ -43,7 +43,7 @@ def write_run(tmp: Path, jobs: list[dict], *, out: str = "out", tp=1, pp=1, dp=1
               model_path=None) -> Path:
     """A run YAML of ``jobs``. Plans are greedy by default: they do not depend on the machine's load (a
     time-limited MILP can stop at different points in two runs on a busy CI machine), so two runs compared
-    by a test get the same packing; the MILP in a real run is covered by tests/runtime/test_demo.py and
+    by a test get the same packing; the MILP in a real run is covered by tests/runtime/test_readme.py (`make demo` as shipped) and
     tests/scheduler. ``base_precision`` (e.g. "fp8") sets model.base_precision and model.dtype bfloat16."""
     run = {
         "model": {**({"path": str(model_path)} if model_path else {"preset": preset}),

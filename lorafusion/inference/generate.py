@@ -31,9 +31,10 @@ import torch
 
 from lorafusion.core.errors import ConfigError, MissingFileError, UserError
 from lorafusion.rundir.adapters import check_generate_out
+from lorafusion.inference.static_decode import GRAPH_BY_DEFAULT, adapter_routing, decode_static
 from lorafusion.rundir.atomic import write_text_atomic
 
-
+DECODE_MODES = ("auto", "graph", "static", "dynamic")
 
 # ------------------------------------------------------------------------------------------------ the run
 @dataclass
@@ -229,32 +230,12 @@ def read_prompts(path: str | Path, tokenizer, jobs: Sequence[str], context: int,
 
 
 # --------------------------------------------------------------------------------------------- decoding
-def _routing(jobs: Sequence[str | None], counts: Sequence[int]):
-    """One LoRA segment per run of same-adapter sequences (base rows: no segment); (routing, adapters)."""
-    from lorafusion.core.routing import Routing
-
-    names: list[str] = []
-    segs, start = [], 0
-    for job, n in zip(jobs, counts, strict=True):
-        if job is not None:
-            if job not in names:
-                names.append(job)
-            slot = names.index(job)
-            if segs and segs[-1][0] == slot and segs[-1][1] + segs[-1][2] == start:
-                segs[-1] = (slot, segs[-1][1], segs[-1][2] + n)
-            else:
-                segs.append((slot, start, n))
-        start += n
-    return Routing(segments=tuple(segs), num_rows=start), tuple(names)
-
-
 def _forward(model, jobs, seqs: Sequence[Sequence[int]], positions: torch.Tensor, device) -> torch.Tensor:
     """One packed forward of ``seqs`` (rows of sequence i routed to ``jobs[i]``); the logits [n, V] of each
     sequence's last row."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from lorafusion.layers import lora_batch
-
     from lorafusion.ops.tables import to_device  # pinned + non-blocking: no stream sync per copy
 
     counts = [len(s) for s in seqs]
@@ -268,7 +249,7 @@ def _forward(model, jobs, seqs: Sequence[Sequence[int]], positions: torch.Tensor
     both = to_device(host, device)
     n = host.numel() - len(seqs) - positions.numel()
     tokens, last, pos = both[:n][None], both[n:n + len(seqs)], both[n + len(seqs):]
-    routing, names = _routing(jobs, counts)
+    routing, names = adapter_routing(jobs, counts)
 
     def last_rows_only(_module, args, kwargs):  # the output layer sees each sequence's last row, not [T, V]
         return (args[0].index_select(0, last), *args[1:]), kwargs
@@ -296,29 +277,52 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, gens: Sequence
     return out
 
 
+def _commit(reqs: Sequence[Request], live: Sequence[int], picked: Sequence[int], eos_id: int,
+            limit: Sequence[int]) -> list[int]:
+    """Append each live row's picked token; the rows still live after it (not at eos, not at their limit)."""
+    still = []
+    for i, tok in zip(live, picked, strict=True):
+        reqs[i].output_ids.append(tok)
+        if tok != eos_id and len(reqs[i].output_ids) < limit[i]:
+            still.append(i)
+    return still
+
+
 @torch.no_grad()
 def generate_ids(model, requests: Sequence[Request], *, eos_id: int, max_new_tokens: int, context: int,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, use_cache: bool = True,
-                 first_row: int = 0) -> None:
+                 first_row: int = 0, decode: str = "auto") -> None:
     """Decode ``requests`` together (fills each one's ``output_ids``). Sequences are ordered by adapter so
-    that each adapter's rows form one routing segment; ``first_row`` numbers the rows for their seeds."""
+    that each adapter's rows form one routing segment; ``first_row`` numbers the rows for their seeds.
+    ``decode`` (with the cache): "graph" — after the prefill, every step is one static step replayed from a CUDA
+    graph (:mod:`lorafusion.inference.static_decode`; eager off CUDA); "static" — the same step, eager; "dynamic"
+    — one packed row per live sequence per step; "auto" — graph on CUDA if ``GRAPH_BY_DEFAULT``, else dynamic."""
     from lorafusion.core.seeds import mix_seed
     from lorafusion.inference.kv_cache import KVCache, decoding
 
+    if decode not in DECODE_MODES:
+        raise ConfigError(f"decode: expected one of {', '.join(DECODE_MODES)}, got {decode!r}")
     device = next(model.parameters()).device
+    auto = "graph" if GRAPH_BY_DEFAULT and device.type == "cuda" else "dynamic"
+    decode = auto if decode == "auto" else decode
+    static = use_cache and decode != "dynamic"
     order = sorted(range(len(requests)), key=lambda i: (requests[i].job is not None, requests[i].job or ""))
     reqs = [requests[i] for i in order]
-    gens = None
-    if temperature > 0:
-        gens = [torch.Generator(device=device).manual_seed(mix_seed(seed, first_row + i)) for i in order]
+    gens = ([torch.Generator(device=device).manual_seed(mix_seed(seed, first_row + i)) for i in order]
+            if temperature > 0 else None)
     limit = [min(max_new_tokens, context - len(r.prompt_ids)) for r in reqs]
     for r in reqs:
         r.output_ids = []
     live = [i for i in range(len(reqs)) if limit[i] > 0]
-    cache = KVCache(len(reqs), max(len(r.prompt_ids) + lim for r, lim in zip(reqs, limit)), device)
+    max_len = max(len(r.prompt_ids) + lim for r, lim in zip(reqs, limit))
+    cache = KVCache(len(reqs), -(-max_len // 16) * 16 if static else max_len, device)  # (aligned key mask)
     with decoding(model, cache) if use_cache else contextlib.nullcontext():
         step = 0
         while live:
+            if static and step == 1:  # every decode step: one fixed-shape forward of all rows
+                decode_static(model, cache, reqs, live, limit, eos_id=eos_id, temperature=temperature,
+                              top_p=top_p, gens=gens, graph=decode != "static")
+                break
             jobs = [reqs[i].job for i in live]
             if not use_cache:  # full recompute: every live sequence from its first token
                 seqs = [reqs[i].prompt_ids + reqs[i].output_ids for i in live]
@@ -332,19 +336,15 @@ def generate_ids(model, requests: Sequence[Request], *, eos_id: int, max_new_tok
             logits = _forward(model, jobs, seqs, positions, device)
             if use_cache:
                 cache.advance()
-            picked = _pick(logits, temperature, top_p, None if gens is None else [gens[i] for i in live])
-            still = []
-            for i, tok in zip(live, picked, strict=True):
-                reqs[i].output_ids.append(tok)
-                if tok != eos_id and len(reqs[i].output_ids) < limit[i]:
-                    still.append(i)
-            live = still
+            live = _commit(reqs, live, _pick(logits, temperature, top_p, None if gens is None else [gens[i] for i in live]),
+                           eos_id, limit)
             step += 1
 
 
 # ------------------------------------------------------------------------------------------------- CLI
 def generate_file(run_dir, prompts, out, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-                  seed: int = 0, batch_size: int = 64, force: bool = False, use_cache: bool = True) -> dict:
+                  seed: int = 0, batch_size: int = 64, force: bool = False, use_cache: bool = True,
+                  decode: str = "auto") -> dict:
     """Everything ``lorafusion generate`` does; returns a summary."""
     import time
 
@@ -364,7 +364,7 @@ def generate_file(run_dir, prompts, out, *, max_new_tokens: int = 128, temperatu
     for start in range(0, len(requests), batch_size):
         generate_ids(model, requests[start:start + batch_size], eos_id=tokenizer.eos_id, max_new_tokens=max_new_tokens,
                      context=context, temperature=temperature, top_p=top_p, seed=seed, use_cache=use_cache,
-                     first_row=start)
+                     first_row=start, decode=decode)
     t2 = time.perf_counter()
     rows = [{**r.row, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
              "output": tokenizer.decode([t for t in r.output_ids if t != tokenizer.eos_id])} for r in requests]

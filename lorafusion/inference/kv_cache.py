@@ -66,6 +66,17 @@ class KVCache:
                        positions, kv_len=int(positions.max()) + 1)
         return positions
 
+    def static(self, positions: torch.Tensor) -> None:
+        """Plan every forward from now on (until another plan) as one row per slot, slot ``i``'s row at
+        ``positions[i]``: a device buffer the caller updates in place between forwards
+        (:mod:`lorafusion.inference.static_decode`). Attention covers the whole ``max_len`` with a key mask
+        built on the device, so no shape or tensor of the forward changes and it can be captured in a CUDA
+        graph. ``lengths`` is not kept (the caller knows them); :meth:`advance` is not called."""
+        self._plan = {"kind": "static", "positions": positions,
+                      "keys_at": torch.arange(self.max_len, device=positions.device)}
+        for cfg in self._configs:
+            cfg.rope_positions = positions
+
     def _set_plan(self, kind, slots, counts, rows_slot, positions, **extra) -> None:
         from lorafusion.ops.tables import to_device  # pinned + non-blocking: no stream sync per copy
 
@@ -99,6 +110,8 @@ class KVCache:
             self.keys[layer] = k.new_zeros(shape)
             self.values[layer] = v.new_zeros(shape)
         ck, cv = self.keys[layer], self.values[layer]
+        if plan["kind"] == "static":
+            return self._attend_static(ck, cv, q, k, v, scale)
         ck[plan["rows_slot"], plan["positions"]] = k
         cv[plan["rows_slot"], plan["positions"]] = v
         if plan["kind"] == "prefill":  # nothing cached before: exactly training's packed attention
@@ -109,6 +122,22 @@ class KVCache:
         vals = _expand_kv(cv[plan["slots_t"], :kv_len], h, 2).transpose(1, 2)
         out = F.scaled_dot_product_attention(q[:, :, None], keys, vals, attn_mask=plan["key_mask"], scale=scale)
         return out.reshape(n, h, q.shape[2])
+
+    def _attend_static(self, ck, cv, q, k, v, scale: float) -> torch.Tensor:
+        """Row ``i`` (slot ``i``) writes its key/value at its position and attends to its slot's keys up to
+        it: no host value is read, nothing is allocated from the host. GQA by viewing each group's query
+        heads as that group's queries (the heads of one kv group are adjacent, as ``_expand_kv`` repeats)."""
+        plan = self._plan
+        n, h, d = q.shape
+        g = k.shape[1]
+        pos = plan["positions"]
+        at = pos.view(n, 1, 1).expand(n, 1, g * d)
+        ck.view(n, self.max_len, g * d).scatter_(1, at, k.reshape(n, 1, g * d))
+        cv.view(n, self.max_len, g * d).scatter_(1, at, v.reshape(n, 1, g * d))
+        mask = (plan["keys_at"][None, :] <= pos[:, None])[:, None, None, :]  # [n, 1, 1, max_len]
+        out = F.scaled_dot_product_attention(q.reshape(n, g, h // g, d), ck.transpose(1, 2), cv.transpose(1, 2),
+                                             attn_mask=mask, scale=scale)
+        return out.reshape(n, h, d)
 
 
 def attention_modules(model) -> list[PackedDotProductAttention]:

@@ -70,15 +70,17 @@ class _Plan:
 
 
 def _cat_A(lora_A, dtype):
+    # concatenate, then cast once: two launches whatever the number of adapters (a cast per adapter, then the
+    # concatenation, was one more launch per adapter; the cast is elementwise, so the result is the same)
     if len(lora_A) == 1:
         return lora_A[0].to(dtype)
-    return torch.cat([a.to(dtype) for a in lora_A], dim=0)
+    return torch.cat(list(lora_A), dim=0).to(dtype)
 
 
 def _cat_B(lora_B, dtype):
     if len(lora_B) == 1:
         return lora_B[0].to(dtype)
-    return torch.cat([b.to(dtype) for b in lora_B], dim=1)
+    return torch.cat(list(lora_B), dim=1).to(dtype)
 
 
 def _grads(parts, params):

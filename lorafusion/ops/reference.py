@@ -143,9 +143,13 @@ class _TorchShrink(torch.autograd.Function):
         x2d, *lora_A = ctx.saved_tensors
         dS = dS.to(x2d.dtype)
         need_x = ctx.needs_input_grad[0]
-        dx = torch.zeros_like(x2d) if need_x else None
+        dx = torch.empty_like(x2d) if need_x else None  # every segment's rows are written below; gaps zeroed here
         dA = [None] * len(lora_A)
+        pos = 0
         for slot, start, length in routing.segments:
+            if need_x and start > pos:
+                dx[pos:start].zero_()
+            pos = start + length
             a = lora_A[slot]
             r = a.shape[0]
             ds = dS[start:start + length, :r]
@@ -156,7 +160,56 @@ class _TorchShrink(torch.autograd.Function):
                 dA[slot] = g if dA[slot] is None else dA[slot] + g
             if need_x:
                 dx[sl] = _drop(ds @ a.to(x2d.dtype), seeds[slot], ids[sl], ps[slot], k_offset, k_total)
+        if need_x and pos < x2d.shape[0]:
+            dx[pos:].zero_()
         return (dx, None, *dA)
+
+
+class _TorchExpand(torch.autograd.Function):
+    """Δ = s_a·S[:, :r_a]·B_aᵀ per segment, written into one [m, n] output: each segment's rows by its own matmul
+    (``out=`` a row range), the scaling folded into B (an [n, r] copy, not a pass over [m, n]), only rows outside
+    every segment zeroed — no per-segment pieces, no concatenation, no scaling pass over the output in forward
+    or backward. Saves S and the scaled B's."""
+
+    @staticmethod
+    def forward(ctx, S, routing, scaling, *lora_B):
+        m, n = S.shape[0], lora_B[0].shape[0]
+        bs = [(b * float(sc)).to(S.dtype) for b, sc in zip(lora_B, scaling, strict=True)]  # one rounding, as b.to()
+        out = S.new_empty(m, n)
+        pos = 0
+        for slot, start, length in routing.segments:
+            if start > pos:
+                out[pos:start].zero_()
+            torch.mm(S[start:start + length, : bs[slot].shape[1]], bs[slot].t(), out=out[start:start + length])
+            pos = start + length
+        if pos < m:
+            out[pos:].zero_()
+        ctx.routing, ctx.scaling, ctx.b_dtypes = routing, [float(sc) for sc in scaling], [b.dtype for b in lora_B]
+        ctx.save_for_backward(S, *bs)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        S, *bs = ctx.saved_tensors
+        dout = dout.to(S.dtype)
+        need_s = ctx.needs_input_grad[0]
+        dS = torch.zeros_like(S) if need_s else None
+        dB: list[torch.Tensor | None] = [None] * len(bs)
+        for slot, start, length in ctx.routing.segments:
+            b, sl = bs[slot], slice(start, start + length)
+            r = b.shape[1]
+            if need_s:
+                dS[sl, :r] = dout[sl] @ b
+            if ctx.needs_input_grad[3 + slot]:
+                g = (dout[sl].t() @ S[sl, :r]).float() * ctx.scaling[slot]
+                dB[slot] = g if dB[slot] is None else dB[slot] + g
+        return (dS, None, None, *(g if g is None else g.to(dt) for g, dt in zip(dB, ctx.b_dtypes, strict=True)))
+
+
+def lora_expand_torch(S: torch.Tensor, lora_B: Sequence[torch.Tensor], scaling: Sequence[float],
+                      routing: Routing) -> torch.Tensor:
+    """:func:`lora_expand_reference` as one autograd op (see :class:`_TorchExpand`)."""
+    return _TorchExpand.apply(S, routing, list(scaling), *lora_B)
 
 
 def multi_lora_delta_torch(x: torch.Tensor, lora_A: Sequence[torch.Tensor], lora_B: Sequence[torch.Tensor],
@@ -177,5 +230,5 @@ def multi_lora_delta_torch(x: torch.Tensor, lora_A: Sequence[torch.Tensor], lora
     call = (routing, seed_table, [float(p) for p in dropout_p], ids, int(k_offset), k_total)
     S = _TorchShrink.apply(x2d, call, *lora_A)
     S = apply_s_comm(S, s_comm, tp_group)
-    delta = lora_expand_reference(S, lora_B, scaling, routing)
+    delta = lora_expand_torch(S, lora_B, scaling, routing)
     return delta.reshape(*lead, delta.shape[-1])

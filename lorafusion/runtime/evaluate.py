@@ -69,7 +69,7 @@ def eval_losses(model, sets: dict[str, list[tuple[list[int], int]]], capacity: i
     from megatron.core import parallel_state
 
     from lorafusion.layers import set_batch
-    from lorafusion.runtime.pipeline import (chunks_of, forward_packed, run_schedule, segments, sp_pad,
+    from lorafusion.runtime.pipeline import (chunks_of, count_placeholder, forward_packed, run_schedule, segments, sp_pad,
                                              sum_from_last_stage)
 
     names = list(sets)
@@ -81,6 +81,7 @@ def eval_losses(model, sets: dict[str, list[tuple[list[int], int]]], capacity: i
     pad = sp_pad(model)
     dev = device or torch.device("cpu")
     sums = torch.zeros(2 * len(names), dtype=torch.float64, device=dev)  # [loss sums..., token counts...]
+    one = count_placeholder(dev)
 
     def forward_step(data_iterator, model_):
         output, batch = forward_packed(model_, next(data_iterator), pad, dev)
@@ -91,7 +92,7 @@ def eval_losses(model, sets: dict[str, list[tuple[list[int], int]]], capacity: i
                 j = names.index(name)
                 sums[j] += losses.sum().double()
                 sums[len(names) + j] += mask.sum().double()
-            return counted.sum() * 0.0, torch.tensor(1, dtype=torch.int, device=dev), {}
+            return counted.sum() * 0.0, one, {}
 
         return output, loss_func
 

@@ -201,6 +201,14 @@ def sum_from_last_stage(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def count_placeholder(dev: torch.device) -> torch.Tensor:
+    """The token count a loss function hands Megatron's schedule (a placeholder: see ``run_chunk``), made once per
+    chunk on the device by a fill kernel. ``torch.tensor(1, device=cuda)`` would copy from pageable host memory,
+    which synchronises the stream: once per microbatch the host would wait for the GPU to finish the forward,
+    and a microbatch whose host work outlasts its GPU work (a small one) would cost its host time."""
+    return torch.ones((), dtype=torch.int, device=dev)
+
+
 def run_chunk(model, chunk: Chunk, optimizers: dict, *, seed: int, device: torch.device | None) -> dict:
     """Train on ``chunk`` (this rank's packed microbatches). Returns ``{"compute_s", "steps"}`` with one
     ``{"key", "loss", "grad_norm", "lr", "tokens"}`` per (job, batch), in plan step order."""
@@ -215,6 +223,7 @@ def run_chunk(model, chunk: Chunk, optimizers: dict, *, seed: int, device: torch
     dev = device or torch.device("cpu")
     denom = {k: max(1, chunk.loss_tokens(k)) for k in tracker.keys}
     sums = {k: torch.zeros((), dtype=torch.float64, device=dev) for k in tracker.keys}
+    one = count_placeholder(dev)
 
     def forward_step(data_iterator, model_):
         batch, batch_of = next(data_iterator)
@@ -237,7 +246,7 @@ def run_chunk(model, chunk: Chunk, optimizers: dict, *, seed: int, device: torch
             # calculate_per_token_loss=True (models/spec.py), under which Megatron divides the loss by
             # neither this count nor the number of microbatches; the count would only reach a
             # finalize_model_grads_func, which we do not set. So 1 is a placeholder, not a token count.
-            return total, torch.tensor(1, dtype=torch.int, device=dev), {}
+            return total, one, {}
 
         return output, loss_func
 

@@ -133,12 +133,12 @@ def _fwd_bwd(fn, x, A, B, sc, ps, seeds, routing, k_offset, k_total, dy):
 @pytest.mark.parametrize("seed", range(6))
 def test_fast_torch_path_equals_reference(seed):
     """Same function, same masks, every gradient (fp32 on CPU: the graph split changes only the order of
-    a few sums)."""
+    a few sums, and the expand folds the scaling into B — s·(S·Bᵀ) and S·(s·B)ᵀ round apart by an ulp or two)."""
     case = _case(seed, "cpu", torch.float32)
     ref = _fwd_bwd(multi_lora_delta_reference, *case)
     fast = _fwd_bwd(multi_lora_delta_torch, *case)
     for a, b in zip(fast, ref, strict=True):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item() + 1e-7), (a - b).abs().max()
 
 
 @pytest.mark.gpu

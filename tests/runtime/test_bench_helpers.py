@@ -41,3 +41,18 @@ def test_model_step_settings_parse_and_apply(monkeypatch):
     for bad in ("tuned", "tuned:", ":A=1", "x:=1", "x:A"):
         with pytest.raises(SystemExit, match="--setting"):
             bench_model_step.parse_settings([bad])
+
+
+def test_model_step_profile_summary_families_and_timeline():
+    by = {"nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTN": 60.0, "flash_bwd_kernel": 10.0, "_lora_gemm_kernel": 5.0,
+          "_ds_db_kernel": 3.0, "_fwd": 2.0, "Memcpy DtoD (Device -> Device)": 1.0, "weird": 1.0}
+    tl = {"wall_ms": 100.0, "busy_ms": 82.0, "idle_ms": 18.0}
+    out = bench_model_step.summarise({"four_r16": (dict(by, _da_dx_kernel=4.0), tl), "one_r16": (by, tl)})
+    four = out["four_r16"]
+    assert four["kernel_ms"] == 86.0 and four["timeline"] == tl
+    fam = four["families_ms"]
+    assert fam["gemm (cuBLAS)"] == 60.0 and fam["attention (flash)"] == 10.0 and fam["LoRA (Triton)"] == 12.0
+    assert fam["copies"] == 1.0 and fam["other"] == 1.0
+    assert abs(sum(four["families_frac"].values()) - 1.0) < 1e-9
+    assert out["four_minus_one_r16"][0] == ("_da_dx_kernel", 4.0)  # what four adapters add, largest first
+    assert list(fam) == sorted(fam, key=lambda f: -fam[f])
