@@ -74,7 +74,10 @@ def apply_rope_positions_patch() -> None:
             return current(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
         from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-        return _apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[positions], rotary_interleaved=config.rotary_interleaved,
+        # (Megatron's RotaryEmbedding moves its inv_freq to the current CUDA device on its first call, also for a
+        # model on the CPU: the rows' freqs follow t; a no-op when both are on the GPU, so capture is unaffected)
+        f = freqs[positions.to(freqs.device)].to(t.device)
+        return _apply_rotary_pos_emb_bshd(t.unsqueeze(1), f, rotary_interleaved=config.rotary_interleaved,
                                           multi_latent_attention=config.multi_latent_attention,
                                           mscale=mscale).squeeze(1)
 
