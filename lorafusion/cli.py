@@ -331,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=_positive_int, default=64, help="prompts decoded together")
     g.add_argument("--force", action="store_true", help="replace an earlier generate output at --out (nothing else)")
     g.add_argument("--decode", choices=["auto", "graph", "static", "dynamic"], default="auto",
-                   help="graph: one CUDA graph per token; static: that step eagerly; dynamic: live rows only (auto)")
+                   help="graph: CUDA graph per token (auto on GPU); static: eagerly; dynamic: live rows (CPU)")
     p.subcommands = sub.choices  # name -> its parser (main's _flags_last reads their options)
     return p
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 28 on a GPU, one device call (carry .whl): the static decode step's GPU tests (CUDA graph replay = eager,
-# and generate's own tests; `--decode auto` is still the dynamic step: static_decode.GRAPH_BY_DEFAULT), then decoding speed of `lorafusion generate`
+# and generate's own tests; `--decode auto` takes the graph on CUDA: static_decode.GRAPH_BY_DEFAULT), then decoding speed of `lorafusion generate`
 # (generate_ids, after a warm-up): the 8B shape (random bf16 weights, one r=16 adapter) on 8 prompts beside
 # transformers + PEFT generate on the same weights and adapter; then the tiny quickstart model on the held-out
 # prompts (70 rows, 3 adapters) and on the first 4, beside the dynamic step (no graph).
