@@ -13,7 +13,9 @@ adapter, every adapter present) through the model with the fused ops and kernels
 adapter's optimizer step (clip + AdamW). ``in_flight`` k > 1 runs k forwards before the k backwards: stage 0
 of a k-stage 1F1B pipeline at its peak. Each point records ``torch.cuda.max_memory_allocated`` /
 ``max_memory_reserved`` after a reset, the allocated memory before it (weights + adapters + AdamW states),
-or ``oom`` when it did not fit. Points are written as they come (a cut-off run keeps what it measured).
+or ``oom`` when it did not fit, and the attention path it ran on (``attention``: the memory model counts
+what each saves; grids from before the field are labelled by :func:`label_attention`). Points are written
+as they come (a cut-off run keeps what it measured).
 
 ``fit`` fits :class:`lorafusion.scheduler.memory.Coefficients` (activation scale, backward workspace, constant)
 on the fit subset by least squares and reports the prediction error on every held-out point.
@@ -158,8 +160,9 @@ def measure(args) -> None:
     import torch
 
     from lorafusion.core.arch import preset
-    from lorafusion.models.provider import build_model
     from lorafusion.dist import init_distributed
+    from lorafusion.models.attention import attention_path
+    from lorafusion.models.provider import build_model
 
     t_start = time.perf_counter()
     init_distributed(1, 1, seed=1)
@@ -190,6 +193,7 @@ def measure(args) -> None:
             n = _set_recompute(model, p["recompute"], arch.num_layers)
             rec = dict(shape=shape, num_layers=arch.num_layers, recompute_layers=n, independent_a=INDEPENDENT_A, **p,
                        **_measure_point(model, optimizers, arch, p, dev))
+            rec["attention"] = attention_path()  # after the point: a fallback during it counts
             raw["points"].append(rec)
             print(json.dumps(rec), flush=True)
             Path(args.out).write_text(json.dumps(raw, indent=1) + "\n")
@@ -200,14 +204,30 @@ def measure(args) -> None:
     Path(args.out).write_text(json.dumps(raw, indent=1) + "\n")
 
 
+def label_attention(raw: dict) -> None:
+    """Give each point of a raw grid the attention path it ran on (``attention``: "per-sample" or the varlen
+    op, :data:`lorafusion.scheduler.memory.ATTENTION_DEFAULT`). Grids measured before the field existed ran in
+    one process in file order, and until models/attention.py re-raised out-of-memory errors (2026-11-25) it
+    switched to its per-sample SDPA fallback for good when ``varlen_attn`` raised any RuntimeError, out of
+    memory included: so every point after the first out-of-memory one ran per-sample (on the H100 grid they
+    peak exactly one q-width bf16 tensor per token per kept layer above the H200 grid's same points, which had
+    no out-of-memory point). The out-of-memory point itself is labelled by the path it started on."""
+    from lorafusion.scheduler.memory import ATTENTION_DEFAULT
+
+    fell_back = False
+    for p in raw["points"]:
+        p.setdefault("attention", "per-sample" if fell_back else ATTENTION_DEFAULT)
+        fell_back = fell_back or bool(p.get("oom"))
+
+
 def _setup(pt: dict):
     from lorafusion.core.arch import preset
-    from lorafusion.scheduler.memory import AdapterShape, MemorySetup
+    from lorafusion.scheduler.memory import ATTENTION_DEFAULT, AdapterShape, MemorySetup
 
     base = "llama3.1-8b" if pt["shape"] == "8b" else "llama3.1-70b"
     arch = preset(base, num_layers=pt["num_layers"])
     a = AdapterShape(pt["rank"], dropout=0.1, independent_a=pt.get("independent_a", False))
-    return MemorySetup(arch, tuple(a for _ in range(pt["adapters"])))
+    return MemorySetup(arch, tuple(a for _ in range(pt["adapters"])), attention=pt.get("attention", ATTENTION_DEFAULT))
 
 
 def predict(pt: dict, coeffs) -> float:
@@ -258,6 +278,8 @@ def fit_main(args) -> None:
     from lorafusion.scheduler.memory import COEFFICIENTS_FILE, GIB, load_coefficients
 
     raws = [json.loads(Path(p).read_text()) for p in args.raw]
+    for r in raws:
+        label_attention(r)
     points = [p for r in raws for p in r["points"] if not p.get("oom")]
     check = args.coefficients is not None  # predict with committed coefficients: every point is held out
     coeffs = load_coefficients(args.coefficients) if check else fit(points, args.subset)
@@ -266,7 +288,7 @@ def fit_main(args) -> None:
     for p in [p for r in raws for p in r["points"]]:
         pred = predict(p, coeffs)
         row = {k: p[k] for k in ("shape", "num_layers", "adapters", "rank", "recompute", "recompute_layers",
-                                 "capacity", "in_flight")}
+                                 "capacity", "in_flight", "attention")}
         row.update(predicted_gib=round(pred / GIB, 3), held_out=held_out(p))
         if p.get("oom"):
             row.update(oom=True, predicted_fits=pred * (1 + coeffs.margin_frac) < raws[0]["gpu_total_bytes"])

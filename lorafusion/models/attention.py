@@ -71,17 +71,37 @@ def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
         kw["enable_gqa"] = True
     else:
         k, v = _expand_kv(k, h, 1), _expand_kv(v, h, 1)
+    return _varlen_or_fallback(fn, q, k, v, cu, cu_seqlens, max_seqlen, scale, kw)
+
+
+def _varlen_or_fallback(fn, q, k, v, cu, cu_seqlens, max_seqlen, scale, kw):
+    """``fn`` (torch's varlen_attn); if it fails for a reason other than memory, the per-sample path from now on.
+    Out of memory is raised: the fallback saves one more q-width tensor per token and layer (the per-sample
+    outputs beside their concatenation; scheduler.memory.attention_elems), so switching to it for good made
+    every later step of the process bigger than planned (it did so in the memory calibration grids)."""
     global _VARLEN_FAILED
     if _VARLEN_FAILED:
         return varlen_attention_reference(q, k, v, cu_seqlens, scale)
     try:
         return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kw)
+    except torch.OutOfMemoryError:
+        raise
     except (RuntimeError, TypeError, NotImplementedError) as e:  # e.g. a head dim or GPU the kernel lacks
         import warnings
 
-        warnings.warn(f"torch varlen_attn failed ({e}); using the per-sample SDPA path from now on", stacklevel=2)
+        warnings.warn(f"torch varlen_attn failed ({e}); using the per-sample SDPA path from now on", stacklevel=3)
         _VARLEN_FAILED = True
         return varlen_attention_reference(q, k, v, cu_seqlens, scale)
+
+
+def attention_path() -> str:
+    """Which packed attention this process runs on a GPU, as the memory model names it
+    (``lorafusion.scheduler.memory.attention_elems``): "per-sample" once ``varlen_attn`` failed (or torch has
+    none), "varlen-gqa" when torch's op takes grouped k and v, else "varlen" (k and v expanded first)."""
+    fn, params = _varlen_fn()
+    if fn is None or _VARLEN_FAILED:
+        return "per-sample"
+    return "varlen-gqa" if "enable_gqa" in params else "varlen"
 
 
 class PackedDotProductAttention(MegatronModule):

@@ -21,7 +21,8 @@ A stage's peak allocated bytes (what ``torch.cuda.max_memory_allocated`` reports
 chunks of ``1/v`` of the stage's layers (Megatron's warm-up count), i.e. that many ``/ v`` microbatches.
 
 The analytic parts count tensors from the code (ops/fused.py saves X, S, A_cat, B_cat; the fused SwiGLU
-saves fc1's output; RMSNorm its input; packed flash attention q, k, v, out). Four coefficients are
+saves fc1's output; RMSNorm its input; the packed attention what its path keeps, ``attention_elems``: counting
+one path for points measured on another was the 8B shape's 4-5% over-prediction). Four coefficients are
 measured on a GPU and fitted (``scripts/calibrate_memory.py``): ``act_scale`` (measured / counted saved
 activations), ``workspace`` (the backward working set per token, in units of ``2·ffn + 2·hidden`` elements),
 ``opt_copies`` (an optimizer step's fp32 temporaries: the flat copies kept to undo a non-finite step, AdamW's
@@ -41,7 +42,7 @@ from pathlib import Path
 from lorafusion.core.arch import ModelArch
 from lorafusion.core.targets import MEGATRON_TARGETS
 
-__all__ = ["GIB", "AdapterShape", "Coefficients", "MemorySetup", "StageMemory", "in_flight", "load_coefficients",
+__all__ = ["ATTENTION_PATHS", "GIB", "AdapterShape", "Coefficients", "MemorySetup", "StageMemory", "in_flight", "load_coefficients",
            "plan_memory", "stage_memory"]
 
 GIB = 1 << 30
@@ -50,6 +51,8 @@ LORA_STATE_BYTES = 16  # fp32 weight + fp32 gradient + fp32 AdamW exp_avg and ex
 PROJECTIONS = {"linear_qkv": 3, "linear_proj": 1, "linear_fc1": 2, "linear_fc2": 1}  # LoRA A's per Megatron linear
 LOGITS_CHUNK_BYTES = 1 << 30  # models/fused/linear_cross_entropy.py: one chunk's fp32 logits stay under this
 COEFFICIENTS_FILE = Path(__file__).with_name("memory_coefficients.json")
+ATTENTION_PATHS = ("varlen", "varlen-gqa", "per-sample")
+ATTENTION_DEFAULT = "varlen"
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,10 @@ class MemorySetup:
     virtual_stages: int = 1
     fused_ops: bool = True  # the fused RMSNorm / SwiGLU / linear cross-entropy (the GPU default)
     lora_kernels: str = "triton"  # the LoRA ops' impl (core.impls); the same saved tensors either way on a GPU
+    # what the core attention saves (``attention_elems``): "varlen" (torch's FlashAttention varlen op, k and v
+    # expanded to the query heads first: a torch without its enable_gqa), "varlen-gqa" (the same op given the
+    # grouped k and v) or "per-sample" (one SDPA per sample: models/attention.py's fallback and CPU path)
+    attention: str = ATTENTION_DEFAULT
 
     @property
     def dtype_bytes(self) -> int:
@@ -178,15 +185,41 @@ def base_bytes_per_layer(s: MemorySetup) -> float:
     return total + 2 * s.arch.hidden_size * s.dtype_bytes
 
 
+def attention_elems(s: MemorySetup) -> float:
+    """Elements per token the core attention keeps for backward (unsharded; q = heads x head dim, g = query
+    groups x head dim), counted with ``torch.autograd.graph.saved_tensors_hooks`` on the model code
+    (``scripts/probe_saved_activations.py``; storages counted once):
+
+    - "varlen-gqa": qkv's output (v is a view of it), the rotated q and k, the output (which linear_proj saves
+      as its input too): ``(q + 2g) + (q + g) + q``;
+    - "varlen": the rotated q, k and v expanded to the query heads (new tensors: neither the rotated k nor
+      qkv's output is kept), the output: ``4q``;
+    - "per-sample": as "varlen", plus the per-sample outputs SDPA keeps beside their concatenation (what
+      linear_proj saves): ``5q``. The committed calibration grids ran most of their points on this path: an
+      out-of-memory error inside ``varlen_attn`` switched models/attention.py to its per-sample fallback for
+      the rest of the process (it caught ``RuntimeError``, ``torch.OutOfMemoryError`` included). On the H100
+      grid every point after the first out-of-memory one peaked exactly 2q bytes per token per kept layer
+      above the same point on the H200 grid, which had none (8B, half recompute: 131,072 B per token = 16
+      layers x 4,096 x 2)."""
+    a = s.arch
+    q, g = a.num_attention_heads * a.kv_channels, a.num_query_groups * a.kv_channels
+    if s.attention == "varlen-gqa":
+        return 3 * q + 3 * g
+    if s.attention == "varlen":
+        return 4 * q
+    if s.attention == "per-sample":
+        return 5 * q
+    raise ValueError(f"attention: expected one of {ATTENTION_PATHS}, got {s.attention!r}")
+
+
 def saved_elems(s: MemorySetup) -> float:
     """Elements saved per token by one decoder layer that keeps its activations (one TP rank): the layer
-    input and the pre-MLP residual (RMSNorm inputs), the normed inputs of qkv and fc1, qkv's output (v stays a
-    view of it) and the rotated q and k, attention's output, fc1's output and the SwiGLU output."""
+    input and the pre-MLP residual (RMSNorm inputs), the normed inputs of qkv and fc1, the attention's
+    tensors (:func:`attention_elems`), fc1's output and the SwiGLU output."""
     a = s.arch
-    h, q = a.hidden_size, a.num_attention_heads * a.kv_channels
-    g, f = a.num_query_groups * a.kv_channels, a.ffn_hidden_size
+    h, f = a.hidden_size, a.ffn_hidden_size
     seq = h / s.tp if s.sequence_parallel else h  # tensors outside the TP regions
-    sharded = (q + 2 * g) + (q + g) + q + 2 * f + f
+    sharded = attention_elems(s) + 2 * f + f
     full = 4 * seq
     if not s.fused_ops:  # Megatron's local spec: torch RMSNorm keeps fp32 copies, SwiGLU its two halves
         full += 4 * seq

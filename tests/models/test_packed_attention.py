@@ -81,3 +81,27 @@ def test_gpu_varlen_vs_float64(h, g, d, dtype):
     for i, (x, y) in enumerate(zip(got, want, strict=True)):
         assert x.dtype == dtype and x.shape == y.shape and torch.isfinite(x).all(), i
         assert _rel(x, y) <= 1e-2, (i, _rel(x, y))
+
+
+def test_out_of_memory_in_varlen_is_raised_and_does_not_switch_to_the_fallback(monkeypatch):
+    """An out-of-memory error inside varlen_attn is the caller's (the runtime reports it); only a kernel failure
+    switches the process to the per-sample path, which saves one more q-width tensor per token and layer (it
+    used to switch on out of memory too, and the memory calibration grids ran on it from their first one)."""
+    monkeypatch.setattr(att, "_VARLEN_FAILED", False)
+    q, k, v, _, cu = _inputs([3, 5], 4, 2, 8, torch.float32, "cpu")
+    args = (q, k, v, cu, cu, 5, 0.3, {})
+
+    def oom(*a, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        att._varlen_or_fallback(oom, *args)
+    assert not att._VARLEN_FAILED and att.attention_path() != "per-sample"
+
+    def broken(*a, **kw):
+        raise RuntimeError("no kernel for this head dim")
+
+    with pytest.warns(UserWarning, match="per-sample SDPA path"):
+        out = att._varlen_or_fallback(broken, *args)
+    assert att._VARLEN_FAILED and att.attention_path() == "per-sample"
+    torch.testing.assert_close(out, att.varlen_attention_reference(q, k, v, cu, 0.3))

@@ -14,6 +14,7 @@ from lorafusion.scheduler.memory import (
     GIB,
     AdapterShape,
     MemorySetup,
+    attention_elems,
     base_bytes_per_layer,
     in_flight,
     load_coefficients,
@@ -138,9 +139,10 @@ def test_every_calibration_point_is_predicted_within_7_percent(raw_file, n_point
     import sys
 
     sys.path.insert(0, str(ROOT / "scripts"))
-    from calibrate_memory import predict
+    from calibrate_memory import label_attention, predict
 
     raw = json.loads((ROOT / "docs/results" / raw_file).read_text())
+    label_attention(raw)  # the H100 grid ran per-sample attention from its first out-of-memory point on
     c = load_coefficients()
     assert len(raw["points"]) >= n_points
     for p in raw["points"]:
@@ -150,6 +152,34 @@ def test_every_calibration_point_is_predicted_within_7_percent(raw_file, n_point
         else:
             assert abs(pred / p["peak_allocated"] - 1) < 0.07, p
             assert pred * (1 + c.margin_frac) + c.margin_bytes >= p["peak_reserved"], p  # the margin covers it
+
+
+def test_attention_paths_save_what_the_probe_counted():
+    # scripts/probe_saved_activations.py (saved-tensor hooks on the model code, CPU): per token and layer the
+    # per-sample SDPA path keeps one q-width tensor more than the varlen op (its per-sample outputs beside
+    # their concatenation); the varlen op with k, v expanded keeps rotated q, k, v and the output (4q); given
+    # grouped k, v it keeps qkv's output (v is a view), the rotated q and k and the output
+    s = _setup()  # 8B: q = 32 x 128, g = 8 x 128
+    q, g = 4096, 1024
+    assert attention_elems(s) == 4 * q  # the default: torch 2.11's varlen_attn has no enable_gqa
+    assert attention_elems(replace(s, attention="varlen-gqa")) == 3 * q + 3 * g
+    assert attention_elems(replace(s, attention="per-sample")) - attention_elems(s) == q
+    per_sample = stage_memory(replace(s, attention="per-sample"), 0, 8192)  # default coefficients: act_scale 1
+    assert per_sample.peak - stage_memory(s, 0, 8192).peak == pytest.approx(8192 * 32 * q * 2, rel=1e-9)
+    with pytest.raises(ValueError, match="attention"):
+        attention_elems(replace(s, attention="flash"))
+
+
+def test_calibration_points_after_the_first_oom_are_labelled_per_sample():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from calibrate_memory import label_attention
+
+    raw = {"points": [{"capacity": 8192}, {"capacity": 16384, "oom": True}, {"capacity": 2048},
+                      {"capacity": 4096, "attention": "varlen"}]}
+    label_attention(raw)
+    assert [p["attention"] for p in raw["points"]] == ["varlen", "varlen", "per-sample", "varlen"]
 
 
 def test_auto_picks_the_largest_capacity_that_fits_without_recompute_when_it_can():
