@@ -54,8 +54,9 @@ def _samples(capacity: int, adapters: list[str]) -> list[tuple[str, int]]:
     while len(lens) < len(adapters):  # split the longest until every adapter gets a sample
         k = max(range(len(lens)), key=lens.__getitem__)
         lens[k:k + 1] = [lens[k] // 2, lens[k] - lens[k] // 2]
-    per = -(-len(lens) // len(adapters))
-    return [(adapters[min(j // per, len(adapters) - 1)], n) for j, n in enumerate(lens)]
+    # consecutive runs of samples, one per adapter, sizes differing by at most one (the ceil-sized runs this
+    # replaced left an adapter without a sample, hence without gradients, e.g. 4 adapters at 8,192 tokens)
+    return [(adapters[j * len(adapters) // len(lens)], n) for j, n in enumerate(lens)]
 
 
 def _batch(capacity: int, adapters: list[str], vocab: int, seed: int):

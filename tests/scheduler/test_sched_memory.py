@@ -182,6 +182,22 @@ def test_calibration_points_after_the_first_oom_are_labelled_per_sample():
     assert [p["attention"] for p in raw["points"]] == ["varlen", "varlen", "per-sample", "varlen"]
 
 
+@pytest.mark.parametrize("capacity", [2048, 8192, 20480, 24576])
+@pytest.mark.parametrize("count", [1, 4, 12])
+def test_calibration_batches_give_every_adapter_a_sample(capacity, count):
+    # 4 adapters at 8,192 tokens (6 samples) used to leave one adapter without a sample, hence without gradients
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from calibrate_memory import _samples
+
+    names = [f"a{i}" for i in range(count)]
+    got = _samples(capacity, names)
+    order = [a for a, _ in got]
+    assert sum(n for _, n in got) == capacity and set(order) == set(names)
+    assert order == sorted(order, key=names.index)  # contiguous per adapter
+
+
 def test_auto_picks_the_largest_capacity_that_fits_without_recompute_when_it_can():
     c = load_coefficients()
     p80 = choose(_setup(), H100, 4096, coeffs=c)
