@@ -13,6 +13,8 @@
 #     3. the gpu-marked FP8 tests and the one-op FP8 LoRA tests on CUDA.
 #   PHASE=quickstart: configs/quickstart.yaml (model.dtype=bfloat16) trained with a bf16 and then an fp8 base,
 #     `lorafusion generate` on configs/quickstart/heldout.jsonl (greedy), `export --merged` of the fp8 run.
+#   PHASE=bench: step 1 of main alone (e.g. BENCH_SPECS="bf16 fp8": the like-for-like pair).
+#   PHASE=probeqs: probe, then the quickstart (seed 1234) with bf16, fp8 (the shipped default) and fp8k1.
 #   PHASE=all: main, then the quickstart pair while the tests run (neither is timed).
 #   PHASE=final: the benches, then the quickstart pairs (seeds $QS_SEEDS) while the tests run, then check_fp8.py's
 #     per-layer errors and LoRA-linear times ($FINAL_SECTIONS; the model section is fp8_probe.py's, PHASE=probe).
@@ -124,6 +126,7 @@ probe() {
 case "$PHASE" in
   probe) probe ;;
   probeqs) probe; QS_SEEDS=${QS_SEEDS:-1234} QS_VARIANTS=${QS_VARIANTS:-bf16 fp8 fp8k1} quickstart ;;
+  bench) bench ;;
   main) bench; quality; gpu_tests ;;
   quickstart) quickstart ;;
   final) bench; quickstart > "$L/quickstart.out" 2>&1 & QS=$!; gpu_tests; wait "$QS"; cat "$L/quickstart.out"
