@@ -226,7 +226,8 @@ def lora_linear_ms(m: int, k: int, n: int) -> dict:
 def quant_variants(m: int) -> dict:
     """ms of the row quantization per launch variant: the long rows (fc1's dY with its column scale, fc2's X) as
     shipped (two loops over a row), one read from registers with 16 / 32 warps, two loops of 8k; the 4096- and
-    6144-column rows (X of qkv/proj/fc1, dY of qkv) one row a program as shipped, or 2 / 4 rows a program."""
+    6144-column rows (X of qkv/proj/fc1, dY of qkv) as shipped (the 4096-column X: 4 rows a program, 16 warps, since
+    2026-11-25; dY one row), or with other warps / rows a program. Equality is against one row a program."""
     if DEV != "cuda":
         return {}
     from lorafusion.kernels.fp8_quant import quantize_rows_triton

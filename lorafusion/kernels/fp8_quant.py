@@ -5,7 +5,7 @@ Row-wise quantization, for each row ``i`` of ``x`` [m, n] (times ``col_scale`` [
 
     v = x[i, :] (· col_scale) ;  scale[i] = max(max|v|, eps) / fp8_max ;  q[i, :] = clamp(v / scale[i]) → fp8
 
-One program per row. A row of up to ``MAX_SINGLE`` elements is held in registers: one read of x. Longer rows
+One program per row (4 rows for 2k-4k-column rows without a column scale: ``SHORT_ROWS``). A row of up to ``MAX_SINGLE`` elements is held in registers: one read of x. Longer rows
 take two loops (max|v|, then q), reading the row twice: on an H100 that was faster for 14k- and 28k-column
 rows than one 16k/32k-wide block (0.61 vs 0.93 ms for fc1's dY at 12,288 rows), slower for 4k-column ones. Division is IEEE (``div_rn``) so that q equals the torch
 path's bit for bit.
@@ -26,6 +26,10 @@ MAX_SINGLE = 8192  # longest row quantized from registers (one read); measured o
 # 4k blocks and 8 warps at 12,288 rows on an H100; rows of 8k-16k columns (fc2's X) keep 4k / 8 (0.21 vs 0.23 ms)
 LONG_ROWS_FROM, LONG_ROWS = 16384, (8192, 16)
 ROWS_PER_PROGRAM = 1  # rows a program quantizes when they fit MAX_SINGLE (quant_variants_ms in check_fp8.py)
+# rows of 2k-4k columns without a column scale (X of qkv, proj and fc1 on the 8B: 4096): 4 rows a program and 16 warps,
+# 0.070 ms against 0.088 (one row, 8 warps) at 12,288 rows on an H100, same bits (quant_variants_ms, 2026-11-25); dY,
+# with its column scale, keeps one row a program (4 rows were slower at 6,144 columns: 0.28 / 0.19 vs 0.14 ms)
+SHORT_ROWS_FROM, SHORT_ROWS_UP_TO, SHORT_ROWS = 2049, 4096, (4, 16)
 _QMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
@@ -93,16 +97,27 @@ def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, col_scale: torch.T
     s = torch.empty(m, 1, device=x.device, dtype=torch.float32)
     if m == 0:
         return q, s
-    single = n <= max_single
-    long_block, long_warps = LONG_ROWS if n >= LONG_ROWS_FROM else (4096, 8)
-    block = block or (triton.next_power_of_2(n) if single else long_block)
-    rows = (rows or ROWS_PER_PROGRAM) if single else 1
-    warps = num_warps or (_warps(block * rows) if single else long_warps)
+    single, block, rows, warps = launch(n, col_scale is not None, max_single, num_warps, block, rows)
     cs = col_scale if col_scale is not None else s
     _quant_rows_kernel[(triton.cdiv(m, rows),)](
         x, cs, q, s, m, n, x.stride(0), q.stride(0), QMAX=_QMAX[dtype], EPS=eps, HAS_CS=col_scale is not None,
         BLOCK=block, SINGLE=single, ROWS=rows, num_warps=warps)
     return q, s
+
+
+def launch(n: int, has_col_scale: bool, max_single: int = MAX_SINGLE, num_warps: int | None = None,
+           block: int | None = None, rows: int | None = None) -> tuple[bool, int, int, int]:
+    """(one read?, BLOCK, rows a program, warps) of the row kernel for rows of ``n`` columns; a given
+    ``num_warps`` / ``block`` / ``rows`` overrides the choice."""
+    single = n <= max_single
+    if not single:
+        long_block, long_warps = LONG_ROWS if n >= LONG_ROWS_FROM else (4096, 8)
+        return False, block or long_block, 1, num_warps or long_warps
+    if rows is None and not has_col_scale and SHORT_ROWS_FROM <= n <= SHORT_ROWS_UP_TO:
+        rows, num_warps = SHORT_ROWS[0], num_warps or SHORT_ROWS[1]
+    block = block or triton.next_power_of_2(n)
+    rows = rows or ROWS_PER_PROGRAM
+    return True, block, rows, num_warps or _warps(block * rows)
 
 
 def _warps(elements: int) -> int:

@@ -13,6 +13,8 @@
 #     3. the gpu-marked FP8 tests and the one-op FP8 LoRA tests on CUDA.
 #   PHASE=quickstart: configs/quickstart.yaml (model.dtype=bfloat16) trained with a bf16 and then an fp8 base,
 #     `lorafusion generate` on configs/quickstart/heldout.jsonl (greedy), `export --merged` of the fp8 run.
+#   PHASE=bench: step 1 of main alone (e.g. BENCH_SPECS="bf16 fp8": the like-for-like pair).
+#   PHASE=probeqs: probe, then the quickstart (seed 1234) with bf16, fp8 (the shipped default) and fp8k1.
 #   PHASE=all: main, then the quickstart pair while the tests run (neither is timed).
 #   PHASE=final: the benches, then the quickstart pairs (seeds $QS_SEEDS) while the tests run, then check_fp8.py's
 #     per-layer errors and LoRA-linear times ($FINAL_SECTIONS; the model section is fp8_probe.py's, PHASE=probe).
@@ -90,7 +92,7 @@ print(json.dumps(out, indent=1))
 PY
 }
 quickstart() {  # QS_VARIANTS: bf16, fp8 (the shipped default), fp8kN (FP8 with the first N layers bf16)
-QS_SEEDS=${QS_SEEDS:-1234 3}; QS_VARIANTS=${QS_VARIANTS:-bf16 fp8}
+QS_SEEDS=${QS_SEEDS:-1234 3}; QS_VARIANTS=${QS_VARIANTS:-bf16 fp8}; local pids=()
 for seed in $QS_SEEDS; do for v in $QS_VARIANTS; do
   rm -rf "/tmp/qs-$v-$seed"
   case "$v" in fp8k*) CLI=(scripts/fp8_cli.py "${v#fp8k}"); p=fp8 ;; *) CLI=(-m lorafusion.cli); p=$v ;; esac
@@ -100,8 +102,11 @@ for seed in $QS_SEEDS; do for v in $QS_VARIANTS; do
     timeout 120 "$PY" "${CLI[@]}" generate "/tmp/qs-$v-$seed" --prompts configs/quickstart/heldout.jsonl \
       --out "/tmp/qs-$v-$seed-heldout.jsonl" --max-new-tokens 12 >> "$L/qs-$v-$seed.log" 2>&1
     echo "generate $v seed $seed rc=$? $((SECONDS-T0))s" ) &
+  pids+=("$!")
 done; done
-wait
+# Only these PIDs: a bare `wait` in the main shell also waits for `exec > >(tee ...)` above (bash >= 5.1), which
+# never exits, so PHASE=quickstart/probeqs hung until the call's timeout (2026-11-25).
+wait "${pids[@]}"
 qs_summary
 S1=${QS_SEEDS%% *}
 timeout 90 "$PY" -m lorafusion.cli export "/tmp/qs-fp8-$S1" --job successor --merged --out /tmp/qs-fp8-merged \
@@ -121,6 +126,7 @@ probe() {
 case "$PHASE" in
   probe) probe ;;
   probeqs) probe; QS_SEEDS=${QS_SEEDS:-1234} QS_VARIANTS=${QS_VARIANTS:-bf16 fp8 fp8k1} quickstart ;;
+  bench) bench ;;
   main) bench; quality; gpu_tests ;;
   quickstart) quickstart ;;
   final) bench; quickstart > "$L/quickstart.out" 2>&1 & QS=$!; gpu_tests; wait "$QS"; cat "$L/quickstart.out"

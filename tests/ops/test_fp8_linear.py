@@ -173,7 +173,8 @@ def test_cuda_forward_and_input_gradient_against_float64(m, k, n):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_fp8(), reason="needs an sm_89+ GPU")
-@pytest.mark.parametrize("m,n", [(1, 16), (70, 130), (4096, 14336), (256, 28672)])  # the last: 8k blocks
+@pytest.mark.parametrize("m,n", [(1, 16), (70, 130), (1001, 4096), (4096, 14336), (256, 28672)])  # 4096: 4 rows a
+# program by default (the 1001st row alone in its program); 28672: 8k blocks
 def test_triton_transpose_and_two_pass_quantization(m, n):
     from lorafusion.kernels.fp8_quant import quantize_rows_triton
 
@@ -210,6 +211,20 @@ def test_forward_and_input_gradient_against_the_original_weight_with_channels_ov
     assert float((x.grad.double() - dx_ref).norm() / dx_ref.norm()) < 0.06
 
 
+def test_row_kernel_launch_choice():
+    """The measured launch per row length (kernels/fp8_quant.py): 4 rows a program for 4096-column rows without a
+    column scale, one row with it; two loops of 8k blocks from 16k columns; explicit arguments override."""
+    from lorafusion.kernels.fp8_quant import launch
+
+    assert launch(4096, False) == (True, 4096, 4, 16)
+    assert launch(4096, True) == (True, 4096, 1, 8)
+    assert launch(6144, False) == (True, 8192, 1, 8)
+    assert launch(64, False) == (True, 64, 1, 4)
+    assert launch(4096, False, rows=1) == (True, 4096, 1, 8)  # check_fp8.py's reference launch
+    assert launch(14336, False) == (False, 4096, 1, 8)
+    assert launch(28672, True) == (False, 8192, 1, 16)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU: Triton's interpreter (the GPU test above checks q)")
 @pytest.mark.parametrize("max_single,rows", [(8192, 1), (8192, 4), (32, 1)])  # one read: a row / 4 rows a
 @pytest.mark.parametrize("col_scale", [False, True])  # program (6 rows: the last program half empty); two loops
@@ -225,3 +240,15 @@ def test_triton_row_kernel_scales_on_cpu(src, col_scale, max_single, rows):
     q, s = quantize_rows_triton(x, F.E4M3, c, F.EPS, max_single=max_single, rows=rows)
     _, s_ref = F.quantize_rows_torch(x, F.E4M3, c)
     assert q.shape == x.shape and q.dtype == F.E4M3 and torch.equal(s, s_ref)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU: Triton's interpreter (the GPU test above checks q)")
+def test_triton_row_kernel_default_launch_of_4096_columns_on_cpu():
+    """The default launch of 4096-column rows (4 rows a program; 6 rows: the second program half empty) in the
+    interpreter: scales equal the torch path's bit for bit."""
+    from lorafusion.kernels.fp8_quant import quantize_rows_triton
+
+    x, _ = _data(6, 4096, 8, torch.float32)
+    q, s = quantize_rows_triton(x, F.E4M3, None, F.EPS)
+    _, s_ref = F.quantize_rows_torch(x, F.E4M3)
+    assert q.shape == x.shape and torch.equal(s, s_ref)
