@@ -146,21 +146,13 @@ def test_the_static_step_reads_nothing_back_and_builds_no_host_tensor(cpu_model,
     warm-up before capture builds the LoRA tables), no op of the step reads a tensor value on the host
     (``.item()``, ``bool(t)``, ``.tolist()``, nonzero: each waits for the GPU, and capture refuses it) or makes
     a tensor from host data (``torch.tensor``: a copy from host memory, which capture would bake in)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from dispatch_utils import HOST_READS, OpWatch
 
     from lorafusion.inference.generate import Request, generate_ids
     from lorafusion.inference.static_decode import StaticStep
 
-    flagged = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default",
-               "aten.item.default", "aten.equal.default", "aten.allclose.default", "aten.lift_fresh.default",
-               "aten._pin_memory.default"}
+    flagged = HOST_READS | {"aten.lift_fresh.default", "aten._pin_memory.default"}  # (+ tensors from host data)
     seen: list[str] = []
-
-    class Watch(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if str(func) in flagged:
-                seen.append(str(func))
-            return func(*args, **(kwargs or {}))
 
     steps = []
     forward = StaticStep.forward
@@ -169,7 +161,7 @@ def test_the_static_step_reads_nothing_back_and_builds_no_host_tensor(cpu_model,
         if not steps:
             steps.append(forward(self))
             return steps[-1]
-        with Watch():
+        with OpWatch(flagged, seen):
             steps.append(forward(self))
         return steps[-1]
 
@@ -177,6 +169,6 @@ def test_the_static_step_reads_nothing_back_and_builds_no_host_tensor(cpu_model,
     reqs = [Request({}, j, p, "") for j, p in zip(JOBS, PROMPTS)]
     generate_ids(cpu_model, reqs, eos_id=-1, max_new_tokens=4, context=64, decode="static")
     assert len(steps) == 3 and seen == []
-    with Watch():  # the watch itself sees both kinds
+    with OpWatch(flagged, seen):  # the watch itself sees both kinds
         float(torch.tensor([1.0]).sum())
     assert seen == ["aten.lift_fresh.default", "aten._local_scalar_dense.default"]

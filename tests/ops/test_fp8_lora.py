@@ -103,19 +103,11 @@ def test_forward_and_backward_read_nothing_back_to_the_host():
     """No op of the FP8 one-op linear's forward+backward reads a tensor value on the host (``.item()``,
     ``bool(t)``, ``.tolist()``, nonzero...): on CUDA each of those waits for the GPU. Counted at the dispatcher
     (on CPU the same Python code runs; the seeds already on the device, as the LoRA layers pass them)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    syncing = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default",
-               "aten.item.default", "aten.equal.default", "aten.allclose.default"}
-    seen: list[str] = []
-
-    class Watch(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if str(func) in syncing:
-                seen.append(str(func))
-            return func(*args, **(kwargs or {}))
+    from dispatch_utils import OpWatch
 
     from lorafusion.ops.tables import TableCache
+
+    seen: list[str] = []
 
     x, w_q, w_s, bias, A, B, sc, ps, seeds, routing, dy = _case(48, 32, 64, DTYPES[0], seed=9)
     A = [a.detach().requires_grad_(True) for a in A]
@@ -124,10 +116,10 @@ def test_forward_and_backward_read_nothing_back_to_the_host():
     cache, seed_table = TableCache(), torch.tensor(seeds, dtype=torch.int64, device=DEV)
     fp8_multi_lora_linear(x, w_q, w_s, bias, A, B, sc, ps, seeds, routing, cache=cache,
                           seed_table=seed_table).backward(dy)  # the routing's tables built (once a microbatch)
-    with Watch():
+    with OpWatch(seen=seen):
         fp8_multi_lora_linear(x, w_q, w_s, bias, A, B, sc, ps, seeds, routing, cache=cache,
                               seed_table=seed_table).backward(dy)
     assert seen == []
-    with Watch():  # the watch itself sees a host read
+    with OpWatch(seen=seen):  # the watch itself sees a host read
         float(x.sum())
     assert seen == ["aten._local_scalar_dense.default"]
