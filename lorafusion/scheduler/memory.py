@@ -105,7 +105,6 @@ class MemorySetup:
     stage_layers: tuple[int, ...] | None = None
     virtual_stages: int = 1
     fused_ops: bool = True  # the fused RMSNorm / SwiGLU / linear cross-entropy (the GPU default)
-    lora_kernels: str = "triton"  # the LoRA ops' impl (core.impls); the same saved tensors either way on a GPU
     # what the core attention saves (``attention_elems``): "varlen" (torch's FlashAttention varlen op, k and v
     # expanded to the query heads first: a torch without its enable_gqa), "varlen-gqa" (the same op given the
     # grouped k and v) or "per-sample" (one SDPA per sample: models/attention.py's fallback and CPU path)

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lorafusion.core.errors import UserError
-from lorafusion.core.impls import lora_impl
 from lorafusion.core.precision import FP8_BF16_LEADING_LAYERS
 
 from .costmodel import CostModel
@@ -106,8 +105,7 @@ def setup_from_run(cfg, arch, dp: int = 1, fused_ops: bool = True) -> MemorySetu
                        tp=p.tp, pp=p.pp, dp=dp,
                        sequence_parallel=p.sequence_parallel,
                        stage_layers=tuple(layers_per_stage(cfg, arch)),
-                       virtual_stages=getattr(p, "virtual_stages", None) or 1, fused_ops=fused_ops,
-                       lora_kernels=lora_impl(cfg.kernels) or "triton")
+                       virtual_stages=getattr(p, "virtual_stages", None) or 1, fused_ops=fused_ops)
 
 
 def _fewest(s: MemorySetup, stage: int, capacity: int, gpu: float, c: Coefficients) -> int | None:

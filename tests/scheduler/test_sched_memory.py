@@ -282,8 +282,7 @@ def test_run_config_fp8_base_and_virtual_stages_reach_the_model():
 
 def test_reference_kernels_save_what_the_fused_ones_save_and_predict_their_h100_run():
     # issue 24 (speed3, commit 5f4036c): kernels=reference at its auto capacity 7,680 peaked at 54.8 GiB on one
-    # H100 (68.3 predicted while the model counted a dropped input per linear, which the torch path does not keep)
+    # H100 (68.3 predicted while the model counted a dropped input per linear, which the torch path does not keep).
+    # The setup has no LoRA-impl field: both impls save the same tensors, so one prediction serves both.
     c = load_coefficients()
-    ref, fused = _setup(lora_kernels="torch"), _setup(lora_kernels="triton")
-    assert stage_memory(ref, 0, 7680, 0, c).peak == stage_memory(fused, 0, 7680, 0, c).peak
-    assert abs(stage_memory(ref, 0, 7680, 0, c).peak / GIB / 54.8 - 1) < 0.07
+    assert abs(stage_memory(_setup(), 0, 7680, 0, c).peak / GIB / 54.8 - 1) < 0.07
