@@ -143,13 +143,9 @@ class _TorchShrink(torch.autograd.Function):
         x2d, *lora_A = ctx.saved_tensors
         dS = dS.to(x2d.dtype)
         need_x = ctx.needs_input_grad[0]
-        dx = torch.empty_like(x2d) if need_x else None  # every segment's rows are written below; gaps zeroed here
+        dx = _empty_but_gaps(x2d.shape, x2d, routing) if need_x else None  # segment rows written below
         dA = [None] * len(lora_A)
-        pos = 0
         for slot, start, length in routing.segments:
-            if need_x and start > pos:
-                dx[pos:start].zero_()
-            pos = start + length
             a = lora_A[slot]
             r = a.shape[0]
             ds = dS[start:start + length, :r]
@@ -160,9 +156,21 @@ class _TorchShrink(torch.autograd.Function):
                 dA[slot] = g if dA[slot] is None else dA[slot] + g
             if need_x:
                 dx[sl] = _drop(ds @ a.to(x2d.dtype), seeds[slot], ids[sl], ps[slot], k_offset, k_total)
-        if need_x and pos < x2d.shape[0]:
-            dx[pos:].zero_()
         return (dx, None, *dA)
+
+
+def _empty_but_gaps(shape, like: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """An uninitialised tensor of ``shape`` (``like``'s dtype and device) whose rows outside every segment of
+    ``routing`` are zero: the caller writes each segment's rows (one pass over the output fewer than zeros)."""
+    out = like.new_empty(shape)
+    pos = 0
+    for _, start, length in routing.segments:
+        if start > pos:
+            out[pos:start].zero_()
+        pos = start + length
+    if pos < shape[0]:
+        out[pos:].zero_()
+    return out
 
 
 class _TorchExpand(torch.autograd.Function):
@@ -175,15 +183,9 @@ class _TorchExpand(torch.autograd.Function):
     def forward(ctx, S, routing, scaling, *lora_B):
         m, n = S.shape[0], lora_B[0].shape[0]
         bs = [(b * float(sc)).to(S.dtype) for b, sc in zip(lora_B, scaling, strict=True)]  # one rounding, as b.to()
-        out = S.new_empty(m, n)
-        pos = 0
+        out = _empty_but_gaps((m, n), S, routing)
         for slot, start, length in routing.segments:
-            if start > pos:
-                out[pos:start].zero_()
             torch.mm(S[start:start + length, : bs[slot].shape[1]], bs[slot].t(), out=out[start:start + length])
-            pos = start + length
-        if pos < m:
-            out[pos:].zero_()
         ctx.routing, ctx.scaling, ctx.b_dtypes = routing, [float(sc) for sc in scaling], [b.dtype for b in lora_B]
         ctx.save_for_backward(S, *bs)
         return out
