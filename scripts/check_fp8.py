@@ -154,6 +154,12 @@ def step(model, batch, names, dtype: torch.dtype = torch.float32):
     return {n: v.item() for n, v in losses.items()}, grads
 
 
+def grad_cosines(grads: dict, ref: dict) -> dict:
+    """Each LoRA gradient's cosine similarity with its reference (float64), by name."""
+    return {k: float(torch.nn.functional.cosine_similarity(grads[k].flatten().double(), ref[k].flatten().double(),
+                                                           dim=0)) for k in ref}
+
+
 def model_check(mb_tokens: int) -> dict:
     from lorafusion.data import pack_microbatch
     from lorafusion.layers.fp8_base import base_weight_bytes, quantize_base
@@ -183,8 +189,7 @@ def model_check(mb_tokens: int) -> dict:
                 out[f"profile_{precision}"] = {"error": repr(e)}
     out["fwd_bwd_speedup"] = out["ms_fwd_bwd_bf16"] / out["ms_fwd_bwd_fp8"]
     g16, g8 = res["bf16"][1], res["fp8"][1]
-    cos = {k: float(torch.nn.functional.cosine_similarity(g8[k].flatten().double(), g16[k].flatten().double(),
-                                                          dim=0)) for k in g16}
+    cos = grad_cosines(g8, g16)
     vals = sorted(cos.values())
     out["grad_cosine"] = {"tensors": len(vals), "min": vals[0], "median": statistics.median(vals),
                           "p01": vals[len(vals) // 100], "below_0.99": sum(v < 0.99 for v in vals),
