@@ -26,12 +26,12 @@ def init_distributed(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str
 
     cuda = torch.cuda.is_available()
     if not cuda:
-        from lorafusion.compat.megatron import apply_cpu_patches
+        from megatron_patches import apply_cpu_patches
 
         apply_cpu_patches()
-    from lorafusion.compat.megatron import apply_stream_local_p2p_sync
+    from megatron_patches import apply_stream_local_p2p_sync
 
-    apply_stream_local_p2p_sync()  # no device-wide synchronise in the pipeline p2p (see lorafusion/compat/megatron/p2p.py)
+    apply_stream_local_p2p_sync()  # no device-wide synchronise in the pipeline p2p (see megatron_patches/p2p.py)
     if not dist.is_initialized():
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -12,7 +12,7 @@ activations' dtype and device). One forward serves every sequence at once, packe
 
 RoPE: Megatron's packed RoPE restarts positions at each ``cu_seqlens`` boundary, so a decode row would be
 rotated as position 0. Inside :func:`decoding` the rows are rotated at their true positions instead
-(``lorafusion.compat.megatron.apply_rope_positions_patch``, which reads ``config.rope_positions``, a field of ``LoRAFusionConfig``).
+(``megatron_patches.apply_rope_positions_patch``, which reads ``config.rope_positions``, a field of ``LoRAFusionConfig``).
 
 Training never sees any of this: the attention checks one attribute (``kv_cache``, None outside
 :func:`decoding`) and the RoPE patch is installed only by :func:`decoding`.
@@ -150,7 +150,7 @@ def decoding(model, cache: KVCache):
     """Route every packed forward of ``model`` inside the block through ``cache`` (keys/values kept per
     slot, RoPE at the planned positions). Plan each forward with ``cache.prefill``/``cache.decode`` and
     commit it with ``cache.advance``."""
-    from lorafusion.compat.megatron import apply_rope_positions_patch
+    from megatron_patches import apply_rope_positions_patch
 
     apply_rope_positions_patch()  # outermost, even over a RoPE patch installed since the last call
     mods = attention_modules(model)

@@ -30,7 +30,7 @@ class LoRAFusionConfig(TransformerConfig):
 
     packed_rope_impl: str | None = None
     """Packed-sequence RoPE implementation ("torch" / "triton") used by the dispatcher that
-    ``lorafusion.compat.megatron.apply_packed_rope_patch`` installs; None = Megatron's own RoPE."""
+    ``megatron_patches.apply_packed_rope_patch`` installs; None = Megatron's own RoPE."""
 
     base_precision: str = "bf16"
     """Precision of the frozen decoder linears: "bf16" as built, "fp8" once
@@ -42,7 +42,7 @@ class LoRAFusionConfig(TransformerConfig):
 
     rope_positions: torch.Tensor | None = None
     """Decoding with a KV cache only: the position of each packed row ([t] long), set per forward inside
-    :func:`lorafusion.inference.kv_cache.decoding` and read by ``compat.megatron.apply_rope_positions_patch``'s
+    :func:`lorafusion.inference.kv_cache.decoding` and read by ``megatron_patches.apply_rope_positions_patch``'s
     RoPE; None (training, and outside ``decoding``): positions restart at every ``cu_seqlens`` boundary."""
 
 

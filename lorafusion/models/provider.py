@@ -85,7 +85,7 @@ def _build_chunk(arch, cfg, transformer_impl, mode, impl, sequence_parallel, dev
     layer_spec = lora_layer_spec(transformer_impl, fused_ops=mode, sequence_parallel=sequence_parallel)
     norm_impl = impl or ("torch" if sequence_parallel else None)
     if impl is not None:
-        from lorafusion.compat.megatron import apply_packed_rope_patch
+        from megatron_patches import apply_packed_rope_patch
         from lorafusion.models.fused.rope import packed_rope
 
         apply_packed_rope_patch(packed_rope)  # its dispatcher reads cfg.packed_rope_impl (fused_config_overrides)
@@ -123,7 +123,7 @@ def enable_lora_recompute(model: GPTModel) -> None:
        backward when an input requires grad, and on the first stage no input would, so the first stage's
        adapters would silently get no gradient.
     """
-    from lorafusion.compat.megatron import apply_recompute_state_hook
+    from megatron_patches import apply_recompute_state_hook
 
     from lorafusion.layers.lora_linear import capture_routing, restore_routing
 

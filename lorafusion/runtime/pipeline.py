@@ -213,7 +213,7 @@ def run_chunk(model, chunk: Chunk, optimizers: dict, *, seed: int, device: torch
     """Train on ``chunk`` (this rank's packed microbatches). Returns ``{"compute_s", "steps"}`` with one
     ``{"key", "loss", "grad_norm", "lr", "tokens"}`` per (job, batch), in plan step order."""
 
-    from lorafusion.compat.megatron import after_each_backward
+    from megatron_patches import after_each_backward
     from lorafusion.layers import set_batch
 
     pad = sp_pad(model)

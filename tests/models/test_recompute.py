@@ -1,6 +1,6 @@
 """Full activation recomputation with LoRA routing, interleaved as 1F1B does it: forward of microbatch 1,
 forward of microbatch 2 (the model's routing is now 2's), then backward of 1 — whose recompute must run with
-1's routing, restored by the hook in ``lorafusion.compat.megatron.recompute``. On CUDA this is the path of the 70B PP=4
+1's routing, restored by the hook in ``megatron_patches.recompute``. On CUDA this is the path of the 70B PP=4
 crash: the fused kernels, their device tables and packer row ids (numpy) in the routing."""
 
 import pytest
@@ -35,7 +35,7 @@ def test_recompute_layers_checkpoints_the_first_n_layers_of_the_stage(megatron_s
     import lorafusion.layers.lora_linear as ll
     from lorafusion.core.errors import ConfigError
     from lorafusion.models.provider import build_model
-    from lorafusion.compat.megatron import apply_recompute_state_hook
+    from megatron_patches import apply_recompute_state_hook
 
     calls = []
 
@@ -72,7 +72,7 @@ def test_recompute_without_the_routing_restore_is_caught(megatron_single, monkey
         with pytest.raises((AssertionError, RuntimeError, ValueError)):
             _check("cpu", torch.float32, 1e-6)
     finally:  # put the real hook back for models built before this test
-        from lorafusion.compat.megatron import apply_recompute_state_hook
+        from megatron_patches import apply_recompute_state_hook
 
         monkeypatch.undo()
         apply_recompute_state_hook(ll.capture_routing, ll.restore_routing)

@@ -1,6 +1,6 @@
 """Packed RoPE: positions from cu_seqlens, cos/sin from Megatron's table, the rotation vs Megatron's thd
 path (bit-identical for the torch impl) and vs the float64 reference (output and gradient), no host syncs,
-and the lorafusion.compat.megatron dispatcher."""
+and the megatron_patches dispatcher."""
 
 import pytest
 import torch
@@ -111,7 +111,7 @@ def test_cos_sin_built_once_per_microbatch():
 def test_dispatcher_only_for_models_that_ask(megatron_single):
     import megatron.core.transformer.attention as attention
 
-    from lorafusion.compat.megatron import apply_packed_rope_patch, packed_rope_patch_applied
+    from megatron_patches import apply_packed_rope_patch, packed_rope_patch_applied
     from lorafusion.core.arch import preset
     from lorafusion.models.spec import transformer_config
 

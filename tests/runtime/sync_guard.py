@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from lorafusion.compat.megatron import apply_cpu_patches
+from megatron_patches import apply_cpu_patches
 from lorafusion.runtime import optim
 
 apply_cpu_patches()  # (idempotent: init_distributed's later call keeps the guard below)

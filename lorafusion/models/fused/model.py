@@ -6,7 +6,7 @@
 - SwiGLU: ``MLPSubmodules.activation_func`` = :class:`~lorafusion.models.fused.swiglu.SwiGLU`, which
   Megatron's MLP applies to the whole fc1 output when ``config.use_te_activation_func`` is set (despite its
   name the flag only selects "call the activation module on the fc1 output").
-- RoPE: ``config.packed_rope_impl`` plus ``lorafusion.compat.megatron.apply_packed_rope_patch``.
+- RoPE: ``config.packed_rope_impl`` plus ``megatron_patches.apply_packed_rope_patch``.
 - Loss: :class:`FusedLossGPTModel` returns the per-token loss [b, s] from
   :func:`~lorafusion.models.fused.linear_cross_entropy.linear_cross_entropy` exactly where
   ``GPTModel`` returned ``compute_language_model_loss(labels, logits)`` — only with TP == 1 (otherwise

@@ -10,11 +10,11 @@ pipeline p2p while a gradient-norm all-reduce is pending) work on CPU and GPU; :
 (a callback after each pipeline backward step) holds only inside its ``with``. Nothing is patched on import.
 """
 
-from lorafusion.compat.megatron.cpu import apply_cpu_patches, cpu_patches_applied
-from lorafusion.compat.megatron.p2p import apply_stream_local_p2p_sync, stream_local_p2p_sync_applied
-from lorafusion.compat.megatron.recompute import apply_recompute_state_hook
-from lorafusion.compat.megatron.schedule import after_each_backward
-from lorafusion.compat.megatron.rope import (
+from megatron_patches.cpu import apply_cpu_patches, cpu_patches_applied
+from megatron_patches.p2p import apply_stream_local_p2p_sync, stream_local_p2p_sync_applied
+from megatron_patches.recompute import apply_recompute_state_hook
+from megatron_patches.schedule import after_each_backward
+from megatron_patches.rope import (
     apply_packed_rope_patch,
     apply_rope_positions_patch,
     packed_rope_patch_applied,

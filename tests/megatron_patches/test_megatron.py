@@ -1,11 +1,11 @@
-"""lorafusion.compat.megatron: explicit, idempotent CPU shims; a 2-layer GPT trains a step on CPU."""
+"""megatron_patches: explicit, idempotent CPU shims; a 2-layer GPT trains a step on CPU."""
 
 import subprocess
 import sys
 
 import torch
 
-import lorafusion.compat.megatron as megatron_patches
+import megatron_patches as megatron_patches
 
 
 def test_patches_apply_idempotently(megatron_single):
@@ -20,7 +20,7 @@ def test_no_patch_when_cuda_is_present():
         "import torch\n"
         "torch.cuda.is_available = lambda: True\n"
         "orig = torch.cuda.current_device\n"
-        "import lorafusion.compat.megatron as megatron_patches\n"
+        "import megatron_patches as megatron_patches\n"
         "assert megatron_patches.apply_cpu_patches() is False\n"
         "assert torch.cuda.current_device is orig and not megatron_patches.cpu_patches_applied()\n"
         "print('ok')\n"
