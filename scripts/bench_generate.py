@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Decoding speed of ``lorafusion generate`` after a warm-up, beside transformers + PEFT ``generate`` on the same
-weights and adapter (issue 28). Times :func:`lorafusion.inference.generate.generate_ids`, the function the CLI
+weights and adapter. Times :func:`lorafusion.inference.generate.generate_ids`, the function the CLI
 runs for every batch (packed prefill, then one packed row per live sequence per step through the KV cache), on a
 preset base with random weights and LoRA adapters (r=16, all-linear, B drawn nonzero so every LoRA term computes).
 
@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
 import torch
+from _bench import run_info, timed_ms
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -78,17 +77,8 @@ def prompt_rows(args, adapters: list[str], vocab: int) -> list[tuple[str | None,
 
 
 def timed(fn) -> float:
-    if DEV == "cpu":
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
+    """Seconds of one call (CUDA events on a GPU)."""
+    return timed_ms(fn) / 1e3
 
 
 def ours(model, rows, args, context: int, decode: str | None = None) -> dict:
@@ -202,15 +192,6 @@ def theirs(hf, rows, args) -> dict:
             "outputs": out[0][:, width:].tolist()}
 
 
-def commit() -> str | None:
-    """The tree's commit: ``.commit`` beside scripts/ when the tree was copied without its git directory (a
-    device run), else git's HEAD."""
-    if (ROOT / ".commit").is_file():
-        return (ROOT / ".commit").read_text().strip()
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip() or None
-
-
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-llama")
@@ -247,9 +228,7 @@ def main() -> None:
     model, arch = build(args.model, adapters, args.dtype, args.seed, args.impl)
     rows = prompt_rows(args, adapters, arch.vocab_size)
     context = preset(args.model).max_position_embeddings
-    res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
-           "commit": commit(),
-           "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+    res = {**run_info(),
            "model": args.model, "dtype": args.dtype, "lora_impl": args.impl or "auto", "rows": len(rows), "adapters": adapters,
            "prompt_tokens": [len(x) for _, x in rows], "new_tokens_per_row": args.new_tokens}
     res["lorafusion"] = ours(model, rows, args, context)

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
-import subprocess
 import sys
 import time
 
@@ -28,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from _bench import median_ms, run_info, write_json  # noqa: E402
 
 SHAPES = [(8192, 4096, 4096), (8192, 4096, 14336), (8192, 14336, 4096), (16384, 4096, 4096), (4096, 8192, 8192)]
 
@@ -37,12 +37,7 @@ def bench(fn, grad_to_none=None, warmup=25, rep=100) -> float:
         import triton.testing
 
         return triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")
-    ts = []
-    for _ in range(3):
-        t = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t) * 1e3)
-    return sorted(ts)[1]
+    return median_ms(fn, warmup=0, iters=3)
 
 
 def graph_ms(fn, gtn, warmup, rep) -> float | None:
@@ -381,6 +376,7 @@ def main():
     ap.add_argument("--breakdown", action="store_true", help="also time each kernel alone")
     ap.add_argument("--warmup", type=int, default=25, help="ms (do_bench)")
     ap.add_argument("--rep", type=int, default=100, help="ms (do_bench)")
+    ap.add_argument("--out", help="also write the JSON record here")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU/interpreter check of the script)")
     ap.add_argument("--profile-host", action="store_true", help="cProfile the host side of fused fwd+bwd, then exit")
     args = ap.parse_args()
@@ -393,12 +389,7 @@ def main():
     shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
     if args.smoke:
         shapes = [(64, 48, 40)]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    report = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__,
-              "commit": commit, "r": args.r, "p": args.p, "dtype": str(dtype), "single": [], "multi": None,
+    report = {**run_info(), "torch": torch.__version__, "r": args.r, "p": args.p, "dtype": str(dtype), "single": [], "multi": None,
               "breakdown": []}
     import triton
 
@@ -432,7 +423,7 @@ def main():
         print("multi (4 adapters, r 8/16/32/64, segments " + "/".join(map(str, res["lengths"])) + "): " +
               ", ".join(f"{key}={v:.3f}ms" for key, v in res["ms"].items()))
         print("multi ratios: " + ", ".join(f"{key}={v:.3f}" for key, v in res["ratios"].items()))
-    print(json.dumps(report))
+    write_json(report, args.out, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Four adapters in one packed microbatch vs one adapter over the same tokens (issue 24): forward + backward of
+"""Four adapters in one packed microbatch vs one adapter over the same tokens: forward + backward of
 the whole LLaMA-3.1-8B-shaped model (bf16, the layers' fused LoRA path as training runs it, fused loss) on one
 microbatch of realistic samples (the four bench datasets' lognormal lengths packed up to ``--tokens``), the same
 samples and model every time; only the routing differs:
@@ -6,27 +6,33 @@ samples and model every time; only the routing differs:
   one_r16   every sample trains one r=16 adapter (what "one job at a time" runs per microbatch)
   four_r16  the samples in four contiguous groups, one r=16 adapter each (what packing four jobs runs)
   one_r64   one r=64 adapter (the same total rank as the four)
+  four_r16_shared_a  as four_r16 with one A shared by the projections of a fused linear (q/k/v, gate/up)
+            instead of PEFT's A per projection (not in the default ``--variants``)
 
 Alternating variants, CUDA events, ``--warmup`` calls, median of ``--iters``. ``--profile``: then one profiled
 step per variant (torch.profiler): GPU time by kernel family and the kernels that differ most between
 four_r16 and one_r16. Prints a table, last line JSON.
 
     python3 scripts/bench_model_step.py --tokens 12288 --profile --out /tmp/model_step.json
+    python3 scripts/bench_model_step.py --variants four_r16,four_r16_shared_a --out /tmp/shared_a.json
     python3 scripts/bench_model_step.py --preset tiny-llama --tokens 256 --layers 2 --iters 1   # CPU smoke test
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
 import time
 
 import torch
+from _bench import run_info, timed_ms, write_json
 
-VARIANTS = {"one_r16": (1, 16), "four_r16": (4, 16), "one_r64": (1, 64)}
+# name: (adapters, rank, one A shared by a fused linear's projections)
+VARIANTS = {"one_r16": (1, 16, False), "four_r16": (4, 16, False), "one_r64": (1, 64, False),
+            "four_r16_shared_a": (4, 16, True)}
+DEFAULT_VARIANTS = ("one_r16", "four_r16", "one_r64")
 FAMILIES = (("LoRA (Triton)", ("_lora_gemm", "_shrink", "_ds_db", "_da_dx", "_da_kernel")),  # first match wins
             ("attention (flash)", ("flash",)),
             ("gemm (cuBLAS)", ("nvjet", "gemm", "cutlass", "sm90_xmma", "cublas")),
@@ -78,10 +84,11 @@ def build(args, dev):
     samples = sample_lengths(args.tokens, arch.vocab_size)
     batches = {}
     for v in args.variants:
-        count, r = VARIANTS[v]
+        count, r, shared = VARIANTS[v]
         names = [f"{v}_{i}" for i in range(count)]
         for i, name in enumerate(names):
-            add_adapter(model, name, LoRASpec(r=r, lora_alpha=2 * r, lora_dropout=0.1), seed=i)
+            add_adapter(model, name, LoRASpec(r=r, lora_alpha=2 * r, lora_dropout=0.1, shared_fused_a=shared),
+                        seed=i)
             with torch.no_grad():
                 for k, p in adapter_parameters(model, name).items():
                     if k.endswith("lora_B"):
@@ -127,20 +134,6 @@ def apply_env(env: dict[str, str], all_vars: set[str]) -> None:
             os.environ.pop(k, None)
 
 
-def timed(fn, cuda: bool) -> float:
-    if not cuda:
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end)
-
-
 def kernel_profile(fn) -> tuple[dict[str, float], dict]:
     """GPU ms of each kernel name over one call of ``fn`` (CUDA activity only: the host is not traced, so its
     pace is close to an unprofiled step's), and the timeline: the step's wall time (CUDA events around it),
@@ -150,7 +143,7 @@ def kernel_profile(fn) -> tuple[dict[str, float], dict]:
 
     cuda = torch.cuda.is_available()  # (on a CPU: its ops, a smoke test of this code)
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as p:
-        wall = timed(fn, cuda)
+        wall = timed_ms(fn)
     kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
     by: dict[str, float] = {}
     for e in p.events():
@@ -208,10 +201,11 @@ def report(args, samples, times, settings, name, cuda) -> dict:
         if t:
             print(f"  {v:9s} fwd+bwd median {med[v]:8.1f} ms  tokens/s {ntok / med[v] * 1e3:8,.0f}  "
                   f"(all {', '.join(f'{x:.1f}' for x in t)})")
-    rec = {"device": name, "torch": torch.__version__, **vars(args), "tokens_packed": ntok, "samples": len(samples),
+    rec = {**run_info(), "torch": torch.__version__, **vars(args), "tokens_packed": ntok, "samples": len(samples),
            "median_ms": med, "all_ms": times, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
     ratio = lambda a, b: med[a] / med[b] if a in med and b in med else None  # noqa: E731
     rec["four_over_one_r16"], rec["four_over_one_r64"] = ratio("four_r16", "one_r16"), ratio("four_r16", "one_r64")
+    rec["per_projection_a_over_shared_a"] = ratio("four_r16", "four_r16_shared_a")
     for tag in list(settings)[1:]:
         rec[f"{tag[1:]}_over_shipped"] = {v: ratio(v + tag, v) for v in args.variants}
         rec[f"four_over_one_r16{tag}"] = ratio("four_r16" + tag, "one_r16" + tag)
@@ -227,7 +221,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                    help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--preset", default="llama3.1-8b", help="tiny-llama + a CPU: a smoke test of this script")
     ap.add_argument("--profile", action="store_true", help="one profiled step per variant right after the warm-up "
                     "(printed before the timed loop, so a run cut later still has it)")
@@ -257,7 +252,7 @@ def main() -> None:
     for it in range(args.warmup):
         for v, tag, env in runs:
             apply_env(env, all_vars)
-            ms = timed(lambda b=batches[v][0], s=batches[v][1]: step(model, b, s), cuda)
+            ms = timed_ms(lambda b=batches[v][0], s=batches[v][1]: step(model, b, s))
             stamp(t0, f"warm-up {it}: {v}{tag} {ms:.1f} ms")
     rec: dict = {}
     if args.profile:
@@ -273,13 +268,10 @@ def main() -> None:
             break
         for v, tag, env in runs:  # alternating: clocks and temperature drift hit all alike
             apply_env(env, all_vars)
-            times[v + tag].append(timed(lambda b=batches[v][0], s=batches[v][1]: step(model, b, s), cuda))
+            times[v + tag].append(timed_ms(lambda b=batches[v][0], s=batches[v][1]: step(model, b, s)))
     apply_env({}, all_vars)
     rec = dict(report(args, samples, times, settings, name, cuda), **rec)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rec, f, indent=2)
-    print(json.dumps(rec))
+    write_json(rec, args.out)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -42,6 +40,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from _bench import command, commit  # noqa: E402
 
 from lorafusion.scheduler import SchedulerConfig  # noqa: E402
 from lorafusion.scheduler.replay import (  # noqa: E402
@@ -300,14 +299,12 @@ def main() -> None:
         results[name] = run_setting(name, trace, costs[name], sweep, args.rho, scale=not args.trace)
     head = {n: r["headline"] for n, r in results.items()}
     over = over_traces(args, costs, head) if (args.seeds.strip() and not args.trace) else None
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
     doc = {
         "date": time.strftime("%Y-%m-%d"),
         "what": "simulated job completion time (1F1B simulator, cost model fitted to GPU measurements); "
                 "not a GPU run",
-        "command": "python " + shlex.join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
-        "commit": commit,
+        "command": command(),
+        "commit": commit(),
         "rho": args.rho,
         "load_rule": "offered load rho = arrival rate x mean job time alone (sequential FIFO service time "
                      "under the fitted model); same jobs at every load, arrival times scaled",

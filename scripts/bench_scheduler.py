@@ -48,6 +48,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _bench import run_info, write_json  # noqa: E402
+
 from lorafusion.scheduler import (
     CostModel,
     JobSpec,
@@ -175,6 +177,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--balance", choices=["fill", "even"], default="fill")
     ap.add_argument("--plots", default="", help="directory for Gantt/packing PNGs of the headline")
+    ap.add_argument("--out", help="also write the JSON record here")
     args = ap.parse_args()
 
     scenarios = {s: SCENARIOS[s] for s in args.scenarios}
@@ -205,7 +208,8 @@ def main() -> None:
     if args.plots:
         render_headline(scenarios[hs], int(hc), args, cm)
     times = [t for r in s4 for t in r["plan_times"]]
-    print(json.dumps({
+    write_json({
+        **run_info(),
         "plan_s_p50": round(statistics.median(head["plan_times"]), 4),
         "plan_s_max": round(max(head["plan_times"]), 4),
         "padding_frac": round(head["padding_frac"], 4),
@@ -216,7 +220,7 @@ def main() -> None:
         "plan_s_max_all_s4": round(max(times), 4),
         "padding_frac_worst_s4": round(max(r["padding_frac"] for r in s4), 4),
         "imbalance_worst_s4": round(max(r["imbalance"] for r in s4), 4),
-    }))
+    }, args.out)
 
 
 def render_headline(profiles, capacity: int, args, cm: CostModel) -> None:

@@ -28,13 +28,13 @@ import gc
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from _bench import run_info  # noqa: E402
 
 CAPACITIES = (2048, 4096, 8192, 12288, 16384)
 ADAPTER_SETS = ((4, 16), (12, 16), (4, 64), (12, 64))  # (count, rank)
@@ -168,10 +168,7 @@ def measure(args) -> None:
     t_start = time.perf_counter()
     init_distributed(1, 1, seed=1)
     dev = torch.device("cuda", torch.cuda.current_device())
-    commit = os.environ.get("BENCH_COMMIT") or subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    raw = {"device": torch.cuda.get_device_name(), "gpu_total_bytes": torch.cuda.mem_get_info()[1],
-           "torch": torch.__version__, "commit": commit, "command": " ".join(["python"] + sys.argv), "points": []}
+    raw = {**run_info(), "gpu_total_bytes": torch.cuda.mem_get_info()[1], "torch": torch.__version__, "points": []}
     shapes = [("8b", preset("llama3.1-8b")), ("70b-width", preset("llama3.1-70b", num_layers=args.layers_70b))]
     shapes = [(name, arch) for name, arch in shapes if name in args.shapes.split(",")]
     for k, (shape, arch) in enumerate(shapes):

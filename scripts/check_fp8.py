@@ -1,4 +1,4 @@
-"""FP8 frozen base on one GPU, LLaMA-3.1-8B shapes: quality and GEMM speed, one JSON (issue 23).
+"""FP8 frozen base on one GPU, LLaMA-3.1-8B shapes: quality and GEMM speed, one JSON.
 
     python scripts/check_fp8.py --out fp8_quality.json [--tokens 12288] [--mb-tokens 6144]
 
@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _bench import median_ms, run_info  # noqa: E402
 from lorafusion.ops import fp8_linear as F  # noqa: E402
 
 DEV = "cuda"  # --smoke: "cpu", shapes / 64 and the tiny preset (a check of this script, no numbers)
@@ -38,21 +39,11 @@ SHAPES = {"linear_qkv": (4096, 6144), "linear_proj": (4096, 4096), "linear_fc1":
 
 
 def cuda_ms(fn, iters: int = 10, warm: int = 3) -> float:
+    """Median ms on the GPU (a ``--smoke`` run on the CPU calls ``fn`` once and reports no time)."""
     if DEV == "cpu":
         fn()
         return float("nan")
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ev = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        ev.append((s, e))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in ev)
+    return median_ms(fn, warmup=warm, iters=iters)
 
 
 def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -302,7 +293,7 @@ def main() -> None:
         DEV = "cpu"
         for key, (k, n) in SHAPES.items():
             SHAPES[key] = (k // 64, n // 64)
-    res = {"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "torch": torch.__version__,
+    res = {**run_info(), "torch": torch.__version__,
            "tokens": args.tokens, "layers": {}}
     for name, (k, n) in SHAPES.items() if "layers" in run else ():
         res["layers"][name] = layer_row(args.tokens, k, n)

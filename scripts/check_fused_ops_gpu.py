@@ -27,15 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from _bench import median_ms, run_info  # noqa: E402
 from lorafusion.models.fused.linear_cross_entropy import (  # noqa: E402
     linear_cross_entropy,
     linear_cross_entropy_reference,
@@ -70,23 +69,7 @@ class Timer:
             torch.cuda.synchronize()
 
     def median_ms(self, step) -> float:
-        for _ in range(self.warmup):
-            step()
-        self.sync()
-        times = []
-        for _ in range(self.reps):
-            if self.dev.type == "cuda":
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                step()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b))
-            else:
-                t0 = time.perf_counter()
-                step()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+        return median_ms(step, warmup=self.warmup, iters=self.reps)
 
     def peak_bytes(self, step) -> int | None:
         if self.dev.type != "cuda":
@@ -350,7 +333,7 @@ def main() -> None:
     all_ok = all(r.get("ok", False) for op in results.values() for k, r in op.items()
                  if isinstance(r, dict) and k != "baseline")
     summary = {
-        "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu (TRITON_INTERPRET)",
+        **run_info(),
         "dtype": str(dt), "torch": torch.__version__, "shapes": {k: v for k, v in vars(args).items()},
         "all_fused_ok": all_ok, "tolerance": TOL, "ops": results,
     }

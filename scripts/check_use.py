@@ -7,7 +7,7 @@
 * the merged export of ``--job`` (``--merged``, from ``lorafusion export RUN --job J --merged``) gives the
   logits of base + PEFT adapter.
 
-Prints one JSON line; exits 1 if a check fails. Used by ``scripts/device/use.sh`` (issue 13's GPU run).
+Prints one JSON line; exits 1 if a check fails. Used by ``scripts/device/use.sh`` (the quickstart on a GPU).
 
     python scripts/check_use.py RUN --base BASE --merged MERGED --job countdown --generated G.jsonl
 """

@@ -1,5 +1,5 @@
 """The shipped config's ``auto`` capacity beside hand-picked capacities, one fresh process per run, in a given
-order (issue 22's "within 3% of the best hand-picked capacity, in the same device call").
+order: is the memory model's choice within 3% of the best hand-picked capacity on the same GPU?
 
     python scripts/e2e_sweep.py --order auto,24576,20480,auto --out $OUT/e2e --json $OUT/e2e-summary.json
 
@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _bench import command, commit
 
 ROOT = Path(__file__).resolve().parents[1]
 HAND = ["model.recompute=false", "model.recompute_layers=null"]
@@ -122,7 +124,7 @@ def main() -> None:
         print(f"run {i} {name}: rc={rc} cap={r['token_capacity']} tok/s={r['tokens_per_s'] or 0:,.0f} "
               f"chunks={r['chunk_s']} jit_timed={r['jit_timed_n']}/{r['jit_timed_s']}s peak={r['peak_mem_gib']} "
               f"gpu=[{gpu}] wall={r['wall_s']}s", flush=True)
-    summary = {"config": args.config, "command": " ".join(["python"] + sys.argv), "runs": runs, **summarise(runs)}
+    summary = {"config": args.config, "command": command(), "commit": commit(), "runs": runs, **summarise(runs)}
     Path(args.json or out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({k: summary[k] for k in ("order", "auto_token_capacity", "best_hand_picked",
                                               "auto_over_best_hand_picked", "within_3pct")}

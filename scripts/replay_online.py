@@ -49,6 +49,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from _bench import command  # noqa: E402
+from _bench import commit as bench_commit  # noqa: E402
 
 from lorafusion.scheduler.trace import Trace, TraceJob, dataset_lengths, load_trace  # noqa: E402
 
@@ -307,15 +309,14 @@ def main() -> None:
         once = Trace(tuple(_replace(j, arrival_s=0.0, max_steps=1) for j in trace.jobs), trace.source, trace.seed)
         warm = run_policy("together", once, args, list(args.overrides), work / "warmup")
         print(f"warm-up (discarded): {warm['makespan_s']:.1f}s", flush=True)
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                           text=True).stdout.strip()
+    commit = args.commit or bench_commit()
     results: dict = {}
     doc = {"date": time.strftime("%Y-%m-%d"), "what": "real runs: one serving lorafusion train per policy, jobs "
            "submitted at their arrival times; JCT = done (status.json: adapter written) - arrival, setup not counted "
            "(mean_jct_with_setup_bound_s adds it); 'separate': "
            "one lorafusion train per job in arrival order, JCT = its run's exit - arrival, its setup counted",
            "device": args.device, "commit": commit,
-           "command": "python " + shlex.join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
+           "command": command(),
            "trace": {"path": args.trace, "time_scale": args.time_scale,
                      "jobs": [j.to_dict() for j in trace.jobs]},
            "policies": results}

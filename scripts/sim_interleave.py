@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from _bench import command, commit  # noqa: E402
 
 from lorafusion.config.load import load_run_config  # noqa: E402
 from lorafusion.core.arch import ModelArch, arch_from_hf_config, preset  # noqa: E402
@@ -133,10 +133,8 @@ def main() -> None:
                   f"{' '.join(f'{x:.3f}' for x in tl.stage_bubbles)}  noops {vplans[1].num_noops}")
     best = min(rows, key=lambda r: r["simulated_bubble"])
     v1 = next(r for r in rows if r["virtual_stages"] == 1 and r["split_name"] == "even")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip()
-    res = {"config": args.config, "overrides": overrides, "date": datetime.date.today().isoformat(), "commit": commit,
-           "command": "python scripts/sim_interleave.py " + " ".join(sys.argv[1:]),
+    res = {"config": args.config, "overrides": overrides, "date": datetime.date.today().isoformat(), "commit": commit(),
+           "command": command(),
            "model": {"num_layers": arch.num_layers, "loss_layers_flops": round(stages.flop_loss_layers(arch), 3),
                      "loss_layers_calibrated": round(loss, 3)},
            "simulator": {"backward_ratio": BACKWARD_RATIO, "p2p_s": P2P_S, "chunk": 1,

@@ -137,7 +137,7 @@ def main():
             routing = Routing.from_lengths([0, 1, 2, 3], ls + [m - sum(ls)])
         # one table cache per case, as the layers keep one per microbatch: the routing tables of a block size are
         # built on a config's first call and reused, so the timing is the kernel's, not host-side table building
-        # (a fresh cache per call made configs with more row chunks look slower: issue 24, BENCHMARKS.md)
+        # (a fresh cache per call made configs with more row chunks look slower)
         tc = TableCache()
         st = TableCache().slot_tables(ranks, [2.0] * len(ranks), [0.1] * len(ranks), list(range(len(ranks))), dev)
         ids = TableCache().row_ids(routing, dev)

@@ -289,10 +289,11 @@ def test_a_second_export_to_the_same_new_out_is_refused(tmp_path):
 
 
 def test_round_two_of_the_probe(tmp_path, capsys):
-    """scripts/probe_cli.py round two: a CSV saved with a BOM was unreadable (KeyError '\\ufeffprompt'); a byte
-    tokenizer's tokenizer.path was ignored even when missing; an output_dir component over NAME_MAX said
-    'cannot access' without naming output_dir; a FIFO was '--prompts file not found', '--out is a directory' and
-    'no such run directory'; a CSV header without rows was 'Instruction "train" corresponds to no data!'."""
+    """Faults found by probing every verb with bad input: a CSV saved with a BOM was unreadable (KeyError
+    '\\ufeffprompt'); a byte tokenizer's tokenizer.path was ignored even when missing; an output_dir component
+    over NAME_MAX said 'cannot access' without naming output_dir; a FIFO was '--prompts file not found', '--out
+    is a directory' and 'no such run directory'; a CSV header without rows was 'Instruction "train" corresponds
+    to no data!'."""
     import os
     from pathlib import Path
 

@@ -1,26 +1,18 @@
 #!/usr/bin/env bash
-# Issue 23 (FP8 frozen base) on one GPU (kind nvidia-h100-x1, carry .whl). One device call per PHASE:
-#   PHASE=probe: scripts/check_fp8.py --sections quant (row-quantization launch variants), scripts/fp8_probe.py
-#     (host time per LoRA linear call; the 8B model's LoRA-gradient cosine vs the bf16 base with the first 4/2/1/0
-#     layers kept in bf16, uniform and Zipf tokens, dY e5m2, fast accumulation; syncs and host ops of one step).
-#   PHASE=main:
-#     1. scripts/bench_train.py on configs/llama3.1-8b-4adapters.yaml, one process each, one after the other:
-#        bf16 and fp8 at token_capacity $CAP, both without recompute (model.recompute=false: like for like), then
-#        fp8 at token_capacity auto with the config's recompute_layers: auto (what the freed memory gives);
-#        BENCH_SPECS="bf16 fp8 bf16auto" swaps the last for bf16 at its own auto capacity;
-#     2. scripts/check_fp8.py: per-layer error and GEMM times on the 8B shapes, the LoRA linear forward+backward
-#        (bf16 one op / fp8 split / fp8 one op), every LoRA gradient's cosine (8B, random base), a profiled step;
-#     3. the gpu-marked FP8 tests and the one-op FP8 LoRA tests on CUDA.
-#   PHASE=quickstart: configs/quickstart.yaml (model.dtype=bfloat16) trained with a bf16 and then an fp8 base,
-#     `lorafusion generate` on configs/quickstart/heldout.jsonl (greedy), `export --merged` of the fp8 run.
-#   PHASE=bench: step 1 of main alone (e.g. BENCH_SPECS="bf16 fp8": the like-for-like pair).
-#   PHASE=probeqs: probe, then the quickstart (seed 1234) with bf16, fp8 (the shipped default) and fp8k1.
-#   PHASE=all: main, then the quickstart pair while the tests run (neither is timed).
-#   PHASE=final: the benches, then the quickstart pairs (seeds $QS_SEEDS) while the tests run, then check_fp8.py's
-#     per-layer errors and LoRA-linear times ($FINAL_SECTIONS; the model section is fp8_probe.py's, PHASE=probe).
+# The FP8 frozen base on one GPU (carry .whl), one device call per PHASE:
+#   PHASE=bench: scripts/bench_train.py on configs/llama3.1-8b-4adapters.yaml, one process each, one after the
+#     other: bf16 and fp8 at token_capacity $CAP, both without recompute (like for like), then fp8 at token_capacity
+#     auto with the config's recompute_layers: auto (what the freed memory gives); BENCH_SPECS="bf16 fp8 bf16auto"
+#     swaps the last for bf16 at its own auto capacity;
+#   PHASE=quality: scripts/check_fp8.py (per-layer error and GEMM times on the 8B shapes, the LoRA linear
+#     forward+backward, every LoRA gradient's cosine against the bf16 base, a profiled step; QUALITY_ARGS);
+#   PHASE=quickstart: configs/quickstart.yaml (model.dtype=bfloat16) trained with a bf16 and an fp8 base per seed
+#     in QS_SEEDS, `lorafusion generate` on configs/quickstart/heldout.jsonl (greedy), `export --merged` of fp8;
+#   PHASE=main: bench, quality, then the FP8 GPU tests; PHASE=all (default): main with the quickstart pair run
+#     while the tests run (neither is timed).
 #   run:  PHASE=all bash scripts/device/fp8.sh
-# Writes under $OUT: run.log, bf16.json, fp8.json, fp8auto.json, fp8_quality.json, gpu_tests.log (main);
-# quickstart.json, qs.log (quickstart); quant.json, fp8_probe.json, probe.log (probe).
+# Writes under $OUT: run.log, bf16.json, fp8.json, fp8auto.json (bench); fp8_quality.json (quality);
+# gpu_tests.log; quickstart.json, qs.log (quickstart).
 set -uo pipefail
 . "$(dirname "$0")/setup.sh"  # $OUT, $PY, the carried wheels
 PHASE=${PHASE:-all}; CAP=${CAP:-12288}; L=/tmp/fp8logs; mkdir -p "$L"
@@ -91,11 +83,11 @@ for seed in os.environ["QS_SEEDS"].split():
 print(json.dumps(out, indent=1))
 PY
 }
-quickstart() {  # QS_VARIANTS: bf16, fp8 (the shipped default), fp8kN (FP8 with the first N layers bf16)
+quickstart() {  # QS_VARIANTS: bf16, fp8 (the shipped default)
 QS_SEEDS=${QS_SEEDS:-1234 3}; QS_VARIANTS=${QS_VARIANTS:-bf16 fp8}; local pids=()
 for seed in $QS_SEEDS; do for v in $QS_VARIANTS; do
   rm -rf "/tmp/qs-$v-$seed"
-  case "$v" in fp8k*) CLI=(scripts/fp8_cli.py "${v#fp8k}"); p=fp8 ;; *) CLI=(-m lorafusion.cli); p=$v ;; esac
+  CLI=(-m lorafusion.cli); p=$v
   ( timeout "${QS_TIMEOUT:-170}" "$PY" "${CLI[@]}" train configs/quickstart.yaml output_dir="/tmp/qs-$v-$seed" \
       model.dtype=bfloat16 model.base_precision="$p" seed="$seed" logging.progress=false logging.tensorboard=false \
       ${QS_ARGS:-} > "$L/qs-$v-$seed.log" 2>&1; echo "train $v seed $seed rc=$? $((SECONDS-T0))s"
@@ -105,7 +97,7 @@ for seed in $QS_SEEDS; do for v in $QS_VARIANTS; do
   pids+=("$!")
 done; done
 # Only these PIDs: a bare `wait` in the main shell also waits for `exec > >(tee ...)` above (bash >= 5.1), which
-# never exits, so PHASE=quickstart/probeqs hung until the call's timeout (2026-11-25).
+# never exits, so PHASE=quickstart would hang until the call's timeout.
 wait "${pids[@]}"
 qs_summary
 S1=${QS_SEEDS%% *}
@@ -115,22 +107,11 @@ echo "quickstart $((SECONDS-T0))s"
 cat "$L"/qs-*.log | grep -v "DEBUG" | tail -60 > "$OUT/qs.log"
 grep -h -v -i "warn" "$L"/qs-*.log | grep "loss\|expected\|exported\|rror" | head -24
 }
-probe() {
-  nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total --format=csv,noheader
-  timeout 60 "$PY" scripts/check_fp8.py --sections quant --out "$OUT/quant.json" > "$L/quant.log" 2>&1
-  echo "quant rc=$? $((SECONDS-T0))s"; grep "^quant_variants" "$L/quant.log" | cut -c1-1500
-  timeout "${PROBE_TIMEOUT:-150}" "$PY" scripts/fp8_probe.py --out "$OUT/fp8_probe.json" > "$L/probe.log" 2>&1
-  echo "probe rc=$? $((SECONDS-T0))s"; grep -v -i "warn" "$L/probe.log" | cut -c1-700 | tail -14
-  cp "$L/probe.log" "$OUT/probe.log"
-}
 case "$PHASE" in
-  probe) probe ;;
-  probeqs) probe; QS_SEEDS=${QS_SEEDS:-1234} QS_VARIANTS=${QS_VARIANTS:-bf16 fp8 fp8k1} quickstart ;;
   bench) bench ;;
+  quality) quality ;;
   main) bench; quality; gpu_tests ;;
   quickstart) quickstart ;;
-  final) bench; quickstart > "$L/quickstart.out" 2>&1 & QS=$!; gpu_tests; wait "$QS"; cat "$L/quickstart.out"
-         QUALITY_ARGS="--sections ${FINAL_SECTIONS:-layers,lora}" quality ;;
   all) bench; quality; quickstart > "$L/quickstart.out" 2>&1 & QS=$!; gpu_tests; wait "$QS"; cat "$L/quickstart.out" ;;
 esac
 echo "done $((SECONDS-T0))s"

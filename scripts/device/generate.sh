@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 28 on a GPU, one device call (carry .whl): the static decode step's GPU tests (CUDA graph replay = eager,
+# Decoding speed on a GPU, one device call (carry .whl): the static decode step's GPU tests (CUDA graph replay = eager,
 # and generate's own tests; `--decode auto` takes the graph on CUDA: static_decode.GRAPH_BY_DEFAULT), then decoding speed of `lorafusion generate`
 # (generate_ids, after a warm-up): the 8B shape (random bf16 weights, one r=16 adapter) on 8 prompts beside
 # transformers + PEFT generate on the same weights and adapter; then the tiny quickstart model on the held-out

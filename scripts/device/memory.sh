@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device calls for the memory model (issue 22).
+# Device calls for the memory model: peak memory over a grid, and the shipped auto capacity end to end.
 #   MODE=measure: the calibration grid (scripts/calibrate_memory.py measure, BUDGET_S seconds; EXTRA_CAPS adds
 #     capacities to the 8B shape's grid, e.g. 20480,24576 on a 141 GB GPU), then the committed coefficients checked
 #     on every point (all held out) and a refit on this GPU's points (reported, not written).

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Issue 12's real replay on one GPU, one device call (carry .whl): the GPU trace (docs/results/online-trace-gpu.yaml,
+# Job completion times of a real online replay on one GPU, one device call (carry .whl): the GPU trace (docs/results/online-trace-gpu.yaml,
 # 8 jobs, 8B shape) under each policy, after a discarded warm-up run: separate (today's practice: one
 # `lorafusion train` per job in arrival order, each paying its setup), then one serving `lorafusion train` per
 # scheduler.policy (fifo = one job at a time in arrival order; shortest_first); the simulator's prediction beside
-# them. (together, measured at 400f9c3: POLICIES=together.) The JSON is rewritten after each policy.
+# them (POLICIES=together adds the all-at-once policy). The JSON is rewritten after each policy.
 #   run (kind nvidia-h200 or nvidia-h100-x1):  BENCH_COMMIT=<hash> bash scripts/device/online.sh
 # Writes $OUT/online-jct-gpu.json and $OUT/online.log (copy the JSON to docs/results/).
 set -uo pipefail

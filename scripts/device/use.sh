@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 13 on a GPU, one device call (carry .whl): the quickstart trained on the GPU (Triton kernels, the random base
+# The user path on a GPU, one device call (carry .whl): the quickstart trained on the GPU (Triton kernels, the random base
 # drawn on CUDA), then `lorafusion generate` (adapters + base in one batch, KV cache), `export --base` and
 # `export --job countdown --merged`, checked against transformers + PEFT on the same GPU (scripts/check_use.py), and
 # the generation/export tests run with CUDA visible.

@@ -1,4 +1,4 @@
-"""Helpers of the speed benchmark scripts (issue 24) that decide what a GPU run reports: the tuner's check that a
+"""Helpers of the speed benchmark scripts that decide what a GPU run reports: the tuner's check that a
 candidate block config computes what the default config computes, and the model-step bench's settings."""
 
 import sys

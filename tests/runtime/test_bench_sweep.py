@@ -1,4 +1,4 @@
-"""The benchmark harness's order controls (issue 22): Triton JIT work counted per chunk (scripts/bench_jit.py)
+"""The benchmark harness's order controls: Triton JIT work counted per chunk (scripts/bench_jit.py)
 and the auto-vs-hand-picked sweep's summary (scripts/e2e_sweep.py)."""
 
 import subprocess

@@ -1,6 +1,6 @@
 """Count the bytes autograd saves for backward per token, on CPU, through the model code the GPU runs.
 
-    TRITON_INTERPRET=1 python scripts/probe_saved_activations.py [--adapters 4,12] [--capacities 128,256]
+    TRITON_INTERPRET=1 python scripts/count_saved_bytes.py [--adapters 4,12] [--capacities 128,256]
 
 Builds a reduced-width decoder with the 8B's ratios (hidden 512, ffn 1792, 8 heads of 64, 2 query groups: 4
 heads a group as the 8B's 32/8) through ``lorafusion.models.provider.build_model`` with the GPU's fused ops and Triton LoRA kernels
