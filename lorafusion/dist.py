@@ -78,6 +78,42 @@ def min_over_ranks(value: float, device="cuda") -> float:
     return t.item()
 
 
+def warm_communicators() -> None:
+    """Create, on a GPU, the NCCL communicators a training step uses (the model-parallel, data-parallel, tensor-
+    and pipeline-parallel groups' all-reduces and the pipeline's batched p2p with its neighbours, wrapping around
+    under interleaved 1F1B), so that their buffers — allocated outside torch's allocator, on a communicator's
+    first use — are already taken when the free GPU memory is read for the memory plan. Collective over all
+    ranks; nothing without CUDA or with one process."""
+    if not (multi_process() and torch.cuda.is_available()):
+        return
+    from megatron.core import parallel_state as ps
+
+    x = torch.zeros(1, device="cuda")
+    groups = [None]
+    if ps.model_parallel_is_initialized():
+        groups += [ps.get_model_parallel_group(), ps.get_data_parallel_group(),
+                   ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()]
+    for g in groups:
+        if dist.get_world_size(g) > 1:
+            dist.all_reduce(x, group=g)
+    if not ps.model_parallel_is_initialized() or ps.get_pipeline_model_parallel_world_size() == 1:
+        torch.cuda.synchronize()
+        return
+    g, ring = ps.get_pipeline_model_parallel_group(), (ps.get_virtual_pipeline_model_parallel_world_size() or 1) > 1
+    first, last = ps.is_pipeline_first_stage(ignore_virtual=True), ps.is_pipeline_last_stage(ignore_virtual=True)
+    out, inn = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
+    ops = []
+    if ring or not last:  # forward activations go to the next stage, gradients come back from it
+        ops += [dist.P2POp(dist.isend, out, ps.get_pipeline_model_parallel_next_rank(), g),
+                dist.P2POp(dist.irecv, inn.clone(), ps.get_pipeline_model_parallel_next_rank(), g)]
+    if ring or not first:
+        ops += [dist.P2POp(dist.irecv, inn, ps.get_pipeline_model_parallel_prev_rank(), g),
+                dist.P2POp(dist.isend, out.clone(), ps.get_pipeline_model_parallel_prev_rank(), g)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    torch.cuda.synchronize()
+
+
 def share_from_rank0(value, group=None):
     """``value`` as global rank 0 has it, on every rank of ``group`` (collective; a single process: ``value``)."""
     if not (dist.is_initialized() and dist.get_world_size(group) > 1):

@@ -167,6 +167,17 @@ class RunStopped(RuntimeError):
     last step: the trainer stops gracefully at the next chunk boundary, so the run returns with fewer steps."""
 
 
+def _device_memory() -> dict:
+    """This rank's GPU memory beyond torch's allocated peak: the allocator's reserved peak, the device's used
+    memory now and what of it lies outside torch's allocator (CUDA context, NCCL buffers, cuBLAS/Triton)."""
+    if not torch.cuda.is_available():
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    used = (total - free) / 2**30
+    return {"reserved_peak_gib": torch.cuda.max_memory_reserved() / 2**30, "device_used_gib": used,
+            "outside_torch_gib": used - torch.cuda.memory_reserved() / 2**30}
+
+
 def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, out: Path,
                    only_job: int | None = None, profiler: ChunkProfiler | None = None,
                    background: bool = True) -> dict:
@@ -202,7 +213,7 @@ def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, o
     steady = [b for b in rec.values[first_timed:] if b is not None]
     per_rank = gather({"peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
                        "bubble_steady": sum(steady) / len(steady) if steady else None,
-                       "bubble_per_chunk": rec.values})
+                       "bubble_per_chunk": rec.values, **_device_memory()})
     if RANK != 0:  # metrics.jsonl and the report are rank 0's
         del trainer
         gc.collect()
@@ -238,6 +249,8 @@ def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, o
         res["peak_mem_gib_per_rank"] = [r["peak_mem_gib"] for r in per_rank]
         res["bubble_ratio_per_rank"] = [r["bubble_steady"] for r in per_rank]
         res["bubble_per_chunk_per_rank"] = [r["bubble_per_chunk"] for r in per_rank]
+        for key in ("reserved_peak_gib", "device_used_gib", "outside_torch_gib"):
+            res[f"{key}_per_rank"] = [r.get(key) for r in per_rank]
         known = [b for b in res["bubble_ratio_per_rank"] if b is not None]
         res["bubble_ratio_steady"] = sum(known) / len(known) if known else None
     batches = {n: [] for n in trainer.jobs}

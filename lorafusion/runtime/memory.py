@@ -30,8 +30,9 @@ def gpu_free_bytes() -> tuple[float, float] | None:
     """(free, total) bytes of this rank's GPU, the free part the smallest over all ranks; None without CUDA."""
     if not torch.cuda.is_available():
         return None
-    from lorafusion.dist import min_over_ranks
+    from lorafusion.dist import min_over_ranks, warm_communicators
 
+    warm_communicators()  # NCCL's buffers live outside torch's allocator: take them before reading what is free
     free, total = torch.cuda.mem_get_info()
     return float(min_over_ranks(free)), float(total)
 
@@ -64,19 +65,25 @@ def size_run(cfg, arch, jobs, *, is_logger: bool, memory: tuple[float, float] | 
     longest = {n: js.cfg.dataset.max_seq_len for n, js in jobs.items()}
     plan = choose(setup, free, max(longest.values(), default=1), capacity=cfg.scheduler.token_capacity,
                   recompute=_recompute_setting(cfg, layers), coeffs=load_coefficients(),
-                  chunk_tokens=_chunk_tokens(cfg, jobs))
+                  chunk_tokens=_chunk_tokens(cfg, jobs), split=cfg.parallelism.stage_layers)
     auto = any(plan.chosen.values())
     if not plan.fits and auto:
         raise MemoryFitError(no_fit_message(setup, plan, longest, cfg.source, load_coefficients()))
     cfg.scheduler.token_capacity = plan.capacity
+    if plan.stage_layers is not None:  # the memory-balanced split (one model chunk per rank)
+        cfg.parallelism.stage_layers = list(plan.stage_layers)
     if is_logger:
         said = [f"token_capacity {plan.capacity}{' (auto)' if plan.chosen['token_capacity'] else ''}",
                 f"recompute_layers per stage {plan.recompute_layers}"
                 f"{' (auto)' if plan.chosen['recompute_layers'] else ''}"]
+        if plan.stage_layers is not None:
+            said.append(f"stage_layers {plan.stage_layers} (auto, balanced with the recompute)")
         print(f"lorafusion: memory plan for {free / GIB:.1f} GiB free of {total / GIB:.1f} GiB per GPU: "
               + ", ".join(said), file=sys.stderr)
         for line in plan.lines():
             print("  " + line, file=sys.stderr)
+        for line in plan.why():
+            print("  beat " + line, file=sys.stderr)
         if not plan.fits:
             print(f"lorafusion: warning: {no_fit_message(setup, plan, longest, cfg.source, load_coefficients())}",
                   file=sys.stderr)

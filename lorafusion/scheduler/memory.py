@@ -77,6 +77,9 @@ class Coefficients:
     opt_copies: float = 7.0  # a step's fp32 temporaries in units of the job's LoRA parameters
     margin_frac: float = 0.05
     margin_bytes: float = 1.5 * GIB
+    # more kept free when the run spans several GPUs (pipeline p2p and collectives: NCCL's memory outside the
+    # allocator that grows after the start, the allocator's reserve under microbatches of changing size)
+    multi_gpu_margin_bytes: float = 0.0
     source: str = "defaults (not measured)"
 
 
@@ -295,7 +298,8 @@ def stage_memory(s: MemorySetup, stage: int, capacity: int, recompute_layers: in
     peak = stage_weights(s, stage) + lora - grads + c.constant_bytes + max(moments)
     return StageMemory(stage, L, n_rc, capacity, n_fl, stage_weights(s, stage), lora, per_mb,
                        max(work, loss_chunk), opt, c.constant_bytes, peak=peak,
-                       need=peak * (1 + c.margin_frac) + c.margin_bytes,
+                       need=peak * (1 + c.margin_frac) + c.margin_bytes
+                       + (c.multi_gpu_margin_bytes if s.tp * s.pp * s.dp > 1 else 0.0),
                        parts={"activations": n_fl * per_mb, "per_token_per_layer": layer_act})
 
 

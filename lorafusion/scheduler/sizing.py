@@ -1,17 +1,24 @@
-"""Token capacity and recompute for a GPU's memory: ``token_capacity: auto`` and ``recompute_layers: auto``.
+"""Token capacity, recompute and the stage split for a GPU's memory: ``token_capacity: auto``,
+``recompute_layers: auto`` and, with both pipeline stages and ``stage_layers: auto``, the layers per stage.
 
 :func:`choose` walks capacities (multiples of ``multiple`` from the longest sample up to ``max_capacity``) and,
 for each, the fewest recomputed layers per stage that make every stage fit (:mod:`.memory`), and keeps the
-pair with the most tokens/s by the cost model: time per token ``(a + b·C·(1 + α·f)) / C`` with ``f`` the
-largest recomputed share of a stage's layers (``α`` = ``RECOMPUTE_COST``: recomputing every layer of a stage
-costs that share of a training step) and, with pipeline stages, the 1F1B bubble ``(pp - 1) / M`` of ``M`` =
-chunk tokens / C microbatches. A fixed capacity or recompute setting is kept and only checked.
+plan with the most tokens/s by the cost model: time per token ``(a + b·C·B) / C`` with ``B`` the bottleneck
+factor — the busiest pipeline rank's work over a perfectly balanced rank's, a rank's work being its decoder layers
+plus ``α`` (``RECOMPUTE_COST``) per recomputed layer plus, on the last rank, the output layer and loss — and,
+with pipeline stages, the 1F1B fill and drain ``(pp - 1) / M`` of ``M`` = chunk tokens / C microbatches.
+
+With ``stage_layers: auto`` and ``recompute_layers: auto`` on a pipeline, the split is chosen with the
+recompute: 1F1B holds ``pp - k`` microbatches in flight on stage ``k``, so an early stage runs out of memory first
+and must recompute, which makes it the slowest; giving it fewer layers and a later stage more balances the
+ranks' work, recompute included (:func:`_balanced_split`). A fixed capacity, recompute or split is kept and only
+checked. The plan keeps the alternatives it beat with their predicted time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from lorafusion.core.errors import UserError
 from lorafusion.core.precision import FP8_BF16_LEADING_LAYERS
@@ -39,7 +46,20 @@ class MemoryPlan:
     recompute_layers: list[int]
     stages: list[StageMemory]
     gpu_bytes: float
-    chosen: dict  # which of capacity / recompute_layers were "auto"
+    chosen: dict  # which of capacity / recompute_layers / stage_layers were "auto"
+    stage_layers: list[int] | None = None  # decoder layers per pipeline rank (the chosen split; None: the run's)
+    cost: float | None = None  # predicted seconds per token (the cost model's units: for comparing plans)
+    alternatives: list[dict] = field(default_factory=list)  # the best plan of each other capacity / split, beaten
+
+    def why(self) -> list[str]:
+        """The alternatives this plan beat, with their predicted time relative to it."""
+        out = []
+        for a in self.alternatives:
+            split = f", stage_layers {a['stage_layers']}" if a.get("stage_layers") else ""
+            rel = f"{a['cost'] / self.cost:.3f}x the time" if a.get("cost") and self.cost else "does not fit"
+            out.append(f"{a['what']}: token_capacity {a['token_capacity']}, recompute_layers {a['recompute_layers']}"
+                       f"{split}: {rel}")
+        return out
 
     @property
     def fits(self) -> bool:
@@ -58,6 +78,7 @@ class MemoryPlan:
 
     def to_dict(self) -> dict:
         return {"token_capacity": self.capacity, "recompute_layers": self.recompute_layers,
+                "stage_layers": self.stage_layers, "predicted_cost": self.cost, "alternatives": self.alternatives,
                 "gpu_memory_gib": round(self.gpu_bytes / GIB, 2), "auto": self.chosen, "fits": self.fits,
                 "stages": [{"stage": s.stage, "layers": s.layers, "recompute_layers": s.recompute_layers,
                             "in_flight": s.in_flight, "predicted_peak_gib": round(s.peak / GIB, 2),
@@ -109,53 +130,140 @@ def setup_from_run(cfg, arch, dp: int = 1, fused_ops: bool = True) -> MemorySetu
 
 
 def _fewest(s: MemorySetup, stage: int, capacity: int, gpu: float, c: Coefficients) -> int | None:
-    """The fewest recomputed layers of ``stage`` that fit ``gpu`` bytes at ``capacity`` (None: none fits)."""
-    for n in range(s.layers(stage) + 1):
-        if stage_memory(s, stage, capacity, n, c).fits(gpu):
-            return n
-    return None
+    """The fewest recomputed layers of ``stage`` that fit ``gpu`` bytes at ``capacity`` (None: none fits; memory
+    falls as layers are recomputed, so a bisection finds it)."""
+    L = s.layers(stage)
+    if not stage_memory(s, stage, capacity, L, c).fits(gpu):
+        return None
+    lo, hi = 0, L
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if stage_memory(s, stage, capacity, mid, c).fits(gpu):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _loss(s: MemorySetup) -> float:
+    from .stages import loss_layers
+
+    return loss_layers(s.arch)
+
+
+def _loads(s: MemorySetup, rc: Sequence[int]) -> list[float]:
+    """Each pipeline rank's work in decoder-layer units: its layers, ``RECOMPUTE_COST`` per recomputed one and,
+    on the last rank, the output layer and loss."""
+    return [s.layers(k) + RECOMPUTE_COST * rc[k] + (_loss(s) if k == s.pp - 1 else 0.0) for k in range(s.pp)]
 
 
 def _score(s: MemorySetup, capacity: int, rc: Sequence[int], cost: CostModel, chunk_tokens: float | None) -> float:
-    """Predicted seconds per token (lower is better)."""
-    share = max(n / s.layers(k) for k, n in enumerate(rc))
-    t = (cost.a + cost.b * capacity * (1 + RECOMPUTE_COST * share)) / capacity
+    """Predicted seconds per token (lower is better): the busiest rank sets the pace of 1F1B."""
+    loads = _loads(s, rc)
+    balanced = (sum(s.layers(k) for k in range(s.pp)) + _loss(s)) / s.pp
+    t = (cost.a + cost.b * capacity * max(loads) / balanced) / capacity
     if s.pp > 1 and chunk_tokens:
         t *= 1 + (s.pp - 1) / max(1.0, chunk_tokens / capacity)
     return t
 
 
+def _balanced_split(s: MemorySetup, capacity: int, gpu: float, c: Coefficients) -> list[int] | None:
+    """Decoder layers per pipeline rank (one model chunk each) that make the busiest rank's work, recompute
+    included, the least while every stage fits: the smallest work bound ``T`` whose largest fitting layer counts
+    per rank add up to the model's layers, then layers taken off the busiest ranks down to that total."""
+    n_layers, P = s.arch.num_layers, s.pp
+    loss = _loss(s)
+    work: list[dict[int, float]] = []  # per rank: layer count -> work at its fewest recompute (only counts that fit)
+    for k in range(P):
+        w = {}
+        for L in range(1, n_layers - P + 2):
+            sk = replace(s, stage_layers=tuple(L if i == k else 1 for i in range(P)))
+            n = _fewest(sk, k, capacity, gpu, c)
+            if n is None:
+                break
+            w[L] = L + RECOMPUTE_COST * n + (loss if k == P - 1 else 0.0)
+        if not w:
+            return None
+        work.append(w)
+
+    def largest(T: float) -> list[int]:
+        return [max((L for L, x in w.items() if x <= T + 1e-9), default=0) for w in work]
+
+    bounds = sorted({x for w in work for x in w.values()})
+    lo, hi = 0, len(bounds) - 1
+    if sum(largest(bounds[hi])) < n_layers:
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if sum(largest(bounds[mid])) >= n_layers else (mid + 1, hi)
+    split = largest(bounds[lo])
+    while sum(split) > n_layers:  # the surplus off the busiest rank (ties: the earliest, which holds the most)
+        k = max((i for i in range(P) if split[i] > 1), key=lambda i: (work[i][split[i]], -i))
+        split[k] -= 1
+    return split
+
+
+def _candidate(s: MemorySetup, cap: int, gpu: float, c: Coefficients, recompute, split_auto: bool):
+    """(setup, recompute per stage) of the best plan at capacity ``cap``, or None when nothing fits."""
+    if split_auto:
+        split = _balanced_split(s, cap, gpu, c)
+        if split is None:
+            return None
+        s = replace(s, stage_layers=tuple(split))
+    if recompute == "auto":
+        rc = [_fewest(s, k, cap, gpu, c) for k in range(s.pp)]
+        return None if any(n is None for n in rc) else (s, rc)
+    rc = [recompute] * s.pp if isinstance(recompute, int) else list(recompute)
+    return (s, rc) if all(m.fits(gpu) for m in plan_memory(s, cap, rc, c)) else None
+
+
 def choose(s: MemorySetup, gpu_bytes: float, longest: int, *, capacity: int | str = "auto",
            recompute: int | Sequence[int] | str = "auto", coeffs: Coefficients | None = None,
            cost_model: CostModel | None = None, chunk_tokens: float | None = None, multiple: int = 512,
-           max_capacity: int = 32768) -> MemoryPlan:
+           max_capacity: int = 32768, split: str | None = None) -> MemoryPlan:
     """The plan for ``gpu_bytes`` of memory per GPU. ``capacity`` / ``recompute`` (a count for every stage, or
-    one per stage): a value is kept, ``"auto"`` is chosen. Never raises: a plan that does not fit has
-    ``fits`` False (the largest capacity at the most recompute that was tried)."""
+    one per stage): a value is kept, ``"auto"`` is chosen. ``split="auto"`` (the run's ``stage_layers: auto``)
+    with recompute ``"auto"`` on a pipeline of one model chunk per rank chooses the layers per stage too (else the
+    setup's split is kept). Never raises: a plan that does not fit has ``fits`` False (the smallest capacity
+    tried at the most recompute allowed)."""
     c, cost = coeffs or Coefficients(), cost_model or CostModel()
-    chosen = {"token_capacity": capacity == "auto", "recompute_layers": recompute == "auto"}
+    split_auto = split == "auto" and recompute == "auto" and s.pp > 1 and s.virtual_stages == 1
+    chosen = {"token_capacity": capacity == "auto", "recompute_layers": recompute == "auto",
+              "stage_layers": split_auto}
     lo = -(-max(1, longest) // multiple) * multiple
     caps = [int(capacity)] if capacity != "auto" else list(range(lo, max(lo, max_capacity) + 1, multiple))
-    best = None
+    found = []  # (score, capacity, setup, rc, what)
     for cap in caps:
-        if recompute == "auto":
-            rc = [_fewest(s, k, cap, gpu_bytes, c) for k in range(s.pp)]
-            if any(n is None for n in rc):
+        n = len(found)
+        for what, auto_split in (("memory-balanced split", True), ("the run's split", False)):
+            if auto_split and not split_auto:
                 continue
-        else:
-            rc = [recompute] * s.pp if isinstance(recompute, int) else list(recompute)
-            if not all(m.fits(gpu_bytes) for m in plan_memory(s, cap, rc, c)):
-                continue
-        score = _score(s, cap, rc, cost, chunk_tokens)
-        if best is None or score < best[0] * (1 - 1e-9):
-            best = (score, cap, rc)
-    if best is None:  # nothing fits: report the smallest capacity tried at the most recompute allowed
+            got = _candidate(s, cap, gpu_bytes, c, recompute, auto_split)
+            if got is not None:
+                found.append((_score(got[0], cap, got[1], cost, chunk_tokens), cap, got[0], got[1], what))
+        if found and len(found) == n:  # memory grows with the capacity: a larger one fits no better
+            break
+    if not found:  # nothing fits: report the smallest capacity tried at the most recompute allowed
         cap = caps[0]
         rc = [s.layers(k) for k in range(s.pp)] if recompute == "auto" else (
             [recompute] * s.pp if isinstance(recompute, int) else list(recompute))
         return MemoryPlan(cap, rc, plan_memory(s, cap, rc, c), gpu_bytes, chosen)
-    _, cap, rc = best
-    return MemoryPlan(cap, rc, plan_memory(s, cap, rc, c), gpu_bytes, chosen)
+    best = min(found, key=lambda f: (f[0], f[1]))
+    score, cap, bs, rc, _ = best
+    seen, alts = {(best[1], tuple(best[2].layers(k) for k in range(s.pp)), tuple(best[3]))}, []
+    for f in sorted(found, key=lambda f: f[0]):  # distinct plans only (both splits may give the same one)
+        key = (f[1], tuple(f[2].layers(k) for k in range(s.pp)), tuple(f[3]))
+        if key not in seen:
+            seen.add(key)
+            alts.append(f)
+    other_kind = [f for f in alts if f[4] != best[4]][:1]  # the best plan of the other split, if any
+    alts = other_kind + [f for f in alts if f not in other_kind][:4 - len(other_kind)]
+    alternatives = [{"what": f[4], "token_capacity": f[1], "recompute_layers": f[3],
+                     "stage_layers": [f[2].layers(k) for k in range(s.pp)] if s.pp > 1 else None, "cost": f[0]}
+                    for f in alts[:4]]
+    layers = [bs.layers(k) for k in range(s.pp)]
+    return MemoryPlan(cap, rc, plan_memory(bs, cap, rc, c), gpu_bytes, chosen,
+                      stage_layers=layers if split_auto else None, cost=score, alternatives=alternatives)
 
 
 def what_fits(s: MemorySetup, gpu_bytes: float, longest: int, capacity: int, recompute: Sequence[int],
@@ -238,12 +346,15 @@ def report(cfg, gpu_sizes: Sequence[float], coeffs: Coefficients | None = None) 
     lines, ok = [], True
     for gpu in gpu_sizes:
         plan = choose(s, gpu, max(longest.values()), capacity=cfg.scheduler.token_capacity, recompute=rc,
-                      coeffs=coeffs, chunk_tokens=chunk)
+                      coeffs=coeffs, chunk_tokens=chunk, split=cfg.parallelism.stage_layers)
         auto = [k for k, v in plan.chosen.items() if v]
         lines.append(f"GPU memory {gpu / GIB:.1f} GiB per GPU ({cfg.model.preset or cfg.model.path}, tp={s.tp} "
                      f"pp={s.pp}, {len(s.adapters)} adapters): token_capacity {plan.capacity}, recompute_layers "
-                     f"per stage {plan.recompute_layers}" + (f" (auto: {', '.join(auto)})" if auto else ""))
+                     f"per stage {plan.recompute_layers}"
+                     + (f", stage_layers {plan.stage_layers}" if plan.stage_layers else "")
+                     + (f" (auto: {', '.join(auto)})" if auto else ""))
         lines += ["  " + x for x in plan.lines()]
+        lines += ["  beat " + x for x in plan.why()]
         if plan.fits:
             lines.append("  fits")
         else:

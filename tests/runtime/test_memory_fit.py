@@ -41,7 +41,7 @@ def test_auto_is_resolved_printed_and_recorded(tmp_path, megatron_single, monkey
     summary, out = train_inprocess(_run(tmp_path))
     plan = json.loads((out / "summary.json").read_text())["memory_plan"]
     assert plan == summary["memory_plan"] and plan["fits"]
-    assert plan["auto"] == {"token_capacity": True, "recompute_layers": True}
+    assert plan["auto"] == {"token_capacity": True, "recompute_layers": True, "stage_layers": False}
     assert plan["token_capacity"] >= 64 and plan["recompute_layers"] == [0]  # a tiny model: no recompute needed
     assert plan["stages"][0]["predicted_peak_gib"] < plan["gpu_memory_gib"]
     err = capsys.readouterr().err
@@ -99,7 +99,7 @@ def test_plan_gpu_memory_prints_every_size(capsys):
     assert out.count("GPU memory ") == 4 and "GPU memory 80.0 GiB" in out
     blocks = out.split("GPU memory ")[1:]
     assert "does NOT fit" in blocks[0] and "parallelism.pp: 8" in blocks[0]  # 24 GiB: not even the weights
-    assert blocks[2].rstrip().endswith("fits") and "(auto: token_capacity, recompute_layers)" in blocks[2]
+    assert blocks[2].rstrip().endswith("fits") and "(auto: token_capacity, recompute_layers, stage_layers)" in blocks[2]
     assert blocks[2].count("\n      ") >= 4  # one row per stage
 
 

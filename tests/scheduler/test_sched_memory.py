@@ -272,7 +272,7 @@ def test_run_config_fp8_base_and_virtual_stages_reach_the_model():
                           check_files=False)
     s = setup_from_run(cfg, preset("llama3.1-70b"))
     assert s.base_bytes_per_param == 1.0 and s.row_scale_bytes == 4 and s.virtual_stages == 2
-    assert s.stage_layers == (20, 20, 20, 20)
+    assert s.stage_layers == (20, 21, 21, 18)  # stage_layers: auto, the loss-aware split (per rank, V chunks summed)
     bf16 = setup_from_run(load_run_config(ROOT / "configs/llama3.1-70b-4adapters.yaml", check_files=False),
                           preset("llama3.1-70b"))
     w8, w16 = stage_memory(s, 1, 4096).weights, stage_memory(bf16, 1, 4096).weights
@@ -286,3 +286,61 @@ def test_reference_kernels_save_what_the_fused_ones_save_and_predict_their_h100_
     # The setup has no LoRA-impl field: both impls save the same tensors, so one prediction serves both.
     c = load_coefficients()
     assert abs(stage_memory(_setup(), 0, 7680, 0, c).peak / GIB / 54.8 - 1) < 0.07
+
+
+def _70b_setup(**kw):
+    from lorafusion.config import load_run_config
+    from lorafusion.scheduler.sizing import setup_from_run
+
+    cfg = load_run_config(ROOT / "configs/llama3.1-70b-4adapters.yaml", ["parallelism.dp=1", *kw.get("ov", [])],
+                          check_files=False)
+    return cfg, setup_from_run(cfg, preset("llama3.1-70b"))
+
+
+def test_memory_balanced_split_beats_the_compute_split_on_an_80gb_pipeline():
+    """1F1B holds 4 microbatches on stage 0 and 1 on stage 3: the split chosen with the recompute gives the early
+    stages fewer layers, every stage fits, and the busiest rank's work (recompute included) is the least."""
+    from lorafusion.scheduler.sizing import _loads, choose
+
+    cfg, s = _70b_setup()
+    gpu = 78.7 * GIB
+    plan = choose(s, gpu, 4096, split="auto", coeffs=load_coefficients(), chunk_tokens=1e6)
+    assert plan.fits and plan.chosen["stage_layers"] and sum(plan.stage_layers) == 80
+    assert plan.stage_layers[0] < plan.stage_layers[-1]  # stage 0 holds the most in flight
+    kept = choose(s, gpu, 4096, split=None, coeffs=load_coefficients(), chunk_tokens=1e6)
+    assert kept.stage_layers is None and kept.fits and kept.cost > plan.cost
+    balanced = max(_loads(replace(s, stage_layers=tuple(plan.stage_layers)), plan.recompute_layers))
+    assert balanced < max(_loads(s, kept.recompute_layers))
+    # no other split at this capacity does better: every 3-layer move off or onto a stage is worse or does not fit
+    assert any(a["what"] == "the run's split" for a in plan.alternatives)
+    assert all(a["cost"] >= plan.cost for a in plan.alternatives) and plan.why()
+
+
+def test_memory_balanced_split_is_exhaustively_optimal_on_a_small_search():
+    """Against every split of the 70B's 80 layers within 3 layers of the chosen one (fewest recompute each)."""
+    from itertools import product
+
+    from lorafusion.scheduler.sizing import _balanced_split, _fewest, _loads
+
+    _, s = _70b_setup()
+    gpu, c = 78.7 * GIB, load_coefficients()
+    split = _balanced_split(s, 4096, gpu, c)
+    best = max(_loads(replace(s, stage_layers=tuple(split)),
+                      [_fewest(replace(s, stage_layers=tuple(split)), k, 4096, gpu, c) for k in range(4)]))
+    for d in product(range(-3, 4), repeat=3):
+        other = [split[0] + d[0], split[1] + d[1], split[2] + d[2]]
+        other.append(80 - sum(other))
+        so = replace(s, stage_layers=tuple(other))
+        rc = [_fewest(so, k, 4096, gpu, c) for k in range(4)]
+        if min(other) >= 1 and None not in rc:
+            assert max(_loads(so, rc)) >= best - 1e-9, other
+
+
+def test_a_fixed_split_or_recompute_is_kept():
+    from lorafusion.scheduler.sizing import choose
+
+    _, s = _70b_setup()
+    plan = choose(s, 78.7 * GIB, 4096, split=[18, 20, 21, 21], recompute="auto", coeffs=load_coefficients())
+    assert plan.stage_layers is None and not plan.chosen["stage_layers"]
+    plan = choose(s, 141 * GIB, 4096, split="auto", recompute=0, coeffs=load_coefficients())
+    assert plan.stage_layers is None  # the split is balanced with the recompute only when both are auto
