@@ -385,7 +385,13 @@ def scale_record(result: dict, args) -> dict:
            "bubble_ratio_per_rank": ours.get("bubble_ratio_per_rank"),
            "bubble_ratio_all_chunks_rank0": ours["bubble_ratio"],
            "bubble_per_chunk_per_rank": ours.get("bubble_per_chunk_per_rank"),
-           "timed_tokens": ours["timed_tokens"], "timed_s": ours["timed_s"]}
+           "timed_tokens": ours["timed_tokens"], "timed_s": ours["timed_s"],
+           "memory_plan": ours.get("memory_plan"), "chunk_s": ours.get("chunk_s"),
+           **{f"{k}_per_rank": ours.get(f"{k}_per_rank")
+              for k in ("reserved_peak_gib", "device_used_gib", "outside_torch_gib")}}
+    plan = ours.get("memory_plan") or {}
+    if plan.get("stages"):
+        rec["predicted_peak_gib"] = [s["predicted_peak_gib"] for s in plan["stages"]]
     if "baseline_steps" in result:
         rec["baseline_steps_per_job"] = result["baseline_steps"]  # {baseline: {steps, warmup}}
     for key in ("scheduler_off", "reference"):

@@ -56,6 +56,7 @@ spec() {
     70b-pp4)          echo "4 configs/llama3.1-70b-4adapters.yaml 16 8 1 parallelism.tp=1 parallelism.pp=4" ;;
     # the lever measured on 32B PP=2 (lookahead 2 -> 4: bubble 0.100 -> 0.080): chunks twice as long again, the
     # pipeline's fill and drain half as often (one warm-up chunk + one timed chunk of 16 steps; baselines as 70b-pp4)
+    70b-pp4-fp8)      echo "4 configs/llama3.1-70b-4adapters.yaml 16 8 0 parallelism.tp=1 parallelism.pp=4 model.base_precision=fp8" ;;
     70b-pp4-la16)     echo "4 configs/llama3.1-70b-4adapters.yaml 32 16 0 parallelism.tp=1 parallelism.pp=4 scheduler.lookahead_batches=16" ;;
     70b-tp2pp2)       echo "4 configs/llama3.1-70b-4adapters.yaml 12 4 1 parallelism.tp=2 parallelism.pp=2 parallelism.sequence_parallel=true scheduler.lookahead_batches=4" ;;
     # issue 27: the simulated steady bubble 0.125 (V=1 even, measured 0.119) -> 0.074 (auto split) -> 0.027 (V=2)
