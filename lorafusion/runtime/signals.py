@@ -1,6 +1,8 @@
 """Stop requests: SIGTERM, SIGUSR1 (Slurm's warning before a time limit or preemption) and SIGINT ask the
 run to stop at the next chunk boundary — the microbatches in flight finish, every job is checkpointed, the
-process exits 0. A second SIGINT stops at once (KeyboardInterrupt).
+process exits 0. A second SIGINT stops at once (KeyboardInterrupt). While the run is still being set up (data,
+distributed start, model build, checkpoint load: nothing trained yet, nothing to checkpoint) a stop ends the
+process at once: SIGTERM / SIGUSR1 with status 0, SIGINT as a KeyboardInterrupt.
 
 Ranks agree through :meth:`StopSignals.poll` (one small all-reduce per chunk, every rank calls it), so a
 signal that reached only some ranks still stops all of them at the same chunk boundary.
@@ -22,7 +24,13 @@ class StopSignals:
 
     def __init__(self):
         self.received: str | None = None  # name of the first stop signal
+        # False while the run is set up: a stop exits at once; True once it can checkpoint (see :meth:`defer`)
+        self.deferring = False
         self._previous: dict = {}
+
+    def defer(self) -> None:
+        """From now on a stop is taken at the next chunk boundary (the run is set up: it can checkpoint)."""
+        self.deferring = True
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
@@ -36,6 +44,12 @@ class StopSignals:
         self._previous.clear()
 
     def _handle(self, signum, frame) -> None:
+        if not self.deferring:  # setting up (a model build takes minutes): nothing to checkpoint, stop now
+            print(f"lorafusion: stopped by {signal.Signals(signum).name} while starting (nothing trained yet)",
+                  file=sys.stderr)
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(0)
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now, without a checkpoint
         if self.received is None:

@@ -165,7 +165,8 @@ class Trainer:
 
     def _run(self, stops) -> dict:
         """The loop: next chunk → run → record → callbacks (the boundary's work), until the run is over."""
-        self._setup()
+        self._setup()  # a stop until here ends the process at once (nothing trained: nothing to checkpoint)
+        stops.defer()
         self._open_session(stops)
         try:
             self.live.poll()  # requests that came while the run was stopped
