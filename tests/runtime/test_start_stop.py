@@ -68,3 +68,29 @@ def test_a_sigint_during_the_build_of_a_resumed_run_leaves_it_resumable(tmp_path
     assert not lock_held(tmp_path / "o")
     assert (tmp_path / "o" / "status.json").read_text() == before
     assert read_status(tmp_path / "o")["run"]["state"] == "done"  # not "ended without writing its end"
+
+
+def test_a_run_too_big_for_the_host_is_refused_in_seconds_before_the_model_is_built(tmp_path):
+    """The shipped 8B config on a machine without a GPU: one line naming what it needs and what there is."""
+    import pytest
+
+    from lorafusion.config import load_run_config
+    from lorafusion.scheduler.host import available_bytes, run_need
+
+    (tmp_path / "configs").mkdir()
+    cfg = tmp_path / "configs" / "8b.yaml"
+    cfg.write_text((ROOT / "configs" / "llama3.1-8b-4adapters.yaml").read_text())
+    for name in ("short", "medium", "long", "mixed"):  # the benchmark data (made, not shipped): a few rows
+        write_dataset(tmp_path / "data" / "bench" / f"{name}.jsonl", 1, rows=8)
+    need = run_need(load_run_config(cfg, ["parallelism.dp=1"]), 1).total
+    if (available_bytes() or 0) > need:
+        pytest.skip(f"this machine has room for the 8B run on its CPU ({need / 2**30:.1f} GiB)")
+    env = dict(_env(), CUDA_VISIBLE_DEVICES="")
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "lorafusion.cli", "train", str(cfg)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=10)
+    assert p.returncode == 2 and time.monotonic() - t0 < 10, p.stderr[-2000:]
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "GiB of host memory" in lines[0] and "GiB is available" in lines[0] and "weights 15.0" in lines[0]
+    assert not (tmp_path / "outputs").exists()

@@ -5,7 +5,6 @@ any other exception is a bug and shows its traceback."""
 
 from __future__ import annotations
 
-import argparse
 import errno
 import json
 import os
@@ -35,7 +34,15 @@ def cmd_train(args) -> int:
 
     exit_on_stop_outside_run()  # a stop while starting or after the end: exit 0, nothing to checkpoint
     cfg = _load(args)  # before torch and Megatron are imported: a config error in well under a second
+    from lorafusion.scheduler.host import check_run_on_host, gpu_device_seen
+
+    if not (gpu := gpu_device_seen()):  # the CPU trains it: refused now if the host's memory cannot hold it
+        check_run_on_host(cfg)
     with stops_held():  # a stop during torch's import is taken once it is imported
+        import torch
+    if gpu and not torch.cuda.is_available():  # a GPU this torch cannot use: the CPU trains it after all
+        check_run_on_host(cfg)
+    with stops_held():
         from lorafusion.rundir.atomic import remove_partial_outputs
         from lorafusion.runtime.trainer import Trainer
     if args.serve:
@@ -260,98 +267,10 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _int_list(text: str) -> list[int]:
-    return [_positive_int(x) for x in text.split(",")]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lorafusion", description="Train many LoRA adapters of one base model at once.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("train", help="train the adapter jobs of a run YAML")
-    t.add_argument("config")
-    t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. scheduler.token_capacity=8192")
-    t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint of each job")
-    t.add_argument("--allow-different-result", action="store_true", help="with --resume: accept changed "
-                   "scheduler settings (token_capacity, lookahead_batches, grouping, policy, solver), which pack the "
-                   "data otherwise; the result then differs (slightly) from an uninterrupted run")
-    t.add_argument("--serve", action="store_true", help="after the last job ends, keep waiting for "
-                   "`lorafusion submit` (serve: true; ends after serve_idle_minutes without jobs)")
-    pl = sub.add_parser("plan", help="schedule a run's data and draw the plan (no model)")
-    pl.add_argument("config")
-    pl.add_argument("overrides", nargs="*")
-    pl.add_argument("--windows", dest="chunks", type=_positive_int, default=20,
-                    help="how many windows (chunks of scheduler.lookahead_batches global batches per job) to plan")
-    pl.add_argument("--out", help="directory for tables and charts (default OUTPUT_DIR/plan)")
-    pl.add_argument("--gpu-memory", metavar="SIZE[,SIZE...]",
-                    help="print the memory plan per pipeline stage for GPUs of this memory (e.g. 80GiB or "
-                         "24,48,80,141): capacity and recompute for auto, what does not fit and what would")
-    pl.add_argument("--virtual-sweep", type=_int_list, default=None, metavar="V,V,...",
-                    help="also simulate these parallelism.virtual_stages with the even and the auto split")
-    sb = sub.add_parser("submit", help="add a job to a running (or stopped, before --resume) run")
-    sb.add_argument("run_dir", help="the run's output_dir")
-    sb.add_argument("job", help="the job's YAML (paths in it are relative to it)")
-    sb.add_argument("overrides", nargs="*", help="key=value overrides of the job's keys, e.g. optimizer.lr=1e-4")
-    cn = sub.add_parser("cancel", help="end a job of a run at the next chunk boundary (checkpointed, exported)")
-    cn.add_argument("run_dir", help="the run's output_dir")
-    cn.add_argument("--job", required=True)
-    st = sub.add_parser("status", help="where every job of a run stands (running or finished)")
-    st.add_argument("run_dir", help="the run's output_dir")
-    st.add_argument("--json", action="store_true", help="the status as JSON (as in RUN_DIR/status.json)")
-    e = sub.add_parser("export", help="export one job's adapter (PEFT format) from a run or checkpoint, the "
-                                      "run's base model (--base) or a job's merged model (--job J --merged)")
-    e.add_argument("checkpoint", metavar="RUN_DIR", help="a run output_dir (or one checkpoints/<job>/step_N)")
-    e.add_argument("--job", help="the job whose adapter to export")
-    e.add_argument("--base", action="store_true", help="the base model in HF format (config.json, safetensors, "
-                                                       "tokenizer); the adapters of a preset run point at RUN_DIR/base")
-    e.add_argument("--merged", action="store_true", help="with --job: base + adapter merged, in HF format")
-    e.add_argument("--best", action="store_true", help="with --job: the job's best-eval checkpoint (jobs with "
-                   "eval_dataset/eval_split), not its final adapter")
-    e.add_argument("--out", required=True, help="a new directory (an existing one is refused unless --force)")
-    e.add_argument("--force", action="store_true", help="replace an earlier export at --out (nothing else), once complete")
-    g = sub.add_parser("generate", help="decode prompts with a run's adapters (and base), batched together")
-    g.add_argument("run_dir", help="the run's output_dir")
-    g.add_argument("--prompts", required=True, help="JSONL: one {\"prompt\": ..., \"job\": NAME or null} per line; a chat "
-                   "job's: {\"messages\": [{\"role\": \"user\", \"content\": ...}], \"job\": NAME}; rows with \"expected\" are scored")
-    g.add_argument("--out", required=True, help="JSONL written atomically: the input rows plus prompt_ids, "
-                   "output_ids and output (an existing file is refused unless --force)")
-    g.add_argument("--max-new-tokens", type=_positive_int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (each row: its own generator)")
-    g.add_argument("--batch-size", type=_positive_int, default=64, help="prompts decoded together")
-    g.add_argument("--force", action="store_true", help="replace an earlier generate output at --out (nothing else)")
-    g.add_argument("--decode", choices=["auto", "graph", "static", "dynamic"], default="auto",
-                   help="graph: CUDA graph per token (auto on GPU); static: eagerly; dynamic: live rows (CPU)")
-    p.subcommands = sub.choices  # name -> its parser (main's _flags_last reads their options)
-    return p
-
-
 # Packed microbatches change size every step: expandable segments keep the CUDA caching allocator from
 # fragmenting (8B, 16k-token microbatches on one H200: 97.9 instead of 101.6 GiB reserved at the same
 # 92.5 GiB allocated; docs/BENCHMARKS.md). Set before CUDA starts; a user's own setting wins.
 ALLOC_CONF = "expandable_segments:True"
-
-
-def _flags_last(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """A flag between key=value overrides would end them (argparse: "unrecognized arguments"): flags, with their
-    values, go last, so overrides and flags may come in any order."""
-    takes = {o for a in parser.subcommands[argv[0]]._actions if a.nargs != 0 for o in a.option_strings}
-    rest, flags, it = [], [], iter(argv)
-    for a in it:
-        (flags if a.startswith("-") else rest).append(a)
-        if a in takes and (value := next(it, None)) is not None:
-            flags.append(value)
-    return rest + flags
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -360,9 +279,11 @@ def main(argv: list[str] | None = None) -> int:
     # a 960-token microbatch burnt 2.6-5.1 s of CPU instead of 0.16-0.20 s sleeping (PASSIVE). A user's setting wins
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     argv = list(sys.argv[1:] if argv is None else argv)
+    from lorafusion.cli.parser import build_parser, flags_last
+
     parser = build_parser()
     if argv[:1] in (["train"], ["plan"], ["submit"]):
-        argv = _flags_last(parser, argv)
+        argv = flags_last(parser, argv)
     args = parser.parse_args(argv)
     from lorafusion.runtime.signals import install_stack_dump
 
@@ -393,7 +314,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # a second Ctrl-C (the first one checkpoints and stops cleanly)
         print(f"lorafusion {args.cmd}: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())
