@@ -190,7 +190,7 @@ def base_bytes_per_layer(s: MemorySetup) -> float:
 def attention_elems(s: MemorySetup) -> float:
     """Elements per token the core attention keeps for backward (unsharded; q = heads x head dim, g = query
     groups x head dim), counted with ``torch.autograd.graph.saved_tensors_hooks`` on the model code
-    (``scripts/probe_saved_activations.py``; storages counted once):
+    (``scripts/count_saved_bytes.py``; storages counted once):
 
     - "varlen-gqa": qkv's output (v is a view of it), the rotated q and k, the output (which linear_proj saves
       as its input too): ``(q + 2g) + (q + g) + q``;

@@ -90,7 +90,7 @@ def test_tp_and_sequence_parallel_shard_activations():
 
 @pytest.mark.parametrize("capacity, measured_gib", [(12288, 73.8), (8192, 55.2), (16384, 92.4)])
 def test_committed_coefficients_predict_the_8b_runs_measured_on_an_h100(capacity, measured_gib):
-    # issue 22: scripts/bench_train.py --skip-hf, shipped 8B config (4 adapters r=16), one H100, commit 313fbba;
+    # scripts/bench_train.py --skip-hf, shipped 8B config (4 adapters r=16), one H100, commit 313fbba;
     # 16,384 tokens on one H200 (docs/BENCHMARKS.md, commit 37a8520)
     m = stage_memory(_setup(), 0, capacity, 0, load_coefficients())
     assert abs(m.peak / GIB / measured_gib - 1) < 0.07
@@ -101,7 +101,7 @@ def test_committed_coefficients_predict_the_8b_runs_measured_on_an_h100(capacity
 def test_committed_coefficients_predict_the_shipped_8b_runs_measured_on_an_h200(capacity, measured_gib):
     # docs/results/shipped-8b-auto-h200.json (commit f100dbe, one H200): the shipped 8B config, PEFT's LoRA layout,
     # auto (23,040) and hand-picked capacities without recompute; peak allocated per run. 11,264: the same config's
-    # auto choice on one H100 (docs/results/issue24-h100-speed3.json, 70.4 GiB)
+    # auto choice on one H100 (docs/results/e2e-8b-auto-tuned-h100.json, 70.4 GiB)
     from lorafusion.config import load_run_config
     from lorafusion.scheduler.sizing import run_arch, setup_from_run
 
@@ -155,7 +155,7 @@ def test_every_calibration_point_is_predicted_within_7_percent(raw_file, n_point
 
 
 def test_attention_paths_save_what_the_probe_counted():
-    # scripts/probe_saved_activations.py (saved-tensor hooks on the model code, CPU): per token and layer the
+    # scripts/count_saved_bytes.py (saved-tensor hooks on the model code, CPU): per token and layer the
     # per-sample SDPA path keeps one q-width tensor more than the varlen op (its per-sample outputs beside
     # their concatenation); the varlen op with k, v expanded keeps rotated q, k, v and the output (4q); given
     # grouped k, v it keeps qkv's output (v is a view), the rotated q and k and the output
@@ -281,8 +281,9 @@ def test_run_config_fp8_base_and_virtual_stages_reach_the_model():
 
 
 def test_reference_kernels_save_what_the_fused_ones_save_and_predict_their_h100_run():
-    # issue 24 (speed3, commit 5f4036c): kernels=reference at its auto capacity 7,680 peaked at 54.8 GiB on one
-    # H100 (68.3 predicted while the model counted a dropped input per linear, which the torch path does not keep).
+    # docs/results/e2e-8b-auto-tuned-h100.json (commit 5f4036c): kernels=reference at its auto capacity 7,680
+    # peaked at 54.8 GiB on one H100 (68.3 predicted while the model counted a dropped input per linear, which
+    # the torch path does not keep).
     # The setup has no LoRA-impl field: both impls save the same tensors, so one prediction serves both.
     c = load_coefficients()
     assert abs(stage_memory(_setup(), 0, 7680, 0, c).peak / GIB / 54.8 - 1) < 0.07
