@@ -5,7 +5,7 @@ Megatron's ``apply_rotary_pos_emb`` with ``cu_seqlens`` runs ``_apply_rotary_pos
 microbatch per sample. :func:`apply_packed_rope_patch` replaces the name
 ``megatron.core.transformer.attention.apply_rotary_pos_emb`` (the one ``Attention.forward`` calls) with a
 dispatcher: when the model's ``TransformerConfig`` has ``packed_rope_impl`` "torch" or "triton" (a field of
-``lorafusion.models.config.LoRAFusionConfig``, set by ``build_model`` for fused ops) and the call is a packed, non-interleaved,
+the config the model was built with) and the call is a packed, non-interleaved,
 full-rotary-dim call without context parallelism or mscale, it runs the ``packed_rope`` it was given
 (``lorafusion.models.fused.rope.packed_rope``: handed in, so this shim imports nothing of lorafusion); every
 other call goes to Megatron's own function unchanged. Explicit (nothing is patched on import) and idempotent.
@@ -47,29 +47,29 @@ def apply_packed_rope_patch(packed_rope) -> None:
 def rope_positions_patch_applied() -> bool:
     from megatron.core.transformer import attention
 
-    return getattr(attention.apply_rotary_pos_emb, "_lorafusion_positions", False)
+    return getattr(attention.apply_rotary_pos_emb, "_positions_for", None) is not None
 
 
-def apply_rope_positions_patch() -> None:
+def apply_rope_positions_patch(positions_for) -> None:
     """RoPE at explicit per-token positions for packed (thd) decoding with a KV cache.
 
     Megatron's packed RoPE restarts positions at every ``cu_seqlens`` boundary, which is right for training
-    (each sample starts at 0) but not for a decoding step whose rows continue cached sequences. While a
-    model's ``TransformerConfig`` has ``rope_positions`` (a [t] long tensor: a field of
-    ``lorafusion.models.config.LoRAFusionConfig``, not None only inside
-    :func:`lorafusion.inference.kv_cache.decoding`), a packed call rotates row ``i`` by ``freqs[positions[i]]``
-    with Megatron's own math (what its thd path does per sample: the bshd rotation on gathered freqs);
-    while it is None every call goes to the function it wraps, unchanged. Idempotent; re-wraps when
-    something else was installed over it since (e.g. :func:`apply_packed_rope_patch` by a later model build),
-    so call it right before decoding."""
+    (each sample starts at 0) but not for a decoding step whose rows continue cached sequences.
+    ``positions_for(config)`` says, for the model whose ``TransformerConfig`` a call carries, the position of
+    each packed row of the forward now running (a [t] long tensor; ``lorafusion.inference.kv_cache`` hands in
+    its cache's planned positions) or None (training, and any model not decoding). With positions, a packed
+    call rotates row ``i`` by ``freqs[positions[i]]`` with Megatron's own math (what its thd path does per
+    sample: the bshd rotation on gathered freqs); with None every call goes to the function it wraps,
+    unchanged. Idempotent for the same ``positions_for``; re-wraps when something else was installed over it
+    since (e.g. :func:`apply_packed_rope_patch` by a later model build), so call it right before decoding."""
     from megatron.core.transformer import attention
 
     current = attention.apply_rotary_pos_emb
-    if getattr(current, "_lorafusion_positions", False):
+    if getattr(current, "_positions_for", None) is positions_for:
         return
 
     def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None):
-        positions = getattr(config, "rope_positions", None)
+        positions = positions_for(config)
         if positions is None or cu_seqlens is None or t.dim() != 3:
             return current(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
         from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
@@ -82,5 +82,5 @@ def apply_rope_positions_patch() -> None:
                                           mscale=mscale).squeeze(1)
 
     apply_rotary_pos_emb.__wrapped__ = current
-    apply_rotary_pos_emb._lorafusion_positions = True
+    apply_rotary_pos_emb._positions_for = positions_for
     attention.apply_rotary_pos_emb = apply_rotary_pos_emb

@@ -106,7 +106,7 @@ class _Ctx:  # what Fp8BaseLinear.backward reads from its ctx
         self.grad_dtype = F.GRAD_DTYPE
 
 
-def build_8b(seed: int = 1234, arch: str = "llama3.1-8b"):
+def build_8b(seed: int = 1234, arch: str = "llama3.1-8b", base_precision: str = "bf16"):
     from lorafusion.core.arch import preset
     from lorafusion.core.lora import LoRASpec
     from lorafusion.layers import add_adapter, lora_modules
@@ -114,7 +114,8 @@ def build_8b(seed: int = 1234, arch: str = "llama3.1-8b"):
     from lorafusion.dist import init_distributed
 
     init_distributed(1, 1, seed=seed)
-    model = build_model(preset(arch), params_dtype=torch.bfloat16, device=torch.device(DEV), seed=seed)
+    model = build_model(preset(arch), params_dtype=torch.bfloat16, device=torch.device(DEV), seed=seed,
+                        base_precision=base_precision)
     spec = LoRASpec(r=16, lora_alpha=32, lora_dropout=0.1, target_modules=("all-linear",))
     names = [f"job{i}" for i in range(4)]
     for name in names:
@@ -153,9 +154,10 @@ def grad_cosines(grads: dict, ref: dict) -> dict:
 
 def model_check(mb_tokens: int) -> dict:
     from lorafusion.data import pack_microbatch
-    from lorafusion.layers.fp8_base import base_weight_bytes, quantize_base
+    from lorafusion.layers.inject import base_weight_bytes
 
-    model, names = build_8b(arch="tiny-llama" if DEV == "cpu" else "llama3.1-8b")
+    arch = "tiny-llama" if DEV == "cpu" else "llama3.1-8b"
+    model, names = build_8b(arch=arch)
     g = torch.Generator().manual_seed(5)
     parts = [int(mb_tokens * f) for f in (0.3, 0.15, 0.35)]
     parts.append(mb_tokens - sum(parts))
@@ -166,8 +168,11 @@ def model_check(mb_tokens: int) -> dict:
     for precision in ("bf16", "fp8"):
         if precision == "fp8":
             mem = (lambda: torch.cuda.memory_allocated() / 2 ** 30) if DEV == "cuda" else (lambda: 0.0)
-            out["allocated_gib_before_quantize"] = mem()
-            quantize_base(model, "fp8")
+            out["allocated_gib_before_quantize"] = mem()  # the bf16 model
+            del model
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
+            model, names = build_8b(arch=arch, base_precision="fp8")  # the same seeds: same base, same adapters
             out["allocated_gib_after_quantize"] = mem()
         out[f"base_linear_weight_bytes_{precision}"] = base_weight_bytes(model)
         res[precision] = step(model, batch, names)

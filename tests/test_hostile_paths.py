@@ -334,9 +334,9 @@ def test_sampling_at_extreme_temperature_and_top_p(tmp_path):
     were 'probability tensor contains inf/nan' / 'invalid multinomial distribution' tracebacks: both are greedy."""
     import torch
 
-    from lorafusion.inference.generate import _pick
+    from lorafusion.inference.sampling import pick_tokens
 
     logits = torch.randn(3, 50)
     gens = [torch.Generator().manual_seed(i) for i in range(3)]
-    assert _pick(logits, 1e-320, 1.0, gens) == logits.argmax(-1).tolist()
-    assert _pick(logits, 1.0, 1e-300, gens) == logits.argmax(-1).tolist()
+    assert pick_tokens(logits, 1e-320, 1.0, gens) == logits.argmax(-1).tolist()
+    assert pick_tokens(logits, 1.0, 1e-300, gens) == logits.argmax(-1).tolist()

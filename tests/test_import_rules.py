@@ -9,7 +9,10 @@ functions included):
   ``ops``, ``layers``, ``models`` or ``runtime``;
 - every package of ``lorafusion/`` has a rule; no file has more than 400 lines and no function outside
   ``kernels`` more than 60 (an exception would be listed in LONG_FILES / LONG_FUNCTIONS and may only
-  shrink; there are none).
+  shrink; there are none);
+- no two modules import each other, directly or round a longer circle: among the modules of ``lorafusion/``
+  and ``megatron_patches/`` (a package's ``__init__`` is a module too), and among the scripts of ``scripts/``
+  (module-level and function-level imports both).
 
 ``test_the_rules_catch_violations`` plants a violation of each rule in a copy of the tree and checks it is seen.
 """
@@ -26,6 +29,7 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "lorafusion"
 PATCHES = PKG.parent / "megatron_patches"  # megatron-core shims: a sibling package that imports nothing of ours
+SCRIPTS = PKG.parent / "scripts"  # tools run as scripts (scripts/ on sys.path): they import one another by file name
 HEAVY = frozenset({"torch", "megatron", "triton"})
 LOW = {"core"}  # the ground floor: may be imported from anywhere
 # package -> the packages of ours it may import besides itself and LOW (STRICT ones: exactly those listed)
@@ -210,6 +214,94 @@ def test_torch_free_packages_import_without_torch(module):
     assert out.stdout.strip() == "[]"
 
 
+def _module_name(path: Path, root: Path) -> str:
+    parts = [root.name, *path.relative_to(root).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_targets(path: Path, root: Path, known: set[str]) -> set[str]:
+    """The modules of ``known`` that ``path`` imports, at module level or inside a function: ``from P import N``
+    counts as importing the module ``P.N`` when there is one, else ``P`` (its ``__init__``)."""
+    package = _module_name(path, root).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    out = set()
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else (node.module or "")
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in known:  # import a.b.c of a module a.b: the module a.b
+                name = name.rpartition(".")[0]
+            if name:
+                out.add(name)
+    return out
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every circle of ``graph`` (module -> the modules it imports): Tarjan's strongly connected components of
+    more than one module, each sorted (a module importing itself is not counted)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v] - {v}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while (w := stack.pop()) != v:
+                group.append(w)
+            if group:
+                cycles.append(sorted([v, *group]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
+def _package_graph(roots: list[Path]) -> dict[str, set[str]]:
+    files = {_module_name(p, r): (p, r) for r in roots for p in sorted(r.rglob("*.py"))}
+    return {m: _import_targets(p, r, set(files)) for m, (p, r) in files.items()}
+
+
+def _scripts_graph() -> dict[str, set[str]]:
+    """scripts/ run with scripts/ on sys.path: a script imports another by its file name (``import bench_train``)."""
+    files = {p.stem: p for p in sorted(SCRIPTS.rglob("*.py"))}
+    graph = {}
+    for name, path in files.items():
+        targets = set()
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Import):
+                targets |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                targets.add(node.module.split(".")[0])
+        graph[name] = targets & set(files)
+    return graph
+
+
+def test_no_import_cycles():
+    """No two modules of lorafusion/ or megatron_patches/ import each other, directly or round a longer circle."""
+    assert _cycles(_package_graph([PKG, PATCHES])) == []
+
+
+def test_no_import_cycles_in_scripts():
+    assert _cycles(_scripts_graph()) == []
+
+
 def test_the_checks_see_violations(tmp_path, monkeypatch):
     """The rules would catch a back-edge (so the tests above can fail)."""
     fake = tmp_path / "lorafusion"
@@ -240,6 +332,18 @@ PLANTED = [
     ("newroom/x.py", "X = 1\n", "test_every_package_has_a_rule"),
     ("ops/long.py", "\n" * 401, "test_no_file_over_400_lines"),
     ("ops/fn.py", "def f():\n" + "    x = 1\n" * 60, "test_no_function_over_60_lines_outside_kernels"),
+    # inject -> lora_linear -> fused_proj -> inject (module level)
+    ("layers/fused_proj.py", "from lorafusion.layers.inject import lora_modules\n", "test_no_import_cycles"),
+    # hf_import imports hf_layout; back inside a function
+    ("models/hf_layout.py", "def f():\n    from lorafusion.models.hf_import import HFCheckpoint\n",
+     "test_no_import_cycles"),
+    # a package's __init__ and one of its modules
+    ("ops/reference.py", "from lorafusion.ops import multi_lora_delta\n", "test_no_import_cycles"),
+    ("../megatron_patches/cpu.py", "import megatron_patches\n", "test_no_import_cycles"),
+    # two scripts importing each other (the second file is planted with the first)
+    ("../scripts/planted_a.py", {"../scripts/planted_a.py": "def f():\n    import planted_b\n",
+                                 "../scripts/planted_b.py": "from planted_a import f\n"},
+     "test_no_import_cycles_in_scripts"),
 ]
 
 
@@ -256,12 +360,15 @@ def test_the_rules_catch_violations(planted, tmp_path, monkeypatch):
     fake = tmp_path / "lorafusion"
     shutil.copytree(PKG, fake, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(PATCHES, tmp_path / PATCHES.name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(SCRIPTS, tmp_path / SCRIPTS.name, ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.setattr(sys.modules[__name__], "PKG", fake)
     monkeypatch.setattr(sys.modules[__name__], "PATCHES", tmp_path / PATCHES.name)
+    monkeypatch.setattr(sys.modules[__name__], "SCRIPTS", tmp_path / SCRIPTS.name)
     rel, source, rule = planted
     sub = rel.split("/")[0]
     _run_rule(rule, sub)  # the copy is clean
-    (fake / rel).parent.mkdir(parents=True, exist_ok=True)
-    (fake / rel).write_text(source)
+    for where, text in (source if isinstance(source, dict) else {rel: source}).items():
+        (fake / where).parent.mkdir(parents=True, exist_ok=True)
+        (fake / where).write_text(text)
     with pytest.raises(AssertionError):
         _run_rule(rule, sub)

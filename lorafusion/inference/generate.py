@@ -23,16 +23,26 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from lorafusion.config.schema import TokenizerConfig
+from lorafusion.core.arch import PRESETS
+from lorafusion.core.arch import preset as preset_arch
 from lorafusion.core.errors import ConfigError, MissingFileError, UserError
-from lorafusion.rundir.adapters import check_generate_out
-from lorafusion.inference.static_decode import GRAPH_BY_DEFAULT, adapter_routing, decode_static
+from lorafusion.core.seeds import mix_seed
+from lorafusion.data.tokenizer import build_tokenizer
+from lorafusion.inference.sampling import Request, commit_tokens, pick_tokens
+from lorafusion.rundir.adapters import check_generate_out, find_adapter, run_jobs
 from lorafusion.rundir.atomic import write_text_atomic
+from lorafusion.rundir.layout import latest_checkpoint
+
+# The model side (Megatron, the model, the KV cache, adapters) is imported inside the functions that build and
+# run it, so that generate checks the run directory, the prompts and --out before paying for Megatron's import.
 
 DECODE_MODES = ("auto", "graph", "static", "dynamic")
 
@@ -58,16 +68,11 @@ def _read_json(path: Path) -> dict:
 
 
 def _latest_checkpoint_dir(job_dir: Path) -> Path | None:
-    from lorafusion.rundir.layout import latest_checkpoint
-
     return latest_checkpoint(job_dir) if job_dir.is_dir() else None
 
 
 def load_run(run_dir: str | Path) -> RunInfo:
     """What :func:`build_run_model` and :func:`run_tokenizer` need, from a ``lorafusion train`` output directory."""
-    from lorafusion.core.arch import PRESETS
-    from lorafusion.rundir.adapters import find_adapter, run_jobs
-
     run = Path(run_dir)
     if not run.is_dir():
         raise MissingFileError(f"{run}: no such run directory (expected the output_dir of lorafusion train)")
@@ -116,9 +121,6 @@ def load_run(run_dir: str | Path) -> RunInfo:
 
 
 def run_tokenizer(info: RunInfo):
-    from lorafusion.config.schema import TokenizerConfig
-    from lorafusion.data.tokenizer import build_tokenizer
-
     tok = dict(info.tokenizer)
     if tok["type"] == "sentencepiece" and not tok.get("path") and info.path:
         tok["path"] = str(Path(info.path) / "tokenizer.model")
@@ -131,7 +133,6 @@ def build_run_model(info: RunInfo, jobs: Sequence[str], device=None):
 
     from lorafusion.dist import init_distributed
     from lorafusion.export.peft import import_peft_adapter
-    from lorafusion.layers import get_lora_context
     from lorafusion.models.base import base_arch, build_base
 
     if not parallel_state.model_parallel_is_initialized():
@@ -145,8 +146,7 @@ def build_run_model(info: RunInfo, jobs: Sequence[str], device=None):
         raise ConfigError(f"{info.run_dir / 'base_model.json'}: the run drew its random base weights on "
                           f"{info.init_device}; generate on a machine of that kind (here: {drawn})")
     model = build_base(*base_arch(info.path, info.preset), dtype=info.dtype, device=device, seed=info.seed,
-                       base_precision=info.base_precision)
-    get_lora_context(model).impl = None
+                       base_precision=info.base_precision, lora_impl=None)  # (None: the fused kernels on CUDA)
     for job in jobs:
         import_peft_adapter(model, job, info.adapters[job])
     model.eval()
@@ -154,15 +154,6 @@ def build_run_model(info: RunInfo, jobs: Sequence[str], device=None):
 
 
 # ---------------------------------------------------------------------------------------------- prompts
-@dataclass
-class Request:
-    row: dict  # the input row, kept as is
-    job: str | None  # adapter, or None for the base
-    prompt_ids: list[int]
-    where: str  # "FILE:LINE" of the row
-    output_ids: list[int] = field(default_factory=list)
-
-
 def encode_prompt(row: dict, tokenizer, where: str) -> list[int]:
     """``[bos] + prompt`` as training builds a sample's prompt; ``messages`` (a chat history) is rendered with
     the tokenizer's chat template and its generation prompt; a row with both is refused (which one?)."""
@@ -235,6 +226,7 @@ def _forward(model, jobs, seqs: Sequence[Sequence[int]], positions: torch.Tensor
     sequence's last row."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    from lorafusion.inference.static_decode import adapter_routing
     from lorafusion.layers import lora_batch
     from lorafusion.ops.tables import to_device  # pinned + non-blocking: no stream sync per copy
 
@@ -263,31 +255,6 @@ def _forward(model, jobs, seqs: Sequence[Sequence[int]], positions: torch.Tensor
     return logits[0].float()
 
 
-def _pick(logits: torch.Tensor, temperature: float, top_p: float, gens: Sequence) -> list[int]:
-    if temperature == 0:
-        return logits.argmax(-1).tolist()
-    probs = torch.softmax((logits.double() - logits.double().amax(-1, keepdim=True)) / temperature, dim=-1)  # (1e-320)
-    out = []
-    for p, g in zip(probs, gens, strict=True):
-        if top_p < 1.0:
-            sp, idx = p.sort(descending=True)
-            keep = (sp.cumsum(0) - sp) < top_p  # the smallest prefix whose mass reaches top_p (top-1 always)
-            p = torch.zeros_like(p).scatter_(0, idx[keep], sp[keep])
-        out.append(int(torch.multinomial(p, 1, generator=g)))
-    return out
-
-
-def _commit(reqs: Sequence[Request], live: Sequence[int], picked: Sequence[int], eos_id: int,
-            limit: Sequence[int]) -> list[int]:
-    """Append each live row's picked token; the rows still live after it (not at eos, not at their limit)."""
-    still = []
-    for i, tok in zip(live, picked, strict=True):
-        reqs[i].output_ids.append(tok)
-        if tok != eos_id and len(reqs[i].output_ids) < limit[i]:
-            still.append(i)
-    return still
-
-
 @torch.no_grad()
 def generate_ids(model, requests: Sequence[Request], *, eos_id: int, max_new_tokens: int, context: int,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, use_cache: bool = True,
@@ -297,8 +264,8 @@ def generate_ids(model, requests: Sequence[Request], *, eos_id: int, max_new_tok
     ``decode`` (with the cache): "graph" — after the prefill, every step is one static step replayed from a CUDA
     graph (:mod:`lorafusion.inference.static_decode`; eager off CUDA); "static" — the same step, eager; "dynamic"
     — one packed row per live sequence per step; "auto" — graph on CUDA if ``GRAPH_BY_DEFAULT``, else dynamic."""
-    from lorafusion.core.seeds import mix_seed
     from lorafusion.inference.kv_cache import KVCache, decoding
+    from lorafusion.inference.static_decode import GRAPH_BY_DEFAULT, decode_static
 
     if decode not in DECODE_MODES:
         raise ConfigError(f"decode: expected one of {', '.join(DECODE_MODES)}, got {decode!r}")
@@ -336,7 +303,7 @@ def generate_ids(model, requests: Sequence[Request], *, eos_id: int, max_new_tok
             logits = _forward(model, jobs, seqs, positions, device)
             if use_cache:
                 cache.advance()
-            live = _commit(reqs, live, _pick(logits, temperature, top_p, None if gens is None else [gens[i] for i in live]),
+            live = commit_tokens(reqs, live, pick_tokens(logits, temperature, top_p, None if gens is None else [gens[i] for i in live]),
                            eos_id, limit)
             step += 1
 
@@ -346,8 +313,6 @@ def generate_file(run_dir, prompts, out, *, max_new_tokens: int = 128, temperatu
                   seed: int = 0, batch_size: int = 64, force: bool = False, use_cache: bool = True,
                   decode: str = "auto") -> dict:
     """Everything ``lorafusion generate`` does; returns a summary."""
-    import time
-
     check_generate_out(out := Path(out), Path(prompts), force)  # --force: an earlier output only
     if not (0 <= temperature < float("inf")) or not (0 < top_p <= 1):  # (NaN fails both)
         raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1], got {temperature} and {top_p}")
@@ -387,13 +352,11 @@ def expected_matches(rows: Sequence[dict]) -> dict[str, list[int]]:
 
 
 def _context(info: RunInfo) -> int:
-    from lorafusion.core.arch import preset
-
     if info.path:
         from lorafusion.models.hf_import import HFCheckpoint
 
         return HFCheckpoint(info.path).arch.max_position_embeddings
-    return preset(info.preset).max_position_embeddings
+    return preset_arch(info.preset).max_position_embeddings
 
 
 __all__ = ["Request", "RunInfo", "build_run_model", "encode_prompt", "expected_matches", "generate_file", "generate_ids",

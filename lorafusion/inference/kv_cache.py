@@ -12,10 +12,12 @@ activations' dtype and device). One forward serves every sequence at once, packe
 
 RoPE: Megatron's packed RoPE restarts positions at each ``cu_seqlens`` boundary, so a decode row would be
 rotated as position 0. Inside :func:`decoding` the rows are rotated at their true positions instead
-(``megatron_patches.apply_rope_positions_patch``, which reads ``config.rope_positions``, a field of ``LoRAFusionConfig``).
+(``megatron_patches.apply_rope_positions_patch``, handed :func:`rope_positions`, which asks the cache the
+model is decoding through for its planned rows' positions: :attr:`KVCache.positions`).
 
+The per-forward state of decoding lives in the cache (its plan); the model's config is never written.
 Training never sees any of this: the attention checks one attribute (``kv_cache``, None outside
-:func:`decoding`) and the RoPE patch is installed only by :func:`decoding`.
+:func:`decoding`) and the RoPE patch finds no cache for a model that is not decoding.
 """
 
 from __future__ import annotations
@@ -26,7 +28,19 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from lorafusion.models.attention import PackedDotProductAttention, _expand_kv, varlen_attention
+from megatron_patches import apply_rope_positions_patch
+
+from lorafusion.models.attention import PackedDotProductAttention, expand_kv, varlen_attention
+from lorafusion.ops.tables import to_device  # pinned + non-blocking: no stream sync per copy
+
+_DECODING: dict[int, KVCache] = {}  # id(config) of a model decoding now (inside decoding()) -> its cache
+
+
+def rope_positions(config) -> torch.Tensor | None:
+    """The positions of the rows the next forward of the model with ``config`` runs, when that model is
+    decoding (inside :func:`decoding`); None otherwise (what the RoPE patch is handed)."""
+    cache = _DECODING.get(id(config))
+    return None if cache is None else cache.positions
 
 
 class KVCache:
@@ -40,8 +54,12 @@ class KVCache:
         self.lengths = [0] * self.num_slots
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
-        self._configs: list = []
         self._plan = None
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """The planned rows' positions on the device (None when no forward is planned)."""
+        return None if self._plan is None else self._plan["positions"]
 
     # -- planning (host side, once per forward) --------------------------------------------------------
     def prefill(self, slots: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
@@ -74,12 +92,8 @@ class KVCache:
         graph. ``lengths`` is not kept (the caller knows them); :meth:`advance` is not called."""
         self._plan = {"kind": "static", "positions": positions,
                       "keys_at": torch.arange(self.max_len, device=positions.device)}
-        for cfg in self._configs:
-            cfg.rope_positions = positions
 
     def _set_plan(self, kind, slots, counts, rows_slot, positions, **extra) -> None:
-        from lorafusion.ops.tables import to_device  # pinned + non-blocking: no stream sync per copy
-
         dev = self.device
         plan = {"kind": kind, "slots": slots, "counts": counts, "rows_slot": to_device(rows_slot, dev),
                 "positions": to_device(positions, dev), **extra}
@@ -90,8 +104,6 @@ class KVCache:
         if "cu" in plan:
             plan["cu"] = to_device(plan["cu"], dev)
         self._plan = plan
-        for cfg in self._configs:
-            cfg.rope_positions = plan["positions"]
 
     def advance(self) -> None:
         """The planned forward has run: its rows now belong to their slots' cached prefixes."""
@@ -118,15 +130,15 @@ class KVCache:
             return varlen_attention(q, k, v, plan["cu"], plan["max_seqlen"], scale)
         n, h = q.shape[0], q.shape[1]
         kv_len = plan["kv_len"]
-        keys = _expand_kv(ck[plan["slots_t"], :kv_len], h, 2).transpose(1, 2)  # [n, h, L, d]
-        vals = _expand_kv(cv[plan["slots_t"], :kv_len], h, 2).transpose(1, 2)
+        keys = expand_kv(ck[plan["slots_t"], :kv_len], h, 2).transpose(1, 2)  # [n, h, L, d]
+        vals = expand_kv(cv[plan["slots_t"], :kv_len], h, 2).transpose(1, 2)
         out = F.scaled_dot_product_attention(q[:, :, None], keys, vals, attn_mask=plan["key_mask"], scale=scale)
         return out.reshape(n, h, q.shape[2])
 
     def _attend_static(self, ck, cv, q, k, v, scale: float) -> torch.Tensor:
         """Row ``i`` (slot ``i``) writes its key/value at its position and attends to its slot's keys up to
         it: no host value is read, nothing is allocated from the host. GQA by viewing each group's query
-        heads as that group's queries (the heads of one kv group are adjacent, as ``_expand_kv`` repeats)."""
+        heads as that group's queries (the heads of one kv group are adjacent, as ``expand_kv`` repeats)."""
         plan = self._plan
         n, h, d = q.shape
         g = k.shape[1]
@@ -150,22 +162,19 @@ def decoding(model, cache: KVCache):
     """Route every packed forward of ``model`` inside the block through ``cache`` (keys/values kept per
     slot, RoPE at the planned positions). Plan each forward with ``cache.prefill``/``cache.decode`` and
     commit it with ``cache.advance``."""
-    from megatron_patches import apply_rope_positions_patch
-
-    apply_rope_positions_patch()  # outermost, even over a RoPE patch installed since the last call
+    apply_rope_positions_patch(rope_positions)  # outermost, even over a RoPE patch installed since the last call
     mods = attention_modules(model)
-    configs = list({id(c): c for c in [model.config, *(m.config for m in mods)]}.values())
+    configs = {id(c) for c in [model.config, *(m.config for m in mods)]}
     for m in mods:
         m.kv_cache = cache
-    cache._configs = configs
+    _DECODING.update(dict.fromkeys(configs, cache))
     try:
         yield cache
     finally:
         for m in mods:
             m.kv_cache = None
-        for cfg in configs:
-            cfg.rope_positions = None
-        cache._configs = []
+        for c in configs:
+            _DECODING.pop(c, None)
 
 
-__all__ = ["KVCache", "attention_modules", "decoding"]
+__all__ = ["KVCache", "attention_modules", "decoding", "rope_positions"]

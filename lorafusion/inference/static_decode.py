@@ -28,6 +28,12 @@ import warnings
 from collections.abc import Sequence
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from lorafusion.core.routing import Routing
+from lorafusion.inference.sampling import commit_tokens, pick_tokens
+from lorafusion.layers import lora_batch
+from lorafusion.ops.tables import to_device
 
 WARMUP_STEPS = 2  # eager steps on the capture stream before capture (lazy init, Triton JIT, cuBLAS workspace)
 GRAPH_BY_DEFAULT = True
@@ -41,8 +47,6 @@ class GraphCaptureWarning(UserWarning):
 
 def adapter_routing(jobs: Sequence[str | None], counts: Sequence[int]):
     """One LoRA segment per run of same-adapter sequences (base rows: no segment); (routing, adapters)."""
-    from lorafusion.core.routing import Routing
-
     names: list[str] = []
     segs, start = [], 0
     for job, n in zip(jobs, counts, strict=True):
@@ -65,8 +69,6 @@ class StaticStep:
     next call. Run it inside ``lora_batch(model, step.routing, step.names)`` and ``decoding(model, cache)``."""
 
     def __init__(self, model, cache, jobs: Sequence[str | None], graph: bool = True):
-        from megatron.core.packed_seq_params import PackedSeqParams
-
         n, dev = cache.num_slots, cache.device
         if len(jobs) != n:
             raise ValueError(f"StaticStep: {len(jobs)} jobs for {n} cache slots")
@@ -130,10 +132,6 @@ def decode_static(model, cache, reqs, live: list[int], limit: Sequence[int], *, 
                   top_p: float, gens, graph: bool = True) -> None:
     """Decode ``reqs`` (each with its first token picked by the prefill) to the end with :class:`StaticStep`;
     the same tokens as the dynamic step, which runs only the live rows (see ``generate_ids``)."""
-    from lorafusion.inference import generate as G
-    from lorafusion.layers import lora_batch
-    from lorafusion.ops.tables import to_device
-
     step = StaticStep(model, cache, [r.job for r in reqs], graph)
     last = cache.max_len - 1
     with lora_batch(model, step.routing, step.names):
@@ -143,8 +141,8 @@ def decode_static(model, cache, reqs, live: list[int], limit: Sequence[int], *, 
             logits = step(tokens, positions)
             if len(live) < len(reqs):
                 logits = logits.index_select(0, to_device(torch.tensor(live), logits.device))
-            picked = G._pick(logits, temperature, top_p, None if gens is None else [gens[i] for i in live])
-            live = G._commit(reqs, live, picked, eos_id, limit)
+            picked = pick_tokens(logits, temperature, top_p, None if gens is None else [gens[i] for i in live])
+            live = commit_tokens(reqs, live, picked, eos_id, limit)
 
 
 __all__ = ["GRAPH_BY_DEFAULT", "GraphCaptureWarning", "StaticStep", "WARMUP_STEPS", "adapter_routing", "decode_static"]

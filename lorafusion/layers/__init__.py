@@ -5,7 +5,6 @@
 from lorafusion.layers.inject import (
     adapter_parameters,
     add_adapter,
-    attach_lora_context,
     get_lora_context,
     lora_batch,
     lora_modules,
@@ -15,6 +14,6 @@ from lorafusion.layers.inject import (
 from lorafusion.layers.lora_linear import LoRAColumnParallelLinear, LoRAContext, LoRARowParallelLinear
 from lorafusion.core.routing import Routing
 
-__all__ = ["adapter_parameters", "add_adapter", "attach_lora_context", "get_lora_context", "lora_batch",
+__all__ = ["adapter_parameters", "add_adapter", "get_lora_context", "lora_batch",
            "lora_modules", "remove_adapter", "set_batch", "LoRAColumnParallelLinear", "LoRARowParallelLinear",
            "LoRAContext", "Routing"]

@@ -1,82 +1,74 @@
 """FP8 frozen base for the LoRA linears (``model.base_precision: fp8``).
 
-:func:`quantize_base` replaces every decoder LoRA linear's bf16 weight (qkv, proj, fc1, fc2; this rank's TP
-shard, this stage's layers) by ``weight_fp8`` (float8_e4m3fn [n, k]) and ``weight_scale`` (float32 [n], one
-per output channel), both non-persistent buffers, and frees the bf16 parameter (``weight`` becomes None):
-the base is never checkpointed, so nothing of it is written. :func:`fp8_base_forward` is Megatron's
-Column/RowParallelLinear forward (TP collectives, sequence parallelism, bias) around
-:func:`lorafusion.ops.fp8_linear.fp8_linear` instead of the bf16 GEMM. The LoRA term is unchanged and sees the
-bf16 X. The output layer and embeddings stay in the model dtype. Without TP, with the fused LoRA kernels,
-:func:`fp8_fused_forward` runs base and LoRA term as one op (:mod:`lorafusion.ops.fp8_lora`).
+A LoRA linear learns its base precision when it is built (:func:`base_precision_of`: the config's
+``base_precision``, except the first ``fp8_bf16_layers`` decoder layers of the whole model, which keep the model
+dtype). An FP8 linear's constructor calls :func:`init_fp8_storage`: its base is ``weight_fp8`` (float8_e4m3fn
+[n, k], this rank's TP shard) and ``weight_scale`` (float32 [n], one per output channel), both non-persistent
+buffers, and it has no bf16 ``weight`` (None): the base is never checkpointed, and no bf16 copy of an FP8
+layer is ever held. Its weights arrive like any other base tensor, through :func:`write_base_tensor`
+(random init, HF import), which quantizes them once.
+
+:func:`fp8_base_forward` is Megatron's Column/RowParallelLinear forward (TP collectives, sequence parallelism,
+bias) around :func:`lorafusion.ops.fp8_linear.fp8_linear` instead of the bf16 GEMM. The LoRA term is unchanged
+and sees the bf16 X. The output layer and embeddings stay in the model dtype. Without TP, with the fused LoRA
+kernels, :func:`fp8_fused_forward` runs base and LoRA term as one op (:mod:`lorafusion.ops.fp8_lora`).
 """
 
 from __future__ import annotations
 
 import torch
+from megatron.core.tensor_parallel import mappings as M
 
 from lorafusion.core.precision import BASE_PRECISIONS, FP8_BF16_LEADING_LAYERS
-from lorafusion.ops.fp8_linear import check_fp8_device, fp8_linear, quantize_weight
+from lorafusion.ops.fp8_linear import E4M3, check_fp8_device, fp8_linear, quantize_weight
+from lorafusion.ops import fp8_lora
 
 # The first decoder layers of the whole model (global numbering) whose linears stay in the model dtype with an
 # fp8 base (lorafusion.core.precision; the memory model counts the same number)
 BF16_LEADING_LAYERS = FP8_BF16_LEADING_LAYERS
 
 
+def base_precision_of(config, layer_number: int) -> str:
+    """The precision of a decoder linear of global layer ``layer_number`` (1-based) built on ``config``
+    (``lorafusion.models.config.LoRAFusionConfig``: ``base_precision``, ``fp8_bf16_layers``)."""
+    precision = getattr(config, "base_precision", "bf16")
+    if precision not in BASE_PRECISIONS:
+        raise ValueError(f"model.base_precision: expected one of {BASE_PRECISIONS}, got {precision!r}")
+    keep = getattr(config, "fp8_bf16_layers", BF16_LEADING_LAYERS)
+    return "fp8" if precision == "fp8" and layer_number > keep else "bf16"
+
+
 def is_fp8(mod) -> bool:
     return getattr(mod, "weight_fp8", None) is not None
 
 
-def quantize_linear(mod) -> None:
-    """Quantize one LoRA linear's base weight in place and free the bf16 copy (idempotent)."""
-    if is_fp8(mod):
-        return
+def init_fp8_storage(mod) -> None:
+    """In an FP8 linear's constructor: Megatron's bf16 weight parameter (just allocated, not yet initialised)
+    becomes the FP8 buffers, filled when the weights are written (:func:`write_base_tensor`)."""
     w = mod.weight
-    q, s = quantize_weight(w.data)
-    mod.register_buffer("weight_fp8", q, persistent=False)
-    mod.register_buffer("weight_scale", s, persistent=False)
+    mod.register_buffer("weight_fp8", torch.zeros(w.shape, dtype=E4M3, device=w.device), persistent=False)
+    mod.register_buffer("weight_scale", torch.ones(w.shape[0], dtype=torch.float32, device=w.device),
+                        persistent=False)
     mod.base_dtype = w.dtype
-    mod.weight = None  # Module.__setattr__ keeps the name registered as a (None) parameter
+    mod.register_parameter("weight", None)
 
 
-def layer_number(mod) -> int:
-    """The global (1-based) decoder layer number of a LoRA linear (from its ``lora_key`` "<layer>.<kind>")."""
-    return int(mod.lora_key.split(".", 1)[0])
+def base_tensor_like(mod, attr: str) -> torch.Tensor:
+    """The tensor that holds ``mod``'s base tensor ``attr`` (an FP8 linear's weight: its ``weight_fp8``, whose
+    shape and device the bf16 weight would have)."""
+    return mod.weight_fp8 if attr == "weight" and is_fp8(mod) else getattr(mod, attr)
 
 
-def quantize_base(model, precision: str = "fp8", bf16_layers: int | None = None) -> int:
-    """Put the frozen decoder linears of ``model`` (a stage or a list of chunks) in ``precision``;
-    returns how many linears are FP8. "bf16" leaves the model as built. With "fp8" the linears of the first
-    ``bf16_layers`` decoder layers of the whole model (None: :data:`BF16_LEADING_LAYERS`) stay as they are;
-    called again with a smaller number it quantizes the rest (idempotent otherwise)."""
-    from lorafusion.layers.inject import _chunks, _unwrap, lora_modules
-
-    if precision not in BASE_PRECISIONS:
-        raise ValueError(f"model.base_precision: expected one of {BASE_PRECISIONS}, got {precision!r}")
-    if precision == "bf16":
-        return 0
-    keep = BF16_LEADING_LAYERS if bf16_layers is None else int(bf16_layers)
-    mods = [m for _, m in lora_modules(model) if layer_number(m) > keep]
-    if mods:
-        check_fp8_device(mods[0].weight_fp8.device if is_fp8(mods[0]) else mods[0].weight.device)
-    for mod in mods:
-        quantize_linear(mod)
-    for chunk in _chunks(model):
-        _unwrap(chunk).config.base_precision = precision  # a field of lorafusion.models.config.LoRAFusionConfig
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # give the freed bf16 weights back (the allocator would reuse them anyway)
-    return len(mods)
-
-
-def base_weight_bytes(model) -> int:
-    """Bytes of the decoder linears' base weights on this rank (FP8: the fp8 weights and their scales)."""
-    from lorafusion.layers.inject import lora_modules
-
-    total = 0
-    for _, mod in lora_modules(model):
-        for t in (mod.weight, getattr(mod, "weight_fp8", None), getattr(mod, "weight_scale", None)):
-            if t is not None:
-                total += t.numel() * t.element_size()
-    return total
+def write_base_tensor(mod, attr: str, value: torch.Tensor) -> None:
+    """Write this rank's part of base tensor ``attr`` of ``mod`` (a frozen weight, bias or norm). An FP8
+    linear's weight is cast to the model dtype on its device and quantized (per output channel) there."""
+    if attr == "weight" and is_fp8(mod):
+        check_fp8_device(mod.weight_fp8.device)
+        q, s = quantize_weight(value.to(device=mod.weight_fp8.device, dtype=mod.base_dtype))
+        mod.weight_fp8.copy_(q)
+        mod.weight_scale.copy_(s)
+        return
+    getattr(mod, attr).copy_(value)
 
 
 def fp8_base_forward(mod, input_: torch.Tensor):
@@ -84,8 +76,6 @@ def fp8_base_forward(mod, input_: torch.Tensor):
     SP communication: column — all-gather the sequence (SP) or copy to the TP region (backward: reduce-scatter
     / all-reduce of dX), FP8 GEMM, optional output gather; row — FP8 GEMM on the in-dim shard, then
     reduce-scatter (SP) or all-reduce, bias after the reduction."""
-    from megatron.core.tensor_parallel import mappings as M
-
     tp = mod._tp()[0]
     group = getattr(mod, "tp_group", None)
     w_q, w_s = mod.weight_fp8, mod.weight_scale
@@ -113,10 +103,8 @@ def fp8_base_forward(mod, input_: torch.Tensor):
 def fp8_fused_forward(mod, input_: torch.Tensor, largs):
     """(output, output bias) of an FP8 LoRA linear without TP: the FP8 base GEMM and the LoRA term in one op
     (:func:`lorafusion.ops.fp8_lora.fp8_multi_lora_linear`; ``largs`` = the layer's ``_lora_args``)."""
-    from lorafusion.ops.fp8_lora import fp8_multi_lora_linear
-
     routing, a, b, scaling, p, seeds, seed_table = largs
     bias = None if mod.skip_bias_add or mod.bias is None else mod.bias
-    y = fp8_multi_lora_linear(input_, mod.weight_fp8, mod.weight_scale, bias, a, b, scaling, p, seeds, routing,
-                              cache=mod.lora_ctx.tables, seed_table=seed_table)
+    y = fp8_lora.fp8_multi_lora_linear(input_, mod.weight_fp8, mod.weight_scale, bias, a, b, scaling, p, seeds, routing,
+                                       cache=mod.lora_ctx.tables, seed_table=seed_table)
     return y, (mod.bias if mod.skip_bias_add else None)

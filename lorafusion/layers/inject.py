@@ -1,4 +1,9 @@
-"""Adding, removing and routing adapters on a live model (or list of pipeline model chunks)."""
+"""Adding, removing and routing adapters on a live model (or list of pipeline model chunks).
+
+The model's LoRA linears and its :class:`~lorafusion.layers.lora_linear.LoRAContext` are wired when it is
+built (:mod:`lorafusion.models.layer_spec`); this module finds them (:func:`lora_modules`,
+:func:`get_lora_context`) and changes only what changes at run time: which adapters are on the model and
+which rows each microbatch routes to them."""
 
 from __future__ import annotations
 
@@ -10,7 +15,8 @@ import torch
 from lorafusion.core.lora import LoRASpec, check_adapter_name
 from lorafusion.core.routing import Routing
 from lorafusion.core.targets import MEGATRON_TARGETS
-from lorafusion.layers.lora_linear import LoRAContext, _LoRAMixin
+from lorafusion.layers.fp8_base import base_tensor_like
+from lorafusion.layers.lora_linear import LoRAContext, LoRALinear
 
 
 def _chunks(model) -> list[torch.nn.Module]:
@@ -18,12 +24,12 @@ def _chunks(model) -> list[torch.nn.Module]:
 
 
 def _unwrap(m: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(m, "module") and not isinstance(m, _LoRAMixin):
+    while hasattr(m, "module") and not isinstance(m, LoRALinear):
         m = m.module
     return m
 
 
-def lora_modules(model) -> Iterator[tuple[str, _LoRAMixin]]:
+def lora_modules(model) -> Iterator[tuple[str, LoRALinear]]:
     """(key, module) for every LoRA-capable linear; key = "<global 1-based layer number>.<megatron name>"."""
     for chunk in _chunks(model):
         chunk = _unwrap(chunk)
@@ -34,28 +40,26 @@ def lora_modules(model) -> Iterator[tuple[str, _LoRAMixin]]:
             for kind in MEGATRON_TARGETS:
                 parent = layer.self_attention if kind in ("linear_qkv", "linear_proj") else layer.mlp
                 mod = getattr(parent, kind, None)
-                if isinstance(mod, _LoRAMixin):
-                    yield f"{layer.layer_number}.{kind}", mod
+                if isinstance(mod, LoRALinear):
+                    yield mod.lora_key, mod
 
 
 def get_lora_context(model) -> LoRAContext:
+    """The context the model was built with (``lorafusion.models.provider.build_model``; one for all chunks)."""
     ctx = getattr(_unwrap(_chunks(model)[0]), "lora_context", None)
     if ctx is None:
         raise ValueError("model has no LoRA context: build it with lorafusion.models.build_model")
     return ctx
 
 
-def attach_lora_context(model, ctx: LoRAContext | None = None) -> LoRAContext:
-    """Give every LoRA linear of ``model`` the same context object (idempotent)."""
-    ctx = ctx or LoRAContext()
-    for chunk in _chunks(model):
-        _unwrap(chunk).lora_context = ctx
-    for key, mod in lora_modules(model):
-        mod.lora_ctx = ctx
-        mod.lora_key = key
-        ctx.register_layer(key)
-        mod.lora_kind = key.split(".", 1)[1]
-    return ctx
+def base_weight_bytes(model) -> int:
+    """Bytes of the decoder linears' base weights on this rank (FP8: the fp8 weights and their scales)."""
+    total = 0
+    for _, mod in lora_modules(model):
+        for t in (base_tensor_like(mod, "weight"), getattr(mod, "weight_scale", None)):
+            if t is not None:
+                total += t.numel() * t.element_size()
+    return total
 
 
 def add_adapter(model, name: str, spec: LoRASpec, seed: int = 0) -> None:

@@ -9,11 +9,14 @@ adapter ``a`` in the current packed microbatch, ``s_a·dropout_a(X)·A_aᵀ·B_a
   S is all-reduced over TP in forward, before B.
 - with sequence parallelism the LoRA term follows the base layer's layout: computed on the gathered full
   sequence (column) or on the full sequence and scattered to this rank's shard (row); see
-  ``_LoRAMixin._sequence_parallel_delta``.
+  ``LoRALinear._sequence_parallel_delta``.
 
-Which rows belong to which adapter comes from the model's :class:`LoRAContext` (set per microbatch by
-:func:`lorafusion.layers.inject.lora_batch`). Adapter weights are fp32 (they are the master weights);
-compute casts them to the activation dtype.
+Everything a linear is wired with comes at construction, from its layer spec's params
+(:func:`lorafusion.models.layer_spec.lora_linear_spec`): its kind (``linear_qkv`` …), its global layer number
+and the model's :class:`LoRAContext`; its base precision follows from the config it is built on
+(:func:`lorafusion.layers.fp8_base.base_precision_of`). Which rows belong to which adapter comes from that
+context (set per microbatch by :func:`lorafusion.layers.inject.lora_batch`). Adapter weights are fp32 (they
+are the master weights); compute casts them to the activation dtype.
 """
 
 from __future__ import annotations
@@ -30,13 +33,18 @@ from megatron.core.tensor_parallel.layers import (
     RowParallelLinear,
     set_tensor_model_parallel_attributes,
 )
+from megatron.core.tensor_parallel.mappings import (
+    _gather_along_first_dim,
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 
 from lorafusion import ops
 from lorafusion.core.lora import LoRASpec
 from lorafusion.core.routing import Routing
 from lorafusion.core.seeds import mix_seed, name_key
-from lorafusion.core.targets import PEFT_GROUPS
-from lorafusion.layers.fp8_base import fp8_base_forward, fp8_fused_forward, is_fp8
+from lorafusion.core.targets import MEGATRON_TARGETS, PEFT_GROUPS
+from lorafusion.layers.fp8_base import base_precision_of, fp8_base_forward, fp8_fused_forward, init_fp8_storage, is_fp8
 from lorafusion.layers.fused_proj import BlockIndex, block_b, fused_projection_index
 from lorafusion.layers.sharding import COLUMNS, REPLICATED, ROW_HALVES, ROWS, TPSplit
 from lorafusion.ops.tables import TableCache, seed_tensor
@@ -146,24 +154,33 @@ def kaiming_uniform_full(shape: tuple[int, int], seed: int) -> torch.Tensor:
     return (torch.rand(shape, generator=gen, dtype=torch.float64) * 2 - 1).mul_(bound).float()
 
 
-class _LoRAMixin:
-    """Adapters, routing and forward for the two parallel linears (put first in the bases, before the
-    Megatron linear that ``super()`` reaches)."""
+class LoRALinear:
+    """A LoRA linear: adapters, routing and forward for the two parallel linears (the first base of
+    :class:`LoRAColumnParallelLinear` and :class:`LoRARowParallelLinear`, before the Megatron linear that
+    ``super()`` reaches)."""
 
-    lora_kind: str = ""  # Megatron name: linear_qkv / linear_proj / linear_fc1 / linear_fc2
     s_comm_mode: str = ""  # "column" | "row"
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, lora_kind: str, layer_number: int, lora_context: LoRAContext, **kwargs):
+        """Megatron's arguments, plus (from the spec's params) ``lora_kind``: the Megatron name (linear_qkv,
+        linear_proj, linear_fc1, linear_fc2); ``layer_number``: the global 1-based decoder layer; and
+        ``lora_context``: the model's context, shared by all its LoRA linears."""
+        if lora_kind not in MEGATRON_TARGETS:
+            raise ValueError(f"lora_kind: expected one of {MEGATRON_TARGETS}, got {lora_kind!r}")
         super().__init__(*args, **kwargs)  # the Megatron parallel linear (next in the MRO)
-        if kwargs.get("tp_comm_buffer_name") in ("qkv", "proj", "fc1", "fc2"):  # Megatron names its linears so
-            self.lora_kind = "linear_" + kwargs["tp_comm_buffer_name"]
+        self.lora_kind = lora_kind
+        self.layer_number = layer_number
+        self.lora_key = f"{layer_number}.{lora_kind}"  # the layer's name in adapter state and seeds
+        self.lora_ctx = lora_context
+        lora_context.register_layer(self.lora_key)
         self.lora_A = torch.nn.ParameterDict()
         self.lora_B = torch.nn.ParameterDict()
-        self.lora_ctx: LoRAContext | None = None
-        self.lora_key: str = ""  # "<global layer number>.<kind>", set at injection
         # fused linears: adapter -> indices (into PEFT_GROUPS[kind]) of its projections, each with its own A/B
         self.lora_proj: dict[str, tuple[int, ...]] = {}
         self._block_index: dict = {}
+        self.base_precision = base_precision_of(kwargs["config"], layer_number)
+        if self.base_precision == "fp8":
+            init_fp8_storage(self)
 
     # -- geometry ---------------------------------------------------------------------------------------
     def _tp(self) -> tuple[int, int]:
@@ -235,7 +252,7 @@ class _LoRAMixin:
         """(routing, A list, B list, scalings, dropout ps, seeds, seeds on the device or None) for this
         layer's adapters in the current microbatch, or None when no row of it uses an adapter here."""
         ctx = self.lora_ctx
-        if ctx is None or ctx.routing is None or len(self.lora_A) == 0:
+        if ctx.routing is None or len(self.lora_A) == 0:
             return None
         present = frozenset(self.lora_A.keys())
         plan = ctx.local_plan(present)
@@ -286,7 +303,7 @@ class _LoRAMixin:
     def _base_forward(self, input_, *args, **kwargs):
         """The frozen base layer alone: Megatron's forward, or the FP8 one when the base is quantized
         (``model.base_precision: fp8``, :mod:`lorafusion.layers.fp8_base`)."""
-        if getattr(self, "weight_fp8", None) is not None:
+        if is_fp8(self):
             return fp8_base_forward(self, input_)
         return super().forward(input_, *args, **kwargs)
 
@@ -306,11 +323,6 @@ class _LoRAMixin:
           delta is identical on every rank; hand back this rank's sequence shard, matching the base's
           reduce-scattered output. Backward all-gathers dY, so dB = s·dYᵀ·S and dS see every row.
         """
-        from megatron.core.tensor_parallel.mappings import (
-            gather_from_sequence_parallel_region,
-            scatter_to_sequence_parallel_region,
-        )
-
         if self.s_comm_mode == "column":
             full = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=False)
             with _saved_as_shard(full, input_):
@@ -329,8 +341,6 @@ def _saved_as_shard(full: torch.Tensor, shard: torch.Tensor):
     geometry, and all-gathered again in backward, as Megatron's SP linears do with their input, so SP's
     activation saving holds for the LoRA branch too. Anything else is saved as is. (Backward runs the same
     layers in the same order on every TP rank, so the re-gathers pair up.)"""
-    from megatron.core.tensor_parallel.mappings import _gather_along_first_dim
-
     if not full.is_contiguous():
         return contextlib.nullcontext()
     # not the tensor itself (it must be freed after forward): its storage and where it starts in it
@@ -356,7 +366,7 @@ def _saved_as_shard(full: torch.Tensor, shard: torch.Tensor):
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
-class LoRAColumnParallelLinear(_LoRAMixin, ColumnParallelLinear):
+class LoRAColumnParallelLinear(LoRALinear, ColumnParallelLinear):
     """Column-parallel: W, its bias and LoRA B split by rows (out-features; linear_fc1's [gate; up] halves
     each split on their own), A replicated; a fused linear's per-projection B by its own rows."""
 
@@ -367,7 +377,7 @@ class LoRAColumnParallelLinear(_LoRAMixin, ColumnParallelLinear):
         return {"weight": rows, "bias": rows, "lora_A": REPLICATED, "lora_B": rows, "lora_B_proj": ROWS}[tensor]
 
 
-class LoRARowParallelLinear(_LoRAMixin, RowParallelLinear):
+class LoRARowParallelLinear(LoRALinear, RowParallelLinear):
     """Row-parallel: W and LoRA A split by columns (in-features), the bias and LoRA B replicated."""
 
     s_comm_mode = "row"

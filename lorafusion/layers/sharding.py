@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,6 @@ def param_split(module: torch.nn.Module, name: str) -> TPSplit:
     own = getattr(module, "tp_split", None)
     if own is not None:
         return own(name)
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-
     if isinstance(module, VocabParallelEmbedding) and name == "weight":
         return ROWS
     if isinstance(module, ColumnParallelLinear) and name in ("weight", "bias"):
@@ -94,8 +94,6 @@ def param_split(module: torch.nn.Module, name: str) -> TPSplit:
 
 def tp_rank() -> tuple[int, int]:
     """(TP world size, this rank's TP rank) from Megatron's parallel state."""
-    from megatron.core import parallel_state
-
     return (parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_tensor_model_parallel_rank())
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 
-def _expand_kv(k: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
+def expand_kv(k: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
     groups = k.shape[dim]
     return k if groups == heads else k.repeat_interleave(heads // groups, dim=dim)
 
@@ -24,7 +25,7 @@ def _expand_kv(k: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
 def causal_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [L, H, D], k/v [L, G, D] → [L, H, D]; causal, GQA by repeating kv heads."""
     h = q.shape[1]
-    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, _expand_kv(k, h, 1), _expand_kv(v, h, 1)))
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, expand_kv(k, h, 1), expand_kv(v, h, 1)))
     out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
     return out.squeeze(0).transpose(0, 1)
 
@@ -70,7 +71,7 @@ def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
     if "enable_gqa" in params:
         kw["enable_gqa"] = True
     else:
-        k, v = _expand_kv(k, h, 1), _expand_kv(v, h, 1)
+        k, v = expand_kv(k, h, 1), expand_kv(v, h, 1)
     return _varlen_or_fallback(fn, q, k, v, cu, cu_seqlens, max_seqlen, scale, kw)
 
 
@@ -87,8 +88,6 @@ def _varlen_or_fallback(fn, q, k, v, cu, cu_seqlens, max_seqlen, scale, kw):
     except torch.OutOfMemoryError:
         raise
     except (RuntimeError, TypeError, NotImplementedError) as e:  # e.g. a head dim or GPU the kernel lacks
-        import warnings
-
         warnings.warn(f"torch varlen_attn failed ({e}); using the per-sample SDPA path from now on", stacklevel=3)
         _VARLEN_FAILED = True
         return varlen_attention_reference(q, k, v, cu_seqlens, scale)
@@ -135,8 +134,8 @@ class PackedDotProductAttention(MegatronModule):
         # [sq, b, np, hn] → [b, np, sq, hn]
         sq, b, h, d = query.shape
         q = query.permute(1, 2, 0, 3)
-        k = _expand_kv(key, h, 2).permute(1, 2, 0, 3)
-        v = _expand_kv(value, h, 2).permute(1, 2, 0, 3)
+        k = expand_kv(key, h, 2).permute(1, 2, 0, 3)
+        v = expand_kv(value, h, 2).permute(1, 2, 0, 3)
         if attention_mask is not None and attention_mask.dtype == torch.bool:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, scale=self.softmax_scale)
         else:

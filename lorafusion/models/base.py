@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 
 from lorafusion.core.arch import ModelArch, preset
+from lorafusion.models.hf_import import HFCheckpoint, build_model_from_hf
+from lorafusion.models.provider import build_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -13,8 +15,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def base_arch(path: str | None, preset_name: str | None):
     """(arch, the HF checkpoint or None): the HF directory's config when ``path`` is given, else the preset's."""
     if path:
-        from lorafusion.models.hf_import import HFCheckpoint
-
         ckpt = HFCheckpoint(path)
         return ckpt.arch, ckpt
     return preset(preset_name), None
@@ -24,9 +24,5 @@ def build_base(arch: ModelArch, ckpt=None, *, dtype: str, **kw):
     """This rank's stage of the base in ``dtype`` (a YAML dtype name): ``ckpt``'s weights loaded, or (no
     checkpoint) random weights drawn from ``kw['seed']``. ``kw``: the rest of :func:`.provider.build_model`."""
     if ckpt is not None:
-        from lorafusion.models.hf_import import build_model_from_hf
-
         return build_model_from_hf(ckpt, params_dtype=DTYPES[dtype], **kw)
-    from lorafusion.models.provider import build_model
-
     return build_model(arch, params_dtype=DTYPES[dtype], **kw)

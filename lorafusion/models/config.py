@@ -1,9 +1,14 @@
 """``LoRAFusionConfig``: Megatron's ``TransformerConfig`` plus the knobs of our model, as declared fields.
 
 Megatron-core passes one config object to every module it builds; our modules and patches read their
-settings from it instead of from attributes set on Megatron objects afterwards (issue 26).
-``config.timers`` is Megatron's own field (``ModelParallelConfig.timers``), the hook its schedules time
-their stages through; the trainer sets it there.
+settings from it instead of from attributes set on Megatron objects afterwards. The config is complete when
+the model is built (:func:`lorafusion.models.spec.transformer_config`) and nothing writes it afterwards:
+
+- ``timers`` is Megatron's own field (``ModelParallelConfig.timers``), the hook its schedules time their
+  stages through; ``build_model(timers=...)`` sets it to the runtime's object (which pauses itself while an
+  evaluation runs) or leaves it None;
+- the per-forward state of decoding (the rows' RoPE positions) lives in the KV cache
+  (:mod:`lorafusion.inference.kv_cache`), never here.
 """
 
 from __future__ import annotations
@@ -12,9 +17,8 @@ from dataclasses import dataclass
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-import torch
-
 from lorafusion.core.arch import ModelArch
+from lorafusion.core.precision import FP8_BF16_LEADING_LAYERS
 
 
 @dataclass
@@ -22,7 +26,8 @@ class LoRAFusionConfig(TransformerConfig):
     """A ``TransformerConfig`` built by :func:`lorafusion.models.spec.transformer_config`."""
 
     arch: ModelArch | None = None
-    """The architecture the config was built from: export and import map names and shapes by it."""
+    """The architecture the config was built from: export and import map names and shapes by it, and the
+    model's RoPE frequencies are computed from it (:meth:`ModelArch.inv_freq`)."""
 
     fused_ops: str = "off"
     """The ops around the LoRA layers: "off" (Megatron's local spec), "torch" or "triton" (the fused RMSNorm,
@@ -33,17 +38,17 @@ class LoRAFusionConfig(TransformerConfig):
     ``megatron_patches.apply_packed_rope_patch`` installs; None = Megatron's own RoPE."""
 
     base_precision: str = "bf16"
-    """Precision of the frozen decoder linears: "bf16" as built, "fp8" once
-    :func:`lorafusion.layers.fp8_base.quantize_base` has quantized them (it records it here)."""
+    """Precision of the frozen decoder linears ("bf16" or "fp8"): each LoRA linear reads it when it is built
+    and, with "fp8" (past the first ``fp8_bf16_layers`` layers), keeps its base in FP8
+    (:mod:`lorafusion.layers.fp8_base`)."""
+
+    fp8_bf16_layers: int = FP8_BF16_LEADING_LAYERS
+    """With ``base_precision`` "fp8": how many leading decoder layers of the whole model keep their linears in
+    the model dtype (the memory model counts the same number: :mod:`lorafusion.core.precision`)."""
 
     base_model: str | None = None
-    """The HF model directory the base weights were loaded from (``build_model_from_hf`` records it): what
+    """The HF model directory the base weights are loaded from (``build_model_from_hf`` gives it): what
     exported PEFT adapters name as their ``base_model_name_or_path``."""
-
-    rope_positions: torch.Tensor | None = None
-    """Decoding with a KV cache only: the position of each packed row ([t] long), set per forward inside
-    :func:`lorafusion.inference.kv_cache.decoding` and read by ``megatron_patches.apply_rope_positions_patch``'s
-    RoPE; None (training, and outside ``decoding``): positions restart at every ``cu_seqlens`` boundary."""
 
 
 __all__ = ["LoRAFusionConfig"]

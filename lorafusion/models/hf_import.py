@@ -13,9 +13,11 @@ import torch
 from safetensors import safe_open
 
 from lorafusion.core.errors import ConfigError, MissingFileError, MissingTensorError
+from lorafusion.core.arch import ModelArch, arch_from_hf_config
+from lorafusion.layers.fp8_base import base_tensor_like, write_base_tensor
 from lorafusion.layers.sharding import param_split, tp_rank
 from lorafusion.models.hf_layout import qkv_merge
-from lorafusion.core.arch import ModelArch, arch_from_hf_config
+from lorafusion.models.provider import build_model
 
 
 class HFCheckpoint:
@@ -132,29 +134,29 @@ def load_hf_weights(model: torch.nn.Module, path: str | Path | HFCheckpoint) -> 
     if arch is not None and arch != ckpt.arch:
         raise ConfigError(f"{ckpt.path / 'config.json'}: architecture {ckpt.arch} does not match the model's {arch}")
     state = hf_state_for_rank(ckpt, model)
-    own = model.state_dict()
     with torch.no_grad():
         for key, value in state.items():
-            if key not in own:
+            owner, _, attr = key.rpartition(".")
+            try:
+                mod = model.get_submodule(owner)
+                own = base_tensor_like(mod, attr)  # (an FP8 linear's weight: its FP8 buffer's shape)
+            except AttributeError:
+                own = None
+            if own is None:
                 raise KeyError(f"internal: model has no parameter {key!r}")
-            if own[key].shape != value.shape:
+            if own.shape != value.shape:
                 raise ConfigError(f"{ckpt.path}: {key} would get shape {tuple(value.shape)}, model expects "
-                                 f"{tuple(own[key].shape)}")
-            own[key].copy_(value.to(own[key].dtype))
+                                  f"{tuple(own.shape)}")
+            write_base_tensor(mod, attr, value)  # (cast to the model dtype; an FP8 linear quantizes it)
     return ckpt.arch
 
 
 def build_model_from_hf(path: str | Path | HFCheckpoint, *, params_dtype: torch.dtype = torch.float32, **kw):
-    """Build this rank's stage of the HF model at ``path`` and load its weights (``base_precision="fp8"``:
-    quantized once loaded, see :mod:`lorafusion.layers.fp8_base`)."""
-    from lorafusion.layers.fp8_base import quantize_base
-    from lorafusion.models.provider import build_model
-
+    """Build this rank's stage of the HF model at ``path`` and load its weights (``base_precision="fp8"``: the
+    FP8 linears quantize them as they are written, see :mod:`lorafusion.layers.fp8_base`)."""
     ckpt = path if isinstance(path, HFCheckpoint) else HFCheckpoint(path)
-    precision = kw.pop("base_precision", "bf16")
-    model = build_model(ckpt.arch, params_dtype=params_dtype, **kw)
+    # base_model: what exported adapters name as their base
+    model = build_model(ckpt.arch, params_dtype=params_dtype, base_model=str(ckpt.path.resolve()), **kw)
     for chunk in (model if isinstance(model, torch.nn.ModuleList) else [model]):  # virtual pipeline: each chunk
         load_hf_weights(chunk, ckpt)
-        chunk.config.base_model = str(ckpt.path.resolve())  # what exported adapters name as their base
-    quantize_base(model, precision)
     return model

@@ -18,11 +18,17 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_model import GPTModel
 
-from lorafusion.layers.fp8_base import quantize_base
-from lorafusion.layers.inject import attach_lora_context, get_lora_context
+from megatron_patches import apply_packed_rope_patch, apply_recompute_state_hook
+
+from lorafusion.core.precision import BASE_PRECISIONS
+from lorafusion.core.seeds import mix_seed, name_key
+from lorafusion.layers.fp8_base import base_tensor_like, is_fp8, write_base_tensor
+from lorafusion.layers.lora_linear import LoRAContext, capture_routing, restore_routing
+from lorafusion.layers.sharding import param_split, tp_rank
 from lorafusion.models.fused import resolve_fused_ops
 from lorafusion.models.fused.model import FusedLossGPTModel, fused_config_overrides
-from lorafusion.models.layer_spec import lora_layer_spec, norm_spec
+from lorafusion.models.fused.rope import packed_rope
+from lorafusion.models.layer_spec import lora_block_spec
 from lorafusion.models.spec import ModelArch, transformer_config
 
 
@@ -30,42 +36,50 @@ def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, p
                 post_process: bool | None = None, recompute: bool = False, recompute_layers: int | None = None,
                 device: str | torch.device | None = None, transformer_impl: str = "local", seed: int = 1234,
                 fused_ops: str | None = None, sequence_parallel: bool = False, stage_layers: list[int] | None = None,
-                base_precision: str = "bf16", **config_overrides) -> GPTModel | ModelChunks:
+                base_precision: str = "bf16", lora_impl: str | None = None, timers=None,
+                **config_overrides) -> GPTModel | ModelChunks:
     """Build this pipeline stage's ``GPTModel`` (requires ``parallel_state`` to be initialised).
 
     Base weights are frozen and drawn by :func:`init_random_weights` (HF weights: :mod:`.hf_import`).
     ``fused_ops``: "off", "torch" or "triton" (module docstring; None: "triton" on CUDA, else "off"), recorded
     as ``model.config.fused_ops``. ``sequence_parallel`` (tp > 1): Megatron's sequence parallelism; the norms
     are then our RMSNorm ("torch": ``F.rms_norm``) even with "off", since Megatron's ``WrappedTorchNorm``
-    refuses SP. ``base_precision``: "fp8" quantizes the decoder linears after init (:mod:`..layers.fp8_base`).
+    refuses SP. ``base_precision``: "fp8" builds the decoder linears with an FP8 base (:mod:`..layers.fp8_base`).
+    ``lora_impl``: the LoRA compute of the model's :class:`LoRAContext` ("triton" | "torch" | None: automatic).
+    ``timers``: the object Megatron's schedules time their stages through (``config.timers``), or None.
+    Everything is given to the modules as they are built (the layer spec's params, the config); nothing is
+    set on the model afterwards.
 
     With Megatron's virtual pipeline (``parallel_state`` initialised with V model chunks per rank) this rank's
     V chunks come back as :class:`ModelChunks` (one LoRA context, one config); ``stage_layers`` then counts
     per virtual stage.
     """
+    if base_precision not in BASE_PRECISIONS:
+        raise ValueError(f"model.base_precision: expected one of {BASE_PRECISIONS}, got {base_precision!r}")
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     mode = resolve_fused_ops(fused_ops, device)
     impl = None if mode == "off" else mode
-    overrides = {**(fused_config_overrides(impl) if impl else {}), "fused_ops": mode, **config_overrides}
+    overrides = {**(fused_config_overrides(impl) if impl else {}), "fused_ops": mode,
+                 "base_precision": base_precision, "timers": timers, **config_overrides}
     V = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
     cfg = transformer_config(arch, params_dtype, tp=tp, pp=pp, recompute=recompute, recompute_layers=recompute_layers,
                              sequence_parallel=sequence_parallel, stage_layers=stage_layers, virtual_stages=V,
                              **overrides)
+    if impl is not None:
+        apply_packed_rope_patch(packed_rope)  # its dispatcher reads cfg.packed_rope_impl (fused_config_overrides)
+    if recompute:  # the recompute re-runs a block with the LoRA routing of *its* microbatch
+        apply_recompute_state_hook(capture_routing, restore_routing)
+    ctx = LoRAContext(impl=lora_impl)  # one context (routing, adapters) for all chunks
+    build = dict(transformer_impl=transformer_impl, mode=mode, sequence_parallel=sequence_parallel, device=device,
+                 seed=seed, recompute=recompute)
     if V > 1:
-        chunks = ModelChunks([_build_chunk(arch, cfg, transformer_impl, mode, impl, sequence_parallel, device, seed,
-                                           recompute, vp_stage=c) for c in range(V)])
-        attach_lora_context(chunks, get_lora_context(chunks[0]))  # one context (routing, adapters) for all chunks
-        quantize_base(chunks, base_precision)
-        return chunks
+        return ModelChunks([_build_chunk(arch, cfg, ctx, **build, vp_stage=c) for c in range(V)])
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-    model = _build_chunk(arch, cfg, transformer_impl, mode, impl, sequence_parallel, device, seed, recompute,
-                         pre_process=pre_process, post_process=post_process)
-    quantize_base(model, base_precision)
-    return model
+    return _build_chunk(arch, cfg, ctx, **build, pre_process=pre_process, post_process=post_process)
 
 
 class ModelChunks(torch.nn.ModuleList):
@@ -76,58 +90,44 @@ class ModelChunks(torch.nn.ModuleList):
         return self[0].config
 
 
-def _build_chunk(arch, cfg, transformer_impl, mode, impl, sequence_parallel, device, seed, recompute, *,
+def _build_chunk(arch, cfg, ctx, *, transformer_impl, mode, sequence_parallel, device, seed, recompute,
                  pre_process=None, post_process=None, vp_stage=None) -> GPTModel:
     """One model chunk (the whole stage without virtual pipeline) on ``cfg``: frozen, initialised, LoRA-ready."""
     if vp_stage is not None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    layer_spec = lora_layer_spec(transformer_impl, fused_ops=mode, sequence_parallel=sequence_parallel)
-    norm_impl = impl or ("torch" if sequence_parallel else None)
-    if impl is not None:
-        from megatron_patches import apply_packed_rope_patch
-        from lorafusion.models.fused.rope import packed_rope
-
-        apply_packed_rope_patch(packed_rope)  # its dispatcher reads cfg.packed_rope_impl (fused_config_overrides)
-    if norm_impl is not None:
-        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-
-        layer_spec = TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(cfg, vp_stage),
-                                                layer_norm=norm_spec(norm_impl))
+    block = lora_block_spec(cfg, ctx, transformer_impl=transformer_impl, fused_ops=mode,
+                            sequence_parallel=sequence_parallel, vp_stage=vp_stage)
     model = FusedLossGPTModel(
-        config=cfg, transformer_layer_spec=layer_spec, vocab_size=arch.vocab_size,
+        config=cfg, transformer_layer_spec=block, vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=arch.tie_word_embeddings, position_embedding_type="rope",
-        rotary_base=arch.rope_theta, parallel_output=True, fused_loss=impl,
+        rotary_base=arch.rope_theta, parallel_output=True, fused_loss=None if mode == "off" else mode,
+        lora_context=ctx, rope_inv_freq=arch.inv_freq(),  # HF's frequencies (llama3 scaling, any parameters)
         **({} if vp_stage is None else {"vp_stage": vp_stage}),
     )
-    # RoPE frequencies exactly as HF computes them (covers llama3 scaling with any parameters).
-    model.rotary_pos_emb.inv_freq = arch.inv_freq()
+    for layer in model.decoder.layers:  # the spec's numbering is Megatron's (its offset for this stage)
+        attn, mlp = layer.self_attention, layer.mlp
+        if any(m.layer_number != layer.layer_number
+               for m in (attn.linear_qkv, attn.linear_proj, mlp.linear_fc1, mlp.linear_fc2)):
+            raise RuntimeError(f"internal: decoder layer {layer.layer_number} was built with LoRA linears of "
+                               f"another layer number")
     for p in model.parameters():
         p.requires_grad_(False)
     if device is not None:
         model.to(device)
     init_random_weights(model, seed)
-    attach_lora_context(model)
     if recompute:
-        enable_lora_recompute(model)
+        _grad_through_frozen_embedding(model)
     return model
 
 
-def enable_lora_recompute(model: GPTModel) -> None:
-    """Make Megatron's full activation recomputation correct for LoRA training.
-
-    1. The recompute re-runs a block with the LoRA routing of *its* microbatch (a hook on Megatron's
-       CheckpointFunction restores it), not whatever microbatch 1F1B is on by then.
-    2. The frozen embedding's output is made to require grad: the reentrant checkpoint only runs its
-       backward when an input requires grad, and on the first stage no input would, so the first stage's
-       adapters would silently get no gradient.
-    """
-    from megatron_patches import apply_recompute_state_hook
-
-    from lorafusion.layers.lora_linear import capture_routing, restore_routing
-
-    apply_recompute_state_hook(capture_routing, restore_routing)
+def _grad_through_frozen_embedding(model: GPTModel) -> None:
+    """Make Megatron's full activation recomputation correct for LoRA training on the first stage: the frozen
+    embedding's output is made to require grad (the reentrant checkpoint only runs its backward when an input
+    requires grad, and on the first stage no input would, so its adapters would silently get no gradient).
+    (The other half, each recompute re-running with its own microbatch's LoRA routing, is the hook
+    :func:`build_model` installs.)"""
     if getattr(model, "pre_process", False) and getattr(model, "embedding", None) is not None:
         def _requires_grad(_module, _inputs, output):
             return output.requires_grad_(True) if torch.is_grad_enabled() and not output.requires_grad else output
@@ -136,16 +136,15 @@ def enable_lora_recompute(model: GPTModel) -> None:
 
 
 def _global_params(model: torch.nn.Module):
-    """(layout-independent name, parameter, its TP split) for every base parameter: decoder layers by global
-    layer number, the tied output layer under the embedding's name; the split is the owning module's
+    """(layout-independent name, owning module, attribute, its TP split) for every frozen base tensor: every
+    parameter but the adapters', and the weights an FP8 linear holds in FP8; decoder layers by global layer
+    number, the tied output layer under the embedding's name; the split is the owning module's
     (:func:`lorafusion.layers.sharding.param_split`)."""
-    from lorafusion.layers.sharding import param_split
-
     tied = getattr(model, "share_embeddings_and_output_weights", False)
     modules = dict(model.named_modules())
-    for name, p in model.named_parameters():
-        if "lora_" in name:
-            continue
+    names = [name for name, _ in model.named_parameters() if "lora_" not in name]
+    names += [f"{name}.weight" for name, mod in modules.items() if is_fp8(mod)]
+    for name in names:
         owner, _, attr = name.rpartition(".")
         key = name
         if name.startswith("decoder.layers."):
@@ -153,7 +152,7 @@ def _global_params(model: torch.nn.Module):
             key = f"layers.{model.decoder.layers[int(local)].layer_number}.{rest}"
         elif name == "output_layer.weight" and tied:
             key = "embedding.word_embeddings.weight"
-        yield key, p, param_split(modules[owner], attr)
+        yield key, modules[owner], attr, param_split(modules[owner], attr)
 
 
 def init_random_weights(model: torch.nn.Module, seed: int, std: float | None = None) -> None:
@@ -161,14 +160,12 @@ def init_random_weights(model: torch.nn.Module, seed: int, std: float | None = N
     1/√hidden_size, which for LLaMA-8B-sized models is ≈0.016 and keeps tiny models' logits from being
     flat). Each tensor is drawn whole from a generator seeded by (seed, its layout-independent name) and
     then cut to this rank's TP shard by its module's split, so every TP/PP layout holds the same model."""
-    from lorafusion.core.seeds import mix_seed, name_key
-    from lorafusion.layers.sharding import tp_rank
-
     tp, rank = tp_rank()
     if std is None:
         std = model.config.hidden_size ** -0.5
     with torch.no_grad():
-        for key, p, split in _global_params(model):
+        for key, mod, attr, split in _global_params(model):
+            p = base_tensor_like(mod, attr)
             if key.endswith("layernorm.weight") or key.endswith("layer_norm_weight"):
                 p.fill_(1.0)
                 continue
@@ -180,4 +177,4 @@ def init_random_weights(model: torch.nn.Module, seed: int, std: float | None = N
             gen = torch.Generator(device=p.device).manual_seed(mix_seed(seed, name_key(key)))
             full = torch.randn(split.full_shape(tuple(p.shape), tp), generator=gen, device=p.device,
                                dtype=torch.float32) * std
-            p.copy_(split.shard(full, tp, rank))
+            write_base_tensor(mod, attr, split.shard(full, tp, rank))

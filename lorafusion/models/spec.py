@@ -8,6 +8,7 @@ import torch
 
 from lorafusion.core.arch import ModelArch
 from lorafusion.core.errors import ConfigError
+from lorafusion.models.config import LoRAFusionConfig
 
 
 # the settings every model of ours shares: LLaMA/Qwen2 blocks (RMSNorm, SwiGLU, no linear biases but qkv's), no
@@ -59,8 +60,6 @@ def transformer_config(arch: ModelArch, params_dtype: torch.dtype = torch.float3
     ``sequence_parallel`` needs tp > 1. ``virtual_stages`` V > 1: Megatron's interleaved 1F1B
     (``virtual_pipeline_model_parallel_size``); ``stage_layers`` then counts per virtual stage (pp·V, layer
     order)."""
-    from lorafusion.models.config import LoRAFusionConfig
-
     if arch.num_query_groups % tp:
         raise ConfigError(f"parallelism.tp: {tp} must divide num_query_groups={arch.num_query_groups}")
     split, stage_max = _split(arch.num_layers, pp, virtual_stages, stage_layers)

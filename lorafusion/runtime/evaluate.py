@@ -18,12 +18,19 @@ state at the stop, its best-eval adapter the ``best`` checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
+from megatron.core import parallel_state
 
 from lorafusion.data.packing import PackedBatch, noop_microbatch, pack_microbatch
+from lorafusion.layers import set_batch
 from lorafusion.runtime.jobs import JobStatus
+from lorafusion.runtime.pipeline import (chunks_of, count_placeholder, forward_packed, run_schedule, segments, sp_pad,
+                                         sum_from_last_stage)
+from lorafusion.runtime.telemetry.status import eval_fields
+from lorafusion.scheduler.pipeorder import interleave_padding
 
 
 def pack_eval(sets: dict[str, list[tuple[list[int], int]]], capacity: int) -> list[PackedBatch]:
@@ -54,10 +61,6 @@ def pack_eval(sets: dict[str, list[tuple[list[int], int]]], capacity: int) -> li
 def _per_rank(total: int, dp: int, virtual_stages: int) -> int:
     """Microbatches every DP rank runs: the same number on each, and under interleaved 1F1B a multiple of pp
     (Megatron's microbatch groups)."""
-    from megatron.core import parallel_state
-
-    from lorafusion.scheduler.pipeorder import interleave_padding
-
     n = -(-total // dp)
     return n + interleave_padding(n, parallel_state.get_pipeline_model_parallel_world_size(), virtual_stages)
 
@@ -65,13 +68,8 @@ def _per_rank(total: int, dp: int, virtual_stages: int) -> int:
 def eval_losses(model, sets: dict[str, list[tuple[list[int], int]]], capacity: int, *, device=None,
                 eos_id: int = 0) -> dict[str, tuple[float, int]]:
     """{job: (token-mean loss over its eval samples, loss tokens)} of the model as it is (collective over
-    all ranks; every rank returns the same)."""
-    from megatron.core import parallel_state
-
-    from lorafusion.layers import set_batch
-    from lorafusion.runtime.pipeline import (chunks_of, count_placeholder, forward_packed, run_schedule, segments, sp_pad,
-                                             sum_from_last_stage)
-
+    all ranks; every rank returns the same). The stage timers the model was built with
+    (``config.timers``) are paused meanwhile: they measure training chunks only."""
     names = list(sets)
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     everything = pack_eval(sets, capacity)
@@ -98,14 +96,12 @@ def eval_losses(model, sets: dict[str, list[tuple[list[int], int]]], capacity: i
 
     was_training, timers = model.training, model.config.timers
     model.eval()
-    model.config.timers = None  # the stage timers measure training chunks only
     try:
-        with torch.no_grad():
+        with torch.no_grad(), (contextlib.nullcontext() if timers is None else timers.paused()):
             run_schedule(chunks, forward_step, mine, lambda b: b.num_tokens, pad, forward_only=True)
     finally:
         set_batch(model, None, ())
         model.train(was_training)
-        model.config.timers = timers
     stat = sum_from_last_stage(sums).tolist()
     return {n: (stat[j] / max(1.0, stat[len(names) + j]), int(stat[len(names) + j])) for j, n in enumerate(names)}
 
@@ -171,6 +167,4 @@ class Evaluator:
     @staticmethod
     def summary(js) -> dict:
         """A job's eval fields of summary.json (none without an eval set)."""
-        from lorafusion.runtime.telemetry.status import eval_fields
-
         return eval_fields(js)

@@ -62,7 +62,6 @@ class Trainer:
     def _setup(self) -> None:
         from megatron.core import parallel_state
 
-        from lorafusion.layers import get_lora_context
         from lorafusion.models.base import base_arch, build_base
         from lorafusion.runtime.evaluate import Evaluator
         from lorafusion.dist import init_distributed, share_from_rank0
@@ -91,13 +90,12 @@ class Trainer:
         self.memory_plan = size_run(cfg, self.arch, self.jobs, is_logger=self.is_logger)
         self._lock.acquire(self.is_logger, share=share_from_rank0)  # (after the checks that may refuse the run)
         stage = parallel_state.get_pipeline_model_parallel_rank()
+        self.timers = StageTimers()  # Megatron's schedules time their stages through config.timers
         self.model = build_base(self.arch, ckpt, dtype=cfg.model.dtype, device=self.device, seed=cfg.seed,
                                 **recompute_kwargs(cfg, self.memory_plan, stage, self.arch),
                                 sequence_parallel=cfg.parallelism.sequence_parallel,
-                                stage_layers=stage_split(cfg, self.arch), base_precision=cfg.model.base_precision)
-        get_lora_context(self.model).impl = lora_impl(cfg.kernels)
-        self.timers = StageTimers()
-        self.model.config.timers = self.timers  # Megatron's schedules time their stages through this hook
+                                stage_layers=stage_split(cfg, self.arch), base_precision=cfg.model.base_precision,
+                                lora_impl=lora_impl(cfg.kernels), timers=self.timers)
         for name, js in self.jobs.items():
             self._attach(js)
         self.checkpoints = JobCheckpoints(cfg, self.jobs, self.model, self.snapshot, is_logger=self.is_logger,

@@ -126,7 +126,7 @@ def test_greedy_equals_transformers_peft_for_two_adapters_and_the_base_in_one_ba
 
 def test_kv_cache_equals_full_recompute_and_leaves_training_untouched(preset_run):
     from lorafusion.layers import lora_batch
-    from lorafusion.inference.kv_cache import attention_modules
+    from lorafusion.inference.kv_cache import attention_modules, rope_positions
     from lorafusion.inference.generate import Request, build_run_model, generate_ids, load_run
 
     trained, d = preset_run
@@ -164,7 +164,7 @@ def test_kv_cache_equals_full_recompute_and_leaves_training_untouched(preset_run
     sampled = run(False, temperature=0.9, top_p=0.9, seed=5)
     assert run(True, temperature=0.9, top_p=0.9, seed=5) == sampled != ref
     assert all(m.kv_cache is None for m in attention_modules(model))
-    assert model.config.rope_positions is None
+    assert rope_positions(model.config) is None
     torch.testing.assert_close(logits(model, "beta"), before, rtol=0, atol=0)
 
 

@@ -47,16 +47,18 @@ def cpu_model(megatron_single):
 def _run(model, batch, decode, monkeypatch, eos=-1, **kw):
     """(output ids per row, the logits of the live rows at every step) of one generate_ids call."""
     from lorafusion.inference import generate as G
+    from lorafusion.inference import sampling
+    from lorafusion.inference import static_decode as S
 
     seen = []
-    monkeypatch.undo()  # (G._pick unwrapped again)
-    pick = G._pick
+    monkeypatch.undo()  # (pick_tokens unwrapped again)
 
     def recording_pick(logits, *args):
         seen.append(logits.detach().clone().cpu())
-        return pick(logits, *args)
+        return sampling.pick_tokens(logits, *args)
 
-    monkeypatch.setattr(G, "_pick", recording_pick)
+    monkeypatch.setattr(G, "pick_tokens", recording_pick)  # the prefill and the dynamic steps
+    monkeypatch.setattr(S, "pick_tokens", recording_pick)  # the static steps
     reqs = [G.Request({}, j, p, "") for j, p in zip(JOBS[:batch], PROMPTS[:batch])]
     with warnings.catch_warnings():
         warnings.simplefilter("error", category=GraphCaptureWarning)
@@ -106,7 +108,7 @@ def test_static_step_equals_the_dynamic_step_sampling_and_at_the_context_limit(c
 
 def test_static_decode_leaves_the_model_as_it_was(cpu_model):
     from lorafusion.inference.generate import DECODE_MODES, Request, generate_ids
-    from lorafusion.inference.kv_cache import attention_modules
+    from lorafusion.inference.kv_cache import attention_modules, rope_positions
     from lorafusion.core.errors import ConfigError
 
     outs = {}
@@ -116,7 +118,7 @@ def test_static_decode_leaves_the_model_as_it_was(cpu_model):
         outs[decode] = [r.output_ids for r in reqs]
     assert outs["static"] == outs["dynamic"]
     assert all(m.kv_cache is None for m in attention_modules(cpu_model))
-    assert cpu_model.config.rope_positions is None
+    assert rope_positions(cpu_model.config) is None
     assert cpu_model.lora_context.routing is None
     with pytest.raises(ConfigError, match="decode: expected one of"):
         generate_ids(cpu_model, [Request({}, None, PROMPTS[0], "")], eos_id=-1, max_new_tokens=3, context=64,

@@ -1,5 +1,5 @@
-"""FP8 frozen base in the model (model.base_precision: fp8, lorafusion.layers.fp8_base): what is quantized and
-freed, the LoRA linear's output and gradients = FP8 base + the unchanged LoRA term, recompute, HF import, and
+"""FP8 frozen base in the model (model.base_precision: fp8, lorafusion.layers.fp8_base): which linears are built
+with an FP8 base (and hold no bf16 copy), the LoRA linear's output and gradients = FP8 base + the unchanged LoRA term, recompute, HF import, and
 the whole model against its bf16 twin. On CPU through torch._scaled_mm."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from lorafusion.core.arch import ModelArch, preset
 from lorafusion.core.lora import LoRASpec
 from lorafusion.data import pack_microbatch
 from lorafusion.layers import add_adapter, lora_batch, lora_modules
-from lorafusion.layers.fp8_base import BF16_LEADING_LAYERS, base_weight_bytes, is_fp8, layer_number, quantize_base
+from lorafusion.layers.fp8_base import BF16_LEADING_LAYERS, is_fp8
+from lorafusion.layers.inject import base_weight_bytes
 from lorafusion.models.provider import build_model
 from lorafusion.ops import fp8_linear as F
 from model_utils import adapter_losses, interleaved_grads, lora_grads, randomize_b
@@ -43,7 +44,8 @@ def test_every_decoder_linear_but_the_first_layers_is_fp8_and_its_bf16_copy_is_g
     keep = BF16_LEADING_LAYERS
     assert keep == 1  # the shipped default: the first layer stays bf16 (docs/BENCHMARKS.md, FP8 quality)
     for key, mod in mods.items():
-        if layer_number(mod) <= keep:
+        assert mod.base_precision == ("bf16" if mod.layer_number <= keep else "fp8"), key
+        if mod.layer_number <= keep:
             assert mod.weight is not None and mod.weight.dtype == torch.bfloat16 and not is_fp8(mod), key
             assert torch.equal(mod.weight, dict(lora_modules(bf16))[key].weight)
             continue
@@ -71,28 +73,30 @@ def test_every_decoder_linear_but_the_first_layers_is_fp8_and_its_bf16_copy_is_g
         w = dict(lora_modules(bf16))[key].weight.detach().double()
         torch.testing.assert_close(F.dequantize(mod.weight_fp8, mod.weight_scale), w, rtol=2 ** -4,
                                    atol=float(mod.weight_scale.max()) * 2 ** -9)
-    assert quantize_base(fp8, "fp8") == 12  # idempotent
     with pytest.raises(ValueError, match="base_precision: expected one of"):
-        quantize_base(fp8, "fp4")
+        build_model(preset("tiny-llama"), params_dtype=torch.bfloat16, base_precision="fp4")
 
 
-def test_leading_layers_can_stay_bf16_and_be_quantized_later(megatron_single):
-    bf16, model = _model("bf16"), _model("bf16")
+def test_the_config_says_how_many_leading_layers_stay_bf16(megatron_single):
+    bf16 = _model("bf16")
     batch = _batch()
-    assert quantize_base(model, "fp8", bf16_layers=4) == 0  # every layer kept: the bf16 model, bit for bit
     want = adapter_losses(bf16, batch)
-    got = adapter_losses(model, batch)
+    kept = _model("fp8", fp8_bf16_layers=4)  # every layer kept: the bf16 model, bit for bit
+    assert kept.config.fp8_bf16_layers == 4 and not any(is_fp8(mod) for _, mod in lora_modules(kept))
+    got = adapter_losses(kept, batch)
     assert {k: v.item() for k, v in got.items()} == {k: v.item() for k, v in want.items()}
-    assert quantize_base(model, "fp8", bf16_layers=1) == 12
+    model = _model("fp8", fp8_bf16_layers=1)
+    assert sum(is_fp8(mod) for _, mod in lora_modules(model)) == 12
     for key, mod in lora_modules(model):
         first = key.startswith("1.")
         assert (mod.weight is not None) == first and (getattr(mod, "weight_fp8", None) is None) == first, key
     losses = adapter_losses(model, batch)
     sum(losses.values()).backward()
     assert all(torch.isfinite(g).all() for g in lora_grads(model, "a").values())
-    assert all(v.item() != want[k].item() for k, v in losses.items())  # the other layers are FP8 now
-    assert quantize_base(model, "fp8", bf16_layers=0) == 16
-    assert all(mod.weight is None for _, mod in lora_modules(model))
+    assert all(v.item() != want[k].item() for k, v in losses.items())  # the other layers are FP8
+    every = _model("fp8", fp8_bf16_layers=0)
+    assert all(mod.weight is None and is_fp8(mod) for _, mod in lora_modules(every))
+    assert [k for k, _ in every.named_parameters() if k.endswith(".weight") and "linear_" in k] == []
 
 
 def test_lora_linear_is_the_fp8_base_plus_the_unchanged_lora_term(megatron_single):

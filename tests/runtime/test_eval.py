@@ -90,6 +90,9 @@ def test_packing_with_another_jobs_eval_changes_nothing(trained):
     a, b = trainer.jobs["a"].eval_samples, trainer.jobs["b"].eval_samples
     cap = 80  # small: several microbatches, some holding samples of both jobs
     assert any(len(mb.adapters) == 2 for mb in pack_eval({"a": a, "b": b}, cap))
+    timers = trainer.model.config.timers  # given to the model when it was built; paused during evaluations
+    assert timers is trainer.timers
+    timers.reset()
     alone = eval_losses(trainer.model, {"a": a}, cap)["a"]
     together = eval_losses(trainer.model, {"b": b, "a": a}, cap)
     one_per_mb = eval_losses(trainer.model, {"a": a}, 64)["a"]
@@ -97,6 +100,7 @@ def test_packing_with_another_jobs_eval_changes_nothing(trained):
     assert together["a"][0] == pytest.approx(alone[0], rel=1e-6)
     assert one_per_mb[0] == pytest.approx(alone[0], rel=1e-6)
     assert together["b"][0] == pytest.approx(eval_losses(trainer.model, {"b": b}, cap)["b"][0], rel=1e-6)
+    assert trainer.model.config.timers is timers and timers.reset() == {}
 
 
 def test_eval_split_is_fixed_by_the_seed_and_disjoint_from_training(trained):

@@ -47,10 +47,10 @@ def test_generate_uses_the_fp8_base(fp8_run, tmp_path, megatron_single):
     model = build_run_model(info, ["a"])
     from lorafusion.layers import lora_modules
 
-    from lorafusion.layers.fp8_base import BF16_LEADING_LAYERS, layer_number
+    from lorafusion.layers.fp8_base import BF16_LEADING_LAYERS
 
     mods = [mod for _, mod in lora_modules(model)]
-    assert all((mod.weight is None and mod.weight_fp8 is not None) == (layer_number(mod) > BF16_LEADING_LAYERS)
+    assert all((mod.weight is None and mod.weight_fp8 is not None) == (mod.layer_number > BF16_LEADING_LAYERS)
                for mod in mods)
     assert sum(mod.weight is None for mod in mods) > len(mods) // 2
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "reverse abc:", "job": "a"}) + "\n")

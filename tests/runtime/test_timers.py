@@ -87,3 +87,18 @@ def test_cuda_event_spans_match_synchronised_wall_time():
     wall = time.perf_counter() - t0
     busy = t.reset()["forward-compute"]
     assert 0.5 * wall < busy <= wall * 1.05, (busy, wall)
+
+
+def test_paused_timers_record_nothing(monkeypatch):
+    """An evaluation runs Megatron's schedule with the run's timers paused (not swapped out of the config)."""
+    clock = iter([0.0, 1.0, 5.0, 7.0])
+    monkeypatch.setattr(timers_mod.time, "perf_counter", lambda: next(clock))
+    t = StageTimers(cuda=False)
+    with t.paused() as same:
+        assert same is t
+        t("forward-compute").start()
+        t("forward-compute").stop()  # the clock is not even read
+    assert t.reset() == {}
+    t("forward-compute").start()
+    t("forward-compute").stop()
+    assert t.reset() == {"forward-compute": 1.0}

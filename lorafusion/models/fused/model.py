@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from lorafusion.models.fused import check_impl
@@ -32,13 +33,18 @@ class FusedLossGPTModel(GPTModel):
     per-token linear cross-entropy of implementation ``fused_loss`` ("torch" / "triton"); ``None`` keeps
     Megatron's loss."""
 
-    lora_context = None
-    """The model's :class:`~lorafusion.layers.lora_linear.LoRAContext` (adapters, routing), shared by all its
-    LoRA linears and, under virtual pipeline, by all its chunks (``layers.inject.attach_lora_context``)."""
-
-    def __init__(self, *args, fused_loss: str | None = None, **kwargs):
+    def __init__(self, *args, fused_loss: str | None = None, lora_context=None,
+                 rope_inv_freq: torch.Tensor | None = None, **kwargs):
+        """``GPTModel``'s arguments, plus ``fused_loss`` (above); ``lora_context``: the
+        :class:`~lorafusion.layers.lora_linear.LoRAContext` its layer spec gave every LoRA linear (adapters,
+        routing; under virtual pipeline one for all chunks), kept as ``self.lora_context``;
+        ``rope_inv_freq``: RoPE frequencies to use instead of the ones Megatron computes from
+        ``rotary_base`` (HF's, for any rope scaling: ``ModelArch.inv_freq``)."""
         super().__init__(*args, **kwargs)
         self.fused_loss = None if fused_loss is None else check_impl(fused_loss)
+        self.lora_context = lora_context
+        if rope_inv_freq is not None:
+            self.rotary_pos_emb.inv_freq = rope_inv_freq
 
     def _fused_loss_applies(self, labels, mtp_in_postprocess, inference_context) -> bool:
         return (self.fused_loss is not None and labels is not None and self.post_process

@@ -13,6 +13,7 @@ the same quantity a host timer bracketed by ``torch.cuda.synchronize()`` measure
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 
@@ -33,9 +34,26 @@ class _Timer:
         self._start = None
 
 
+class _Idle:
+    """The timer handed out while the stage timers are paused: records nothing."""
+
+    def start(self, barrier: bool = False):
+        pass
+
+    def stop(self, barrier: bool = False):
+        pass
+
+
+_IDLE = _Idle()
+
+
 class StageTimers:
+    """Megatron's ``config.timers`` for a training run: given to the model when it is built and kept for the
+    run; :meth:`paused` stops it recording (an evaluation's forward passes are not training stage time)."""
+
     def __init__(self, cuda: bool | None = None):
         self.cuda = torch.cuda.is_available() if cuda is None else cuda
+        self._paused = 0
         self._spans: dict[str, list[tuple]] = defaultdict(list)  # name -> [(start mark, stop mark)]
         self._timers: dict[str, _Timer] = {}
         self._free_events: list = []  # recorded events are reused after reset()
@@ -47,7 +65,18 @@ class StageTimers:
         event.record()
         return event
 
-    def __call__(self, name: str, log_level: int = 0) -> _Timer:
+    @contextlib.contextmanager
+    def paused(self):
+        """Inside the block every timer Megatron asks for records nothing."""
+        self._paused += 1
+        try:
+            yield self
+        finally:
+            self._paused -= 1
+
+    def __call__(self, name: str, log_level: int = 0) -> _Timer | _Idle:
+        if self._paused:
+            return _IDLE
         if name not in self._timers:
             self._timers[name] = _Timer(self, name)
         return self._timers[name]
