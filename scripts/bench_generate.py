@@ -39,14 +39,13 @@ def build(preset_name: str, adapters: list[str], dtype: str, seed: int, impl: st
     from lorafusion.core.arch import preset
     from lorafusion.core.lora import LoRASpec
     from lorafusion.dist import init_distributed
-    from lorafusion.layers import adapter_parameters, add_adapter, get_lora_context
+    from lorafusion.layers import adapter_parameters, add_adapter
     from lorafusion.models.base import build_base
 
     init_distributed(1, 1, seed=seed)
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     arch = preset(preset_name)
-    model = build_base(arch, dtype=dtype, device=dev, seed=seed)
-    get_lora_context(model).impl = impl  # None as build_run_model: the fused kernels on CUDA
+    model = build_base(arch, dtype=dtype, device=dev, seed=seed, lora_impl=impl)  # None as build_run_model: fused on CUDA
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for name in adapters:
         add_adapter(model, name, LoRASpec(r=16, lora_alpha=32, target_modules="all-linear"), seed=seed)

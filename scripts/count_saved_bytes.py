@@ -58,7 +58,7 @@ class _VarlenLike:
 
         def varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale):
             if not gqa:
-                k, v = att._expand_kv(k, q.shape[1], 1), att._expand_kv(v, q.shape[1], 1)
+                k, v = att.expand_kv(k, q.shape[1], 1), att.expand_kv(v, q.shape[1], 1)
             return F.apply(q, k, v, cu_seqlens.to(torch.int32), scale)
 
         return varlen_attention
@@ -109,9 +109,8 @@ def main() -> None:
     dtype = torch.float16  # a 2-byte dtype the CPU runs (bf16 tl.dot is wrong in the Triton interpreter)
     arch = ModelArch("llama", vocab_size=1024, hidden_size=512, num_layers=args.layers, num_attention_heads=8,
                      num_query_groups=2, ffn_hidden_size=1792)
-    model = build_model(arch, params_dtype=dtype, fused_ops="triton", seed=1)
+    model = build_model(arch, params_dtype=dtype, fused_ops="triton", seed=1, lora_impl="triton")
     model.train()
-    get_lora_context(model).impl = "triton"
     per_sample = att.varlen_attention
     caps = [int(c) for c in args.capacities.split(",")]
     out = []
