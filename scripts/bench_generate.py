@@ -45,7 +45,8 @@ def build(preset_name: str, adapters: list[str], dtype: str, seed: int, impl: st
     init_distributed(1, 1, seed=seed)
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     arch = preset(preset_name)
-    model = build_base(arch, dtype=dtype, device=dev, seed=seed, lora_impl=impl)  # None as build_run_model: fused on CUDA
+    # lora_impl None as build_run_model: the fused kernels on CUDA
+    model = build_base(arch, dtype=dtype, device=dev, seed=seed, lora_impl=impl)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for name in adapters:
         add_adapter(model, name, LoRASpec(r=16, lora_alpha=32, target_modules="all-linear"), seed=seed)

@@ -172,7 +172,7 @@ def model_check(mb_tokens: int) -> dict:
             del model
             if DEV == "cuda":
                 torch.cuda.empty_cache()
-            model, names = build_8b(arch=arch, base_precision="fp8")  # the same seeds: same base, same adapters
+            model, names = build_8b(arch=arch, base_precision="fp8")  # same seeds: same base and adapters
             out["allocated_gib_after_quantize"] = mem()
         out[f"base_linear_weight_bytes_{precision}"] = base_weight_bytes(model)
         res[precision] = step(model, batch, names)

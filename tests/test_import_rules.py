@@ -29,7 +29,7 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "lorafusion"
 PATCHES = PKG.parent / "megatron_patches"  # megatron-core shims: a sibling package that imports nothing of ours
-SCRIPTS = PKG.parent / "scripts"  # tools run as scripts (scripts/ on sys.path): they import one another by file name
+SCRIPTS = PKG.parent / "scripts"  # tools run with scripts/ on sys.path: they import one another by file name
 HEAVY = frozenset({"torch", "megatron", "triton"})
 LOW = {"core"}  # the ground floor: may be imported from anywhere
 # package -> the packages of ours it may import besides itself and LOW (STRICT ones: exactly those listed)
@@ -220,8 +220,9 @@ def _module_name(path: Path, root: Path) -> str:
 
 
 def _import_targets(path: Path, root: Path, known: set[str]) -> set[str]:
-    """The modules of ``known`` that ``path`` imports, at module level or inside a function: ``from P import N``
-    counts as importing the module ``P.N`` when there is one, else ``P`` (its ``__init__``)."""
+    """The modules of ``known`` that ``path`` imports, at module level or inside a function:
+    ``from P import N`` counts as importing the module ``P.N`` when there is one, else ``P`` (its
+    ``__init__``)."""
     package = _module_name(path, root).split(".")
     if path.name != "__init__.py":
         package = package[:-1]
@@ -230,8 +231,10 @@ def _import_targets(path: Path, root: Path, known: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else [])) \
-                if node.level else (node.module or "")
+            base = node.module or ""
+            if node.level:
+                here = package[: len(package) - node.level + 1]
+                base = ".".join(here + ([node.module] if node.module else []))
             names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
         else:
             continue
@@ -279,7 +282,8 @@ def _package_graph(roots: list[Path]) -> dict[str, set[str]]:
 
 
 def _scripts_graph() -> dict[str, set[str]]:
-    """scripts/ run with scripts/ on sys.path: a script imports another by its file name (``import bench_train``)."""
+    """scripts/ run with scripts/ on sys.path: a script imports another by its file name
+    (``import bench_train``)."""
     files = {p.stem: p for p in sorted(SCRIPTS.rglob("*.py"))}
     graph = {}
     for name, path in files.items():
@@ -294,7 +298,8 @@ def _scripts_graph() -> dict[str, set[str]]:
 
 
 def test_no_import_cycles():
-    """No two modules of lorafusion/ or megatron_patches/ import each other, directly or round a longer circle."""
+    """No two modules of lorafusion/ or megatron_patches/ import each other, directly or round a longer
+    circle."""
     assert _cycles(_package_graph([PKG, PATCHES])) == []
 
 

@@ -41,8 +41,9 @@ from lorafusion.rundir.adapters import check_generate_out, find_adapter, run_job
 from lorafusion.rundir.atomic import write_text_atomic
 from lorafusion.rundir.layout import latest_checkpoint
 
-# The model side (Megatron, the model, the KV cache, adapters) is imported inside the functions that build and
-# run it, so that generate checks the run directory, the prompts and --out before paying for Megatron's import.
+# The model side (Megatron, the model, the KV cache, adapters) is imported inside the functions that build
+# and run it, so that generate checks the run directory, the prompts and --out before paying for Megatron's
+# import.
 
 DECODE_MODES = ("auto", "graph", "static", "dynamic")
 
@@ -146,7 +147,7 @@ def build_run_model(info: RunInfo, jobs: Sequence[str], device=None):
         raise ConfigError(f"{info.run_dir / 'base_model.json'}: the run drew its random base weights on "
                           f"{info.init_device}; generate on a machine of that kind (here: {drawn})")
     model = build_base(*base_arch(info.path, info.preset), dtype=info.dtype, device=device, seed=info.seed,
-                       base_precision=info.base_precision, lora_impl=None)  # (None: the fused kernels on CUDA)
+                       base_precision=info.base_precision, lora_impl=None)  # (None: fused kernels on CUDA)
     for job in jobs:
         import_peft_adapter(model, job, info.adapters[job])
     model.eval()
@@ -303,8 +304,8 @@ def generate_ids(model, requests: Sequence[Request], *, eos_id: int, max_new_tok
             logits = _forward(model, jobs, seqs, positions, device)
             if use_cache:
                 cache.advance()
-            live = commit_tokens(reqs, live, pick_tokens(logits, temperature, top_p, None if gens is None else [gens[i] for i in live]),
-                           eos_id, limit)
+            rows = None if gens is None else [gens[i] for i in live]
+            live = commit_tokens(reqs, live, pick_tokens(logits, temperature, top_p, rows), eos_id, limit)
             step += 1
 
 

@@ -162,7 +162,7 @@ def decoding(model, cache: KVCache):
     """Route every packed forward of ``model`` inside the block through ``cache`` (keys/values kept per
     slot, RoPE at the planned positions). Plan each forward with ``cache.prefill``/``cache.decode`` and
     commit it with ``cache.advance``."""
-    apply_rope_positions_patch(rope_positions)  # outermost, even over a RoPE patch installed since the last call
+    apply_rope_positions_patch(rope_positions)  # outermost, even over a RoPE patch installed since last time
     mods = attention_modules(model)
     configs = {id(c) for c in [model.config, *(m.config for m in mods)]}
     for m in mods:

@@ -27,7 +27,8 @@ def pick_tokens(logits: torch.Tensor, temperature: float, top_p: float, gens: Se
     tempered distribution cut to its top-p mass, drawn with that row's generator (``gens[i]``)."""
     if temperature == 0:
         return logits.argmax(-1).tolist()
-    probs = torch.softmax((logits.double() - logits.double().amax(-1, keepdim=True)) / temperature, dim=-1)  # (1e-320)
+    shifted = logits.double() - logits.double().amax(-1, keepdim=True)
+    probs = torch.softmax(shifted / temperature, dim=-1)  # (in float64: a temperature of 1e-320)
     out = []
     for p, g in zip(probs, gens, strict=True):
         if top_p < 1.0:

@@ -141,7 +141,8 @@ def decode_static(model, cache, reqs, live: list[int], limit: Sequence[int], *, 
             logits = step(tokens, positions)
             if len(live) < len(reqs):
                 logits = logits.index_select(0, to_device(torch.tensor(live), logits.device))
-            picked = pick_tokens(logits, temperature, top_p, None if gens is None else [gens[i] for i in live])
+            rows = None if gens is None else [gens[i] for i in live]
+            picked = pick_tokens(logits, temperature, top_p, rows)
             live = commit_tokens(reqs, live, picked, eos_id, limit)
 
 

@@ -1,9 +1,9 @@
 """FP8 frozen base for the LoRA linears (``model.base_precision: fp8``).
 
 A LoRA linear learns its base precision when it is built (:func:`base_precision_of`: the config's
-``base_precision``, except the first ``fp8_bf16_layers`` decoder layers of the whole model, which keep the model
-dtype). An FP8 linear's constructor calls :func:`init_fp8_storage`: its base is ``weight_fp8`` (float8_e4m3fn
-[n, k], this rank's TP shard) and ``weight_scale`` (float32 [n], one per output channel), both non-persistent
+``base_precision``, except the first ``fp8_bf16_layers`` decoder layers of the whole model, which keep the
+model dtype). An FP8 linear's constructor calls :func:`init_fp8_storage`: its base is ``weight_fp8``
+(float8_e4m3fn [n, k], this rank's TP shard) and ``weight_scale`` (float32 [n], one per output channel), both non-persistent
 buffers, and it has no bf16 ``weight`` (None): the base is never checkpointed, and no bf16 copy of an FP8
 layer is ever held. Its weights arrive like any other base tensor, through :func:`write_base_tensor`
 (random init, HF import), which quantizes them once.
@@ -105,6 +105,6 @@ def fp8_fused_forward(mod, input_: torch.Tensor, largs):
     (:func:`lorafusion.ops.fp8_lora.fp8_multi_lora_linear`; ``largs`` = the layer's ``_lora_args``)."""
     routing, a, b, scaling, p, seeds, seed_table = largs
     bias = None if mod.skip_bias_add or mod.bias is None else mod.bias
-    y = fp8_lora.fp8_multi_lora_linear(input_, mod.weight_fp8, mod.weight_scale, bias, a, b, scaling, p, seeds, routing,
-                                       cache=mod.lora_ctx.tables, seed_table=seed_table)
+    y = fp8_lora.fp8_multi_lora_linear(input_, mod.weight_fp8, mod.weight_scale, bias, a, b, scaling, p,
+                                       seeds, routing, cache=mod.lora_ctx.tables, seed_table=seed_table)
     return y, (mod.bias if mod.skip_bias_add else None)

@@ -45,7 +45,8 @@ def lora_modules(model) -> Iterator[tuple[str, LoRALinear]]:
 
 
 def get_lora_context(model) -> LoRAContext:
-    """The context the model was built with (``lorafusion.models.provider.build_model``; one for all chunks)."""
+    """The context the model was built with (``lorafusion.models.provider.build_model``; one for all
+    chunks)."""
     ctx = getattr(_unwrap(_chunks(model)[0]), "lora_context", None)
     if ctx is None:
         raise ValueError("model has no LoRA context: build it with lorafusion.models.build_model")

@@ -44,7 +44,13 @@ from lorafusion.core.lora import LoRASpec
 from lorafusion.core.routing import Routing
 from lorafusion.core.seeds import mix_seed, name_key
 from lorafusion.core.targets import MEGATRON_TARGETS, PEFT_GROUPS
-from lorafusion.layers.fp8_base import base_precision_of, fp8_base_forward, fp8_fused_forward, init_fp8_storage, is_fp8
+from lorafusion.layers.fp8_base import (
+    base_precision_of,
+    fp8_base_forward,
+    fp8_fused_forward,
+    init_fp8_storage,
+    is_fp8,
+)
 from lorafusion.layers.fused_proj import BlockIndex, block_b, fused_projection_index
 from lorafusion.layers.sharding import COLUMNS, REPLICATED, ROW_HALVES, ROWS, TPSplit
 from lorafusion.ops.tables import TableCache, seed_tensor

@@ -16,7 +16,11 @@ from dataclasses import dataclass
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 
 
 @dataclass(frozen=True)

@@ -99,11 +99,12 @@ def lora_layer_spec(transformer_impl: str = "local", fused_ops: str = "off", *, 
     )
 
 
-def lora_block_spec(config, lora_context: LoRAContext, *, transformer_impl: str = "local", fused_ops: str = "off",
-                    sequence_parallel: bool = False, vp_stage: int | None = None) -> TransformerBlockSubmodules:
+def lora_block_spec(config, lora_context: LoRAContext, *, transformer_impl: str = "local",
+                    fused_ops: str = "off", sequence_parallel: bool = False,
+                    vp_stage: int | None = None) -> TransformerBlockSubmodules:
     """The decoder of this pipeline stage (model chunk ``vp_stage`` under virtual pipeline): one
-    :func:`lora_layer_spec` per layer it builds, numbered as Megatron numbers them (its offset for this stage),
-    and the final norm (Megatron's default, or our RMSNorm as for the layers' norms)."""
+    :func:`lora_layer_spec` per layer it builds, numbered as Megatron numbers them (its offset for this
+    stage), and the final norm (Megatron's default, or our RMSNorm as for the layers' norms)."""
     offset = get_transformer_layer_offset(config, vp_stage)
     layers = [lora_layer_spec(transformer_impl, fused_ops, sequence_parallel=sequence_parallel,
                               layer_number=offset + i + 1, lora_context=lora_context)

@@ -44,8 +44,9 @@ def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, p
     ``fused_ops``: "off", "torch" or "triton" (module docstring; None: "triton" on CUDA, else "off"), recorded
     as ``model.config.fused_ops``. ``sequence_parallel`` (tp > 1): Megatron's sequence parallelism; the norms
     are then our RMSNorm ("torch": ``F.rms_norm``) even with "off", since Megatron's ``WrappedTorchNorm``
-    refuses SP. ``base_precision``: "fp8" builds the decoder linears with an FP8 base (:mod:`..layers.fp8_base`).
-    ``lora_impl``: the LoRA compute of the model's :class:`LoRAContext` ("triton" | "torch" | None: automatic).
+    refuses SP. ``base_precision``: "fp8" builds the decoder linears with an FP8 base
+    (:mod:`..layers.fp8_base`). ``lora_impl``: the LoRA compute of the model's :class:`LoRAContext`
+    ("triton" | "torch" | None: automatic).
     ``timers``: the object Megatron's schedules time their stages through (``config.timers``), or None.
     Everything is given to the modules as they are built (the layer spec's params, the config); nothing is
     set on the model afterwards.
@@ -67,12 +68,12 @@ def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, p
                              sequence_parallel=sequence_parallel, stage_layers=stage_layers, virtual_stages=V,
                              **overrides)
     if impl is not None:
-        apply_packed_rope_patch(packed_rope)  # its dispatcher reads cfg.packed_rope_impl (fused_config_overrides)
+        apply_packed_rope_patch(packed_rope)  # its dispatcher reads cfg.packed_rope_impl
     if recompute:  # the recompute re-runs a block with the LoRA routing of *its* microbatch
         apply_recompute_state_hook(capture_routing, restore_routing)
     ctx = LoRAContext(impl=lora_impl)  # one context (routing, adapters) for all chunks
-    build = dict(transformer_impl=transformer_impl, mode=mode, sequence_parallel=sequence_parallel, device=device,
-                 seed=seed, recompute=recompute)
+    build = dict(transformer_impl=transformer_impl, mode=mode, sequence_parallel=sequence_parallel,
+                 device=device, seed=seed, recompute=recompute)
     if V > 1:
         return ModelChunks([_build_chunk(arch, cfg, ctx, **build, vp_stage=c) for c in range(V)])
     if pre_process is None:

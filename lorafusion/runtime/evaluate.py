@@ -27,8 +27,15 @@ from megatron.core import parallel_state
 from lorafusion.data.packing import PackedBatch, noop_microbatch, pack_microbatch
 from lorafusion.layers import set_batch
 from lorafusion.runtime.jobs import JobStatus
-from lorafusion.runtime.pipeline import (chunks_of, count_placeholder, forward_packed, run_schedule, segments, sp_pad,
-                                         sum_from_last_stage)
+from lorafusion.runtime.pipeline import (
+    chunks_of,
+    count_placeholder,
+    forward_packed,
+    run_schedule,
+    segments,
+    sp_pad,
+    sum_from_last_stage,
+)
 from lorafusion.runtime.telemetry.status import eval_fields
 from lorafusion.scheduler.pipeorder import interleave_padding
 

@@ -94,8 +94,9 @@ class Trainer:
         self.model = build_base(self.arch, ckpt, dtype=cfg.model.dtype, device=self.device, seed=cfg.seed,
                                 **recompute_kwargs(cfg, self.memory_plan, stage, self.arch),
                                 sequence_parallel=cfg.parallelism.sequence_parallel,
-                                stage_layers=stage_split(cfg, self.arch), base_precision=cfg.model.base_precision,
-                                lora_impl=lora_impl(cfg.kernels), timers=self.timers)
+                                stage_layers=stage_split(cfg, self.arch),
+                                base_precision=cfg.model.base_precision, lora_impl=lora_impl(cfg.kernels),
+                                timers=self.timers)
         for name, js in self.jobs.items():
             self._attach(js)
         self.checkpoints = JobCheckpoints(cfg, self.jobs, self.model, self.snapshot, is_logger=self.is_logger,

@@ -1,6 +1,6 @@
-"""FP8 frozen base in the model (model.base_precision: fp8, lorafusion.layers.fp8_base): which linears are built
-with an FP8 base (and hold no bf16 copy), the LoRA linear's output and gradients = FP8 base + the unchanged LoRA term, recompute, HF import, and
-the whole model against its bf16 twin. On CPU through torch._scaled_mm."""
+"""FP8 frozen base in the model (model.base_precision: fp8, lorafusion.layers.fp8_base): which linears are
+built with an FP8 base (and hold no bf16 copy), the LoRA linear's output and gradients = FP8 base + the
+unchanged LoRA term, recompute, HF import, and the whole model against its bf16 twin. On CPU through torch._scaled_mm."""
 
 from __future__ import annotations
 

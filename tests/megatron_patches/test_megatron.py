@@ -42,7 +42,8 @@ def test_two_layer_gpt_trains_a_step_on_cpu(megatron_single):
 
     arch = preset("tiny-llama", num_layers=2)
     cfg = transformer_config(arch, hidden_dropout=0.1, perform_initialization=True)
-    model = GPTModel(config=cfg, transformer_layer_spec=lora_block_spec(cfg, LoRAContext()), vocab_size=arch.vocab_size,
+    model = GPTModel(config=cfg, transformer_layer_spec=lora_block_spec(cfg, LoRAContext()),
+                     vocab_size=arch.vocab_size,
                      max_sequence_length=64, position_embedding_type="rope")
     with get_cuda_rng_tracker().fork():  # the tracker works on the CPU generator
         torch.rand(1)

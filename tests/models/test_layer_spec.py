@@ -1,6 +1,6 @@
-"""The literal layer spec (models/layer_spec.py) equals Megatron's local spec with our swaps, for every variant;
-each LoRA linear's spec carries its wiring (kind, global layer number, the model's LoRA context), which the
-built linears hold."""
+"""The literal layer spec (models/layer_spec.py) equals Megatron's local spec with our swaps, for every
+variant; each LoRA linear's spec carries its wiring (kind, global layer number, the model's LoRA context),
+which the built linears hold."""
 
 import copy
 
@@ -45,11 +45,12 @@ def _megatron_local_with_swaps(fused_ops: str, sequence_parallel: bool, number: 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_literal_spec_equals_megatron_local_spec_with_swaps(fused_ops, sequence_parallel):
     ctx = LoRAContext()
-    got = lora_layer_spec("local", fused_ops, sequence_parallel=sequence_parallel, layer_number=3, lora_context=ctx)
+    kw = dict(sequence_parallel=sequence_parallel, layer_number=3, lora_context=ctx)
+    got = lora_layer_spec("local", fused_ops, **kw)
     assert got == _megatron_local_with_swaps(fused_ops, sequence_parallel, 3, ctx)
-    assert got != _megatron_local_with_swaps(fused_ops, sequence_parallel, 3, LoRAContext())  # the context counts
-    assert got != _megatron_local_with_swaps(fused_ops, sequence_parallel, 2, ctx)  # so does the layer number
-    again = lora_layer_spec("local", fused_ops, sequence_parallel=sequence_parallel, layer_number=3, lora_context=ctx)
+    assert got != _megatron_local_with_swaps(fused_ops, sequence_parallel, 3, LoRAContext())  # the context
+    assert got != _megatron_local_with_swaps(fused_ops, sequence_parallel, 2, ctx)  # the layer number
+    again = lora_layer_spec("local", fused_ops, **kw)
     assert again == got and again is not got  # fresh each call
 
 
@@ -60,7 +61,8 @@ def test_block_spec_numbers_the_layers_of_this_stage_and_the_linears_hold_their_
     cfg = transformer_config(arch)
     ctx = LoRAContext()
     block = lora_block_spec(cfg, ctx)
-    numbers = [s.submodules.self_attention.submodules.linear_qkv.params["layer_number"] for s in block.layer_specs]
+    numbers = [spec.submodules.self_attention.submodules.linear_qkv.params["layer_number"]
+               for spec in block.layer_specs]
     assert numbers == list(range(1, arch.num_layers + 1))
     model = build_model(arch, seed=1, lora_impl="torch")
     ctx = model.lora_context
