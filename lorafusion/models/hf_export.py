@@ -24,7 +24,7 @@ DEFAULT_SHARD_BYTES = 5 * 1024**3  # transformers' save_pretrained default
 
 def hf_state_from_model(model: torch.nn.Module, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every base weight of a whole model (built with TP = 1 and PP = 1)."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # (here only: export writes with this module before any model)
 
     if parallel_state.get_tensor_model_parallel_world_size() != 1 or not (
             getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
