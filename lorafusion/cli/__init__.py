@@ -20,12 +20,11 @@ _ENVIRONMENT_ERRNOS = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, err
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-def _load(args, launch: bool = True):
+def _load(args):
     from lorafusion.config import load_run_config
 
     cfg = load_run_config(args.config, args.overrides)
-    if launch or cfg.parallelism.dp == "auto":  # the layout against WORLD_SIZE before torch too (plan: dp only)
-        cfg.check_world_size()
+    cfg.check_world_size()  # the layout against WORLD_SIZE before torch too
     return cfg
 
 
@@ -113,20 +112,35 @@ def _plan_memory(args) -> int:
     return 0
 
 
+def _plan_config(args):
+    """The run config laid out for ``plan``: no processes are launched, so the layout is the config's own
+    (tp·pp·dp, ``dp: auto`` = 1 replica) or ``--gpus N`` processes (``dp: auto`` = N / (tp·pp))."""
+    from lorafusion.config import load_run_config
+
+    cfg = load_run_config(args.config, args.overrides)
+    p = cfg.parallelism
+    if args.gpus is not None:
+        cfg.check_world_size(args.gpus)
+    elif p.dp == "auto":
+        cfg.check_world_size(p.tp * p.pp)
+    return cfg
+
+
 def cmd_plan(args) -> int:
     if args.gpu_memory:  # the memory plan per stage for these GPU sizes: no data, no model, no GPU
         return _plan_memory(args)
-    cfg = _load(args, launch=False)  # before torch is imported
+    cfg = _plan_config(args)  # before torch is imported
     from lorafusion.rundir.atomic import check_writable_dir
     from lorafusion.runtime.feed import Feed, scheduler_config
     from lorafusion.runtime.jobs import load_jobs
-    from lorafusion.runtime.telemetry.report import stage_model, write_plan_report
+    from lorafusion.runtime.telemetry.report import Progress, stage_model, write_plan_report
 
     out = Path(args.out) if args.out else Path(cfg.output_dir) / "plan"
     check_writable_dir(out, f"{out}: --out")  # before the work
     stage = stage_model(cfg)
+    args.progress = Progress()
     res = write_plan_report(Feed(load_jobs(cfg)[1], scheduler_config(cfg), dp_rank=None), out,
-                            max_chunks=args.chunks, stage=stage)
+                            max_chunks=args.chunks, stage=stage, progress=args.progress)
     print(f"{'window':>6} {'jobs':>4} {'mbs':>5} {'noops':>5} {'fill':>6} {'imbal':>6} {'bubble':>7} {'plan_s':>7}")
     for c in res["chunks"]:
         print(f"{c['window']:>6} {len(c['jobs']):>4} {c['microbatches']:>5} {c['noops']:>5} {c['fill']:>6.3f} "
@@ -150,7 +164,8 @@ def _print_pipeline(cfg, stage, res, args, out: Path) -> None:
           f"(output layer + loss = {stage.loss_layers:.2f} layers of work on the last)")
     print(f"simulated steady bubble {b[0]:.3f}, per stage {' '.join(f'{x:.3f}' for x in b[1])}  [{CALIBRATION}]")
     if args.virtual_sweep:
-        rows = sweep_virtual(cfg, args.virtual_sweep, args.chunks, out / "sweep")
+        rows = sweep_virtual(cfg, args.virtual_sweep, args.chunks, out / "sweep", progress=args.progress,
+                             planned={stage.virtual_stages: res["planned"]})  # the run's V: planned above
         print(f"{'V':>3} {'split':>5} {'bubble':>7}  per stage / stage_layers")
         for r in rows:
             print(f"{r['virtual_stages']:>3} {r['split']:>5} {r['bubble']:>7.3f}  "

@@ -42,3 +42,25 @@ def test_charts_have_a_panel_per_chunk_and_rank(tmp_path):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     _render([(p, None, r, "") for r in range(2)], str(tmp_path / "one.png"), gantt=False)
     assert (tmp_path / "one.png").stat().st_size > 2000
+
+
+def test_the_gantt_axis_is_the_share_of_the_chunk_whatever_the_model_size():
+    """A tiny model's chunk at the FLOP cost model's GPU rate lasts microseconds: the axis read "µs" over 0-3.5
+    for steps of thousands of tokens. The axis is the share of the chunk's simulated time, 0-100 %."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lorafusion.core.arch import preset
+    from lorafusion.scheduler.stages import flop_cost_model
+
+    p = _plan()
+    tls = simulate_plan(p, flop_cost_model(preset("tiny-llama")))
+    assert tls[0].makespan < 1e-3  # (what made the unit microseconds)
+    fig, ax = plt.subplots()
+    draw_gantt(ax, p, tls[0], 0, {"j0": "red", "j1": "green", "j2": "blue"}, "")
+    assert "% of the chunk" in ax.get_xlabel() and "µs" not in ax.get_xlabel()
+    right = max(patch.get_x() + patch.get_width() for patch in ax.patches)
+    assert abs(right - 100) < 1e-6 and ax.get_xlim() == (0, 100)
+    plt.close(fig)

@@ -48,24 +48,60 @@ def stage_model(cfg) -> StageModel:
                       stages.stage_costs(split, loss))
 
 
+class Progress:
+    """``plan: ...`` lines on stderr while a plan runs: each pass's start and, every ``every_s`` seconds, how far
+    it got (a sweep of the 70B config plans for a minute)."""
+
+    def __init__(self, every_s: float = 2.0, stream=None):
+        import sys
+        import time
+
+        self.every_s, self.stream, self._clock = every_s, stream or sys.stderr, time.monotonic
+        self.t0 = self._last = self._clock()
+
+    def start(self, what: str, chunks: int) -> None:
+        self.what, self.chunks = what, chunks
+        print(f"plan: {what}: planning up to {chunks} chunks ({self._clock() - self.t0:.0f}s so far)",
+              file=self.stream, flush=True)
+        self._last = self._clock()
+
+    def step(self, done: int) -> None:
+        if self._clock() - self._last >= self.every_s:
+            self._last = self._clock()
+            print(f"plan: {self.what}: {done}/{self.chunks} chunks planned ({self._last - self.t0:.0f}s so far)",
+                  file=self.stream, flush=True)
+
+
+def plan_chunks(feed: Feed, max_chunks: int, progress: Progress | None = None, what: str = "run") -> list:
+    """The feed's first ``max_chunks`` chunks, planned (fewer when the jobs end sooner)."""
+    if progress:
+        progress.start(what, max_chunks)
+    chunks = []
+    for c in range(max_chunks):
+        if (chunk := feed.next()) is None:
+            break
+        chunks.append(chunk)
+        if progress:
+            progress.step(c + 1)
+    return chunks
+
+
 def write_plan_report(feed: Feed, out_dir: Path, max_chunks: int = 20, stage: StageModel | None = None,
-                      charts: bool = True) -> dict:
-    """Plan up to ``max_chunks`` chunks; write ``plan.jsonl`` (one row per microbatch), ``windows.json``
-    (one row per chunk: fill, imbalance, simulated bubble overall and per stage, planning time),
-    ``gantt.png`` and ``packing.png`` (the first ``CHART_CHUNKS`` chunks, a panel per chunk and DP rank).
-    ``stage``: the pipeline's split and costs (default: equal stages, the default cost model). Returns
-    ``{"chunks": [the rows of windows.json], "dir": ..., "files": [names written]}``. (The files name a
-    chunk's index "window", as they always have: one thing, a chunk.)"""
+                      charts: bool = True, chunks: list | None = None, progress: Progress | None = None) -> dict:
+    """Plan up to ``max_chunks`` chunks (or take the planned ``chunks``); write ``plan.jsonl`` (one row per
+    microbatch), ``windows.json`` (one row per chunk: fill, imbalance, simulated bubble overall and per stage,
+    planning time), ``gantt.png`` and ``packing.png`` (the first ``CHART_CHUNKS`` chunks, a panel per chunk and
+    DP rank). ``stage``: the pipeline's split and costs (default: equal stages, the default cost model). Returns
+    ``{"chunks": [the rows of windows.json], "dir": ..., "files": [names written], "planned": [the chunks]}``.
+    (The files name a chunk's index "window", as they always have: one thing, a chunk.)"""
     from lorafusion.scheduler import render_chunks, simulate_plan
     from lorafusion.scheduler.simulate import bubble_ratio
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    planned = plan_chunks(feed, max_chunks, progress) if chunks is None else chunks
     rows, stats, charted = [], [], []
-    for c in range(max_chunks):
-        chunk = feed.next()
-        if chunk is None:
-            break
+    for c, chunk in enumerate(planned):
         the_plan = chunk.plan
         timelines = simulate_plan(the_plan, stage.cost_model if stage else None,
                                   ranks={n: feed.jobs[n].cfg.lora.r for n in chunk.batches},
@@ -89,7 +125,7 @@ def write_plan_report(feed: Feed, out_dir: Path, max_chunks: int = 20, stage: St
     (out_dir / "plan.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (out_dir / "windows.json").write_text(json.dumps(stats, indent=2) + "\n")
     files = [f for f in ("plan.jsonl", "windows.json", "gantt.png", "packing.png") if (out_dir / f).is_file()]
-    return {"chunks": stats, "dir": str(out_dir), "files": files}
+    return {"chunks": stats, "dir": str(out_dir), "files": files, "planned": planned}
 
 
 def steady_bubble(chunks: list[dict]) -> tuple[float, list[float]] | None:
@@ -102,14 +138,16 @@ def steady_bubble(chunks: list[dict]) -> tuple[float, list[float]] | None:
     return sum(r["simulated_bubble"] for r in rows) / len(rows), per
 
 
-def sweep_virtual(cfg, virtuals: list[int], max_chunks: int, out_dir: Path) -> list[dict]:
-    """For each V: the run's chunks planned for V, simulated with the even split (when it exists) and the
+def sweep_virtual(cfg, virtuals: list[int], max_chunks: int, out_dir: Path, planned: dict | None = None,
+                  progress: Progress | None = None) -> list[dict]:
+    """For each V: the run's chunks planned for V (once: the split changes the simulation, not the plan; the
+    chunks of ``planned[V]`` are taken as they are), simulated with the even split (when it exists) and the
     loss-aware ``auto`` split; one row per (V, split) with the steady bubble overall and per stage."""
     from lorafusion.core.errors import ConfigError
     from lorafusion.runtime.feed import scheduler_config
     from lorafusion.runtime.jobs import load_jobs
 
-    rows = []
+    rows, planned, feeds = [], dict(planned or {}), {}
     for V in virtuals:
         for name, layers in (("even", None), ("auto", "auto")):
             cfg_v = cfg.model_copy(deep=True)
@@ -118,9 +156,12 @@ def sweep_virtual(cfg, virtuals: list[int], max_chunks: int, out_dir: Path) -> l
                 st = stage_model(cfg_v)
             except ConfigError:  # no even split for this V
                 continue
-            _, jobs = load_jobs(cfg_v)
-            res = write_plan_report(Feed(jobs, scheduler_config(cfg_v), dp_rank=None), out_dir / f"v{V}-{name}",
-                                    max_chunks, st, charts=False)
+            if V not in feeds:  # (a feed's jobs give the simulation their ranks)
+                feeds[V] = Feed(load_jobs(cfg_v)[1], scheduler_config(cfg_v), dp_rank=None)
+            if V not in planned:
+                planned[V] = plan_chunks(feeds[V], max_chunks, progress, f"virtual_stages={V}")
+            res = write_plan_report(feeds[V], out_dir / f"v{V}-{name}", max_chunks, st, charts=False,
+                                    chunks=planned[V])
             if (b := steady_bubble(res["chunks"])) is not None:
                 rows.append({"virtual_stages": V, "split": name, "stage_layers": st.split, "bubble": b[0],
                              "bubble_per_stage": b[1]})
