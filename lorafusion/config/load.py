@@ -300,7 +300,7 @@ def load_run_config(path: str | os.PathLike, overrides: Sequence[str] = (), chec
         note = ""
         for k, ov in overridden.items():
             if key == k or key.startswith(k + "."):
-                note = f" (set by override {ov!r})"
+                note = f" (set by override {_fmt_input(ov)})"
         if len(loc) >= 2 and loc[0] == "jobs" and isinstance(loc[1], int) and loc[1] in sources:
             return sources[loc[1]][0], loc[2:], note
         return run_shown, loc, note
@@ -375,7 +375,7 @@ def load_job_config(path: str | os.PathLike, overrides: Sequence[str] = (), *,
 
     def locate(loc: list[Any]) -> tuple[str, list[Any], str]:  # (the note: the override that set the field)
         hits = [ov for k, ov in overridden.items() if _loc(loc) == k or _loc(loc).startswith(k + ".")]
-        return shown, loc, f" (set by override {hits[-1]!r})" if hits else ""
+        return shown, loc, f" (set by override {_fmt_input(hits[-1])})" if hits else ""
 
     fill_lora_from_init(raw, [], locate)
     try:

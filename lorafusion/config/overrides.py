@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorafusion.config.yamlio import yaml_loader
+from lorafusion.config.yamlio import load_bounded
 from lorafusion.core.errors import ConfigError
 
 
@@ -19,9 +19,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not key or any(not p for p in parts):
         raise ConfigError(f"override {item!r}: expected a dotted key such as jobs.0.optimizer.lr")
     try:
-        value = yaml.load(text, Loader=yaml_loader()) if text.strip() else ""
+        value = load_bounded(text) if text.strip() else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {item!r}: value is not valid YAML ({getattr(e, 'problem', e)})") from None
+        raise ConfigError(f"override {item[:80]!r}: value is not valid YAML ({getattr(e, 'problem', e)})") from None
     return parts, value
 
 

@@ -14,6 +14,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from lorafusion.config.bounds import (MAX_BATCH, MAX_COUNT, MAX_EPOCHS, MAX_EPS, MAX_GRAD_NORM, MAX_JOB_TOKENS,
+                                      MAX_LR, MAX_PARALLEL, MAX_PRIORITY, MAX_SECONDS, MAX_SEQ_LEN, MAX_STEPS,
+                                      MAX_WEIGHT_DECAY)
 from lorafusion.core.errors import ConfigError
 from lorafusion.core.lora import LoRASpec, check_adapter_name
 from lorafusion.config.trackers import MlflowConfig, WandbConfig
@@ -51,6 +54,8 @@ def _recompute_layers(v: Any) -> Any:
         return v
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"expected an integer >= 1 or 'auto', got {v!r}")
+    if v > MAX_PARALLEL:
+        raise ValueError(f"expected an integer <= {MAX_PARALLEL} or 'auto', got {v!r:.40}")
     return v
 
 
@@ -100,12 +105,14 @@ def _dp(v: Any) -> Any:
         return v
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"expected an integer >= 1 or 'auto', got {v!r}")
+    if v > MAX_PARALLEL:
+        raise ValueError(f"expected an integer <= {MAX_PARALLEL} or 'auto', got {v!r:.40}")
     return v
 
 
 class ParallelismConfig(_Strict):
-    tp: int = Field(1, ge=1)
-    pp: int = Field(1, ge=1)
+    tp: int = Field(1, ge=1, le=MAX_PARALLEL)
+    pp: int = Field(1, ge=1, le=MAX_PARALLEL)
     # "auto": every launched process not used by tp*pp is a data-parallel replica (world / (tp*pp))
     dp: Annotated[int | Literal["auto"], BeforeValidator(_dp)] = 1
     # Megatron sequence parallelism: activations between TP regions split along the sequence (needs tp > 1)
@@ -115,9 +122,9 @@ class ParallelismConfig(_Strict):
     # "auto": balanced by the scheduler's stage cost model with the output layer and loss counted as work on
     # the last stage (scheduler/stages.py). Uneven splits become Megatron's first/last-stage counts or its
     # pipeline_model_parallel_layout
-    stage_layers: list[Annotated[int, Field(ge=1)]] | Literal["auto"] | None = None
+    stage_layers: list[Annotated[int, Field(ge=1, le=MAX_PARALLEL)]] | Literal["auto"] | None = None
     # model chunks per pipeline rank: Megatron-core's interleaved 1F1B (virtual_pipeline_model_parallel_size)
-    virtual_stages: int = Field(1, ge=1)
+    virtual_stages: int = Field(1, ge=1, le=MAX_PARALLEL)
 
     @model_validator(mode="after")
     def _sp_needs_tp(self) -> "ParallelismConfig":
@@ -172,12 +179,12 @@ class SchedulerSection(_Strict):
     run config)."""
 
     token_capacity: Annotated[int | Literal["auto"], BeforeValidator(_capacity)] = 4096
-    milp_time_limit_s: float = Field(1.0, gt=0)
+    milp_time_limit_s: float = Field(1.0, gt=0, le=MAX_SECONDS)
     # "greedy" packs without the MILP: plans that do not depend on the machine's load (a time-limited
     # MILP can stop at different points in two runs), at some cost in padding and balance
     solver: Literal["auto", "cbc", "highs", "greedy"] = "auto"
     grouping: bool = True
-    lookahead_batches: int = Field(2, ge=1)  # global batches of every job per planned chunk
+    lookahead_batches: int = Field(2, ge=1, le=MAX_COUNT)  # global batches of every job per planned chunk
     # whose batches a chunk holds: every running job's ("together"), or the job with the least work left
     # (priority first) with the others filling the pipeline's idle slots ("shortest_first": the lowest mean
     # job completion time when jobs come and go), or one job at a time in arrival order ("fifo"); see
@@ -193,7 +200,7 @@ class DatasetConfig(_Strict):
     response_field: str = "response"
     messages_field: str = "messages"
     text_field: str = "text"
-    max_seq_len: int = Field(2048, ge=2)
+    max_seq_len: int = Field(2048, ge=2, le=MAX_SEQ_LEN)
     truncate: bool = False
     mask_prompt: bool = True
 
@@ -217,15 +224,15 @@ class DatasetConfig(_Strict):
 
 
 class OptimizerConfig(_Strict):
-    lr: float = Field(2e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
+    lr: float = Field(2e-4, gt=0, le=MAX_LR)
+    weight_decay: float = Field(0.0, ge=0, le=MAX_WEIGHT_DECAY)
     betas: Annotated[tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]],
                      BeforeValidator(_betas)] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
-    warmup_steps: int = Field(0, ge=0)
+    eps: float = Field(1e-8, gt=0, le=MAX_EPS)
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS)
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    max_grad_norm: float | None = Field(1.0, gt=0)
+    max_grad_norm: float | None = Field(1.0, gt=0, le=MAX_GRAD_NORM)
 
 
 class JobConfig(_Strict):
@@ -236,20 +243,20 @@ class JobConfig(_Strict):
     # must agree with those given (config/init_from.py)
     init_from: str | None = None
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    global_batch_size: int = Field(ge=1)  # samples per optimizer step
-    max_steps: int | None = Field(None, ge=1)
-    num_epochs: int | None = Field(None, ge=1)
-    save_every: int | None = Field(None, ge=1)
-    priority: int = 0
+    global_batch_size: int = Field(ge=1, le=MAX_BATCH)  # samples per optimizer step
+    max_steps: int | None = Field(None, ge=1, le=MAX_STEPS)
+    num_epochs: int | None = Field(None, ge=1, le=MAX_EPOCHS)
+    save_every: int | None = Field(None, ge=1, le=MAX_STEPS)
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     # steps in a row whose loss or gradient norm is not finite (each one skipped) before the job is paused as
     # diverged
-    max_nonfinite_steps: int = Field(3, ge=1)
+    max_nonfinite_steps: int = Field(3, ge=1, le=MAX_COUNT)
     # evaluation (runtime/evaluate.py): a held-out set — its own file, or a share of the training file drawn
     # by the run seed and removed from training — scored every eval_every steps and at the job's end
     eval_dataset: DatasetConfig | None = None
     eval_split: float | None = Field(None, gt=0, lt=1)
-    eval_every: int | None = Field(None, ge=1)
-    early_stopping_patience: int | None = Field(None, ge=1)  # evaluations without a better best eval loss
+    eval_every: int | None = Field(None, ge=1, le=MAX_STEPS)
+    early_stopping_patience: int | None = Field(None, ge=1, le=MAX_COUNT)  # evaluations without a better best eval loss
 
     @field_validator("name")
     @classmethod
@@ -260,6 +267,10 @@ class JobConfig(_Strict):
     def _stop_rule(self):
         if self.max_steps is None and self.num_epochs is None:
             raise ValueError("max_steps: expected max_steps or num_epochs (at least one), got neither")
+        if self.max_steps is not None and self.max_steps * self.global_batch_size * self.dataset.max_seq_len \
+                > MAX_JOB_TOKENS:  # (token counts are int64)
+            raise ValueError(f"max_steps: max_steps x global_batch_size x dataset.max_seq_len = {self.max_steps:,} x "
+                             f"{self.global_batch_size:,} x {self.dataset.max_seq_len:,} tokens is over {MAX_JOB_TOKENS:,}")
         if self.max_steps is not None and self.optimizer.warmup_steps > self.max_steps:  # (num_epochs: at load)
             raise ValueError(f"optimizer.warmup_steps: expected at most max_steps ({self.max_steps}), got "
                              f"{self.optimizer.warmup_steps}: the lr would never reach optimizer.lr")
@@ -286,8 +297,8 @@ class LoggingConfig(_Strict):
 
     tensorboard: bool = True
     progress: bool = True
-    log_every: int = Field(1, ge=1)
-    log_every_s: float = Field(30.0, ge=0)
+    log_every: int = Field(1, ge=1, le=MAX_STEPS)
+    log_every_s: float = Field(30.0, ge=0, le=MAX_SECONDS)
     wandb: Annotated[WandbConfig | None, BeforeValidator(lambda v: {} if v is True else None if v is False else v)] \
         = None
     mlflow: Annotated[MlflowConfig | None, BeforeValidator(lambda v: {} if v is True else None if v is False else v)] \
@@ -299,8 +310,8 @@ class CheckpointConfig(_Strict):
     chunk boundary) and at the end; a stop signal (SIGTERM, SIGUSR1, SIGINT) checkpoints every job too.
     ``keep_last``: complete checkpoints kept per job (older ones are removed)."""
 
-    every_minutes: float = Field(30.0, gt=0)
-    keep_last: int = Field(3, ge=1)
+    every_minutes: float = Field(30.0, gt=0, le=MAX_SECONDS / 60)
+    keep_last: int = Field(3, ge=1, le=MAX_COUNT)
 
 
 class RunConfig(_Strict):
@@ -317,7 +328,7 @@ class RunConfig(_Strict):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     serve: bool = False  # after the last job ends, keep waiting for `lorafusion submit` (until serve_idle_minutes)
-    serve_idle_minutes: float = Field(30.0, gt=0)
+    serve_idle_minutes: float = Field(30.0, gt=0, le=MAX_SECONDS / 60)
 
     @field_validator("output_dir")
     @classmethod

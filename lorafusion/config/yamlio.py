@@ -12,7 +12,7 @@ from typing import Any
 
 from lorafusion.core.errors import ConfigError
 
-__all__ = ["check_path", "display", "read_yaml", "resolve_path", "yaml_loader"]
+__all__ = ["check_path", "display", "load_bounded", "read_yaml", "resolve_path", "yaml_loader"]
 
 
 def display(path: Path | str) -> str:
@@ -105,7 +105,7 @@ def read_yaml(path: Path, what: str) -> dict:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{shown}: cannot read ({e})") from None
     try:
-        data = yaml.load(text, Loader=yaml_loader())
+        data = load_bounded(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
@@ -146,6 +146,28 @@ def resolve_path(value: Any, base: Path, where: str = "") -> Any:
         except (RuntimeError, OSError):  # a loop that appeared meanwhile
             raise ConfigError(f"{where}{display(p)}: cannot resolve the path (a symlink loop?)") from None
     return value
+
+
+# nesting of mappings and lists a config may have (a run config is 5 deep; PyYAML's composer recurses: a file
+# nested ~800 deep was a RecursionError)
+YAML_MAX_DEPTH = 64
+
+
+def load_bounded(text: str) -> Any:
+    """``yaml.load`` with :func:`yaml_loader`; a document nested over ``YAML_MAX_DEPTH`` is a YAMLError."""
+    import yaml
+
+    depth = deepest = 0
+    for tok in yaml.scan(text, Loader=yaml.SafeLoader):  # (flat: the scanner does not recurse)
+        if isinstance(tok, (yaml.BlockMappingStartToken, yaml.BlockSequenceStartToken, yaml.FlowMappingStartToken,
+                            yaml.FlowSequenceStartToken)):
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > YAML_MAX_DEPTH:
+                raise yaml.YAMLError(f"nested more than {YAML_MAX_DEPTH} levels deep; expected a config")
+        elif isinstance(tok, (yaml.BlockEndToken, yaml.FlowMappingEndToken, yaml.FlowSequenceEndToken)):
+            depth -= 1
+    return yaml.load(text, Loader=yaml_loader())
 
 
 def yaml_loader():

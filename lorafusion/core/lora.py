@@ -28,6 +28,7 @@ ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9_\-]+")  # used with fullmatch (``$`` w
 # the longest file name a run derives from a job name is a request's temporary file,
 # ``.<20-digit stamp>-submit-<name>.json.tmp`` (38 characters more): 128 keeps every one far below NAME_MAX (255)
 ADAPTER_NAME_MAX = 128
+MAX_RANK, MAX_ALPHA = 1 << 16, 1e6  # lora.r above any real hidden size; lora_alpha
 
 
 def check_adapter_name(name: Any, field: str | None = "adapter name") -> str:
@@ -45,8 +46,8 @@ def check_adapter_name(name: Any, field: str | None = "adapter name") -> str:
 class LoRASpec(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_default=False, allow_inf_nan=False)
 
-    r: int = Field(gt=0)
-    lora_alpha: float = Field(gt=0)
+    r: int = Field(gt=0, le=MAX_RANK)  # (the other bounds: lorafusion/config/bounds.py)
+    lora_alpha: float = Field(gt=0, le=MAX_ALPHA)
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     target_modules: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # all-linear
     use_rslora: bool = False

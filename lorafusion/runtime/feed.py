@@ -183,10 +183,11 @@ class Feed:
         return batches, set(batches) - set(main)
 
     def _remaining_tokens(self, name: str) -> int:
-        """Tokens a job has left to train: global batches left × its batch size × its mean sample length."""
+        """Tokens a job has left to train: global batches left × its batch size × its mean sample length (an
+        samples capped at 2**53 and tokens at 2**62: it converts to float, whatever the job's steps)."""
         js = self.jobs[name]
         left = max(0, js.stream.total_steps - js.stream.steps_done)
-        return round(left * js.cfg.global_batch_size * js.mean_len)
+        return min(round(min(left * js.cfg.global_batch_size, 1 << 53) * js.mean_len), 1 << 62)
 
     def _capacity(self, batches) -> int:
         if self.sched.token_capacity != "auto":

@@ -25,6 +25,7 @@ The answer to each request is written next to it in ``RUN_DIR/requests/done/``.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,23 +36,49 @@ from lorafusion.config.schema import JobConfig, RunConfig
 from lorafusion.core.errors import ConfigError, UserError
 from lorafusion.dist import min_over_ranks, share_from_rank0
 from lorafusion.rundir.atomic import write_text_atomic
+from lorafusion.rundir.jsonfile import read_json_file
 from lorafusion.rundir.layout import RunDir
 from lorafusion.runtime.feed import Feed
 from lorafusion.runtime.jobs import JobState, JobStatus
 from lorafusion.rundir.requests import answer_request, pending_requests
 
 
-def submitted_jobs(out: Path) -> list[JobConfig]:
-    """Jobs a run accepted by ``submit`` (for a resume: they are not in the YAML)."""
+def resume_submitted(out: Path, jobs: dict, add_job: Callable[[JobConfig], JobState], *, is_logger: bool,
+                     log: Callable[[str], None] = print) -> list[JobConfig]:
+    """Jobs a run accepted by ``submit`` (not in the YAML), added back by ``add_job`` for a resume; returns them.
+    A record that is no valid job (edited, damaged, or accepted before a bound it breaks existed) is set aside —
+    moved to ``requests/done/`` with the reason, which ``lorafusion status`` shows — so that no later resume
+    meets it again; the other jobs resume."""
     d = RunDir(out).submitted
-    return [job_config_from(_read_json(p), str(p)) for p in sorted(d.glob("*.json"))] if d.is_dir() else []
+    added = []
+    for path in sorted(d.glob("*.json")) if d.is_dir() else []:
+        try:
+            job = job_config_from(_read_json(path), str(path))
+        except UserError as e:
+            log(f"job {path.stem}: not resumed: {e}")
+            if is_logger:
+                set_aside_submitted(out, path, f"refused at resume: {e}")
+            continue
+        if job.name not in jobs:
+            jobs[job.name] = add_job(job)
+            added.append(job)
+    return added
+
+
+def set_aside_submitted(out: Path, path: Path, answer: str) -> None:
+    """Move submitted job record ``path`` to ``requests/done/`` with ``answer`` (rank 0)."""
+    done = RunDir(out).requests / "done"
+    done.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(done / f"{time.time_ns():020d}-submit-{path.stem}.json",
+                      json.dumps({"kind": "submit", "name": path.stem, "answer": answer}, indent=2) + "\n")
+    path.unlink(missing_ok=True)
 
 
 def _read_json(path: Path):
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        return read_json_file(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not a readable job record ({e})") from None
 
 
 def adapter_memory_bytes(model, name: str, token_capacity: int) -> int:
@@ -89,6 +116,19 @@ def run_limits(cfg: RunConfig) -> dict:
     cap = cfg.scheduler.token_capacity
     return {"token_capacity": cap if isinstance(cap, int) else None, "memory_bytes": device_memory_bytes(),
             "model_parallel": cfg.parallelism.tp * cfg.parallelism.pp}
+
+
+def _withdraw(model, name: str) -> None:
+    """Take whatever of adapter ``name`` was added back off the model (the add may have stopped half-way)."""
+    from lorafusion.layers import get_lora_context, lora_modules
+
+    ctx = get_lora_context(model)
+    if name in ctx.batch_adapters:
+        ctx.set_batch(None, ())
+    for _, mod in lora_modules(model):
+        if name in mod.lora_A:
+            mod.remove_lora(name)
+    ctx.specs.pop(name, None)
 
 
 class LiveJobs:
@@ -141,7 +181,7 @@ class LiveJobs:
         if isinstance(cap, int) and job.dataset.max_seq_len > cap:
             raise ConfigError(f"job {job.name!r}: dataset.max_seq_len {job.dataset.max_seq_len} exceeds the run's "
                               f"scheduler.token_capacity {cap}")
-        js = self._add_job(job)  # data, stream, adapter, optimizer (raises a DataError for bad data)
+        js = self._build(job)  # data, stream, adapter, optimizer; on every rank, or on none
         self.cfg.jobs.append(job)
         if self.is_logger:
             RunDir(self.out).submitted.mkdir(exist_ok=True)
@@ -150,6 +190,26 @@ class LiveJobs:
         self.feed.update_jobs(lambda jobs: jobs.__setitem__(job.name, js))
         self._queue.append(job.name)
         return f"accepted at step boundary (queued until admitted; {len(self._queue)} in the queue)"
+
+    def _build(self, job: JobConfig) -> JobState:
+        """``add_job(job)`` on every rank, or on none: whatever fails while the job is added (bad data, its adapter
+        or optimizer, any error on any rank) takes the job back out everywhere and refuses it alone; the run
+        goes on (collective)."""
+        js, why = None, None
+        try:
+            js = self._add_job(job)
+        except UserError as e:
+            why = e
+        except Exception as e:  # noqa: BLE001 - only this job is at fault: it never joins, the run continues
+            import traceback
+
+            self.log(f"request submit {job.name}: failed while adding it:\n{traceback.format_exc().rstrip()}")
+            why = ConfigError(f"failed while adding the job ({type(e).__name__}: {str(e)[:300]})")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if min_over_ranks(int(why is None), device=device) < 1:
+            _withdraw(self.model, job.name)
+            raise why or ConfigError("another rank could not add the job")
+        return js
 
     def _cancel(self, req: dict) -> str:
         name = req.get("job")

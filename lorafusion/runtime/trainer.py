@@ -103,12 +103,9 @@ class Trainer:
                                           allow_different_result=self.allow_different_result)
         self.evaluator = Evaluator(self.model, self.jobs, self.checkpoints, self.device, self.tokenizer.eos_id)
         if self.resume:  # jobs added by `lorafusion submit` are not in the YAML: they come back from the run dir
-            from lorafusion.runtime.online import submitted_jobs
+            from lorafusion.runtime.online import resume_submitted
 
-            for job in submitted_jobs(self.out):
-                if job.name not in self.jobs:
-                    cfg.jobs.append(job)
-                    self.jobs[job.name] = self._new_job(job)
+            cfg.jobs += resume_submitted(self.out, self.jobs, self._new_job, is_logger=self.is_logger)
             self.checkpoints.load()
         # after resuming: the feed continues every job's stream where its checkpoint left it
         self.feed = Feed(self.jobs, scheduler_config(cfg), dp_rank=dp_rank, eos_id=self.tokenizer.eos_id,
