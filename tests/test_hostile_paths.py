@@ -116,7 +116,7 @@ def test_a_status_json_not_utf8_keeps_its_message(tmp_path, capsys):
 
     (tmp_path / "status.json").write_bytes(b"\xff\xfe")
     assert main(["status", str(tmp_path)]) == 2
-    _one_line(capsys, "status", "not a readable run status ('utf-8' codec can't decode")
+    _one_line(capsys, "status", "not a readable run status (not UTF-8 text (byte 0))")
 
 
 def _rows_error(tmp_path, name: str, text: str) -> str:

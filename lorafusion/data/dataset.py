@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 import tempfile
 from dataclasses import dataclass, field
@@ -128,6 +129,10 @@ def read_rows(job: JobConfig, section: str = "dataset") -> Any:
 
         kwargs.update(features=Features({c: Value("string") for c in header}), keep_default_na=False,
                       encoding="utf-8-sig")
+    if builder == "json" and (msg := _duplicate_in_document(path)):  # a JSON document: the reader keeps the last
+        raise DataError(f"{where}: {msg}")
+    if builder == "json" and (msg := _diagnose_json(path)):  # every line checked with the stdlib first: the
+        raise DataError(f"{where}: cannot read as {ds_cfg.file_type or builder}: {msg}")  # reader crashes on some
     with _quiet_datasets() as datasets, tempfile.TemporaryDirectory(prefix="lorafusion-ds-") as cache:
         try:
             ds = datasets.load_dataset(builder, data_files=str(path), split="train", keep_in_memory=True,
@@ -137,8 +142,6 @@ def read_rows(job: JobConfig, section: str = "dataset") -> Any:
             # (the reader's "in row N" counts within a block of the file, not from its start: left out)
             raise DataError(f"{where}: cannot read as {ds_cfg.file_type or builder}: "
                             f"{msg or re.sub(r' in row [0-9]+', '', _first_line(e))}") from None
-    if builder == "json" and (msg := _duplicate_in_document(path)):  # a JSON document: the reader kept the last
-        raise DataError(f"{where}: {msg}")
     if ds.num_rows == 0:
         raise DataError(f"{where}: empty dataset (0 rows)")
     return ds
@@ -193,7 +196,7 @@ def _duplicate_in_document(path: Path) -> str | None:
             return None
     try:
         rows = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_flag_duplicates)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     for i, row in enumerate(rows if isinstance(rows, list) else []):
         if isinstance(row, _Obj) and row.dup is not None:
@@ -205,7 +208,9 @@ def _big_int(obj) -> str | None:
     """A key of ``obj`` (a row) whose integer is outside 64 bits (the reader fails on it, naming no row)."""
     for k, v in obj.items():
         if isinstance(v, int) and not isinstance(v, bool) and not -(1 << 63) <= v < (1 << 63):
-            return k
+            return f"{k!r}: a number too large for 64 bits"
+        if isinstance(v, float) and not math.isfinite(v):  # (NaN, Infinity, 1e999: the reader fails obscurely)
+            return f"{k!r}: {v} is not a finite number"
     return None
 
 
@@ -217,10 +222,12 @@ def _diagnose_json(path: Path) -> str | None:
         return str(e)
     try:
         doc = json.loads(text, object_pairs_hook=_unique_keys)
-        rows = [r for r in (doc if isinstance(doc, list) else [doc]) if isinstance(r, dict)]
+        rows = doc if isinstance(doc, list) else [doc]
+        if bad := [i for i, r in enumerate(rows) if not isinstance(r, dict)]:
+            return f"row {bad[0]}: expected a JSON object per row, got {_json_type(rows[bad[0]])}"
         big = [(i, k) for i, r in enumerate(rows) if (k := _big_int(r))]
-        return f"row {big[0][0]}: field {big[0][1]!r}: a number too large for 64 bits" if big else None
-    except ValueError:
+        return f"row {big[0][0]}: field {big[0][1]}" if big else None
+    except (ValueError, RecursionError):  # (JSON lines; a deep line is named below)
         pass
     row, kinds = -1, {}
     for n, line in enumerate(text.splitlines(), 1):
@@ -228,14 +235,16 @@ def _diagnose_json(path: Path) -> str | None:
             continue
         try:
             obj = json.loads(line, object_pairs_hook=_unique_keys)
+        except RecursionError:
+            return f"line {n}: nested too deep to be a row of data"
         except ValueError as e:
             col = f", column {e.colno}" if hasattr(e, "colno") else ""
             return f"line {n}{col}: invalid JSON ({getattr(e, 'msg', e)})"
         if not isinstance(obj, dict):
-            return f"line {n}: expected a JSON object per line, got {type(obj).__name__}"
+            return f"line {n}: expected a JSON object per line, got {_json_type(obj)}"
         row += 1
         if key := _big_int(obj):
-            return f"line {n} (row {row}): field {key!r}: a number too large for 64 bits"
+            return f"line {n} (row {row}): field {key}"
         try:
             json.dumps(obj, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError as e:  # "\ud800": JSON escapes a lone surrogate, which is no character
@@ -244,6 +253,10 @@ def _diagnose_json(path: Path) -> str | None:
             if v is not None and kinds.setdefault(k, _json_kind(v)) != _json_kind(v):
                 return f"line {n} (row {row}): field {k!r}: {_json_kind(v)}, where the rows before have {kinds[k]}"
     return None
+
+
+def _json_type(v) -> str:
+    return "null" if v is None else "a JSON " + {str: "string", bool: "boolean", list: "array"}.get(type(v), "number")
 
 
 def _json_kind(v) -> str:

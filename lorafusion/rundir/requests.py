@@ -9,11 +9,13 @@ to ``requests/done/`` (with the run's answer) once applied; every rank receives 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 from lorafusion.core.errors import ConfigError, MissingFileError
 from lorafusion.rundir.atomic import write_text_atomic
+from lorafusion.rundir.jsonfile import read_json_file
 from lorafusion.rundir.layout import RunDir
 from lorafusion.rundir.states import ENDED, JobStatus  # after these a cancel has nothing to do (the run: LiveJobs._cancel)
 
@@ -44,17 +46,18 @@ def _listed(run_dir: Path) -> list[tuple[Path, dict | Exception]]:
     d = RunDir(run_dir).requests
     out: list[tuple[Path, dict | Exception]] = []
     for path in sorted(p for p in d.glob("*.json") if not p.name.startswith(".")) if d.is_dir() else []:
-        try:
-            text = path.read_text()
+        try:  # (a regular file only, never blocking on a FIFO; bounded in size and depth; UTF-8)
+            req = read_json_file(path)
         except FileNotFoundError:  # taken by the run while the CLI was looking
             continue
-        try:
-            req = json.loads(text)
-            if not isinstance(req, dict) or req.get("kind") not in ("submit", "cancel"):
-                raise ValueError(f"unknown kind {req.get('kind') if isinstance(req, dict) else req!r}")
+        except (OSError, ValueError) as e:
+            out.append((path, ValueError(e.strerror if isinstance(e, OSError) and e.strerror else str(e))))
+            continue
+        if not isinstance(req, dict) or req.get("kind") not in ("submit", "cancel"):
+            kind = req.get("kind") if isinstance(req, dict) else f"a JSON {type(req).__name__}, not an object"
+            out.append((path, ValueError(f"unknown kind {kind!r:.80}")))
+        else:
             out.append((path, req))
-        except (ValueError, UnicodeDecodeError) as e:
-            out.append((path, e))
     return out
 
 
@@ -74,7 +77,10 @@ def answer_request(path: Path, req: dict, answer: str) -> None:
     done = path.parent / "done"
     done.mkdir(exist_ok=True)
     write_text_atomic(done / path.name, json.dumps({**req, "answer": answer}, indent=2) + "\n")
-    path.unlink(missing_ok=True)
+    try:
+        path.unlink(missing_ok=True)
+    except IsADirectoryError:  # (a directory named like a request: moved aside whole, never read again)
+        os.replace(path, done / f"{path.name}.not-a-file-{time.time_ns()}")
 
 
 def unapplied_requests(run_dir: Path) -> list[dict]:
@@ -84,8 +90,8 @@ def unapplied_requests(run_dir: Path) -> list[dict]:
     out = []
     for path in sorted(d.glob("*.json")) if d.is_dir() else []:
         try:
-            req = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError, UnicodeDecodeError):
+            req = read_json_file(path)
+        except (OSError, ValueError):
             continue
         answer = req.get("answer") if isinstance(req, dict) else None
         if isinstance(answer, str) and answer.startswith(("refused", "failed")):
@@ -97,12 +103,9 @@ def unapplied_requests(run_dir: Path) -> list[dict]:
 
 def _status_jobs(run_dir: Path) -> dict:
     """``status.json``'s rows by job ({} when the run has written none, or none readable yet)."""
-    path = RunDir(run_dir).status
-    if not path.is_file():
-        return {}
     try:
-        jobs = json.loads(path.read_text()).get("jobs", {})
-    except (ValueError, UnicodeDecodeError, AttributeError):
+        jobs = read_json_file(RunDir(run_dir).status).get("jobs", {})
+    except (OSError, ValueError, AttributeError):
         return {}
     return jobs if isinstance(jobs, dict) else {}
 
@@ -148,8 +151,8 @@ def check_against_run(run_dir: Path, job) -> None:
 
     rd = RunDir(run_dir)
     try:
-        record = json.loads(rd.base_record.read_text(encoding="utf-8"))
-        limits = json.loads(rd.status.read_text(encoding="utf-8"))["run"]["limits"]
+        record = read_json_file(rd.base_record)
+        limits = read_json_file(rd.status)["run"]["limits"]
         cap, memory, mp = limits["token_capacity"], limits["memory_bytes"], limits["model_parallel"]
         arch = arch_from_hf_config(record["config"], str(rd.base_record))
     except (OSError, ValueError, KeyError, TypeError):

@@ -15,10 +15,10 @@ writing its end (killed): the reader reports it as ``stopped``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from lorafusion.core.errors import MissingFileError
+from lorafusion.rundir.jsonfile import read_json_file
 from lorafusion.rundir.layout import RunDir
 from lorafusion.rundir.lock import lock_held
 from lorafusion.rundir.states import LIVE, JobStatus
@@ -32,13 +32,15 @@ def read_status(run_dir: Path) -> dict:
         raise MissingFileError(f"{run_dir}: {'not a directory' if run_dir.exists() else 'no such run directory'} "
                                f"(expected the output_dir of a lorafusion train run)")
     path = RunDir(run_dir).status
-    if not path.is_file():
+    if not path.exists():
         raise MissingFileError(f"{run_dir}: no {path.name} — not a lorafusion run directory, or its run has "
                                f"not finished its first chunk yet")
     try:
-        status = json.loads(path.read_text())
+        status = read_json_file(path, nonfinite_as_none=True)  # (an Infinity: unknown)
         _check_shape(status)
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
+    except OSError as e:
+        raise MissingFileError(f"{path}: cannot read ({e.strerror or e})") from None
+    except (KeyError, TypeError, ValueError) as e:
         raise MissingFileError(f"{path}: not a readable run status ({e.args[0] if isinstance(e, KeyError) and e.args else e})") from None
     if refused := unapplied_requests(run_dir):
         status["requests"] = refused
@@ -54,6 +56,8 @@ def read_status(run_dir: Path) -> dict:
 _RUN_FIELDS = {"state": str, "elapsed_s": (int, float), "tokens_per_s": (int, float), "updated": str}
 _JOB_FIELDS = {"state": str, "step": int, "max_steps": int, "tokens": int, "tokens_per_s": (int, float),
                "last_loss": (int, float, type(None)), "eta_s": (int, float, type(None))}
+_OPTIONAL = {"eval_loss": (int, float, type(None)), "best_eval_loss": (int, float, type(None)),
+             "best_step": (int, type(None)), "note": str}
 
 
 def _check_shape(status) -> None:
@@ -64,6 +68,9 @@ def _check_shape(status) -> None:
         for key, kind in fields.items():
             if key not in row or not isinstance(row[key], kind) or isinstance(row[key], bool):
                 raise ValueError(f"{where}{key}: missing or of the wrong type ({row.get(key)!r:.40})")
+        for key, kind in _OPTIONAL.items():
+            if key in row and (not isinstance(row[key], kind) or isinstance(row[key], bool)):
+                raise ValueError(f"{where}{key}: of the wrong type ({row[key]!r:.40})")
 
     check(status, {"run": dict, "jobs": dict}, "")
     check(status["run"], _RUN_FIELDS, "run.")

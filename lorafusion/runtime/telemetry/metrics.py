@@ -23,14 +23,16 @@ def cut_metrics(path: Path, steps: dict[str, int]) -> None:
     if not path.is_file():
         return
     kept = []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
+    for raw in path.read_bytes().splitlines():
         try:
+            line = raw.decode("utf-8")
             row = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by a crash: drop it
+        except (UnicodeDecodeError, ValueError, RecursionError):  # a line cut short by a crash, damage: dropped
             continue
-        if row.get("job") in steps and row.get("step", 0) > steps[row["job"]]:
+        if not isinstance(row, dict):  # (no row of ours)
+            continue
+        step = row.get("step", 0)
+        if row.get("job") in steps and (not isinstance(step, int) or step > steps[row["job"]]):
             continue
         kept.append(line)
     write_text_atomic(path, "".join(k + "\n" for k in kept))
