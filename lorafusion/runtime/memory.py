@@ -19,6 +19,8 @@ from lorafusion.scheduler.sizing import (
     MemoryPlan,
     choose,
     layers_per_stage,
+    oom_advice,
+    run_arch,
     no_fit_message,
     setup_from_run,
 )
@@ -106,18 +108,24 @@ def recompute_kwargs(cfg, plan: MemoryPlan | None, stage: int, arch) -> dict:
     return {"recompute": True, "recompute_layers": -(-n // v)}
 
 
-def oom_error(cfg, plan: MemoryPlan | None, stage: int, chunk: int) -> MemoryFitError:
+def oom_error(cfg, plan: MemoryPlan | None, stage: int, chunk: int, arch=None) -> MemoryFitError:
     """The one-line error for a ``torch.OutOfMemoryError`` while training ``chunk`` on pipeline ``stage``."""
     peak = torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else float("nan")
     total = torch.cuda.mem_get_info()[1] / GIB if torch.cuda.is_available() else float("nan")
-    cap = cfg.scheduler.token_capacity
     msg = (f"{cfg.source}: pipeline stage {stage} ran out of GPU memory in chunk {chunk}: {peak:.1f} GiB allocated "
            f"at the peak of {total:.1f} GiB")
     if plan is not None:
         s = plan.stages[stage]
         msg += (f" (the memory model predicted a peak of {s.peak / GIB:.1f} GiB at token_capacity {plan.capacity} "
                 f"with {s.recompute_layers} of {s.layers} layers recomputed)")
-    lower = int(cap) * 3 // 4 // 256 * 256 if isinstance(cap, int) else 0
-    msg += (f". Lower scheduler.token_capacity{f' (e.g. {lower})' if lower else ''}, or set model.recompute: true "
-            f"with model.recompute_layers: auto (or more layers); checkpoints already written are intact")
+    fixes = []
+    if plan is not None:
+        dp = cfg.parallelism.dp if isinstance(cfg.parallelism.dp, int) else 1
+        setup = setup_from_run(cfg, arch or run_arch(cfg), dp=dp)
+        longest = max((j.dataset.max_seq_len for j in cfg.jobs), default=1)
+        fixes = oom_advice(setup, plan, stage, peak * GIB, longest, load_coefficients())
+    msg += (". The memory model, corrected by this stage's miss, fits: " + "; or ".join(fixes) if fixes else
+            ". Nothing in reach of the memory model fits: more pipeline stages, tensor parallelism or shorter "
+            "samples (dataset.max_seq_len with truncate: true)")
+    msg += "; checkpoints already written are intact"
     return MemoryFitError(msg)

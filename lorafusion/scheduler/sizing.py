@@ -26,7 +26,7 @@ from lorafusion.core.precision import FP8_BF16_LEADING_LAYERS
 from .costmodel import CostModel
 from .memory import GIB, AdapterShape, Coefficients, MemorySetup, StageMemory, plan_memory, stage_memory
 
-__all__ = ["MemoryFitError", "MemoryPlan", "RECOMPUTE_COST", "choose", "no_fit_message", "parse_bytes", "setup_from_run",
+__all__ = ["MemoryFitError", "MemoryPlan", "RECOMPUTE_COST", "choose", "no_fit_message", "oom_advice", "parse_bytes", "setup_from_run",
            "what_fits"]
 
 # a step with every decoder layer recomputed over one with none (Qwen2.5-32B PP=2 on 2x H200, recompute of 16 of
@@ -282,6 +282,34 @@ def what_fits(s: MemorySetup, gpu_bytes: float, longest: int, capacity: int, rec
     if both.fits:
         out.append(f"scheduler.token_capacity: auto and model.recompute_layers: auto (here: {both.capacity} "
                    f"tokens, {both.recompute_layers} recomputed layers per stage)")
+    return out
+
+
+def oom_advice(s: MemorySetup, plan: MemoryPlan, stage: int, actual_peak: float, longest: int,
+               coeffs: Coefficients | None = None) -> list[str]:
+    """Settings the run's config accepts that fit once the memory model is corrected by what ``stage`` used beyond
+    its prediction (``actual_peak`` allocated bytes when it ran out of memory): a recompute count for every
+    stage (at the run's capacity and split), then full recompute at the largest capacity that fits, each checked
+    on every stage. Never a capacity below ``longest`` (the longest sample must fit one microbatch) nor the
+    setting the run already has."""
+    c = coeffs or Coefficients()
+    over = actual_peak - plan.stages[stage].peak  # (nan: the peak is not known)
+    miss = (over if over > 0 else 0.0) + 0.5 * GIB  # the model's miss, and room beside it
+    budget = plan.gpu_bytes - miss
+    split = f", parallelism.stage_layers: {plan.stage_layers}" if plan.stage_layers else ""
+    bs = replace(s, stage_layers=tuple(plan.stage_layers)) if plan.stage_layers else s
+    out = []
+    for n in range(max(plan.recompute_layers) + 1, max(bs.layers(k) for k in range(bs.pp))):
+        if all(m.fits(budget) for m in plan_memory(bs, plan.capacity, [min(n, bs.layers(k)) for k in range(bs.pp)], c)):
+            out.append(f"model.recompute_layers: {n} (the first {n} layers of every stage){split}, "
+                       f"scheduler.token_capacity: {plan.capacity}")
+            break
+    full = [bs.layers(k) for k in range(bs.pp)]
+    lo = -(-max(1, longest) // 512) * 512
+    caps = [cap for cap in range(lo, 65537, 512) if all(m.fits(budget) for m in plan_memory(bs, cap, full, c))]
+    if caps and (max(caps) != plan.capacity or plan.recompute_layers != full):
+        out.append(f"model.recompute: true with model.recompute_layers unset (every layer){split}, "
+                   f"scheduler.token_capacity: {max(caps)}")
     return out
 
 

@@ -345,3 +345,27 @@ def test_a_fixed_split_or_recompute_is_kept():
     assert plan.stage_layers is None and not plan.chosen["stage_layers"]
     plan = choose(s, 141 * GIB, 4096, split="auto", recompute=0, coeffs=load_coefficients())
     assert plan.stage_layers is None  # the split is balanced with the recompute only when both are auto
+
+
+def test_out_of_memory_advice_fits_the_corrected_model_and_the_config():
+    """The 70B's stage 1 ran out of memory 0.8 GiB above its prediction: each piece of advice is a setting the
+    config accepts (a capacity >= the longest sample, one recompute count for all stages), not the one the run
+    had, and fits every stage once the model is corrected by the miss."""
+    import re
+
+    from lorafusion.scheduler.sizing import oom_advice
+
+    _, s = _70b_setup()
+    plan = choose(s, 78.7 * GIB, 4096, split="auto", coeffs=load_coefficients(), chunk_tokens=1e6)
+    actual = plan.stages[1].peak + 0.8 * GIB
+    advice = oom_advice(s, plan, 1, actual, 4096, load_coefficients())
+    assert advice and all("stage_layers: " + str(plan.stage_layers) in a for a in advice)
+    budget = plan.gpu_bytes - 1.3 * GIB
+    split = replace(s, stage_layers=tuple(plan.stage_layers))
+    for a in advice:
+        cap = int(re.search(r"token_capacity: (\d+)", a).group(1))
+        assert cap >= 4096
+        m = re.search(r"recompute_layers: (\d+)", a)
+        rc = [min(int(m.group(1)), split.layers(k)) for k in range(4)] if m else [split.layers(k) for k in range(4)]
+        assert rc != plan.recompute_layers or cap != plan.capacity
+        assert all(st.fits(budget) for st in plan_memory(split, cap, rc, load_coefficients()))
