@@ -160,6 +160,8 @@ class ChunkClock:
             torch.cuda.synchronize()
         self._last_exit = time.perf_counter()
         self.inside.append(self._last_exit - self._t0)
+        if RANK == 0:  # progress: a run cut by its time limit still says how far it got
+            print(f"bench: chunk {len(self.inside)} ran in {self.inside[-1]:.1f} s", file=sys.stderr, flush=True)
 
 
 class RunStopped(RuntimeError):

@@ -1,33 +1,30 @@
 #!/usr/bin/env bash
-# The multi-GPU runs of issues 10, 15 and 16, each reproducible in one device call (same wheels as speed.sh, carry .whl):
-#   run (kind nvidia-h200-x2):  bash scripts/device/scale.sh                     # every run that fits the GPUs present
-#   run (kind nvidia-h200-x2):  bash scripts/device/scale.sh 32b-pp2             # chosen runs (one per call fits 10 min)
-#   run (kind nvidia-h200-x4):  bash scripts/device/scale.sh 70b-pp4       # then 70b-tp2pp2 in a second call
-#   run (kind nvidia-h200-x4):  bash scripts/device/scale.sh 70b-pp4-auto 70b-pp4-v2   # then 70b-pp4-v5 (issue 27)
-#   run (kind nvidia-h200-x8):  bash scripts/device/scale.sh 70b-dp2pp4    # then 70b-dp2tp2pp2 in a second call
-# Runs (GPUs, config, layout; random bf16 weights, mixed-length data from scripts/make_bench_data.py):
+# Multi-GPU training runs, each reproducible in one call on a machine of its GPU count (carry .whl: setup.sh):
+#   bash scripts/device/scale.sh                 # every run whose GPU count is this machine's
+#   bash scripts/device/scale.sh 70b-pp4         # chosen runs (a 70B run takes ~5-6 minutes)
+# Runs (GPUs, config, layout; random bf16 weights, mixed-length data from scripts/make_bench_data.py); the shipped
+# configs' `auto` settings (capacity, recompute per stage, and for the 70B config the stage split) are resolved
+# by the memory plan on the GPU as `lorafusion train` resolves them:
 #   8b-pp2-recompute  2  llama3.1-8b   pp=2 + full activation recompute (the routing-restore path), a few steps
-#   32b-pp2           2  qwen2.5-32b   pp=2                     4 adapters r=16 all-linear
-#   32b-pp2-rc        2  qwen2.5-32b   pp=2, recompute of RC_LAYERS (16) of each stage's 32 layers only; SPLIT=[33,31]
-#                                      also moves a layer from the last stage to the first
+#   8b-pp2 / 8b-tp2 / 8b-dp2   2  llama3.1-8b  pp=2 / tp=2 + sequence parallel / dp=2 (the scaling table; 8b-1gpu: one GPU)
+#   32b-pp2           2  qwen2.5-32b   pp=2, the shipped config
+#   32b-pp2-rc        2  qwen2.5-32b   pp=2, recompute of RC_LAYERS (16) of each stage's 32 layers; SPLIT=[33,31]
 #   32b-tp2sp         2  qwen2.5-32b   tp=2 + sequence parallel
-#   70b-pp4           4  llama3.1-70b  pp=4
+#   70b-pp4           4  llama3.1-70b  pp=4, the shipped config (stage_layers and recompute balanced together)
+#   70b-pp4-fp8       4  llama3.1-70b  the same with model.base_precision=fp8
 #   70b-pp4-la16      4  llama3.1-70b  pp=4, lookahead 16 (chunks twice the shipped config's; no baselines)
 #   70b-tp2pp2        4  llama3.1-70b  tp=2 + sequence parallel, pp=2
-#   70b-pp4-auto      4  llama3.1-70b  pp=4, loss-aware split (stage_layers auto: 20/21/21/18)      (issue 27)
-#   70b-pp4-v2        4  llama3.1-70b  pp=4 x 2 virtual stages (interleaved 1F1B), auto split,      (issue 27)
-#                                      recompute of VRC (4) layers of each chunk (stage 0 would need ~164 GiB)
-#   70b-pp4-v5        4  llama3.1-70b  pp=4 x 5 virtual stages, auto split, VRC5 (1) of each 4-layer chunk (issue 27)
-#   70b-dp2pp4        8  llama3.1-70b  dp=2 x pp=4                (issue 16; no baselines: scaling vs 70b-pp4)
-#   70b-dp2tp2pp2     8  llama3.1-70b  dp=2 x tp=2 (+SP) x pp=2   (issue 16; scaling vs 70b-tp2pp2)
-# Each 32B run: STEPS (default 12) optimizer steps per job, the first WARMUP (4) untimed, so >= 8 timed (the config's
-# lookahead_batches is 4: one warm-up chunk, two timed chunks; 70B: see its spec);
-# then, unless BASELINES=0, the same data one adapter at a time through our runtime with a pipeline flush per
-# global batch (scheduler off, the Megatron-LM way) and with kernels=reference (fused kernels off).
-# Writes $OUT/<run>.json (the docs/results/32b-pp2-2gpu.json shape: tokens_per_s, bubble_ratio (steady state,
-# timed chunks only), steps_per_job, peak_mem_gib per rank, device, commit, command, baselines) and
-# $OUT/<run>.log; GPU tests first (GPU_TESTS=0 skips them) into $OUT/gpu_tests.log. At most 8 files come
-# back from $OUT: with the GPU tests that is 3 runs per call.
+#   70b-pp4-v2/-v5    4  llama3.1-70b  pp=4 x 2 / 5 virtual stages (interleaved 1F1B), loss-aware split, recompute auto
+#   70b-dp2pp4        8  llama3.1-70b  dp=2 x pp=4                (no baselines: scaling vs 70b-pp4)
+#   70b-dp2tp2pp2     8  llama3.1-70b  dp=2 x tp=2 (+SP) x pp=2   (scaling vs 70b-tp2pp2)
+# Each run: STEPS optimizer steps per job, the first WARMUP untimed (whole chunks of the config's lookahead_batches),
+# >= 8 timed; then, unless BASELINES=0, the same data one adapter at a time through our runtime with a pipeline
+# flush per global batch (scheduler off, the Megatron-LM way) and with kernels=reference (fused kernels off).
+# Writes $OUT/<run>.json (docs/results/70b-4xh100.json's shape: tokens_per_s, bubble_ratio (steady state, timed
+# chunks only) and per rank, steps_per_job, peak_mem_gib per rank with the predicted beside it, reserved and
+# outside-torch memory per rank, device, commit, command, baselines) and $OUT/<run>.log; GPU tests first
+# (GPU_TESTS=0 skips them) into $OUT/gpu_tests.log. Pass BENCH_COMMIT=$(git rev-parse --short HEAD) from the
+# checkout: the copied tree may carry no git history.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 . "$(dirname "$0")/setup.sh"  # $OUT, $PY, the carried wheels
@@ -56,17 +53,16 @@ spec() {
     70b-pp4)          echo "4 configs/llama3.1-70b-4adapters.yaml 16 8 1 parallelism.tp=1 parallelism.pp=4" ;;
     # the lever measured on 32B PP=2 (lookahead 2 -> 4: bubble 0.100 -> 0.080): chunks twice as long again, the
     # pipeline's fill and drain half as often (one warm-up chunk + one timed chunk of 16 steps; baselines as 70b-pp4)
+    8b-1gpu)          echo "1 configs/llama3.1-8b-4adapters.yaml 8 4 0 scheduler.token_capacity=4096 scheduler.lookahead_batches=4" ;;
+    8b-pp2)           echo "2 configs/llama3.1-8b-4adapters.yaml 8 4 0 parallelism.pp=2 scheduler.token_capacity=4096 scheduler.lookahead_batches=4" ;;
+    8b-tp2)           echo "2 configs/llama3.1-8b-4adapters.yaml 8 4 0 parallelism.tp=2 parallelism.sequence_parallel=true scheduler.token_capacity=4096 scheduler.lookahead_batches=4" ;;
+    8b-dp2)           echo "2 configs/llama3.1-8b-4adapters.yaml 8 4 0 parallelism.dp=2 scheduler.token_capacity=4096 scheduler.lookahead_batches=4" ;;
     70b-pp4-fp8)      echo "4 configs/llama3.1-70b-4adapters.yaml 16 8 0 parallelism.tp=1 parallelism.pp=4 model.base_precision=fp8" ;;
     70b-pp4-la16)     echo "4 configs/llama3.1-70b-4adapters.yaml 32 16 0 parallelism.tp=1 parallelism.pp=4 scheduler.lookahead_batches=16" ;;
     70b-tp2pp2)       echo "4 configs/llama3.1-70b-4adapters.yaml 12 4 1 parallelism.tp=2 parallelism.pp=2 parallelism.sequence_parallel=true scheduler.lookahead_batches=4" ;;
-    # issue 27: the simulated steady bubble 0.125 (V=1 even, measured 0.119) -> 0.074 (auto split) -> 0.027 (V=2)
-    # -> 0.023 (V=5) (docs/results/pipeline-interleaved-sim.json); one warm-up + one timed chunk, no baselines
-    # (against 70b-pp4). Interleaving holds more activations on stage 0 (memory model: 164 GiB at V=2 without
-    # recompute): VRC / VRC5 layers of each model chunk are recomputed (the model: stage 0 at 117 / 119 GiB)
-    70b-pp4-auto)     echo "4 configs/llama3.1-70b-4adapters.yaml 16 8 0 parallelism.tp=1 parallelism.pp=4 parallelism.stage_layers=auto" ;;
-    70b-pp4-v2)       echo "4 configs/llama3.1-70b-4adapters.yaml 16 8 0 parallelism.tp=1 parallelism.pp=4 parallelism.virtual_stages=2 parallelism.stage_layers=auto model.recompute=true model.recompute_layers=${VRC:-4}" ;;
-    70b-pp4-v5)       echo "4 configs/llama3.1-70b-4adapters.yaml 16 8 0 parallelism.tp=1 parallelism.pp=4 parallelism.virtual_stages=5 parallelism.stage_layers=auto model.recompute=true model.recompute_layers=${VRC5:-1}" ;;
-    # 8 GPUs (issue 16): DP=2 over each 4-GPU layout, parallelism.dp: auto = 8 / (tp*pp); against 70b-pp4 / 70b-tp2pp2
+    70b-pp4-v2)       echo "4 configs/llama3.1-70b-4adapters.yaml 16 8 0 parallelism.tp=1 parallelism.pp=4 parallelism.virtual_stages=2" ;;
+    70b-pp4-v5)       echo "4 configs/llama3.1-70b-4adapters.yaml 16 8 0 parallelism.tp=1 parallelism.pp=4 parallelism.virtual_stages=5" ;;
+    # 8 GPUs: DP=2 over each 4-GPU layout, parallelism.dp: auto = 8 / (tp*pp); against 70b-pp4 / 70b-tp2pp2
     70b-dp2pp4)       echo "8 configs/llama3.1-70b-4adapters.yaml 16 8 0 parallelism.tp=1 parallelism.pp=4" ;;
     70b-dp2tp2pp2)    echo "8 configs/llama3.1-70b-4adapters.yaml 12 4 0 parallelism.tp=2 parallelism.pp=2 parallelism.sequence_parallel=true scheduler.lookahead_batches=4" ;;
     # the plumbing on CPU (tests/runtime/test_bench_scale.py: NGPU=2, gloo)
@@ -74,7 +70,7 @@ spec() {
     *) return 1 ;;
   esac
 }
-ALL="8b-pp2-recompute 32b-pp2 32b-pp2-rc 32b-tp2sp 70b-pp4 70b-pp4-la16 70b-tp2pp2 70b-pp4-auto 70b-pp4-v2 70b-pp4-v5 70b-dp2pp4 70b-dp2tp2pp2"
+ALL="8b-1gpu 8b-pp2-recompute 8b-pp2 8b-tp2 8b-dp2 32b-pp2 32b-pp2-rc 32b-tp2sp 70b-pp4 70b-pp4-fp8 70b-pp4-la16 70b-tp2pp2 70b-pp4-v2 70b-pp4-v5 70b-dp2pp4 70b-dp2tp2pp2"
 RUNS=${*:-}
 if [ -z "$RUNS" ]; then  # every run whose GPU count is the machine's
   for r in $ALL; do read -r g _ <<<"$(spec "$r")"; [ "$g" = "$NGPU" ] && RUNS="$RUNS $r"; done
