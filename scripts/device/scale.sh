@@ -67,6 +67,7 @@ spec() {
     70b-dp2tp2pp2)    echo "8 configs/llama3.1-70b-4adapters.yaml 12 4 0 parallelism.tp=2 parallelism.pp=2 parallelism.sequence_parallel=true scheduler.lookahead_batches=4" ;;
     # the plumbing on CPU (tests/runtime/test_bench_scale.py: NGPU=2, gloo)
     tiny-pp2)         echo "2 configs/quickstart.yaml 4 2 1 parallelism.pp=2" ;;
+    tiny-pp2-v2)      echo "2 configs/quickstart.yaml 4 2 0 parallelism.pp=2 parallelism.virtual_stages=2" ;;
     *) return 1 ;;
   esac
 }
