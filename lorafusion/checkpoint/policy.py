@@ -252,7 +252,7 @@ class JobCheckpoints:
 # scheduler settings that decide only how the data is packed: changed on resume, the numbers differ slightly (fp32
 # summation order), the job is the same — refused unless --allow-different-result says so
 _PACKING = ("token_capacity", "lookahead_batches", "grouping", "policy", "solver")
-# settings recorded since issue 29: absent from older checkpoints, which resume as before
+# settings added to the record later: absent from older checkpoints, which resume as before
 _ADDED = {"(run) model.digest", *(f"(run) scheduler.{k}" for k in _PACKING)}
 
 

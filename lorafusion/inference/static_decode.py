@@ -37,8 +37,9 @@ from lorafusion.ops.tables import to_device
 
 WARMUP_STEPS = 2  # eager steps on the capture stream before capture (lazy init, Triton JIT, cuBLAS workspace)
 GRAPH_BY_DEFAULT = True
-"""Whether ``decode="auto"`` (generate's default) takes the graph on CUDA (on since its GPU tests and timing ran,
-issue 28: one H100, 8B shape, 8 rows: 476 tokens/s against the dynamic step's 80 and transformers + PEFT's 149)."""
+"""Whether ``decode="auto"`` (generate's default) takes the graph on CUDA (on since its GPU tests and timing
+ran; docs/BENCHMARKS.md: one H100, 8B shape, 8 rows: 476 tokens/s against the dynamic step's 80 and
+transformers + PEFT's 149)."""
 
 
 class GraphCaptureWarning(UserWarning):

@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 
-MAX_SINGLE = 8192  # longest row quantized from registers (one read); measured on an H100 (docs/BENCHMARKS.md)
+# MAX_SINGLE: the longest row quantized from registers (one read); measured on an H100
+# (docs/results/fp8-probe-h100.json, "quant")
+MAX_SINGLE = 8192
 # two-loop rows of LONG_ROWS_FROM columns or more (fc1's dY, 28,672): 8k blocks and 16 warps, 0.51 ms against 0.60 with
 # 4k blocks and 8 warps at 12,288 rows on an H100; rows of 8k-16k columns (fc2's X) keep 4k / 8 (0.21 vs 0.23 ms)
 LONG_ROWS_FROM, LONG_ROWS = 16384, (8192, 16)

@@ -31,9 +31,10 @@ INTERPRET: dict[str, dict] = {
 }
 
 # (kernel, bucket) -> config; bucket = (m rounded up to a power of two, n, k) as the kernel sees them.
-# Written from scripts/tune_kernels.py output on one H200 (2026-11-22, see docs/BENCHMARKS.md, "Kernels");
+# Written from scripts/tune_kernels.py output on one H200 (2026-11-22; docs/BENCHMARKS.md, "LoRA kernels");
 # the comment is the tuned kernel's median time there. That tuner built the routing tables afresh for every timed
-# call, so these times include host-side table building, which favours larger row blocks (issue 24, H100 section);
+# call, so these times include host-side table building, which favours larger row blocks
+# (docs/results/e2e-8b-auto-tuned-h100.json);
 # it now reuses them as training does.
 TUNED: dict[tuple[str, tuple[int, int, int]], dict] = {
     ("gemm", (8192, 4096, 4096)): dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3),  # 426.1 us
@@ -74,7 +75,8 @@ TUNED: dict[tuple[str, tuple[int, int, int]], dict] = {
 # Measured (docs/BENCHMARKS.md): cuBLAS is ~15-20% faster than this Triton GEMM on Hopper, which outweighs the
 # extra write/read of the low-rank term, so "cublas" is the default.
 # "cublas_fold" is "cublas" with the dX order reversed (low-rank term first, cuBLAS adds dY·W into it); on one
-# H100 at the 8B's linears it was -6% to +9% per linear with no consistent sign (docs/BENCHMARKS.md, issue 24),
+# H100 at the 8B's linears it was -6% to +9% per linear with no consistent sign
+# (docs/results/linears-attention-8b-h100.json),
 # so it is an option, not the default.
 MAIN_GEMMS = ("cublas", "cublas_fold", "triton")
 

@@ -39,7 +39,8 @@ GRAD_DTYPE = E4M3  # dY's FP8 type in the input-gradient GEMM (e4m3 vs e5m2: doc
 EPS = 1e-12  # smallest row amax: an all-zero row gets a tiny scale and q = 0
 ALIGN = 16  # torch._scaled_mm: K and N multiples of 16
 # The forward GEMM uses Hopper's fast FP8 accumulation (use_fast_accum) when its K is at most this (0: never);
-# measured per shape in docs/BENCHMARKS.md (FP8 base). The input-gradient GEMM always accumulates in full fp32.
+# measured per shape in docs/results/fp8-8b-1gpu.json ("layers"). The input-gradient GEMM always accumulates
+# in full fp32.
 FWD_FAST_ACCUM_MAX_K = 0
 
 
