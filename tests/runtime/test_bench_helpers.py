@@ -58,12 +58,12 @@ def test_model_step_profile_summary_families_and_timeline():
     assert list(fam) == sorted(fam, key=lambda f: -fam[f])
 
 
-def test_shared_timer_warms_up_then_takes_the_median_and_the_record_says_where_it_ran(tmp_path, monkeypatch, capsys):
+def test_shared_timer_takes_the_median_after_warm_up_and_the_record_says_where(tmp_path, monkeypatch, capsys):
     import json
 
     import _bench
 
-    calls, times = [], iter([0.0, 0.010, 0.0, 0.040, 0.0, 0.020])  # host clock pairs: 10, 40, 20 ms (mean 23.3)
+    calls, times = [], iter([0.0, 0.010, 0.0, 0.040, 0.0, 0.020])  # host clock: 10, 40, 20 ms (mean 23.3)
     monkeypatch.setattr(_bench.time, "perf_counter", lambda: next(times))
     monkeypatch.setattr(_bench, "_cuda", lambda: False)
     assert _bench.median_ms(lambda: calls.append(1), warmup=2, iters=3) == pytest.approx(20.0)
@@ -76,4 +76,5 @@ def test_shared_timer_warms_up_then_takes_the_median_and_the_record_says_where_i
     assert (info["device"], info["commit"], info["command"]) == ("cpu", "abc1234", "bash scripts/device/x.sh")
     _bench.write_json({**info, "tokens_per_s": 1.5}, tmp_path / "sub" / "r.json")
     assert json.loads((tmp_path / "sub" / "r.json").read_text())["tokens_per_s"] == 1.5
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["commit"] == "abc1234"  # the last line
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last)["commit"] == "abc1234"  # the record is the output's last line
