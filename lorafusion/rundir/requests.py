@@ -72,6 +72,11 @@ def pending_requests(run_dir: Path) -> list[tuple[Path, dict]]:
     return out
 
 
+def queued_requests(run_dir: Path) -> list[dict]:
+    """The readable requests the run has not taken yet, in arrival order (only read: the run answers them)."""
+    return [req for _, req in _listed(run_dir) if isinstance(req, dict)]
+
+
 def answer_request(path: Path, req: dict, answer: str) -> None:
     """Move a taken request to ``requests/done/`` with the run's answer."""
     done = path.parent / "done"

@@ -2,7 +2,8 @@
 chunk (as it starts) and at the end (:class:`lorafusion.runtime.telemetry.status.StatusWriter`);
 ``lorafusion status RUN_DIR [--json]`` reads it (here: torch-free, beside a busy run).
 
-Per job: ``state`` (queued | running | waiting | cancelling | saving | done | cancelled | stopped | diverged |
+Per job: ``state`` (submitted — requested with ``lorafusion submit``, not taken by the run yet (a stopped run takes
+it when resumed) | queued | running | waiting | cancelling | saving | done | cancelled | stopped | diverged |
 early_stopped; ``waiting``: admitted and unfinished, but the chunk now running has none of its batches — under
 ``scheduler.policy`` shortest_first or fifo, other jobs go first; ``saving``: its last step ran and its final
 checkpoint and adapter are being written in the background — ``done`` once they are), ``step`` / ``max_steps``, ``tokens``, ``last_loss``, (jobs with an eval set) ``eval_loss``,
@@ -22,7 +23,7 @@ from lorafusion.rundir.jsonfile import read_json_file
 from lorafusion.rundir.layout import RunDir
 from lorafusion.rundir.lock import lock_held
 from lorafusion.rundir.states import LIVE, JobStatus
-from lorafusion.rundir.requests import unapplied_requests
+from lorafusion.rundir.requests import queued_requests, unapplied_requests
 
 
 def read_status(run_dir: Path) -> dict:
@@ -44,6 +45,7 @@ def read_status(run_dir: Path) -> dict:
         raise MissingFileError(f"{path}: not a readable run status ({e.args[0] if isinstance(e, KeyError) and e.args else e})") from None
     if refused := unapplied_requests(run_dir):
         status["requests"] = refused
+    _add_queued_requests(status, run_dir)
     if status["run"].get("state") in ("starting", "running", "serving") and not lock_held(run_dir):
         status["run"]["state"] = "stopped"  # killed: nobody holds the lock and the end was never written
         status["run"]["note"] = "no process holds the run's lock: it ended without writing its end (killed?)"
@@ -51,6 +53,20 @@ def read_status(run_dir: Path) -> dict:
             if row.get("state") in LIVE:
                 row["state"], row["eta_s"] = JobStatus.STOPPED.value, None
     return status
+
+
+def _add_queued_requests(status: dict, run_dir: Path) -> None:
+    """Requests the run has not taken yet (it takes them at a chunk boundary, a stopped run when resumed): a
+    submitted job is listed as ``submitted`` (step 0), a job with a cancel queued is marked ``cancel_requested``."""
+    for req in queued_requests(run_dir):
+        if req["kind"] == "submit" and isinstance(req.get("name"), str) and req["name"] not in status["jobs"]:
+            job = req.get("job") if isinstance(req.get("job"), dict) else {}
+            steps = job.get("max_steps")
+            status["jobs"][req["name"]] = {
+                "state": "submitted", "step": 0, "max_steps": steps if isinstance(steps, int) else None, "tokens": 0,
+                "tokens_per_s": 0.0, "last_loss": None, "eta_s": None}
+        elif req["kind"] == "cancel" and isinstance(row := status["jobs"].get(req.get("job")), dict):
+            row["cancel_requested"] = True
 
 
 _RUN_FIELDS = {"state": str, "elapsed_s": (int, float), "tokens_per_s": (int, float), "updated": str}
@@ -89,7 +105,8 @@ def format_status(status: dict, run_dir: Path) -> str:
     for name, j in status["jobs"].items():
         eta = "-" if j.get("eta_s") is None else _duration(j["eta_s"])
         best = "-" if j.get("best_eval_loss") is None else f"{j['best_eval_loss']:.4f} ({j.get('best_step')})"
-        lines.append(f"  {name:<16} {j['state']:<9} {j['step']:>5}/{j['max_steps']:<5} {j['tokens']:>12,} "
+        state = j["state"] + (" (cancel queued)" if j.get("cancel_requested") else "")
+        lines.append(f"  {name:<16} {state:<9} {j['step']:>5}/{j['max_steps'] or '-':<5} {j['tokens']:>12,} "
                      f"{num(j.get('last_loss')):>10} {num(j.get('eval_loss')):>10} {best:>16} "
                      f"{j['tokens_per_s']:>10,.0f} {eta:>8}")
     for r in status.get("requests", []):  # what the run refused: the user's submit said "submitted"

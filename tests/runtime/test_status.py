@@ -92,3 +92,29 @@ def test_status_table_shows_eval_loss(tmp_path):
     assert "eval loss" in lines[1] and "best (step)" in lines[1]
     assert "0.6123" in lines[2] and "0.6000 (8)" in lines[2]
     assert lines[3].split()[5:7] == ["-", "-"]
+
+
+def test_status_lists_submitted_jobs_the_run_has_not_taken_yet(tmp_path, capsys):
+    """`lorafusion submit` to a stopped run: the job is listed (state submitted) before the run is resumed, and
+    a queued cancel is marked on its job."""
+    from lorafusion.rundir.requests import write_request
+    from lorafusion.rundir.status import format_status, read_status
+
+    run = tmp_path / "run"
+    run.mkdir()
+    row = {"state": "stopped", "step": 3, "max_steps": 40, "tokens": 300, "last_loss": 0.5, "tokens_per_s": 50.0,
+           "eta_s": None}
+    (run / "status.json").write_text(json.dumps({
+        "run": {"state": "stopped", "elapsed_s": 3.0, "tokens_per_s": 100.0, "updated": "now"},
+        "jobs": {"a": row}}))
+    write_request(run, "submit", {"name": "b", "job": {"name": "b", "max_steps": 7}})
+    write_request(run, "submit", {"name": "c", "job": {"name": "c", "num_epochs": 2}})
+    write_request(run, "cancel", {"job": "a"})
+    status = read_status(run)
+    assert list(status["jobs"]) == ["a", "b", "c"]
+    assert status["jobs"]["b"] == {"state": "submitted", "step": 0, "max_steps": 7, "tokens": 0,
+                                   "tokens_per_s": 0.0, "last_loss": None, "eta_s": None}
+    assert status["jobs"]["c"]["max_steps"] is None and status["jobs"]["a"]["cancel_requested"] is True
+    lines = format_status(status, run).splitlines()
+    assert lines[3].split()[:4] == ["b", "submitted", "0/7", "0"]
+    assert lines[4].split()[:3] == ["c", "submitted", "0/-"] and "(cancel queued)" in lines[2]
