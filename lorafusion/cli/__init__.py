@@ -21,9 +21,19 @@ _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def _load(args):
+    """The run config: the YAML with the overrides, or with --resume the config the run recorded at its start
+    with only the changes given now (each one named on stderr); its record for the run directory."""
     from lorafusion.config import load_run_config
+    from lorafusion.config.resume import config_record, read_record, resume_config
 
     cfg = load_run_config(args.config, args.overrides)
+    if args.resume and (record := read_record(cfg.output_dir)) is not None:
+        cfg, changes = resume_config(args.config, args.overrides, record)
+        print(f"lorafusion train: resuming {cfg.output_dir} with the config it recorded at its start"
+              + (", changed:" if changes else " (nothing changed)"), file=sys.stderr)
+        for line in changes:
+            print(f"  {line}", file=sys.stderr)
+    args.config_record = config_record(args.config, args.overrides, cfg)  # before any auto is resolved
     cfg.check_world_size()  # the layout against WORLD_SIZE before torch too
     return cfg
 
@@ -52,7 +62,8 @@ def cmd_train(args) -> int:
         from lorafusion.core.errors import ConfigError
 
         raise ConfigError("--allow-different-result goes with --resume")
-    trainer = Trainer(cfg, resume=args.resume, allow_different_result=args.allow_different_result)
+    trainer = Trainer(cfg, resume=args.resume, allow_different_result=args.allow_different_result,
+                      config_record=args.config_record)
     try:
         summary = trainer.run()
     except BaseException:
@@ -63,9 +74,10 @@ def cmd_train(args) -> int:
         raise
     if trainer.is_logger:
         if summary["status"] == "stopped":
+            where = " ".join(o for o in args.overrides if o.split("=", 1)[0].strip() == "output_dir")
             print(f"stopped by {summary['stopped_by']}: every job checkpointed in "
                   f"{Path(cfg.output_dir) / 'checkpoints'}; continue with: lorafusion train {args.config} "
-                  f"{' '.join(args.overrides)} --resume".replace("  ", " "))
+                  f"{where} --resume (the run recorded its config: pass only what you change)".replace("  ", " "))
         else:
             print(f"done: {summary['session_tokens']:,} tokens in {summary['elapsed_s']:.1f}s "
                   f"({summary['tokens_per_s']:,.0f} tokens/s), kernels={summary['kernels']}")

@@ -52,8 +52,10 @@ def _train(sub) -> None:
               "  lorafusion train configs/quickstart.yaml output_dir=outputs/run --resume   # after a stop")
     t.add_argument("config", help="the run YAML (model, parallelism, scheduler, jobs, output_dir)")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. scheduler.token_capacity=8192 or "
-                   "jobs.countdown.max_steps=60")
-    t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint of each job")
+                   "jobs.countdown.max_steps=60 (with --resume: only what changes)")
+    t.add_argument("--resume", action="store_true", help="continue the run in output_dir as it was started (the "
+                   "config it recorded, overrides included) from each job's latest checkpoint; pass only what you "
+                   "change (each change is named on stderr)")
     t.add_argument("--allow-different-result", action="store_true", help="with --resume: accept changed "
                    "scheduler settings (token_capacity, lookahead_batches, grouping, policy, solver), which pack the "
                    "data otherwise; the result then differs (slightly) from an uninterrupted run")

@@ -38,7 +38,7 @@ def check_output_dir(out: Path, source, *, resume: bool) -> None:
 
 # what a run, `lorafusion plan` (plan/) and `export --base` (base/) write in an output_dir
 RUN_NAMES = {".lock", "metrics.jsonl", "tensorboard", "status.json", "summary.json", "requests", "submitted",
-             "base_model.json", "checkpoints", "adapters", "plan", "base", "wandb", "mlruns"}
+             "base_model.json", "run_config.json", "checkpoints", "adapters", "plan", "base", "wandb", "mlruns"}
 
 
 class OutputDirLock:

@@ -39,8 +39,9 @@ class Trainer:
     SERVE_POLL_S = 2.0  # serving (no job left): how often the run looks for submissions
 
     def __init__(self, cfg: RunConfig, *, resume: bool = False, background_planning: bool = True,
-                 allow_different_result: bool = False, callbacks: Sequence = ()):
+                 allow_different_result: bool = False, callbacks: Sequence = (), config_record: dict | None = None):
         self.cfg = cfg
+        self.config_record = config_record  # written to RUN_DIR/run_config.json at start (config/resume.py)
         self._user_callbacks = list(callbacks)  # see TrainerCallback
         self.resume = resume
         self.allow_different_result = allow_different_result  # resume despite settings that change the numbers
@@ -195,6 +196,11 @@ class Trainer:
         if self.is_logger:
             self.out.mkdir(parents=True, exist_ok=True)
             base_reference(self.cfg, self.out, self.arch, self.device)  # base_model.json: export, submit's checks
+            if self.config_record is not None:  # the config this session started with: --resume continues it
+                from lorafusion.config.resume import RECORD_NAME
+                from lorafusion.rundir.atomic import write_text_atomic
+
+                write_text_atomic(self.out / RECORD_NAME, json.dumps(self.config_record, indent=1) + "\n")
         self.telemetry = Telemetry(self.cfg, self.out, self.jobs, is_logger=self.is_logger, resume=self.resume,
                                    limits=run_limits(self.cfg))
         self.handover = Handover()  # writes what ended jobs leave while the others train
