@@ -57,8 +57,8 @@ class MemoryPlan:
         for a in self.alternatives:
             split = f", stage_layers {a['stage_layers']}" if a.get("stage_layers") else ""
             rel = f"{a['cost'] / self.cost:.3f}x the time" if a.get("cost") and self.cost else "does not fit"
-            out.append(f"{a['what']}: token_capacity {a['token_capacity']}, recompute_layers {a['recompute_layers']}"
-                       f"{split}: {rel}")
+            what = f" ({a['what']})" if a.get("stage_layers") is not None else ""
+            out.append(f"token_capacity {a['token_capacity']}, recompute_layers {a['recompute_layers']}{split}{what}: {rel}")
         return out
 
     @property
@@ -382,7 +382,14 @@ def report(cfg, gpu_sizes: Sequence[float], coeffs: Coefficients | None = None) 
                      + (f", stage_layers {plan.stage_layers}" if plan.stage_layers else "")
                      + (f" (auto: {', '.join(auto)})" if auto else ""))
         lines += ["  " + x for x in plan.lines()]
-        lines += ["  beat " + x for x in plan.why()]
+        if plan.fits and rc == "auto" and any(plan.recompute_layers):  # why recompute: none fits without it?
+            bare = choose(s, gpu, max(longest.values()), capacity=cfg.scheduler.token_capacity, recompute=0,
+                          coeffs=coeffs, chunk_tokens=chunk)
+            lines.append("  without recompute: " + (f"token_capacity {bare.capacity} fits, predicted "
+                         f"{bare.cost / plan.cost:.3f}x the time per token" if bare.fits and bare.cost and plan.cost
+                         else f"nothing fits (at {bare.capacity} tokens a stage needs {max(m.need for m in bare.stages) / GIB:.1f} GiB)"))
+        lines += ["  why: alternatives that fit, by the cost model's time per token (larger microbatches amortise "
+                  "their fixed cost; recomputed layers cost time)"] * bool(plan.why()) + ["    " + x for x in plan.why()]
         if plan.fits:
             lines.append("  fits")
         else:

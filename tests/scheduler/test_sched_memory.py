@@ -249,6 +249,23 @@ def test_shipped_configs_fit_80_and_141_gb(config):
     assert ok
 
 
+def test_the_memory_plan_says_why_it_recomputes_and_what_the_alternatives_cost():
+    """8B at 24 GiB: full recompute at 6,144 tokens; at 48 GiB: none at 5,120. Each plan says why: nothing fits
+    without recompute at 24 GiB, and the alternatives' predicted time per token."""
+    from lorafusion.config import load_run_config
+
+    cfg = load_run_config(ROOT / "configs/llama3.1-8b-4adapters.yaml", check_files=False)
+    lines, _ = report(cfg, [24 * GIB, 48 * GIB], load_coefficients())
+    small, large = "\n".join(lines).split("\n\n")[:2]
+    assert "  without recompute: nothing fits (at 4096 tokens a stage needs" in small
+    assert "without recompute" not in large  # its plan recomputes nothing
+    for text in (small, large):
+        why = text.splitlines()[text.splitlines().index(next(x for x in text.splitlines() if "why:" in x)) + 1:]
+        rows = [x for x in why if x.startswith("    token_capacity ")]
+        assert rows and all(float(x.rsplit(": ", 1)[1].split("x")[0]) >= 1.0 for x in rows)
+        assert "(the run's split)" not in text  # one stage: no split to name
+
+
 def test_parse_bytes():
     assert parse_bytes("80GiB") == parse_bytes("80GB") == parse_bytes("80") == 80 * GIB
     assert parse_bytes("81920MiB") == 80 * GIB
