@@ -105,6 +105,7 @@ def _build_chunk(arch, cfg, ctx, *, transformer_impl, mode, sequence_parallel, d
         share_embeddings_and_output_weights=arch.tie_word_embeddings, position_embedding_type="rope",
         rotary_base=arch.rope_theta, parallel_output=True, fused_loss=None if mode == "off" else mode,
         lora_context=ctx, rope_inv_freq=arch.inv_freq(),  # HF's frequencies (llama3 scaling, any parameters)
+        embedding_requires_grad=recompute,
         **({} if vp_stage is None else {"vp_stage": vp_stage}),
     )
     for layer in model.decoder.layers:  # the spec's numbering is Megatron's (its offset for this stage)
@@ -118,22 +119,7 @@ def _build_chunk(arch, cfg, ctx, *, transformer_impl, mode, sequence_parallel, d
     if device is not None:
         model.to(device)
     init_random_weights(model, seed)
-    if recompute:
-        _grad_through_frozen_embedding(model)
     return model
-
-
-def _grad_through_frozen_embedding(model: GPTModel) -> None:
-    """Make Megatron's full activation recomputation correct for LoRA training on the first stage: the frozen
-    embedding's output is made to require grad (the reentrant checkpoint only runs its backward when an input
-    requires grad, and on the first stage no input would, so its adapters would silently get no gradient).
-    (The other half, each recompute re-running with its own microbatch's LoRA routing, is the hook
-    :func:`build_model` installs.)"""
-    if getattr(model, "pre_process", False) and getattr(model, "embedding", None) is not None:
-        def _requires_grad(_module, _inputs, output):
-            return output.requires_grad_(True) if torch.is_grad_enabled() and not output.requires_grad else output
-
-        model.embedding.register_forward_hook(_requires_grad)
 
 
 def _global_params(model: torch.nn.Module):

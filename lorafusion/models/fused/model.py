@@ -34,17 +34,22 @@ class FusedLossGPTModel(GPTModel):
     Megatron's loss."""
 
     def __init__(self, *args, fused_loss: str | None = None, lora_context=None,
-                 rope_inv_freq: torch.Tensor | None = None, **kwargs):
+                 rope_inv_freq: torch.Tensor | None = None, embedding_requires_grad: bool = False, **kwargs):
         """``GPTModel``'s arguments, plus ``fused_loss`` (above); ``lora_context``: the
         :class:`~lorafusion.layers.lora_linear.LoRAContext` its layer spec gave every LoRA linear (adapters,
         routing; under virtual pipeline one for all chunks), kept as ``self.lora_context``;
         ``rope_inv_freq``: RoPE frequencies to use instead of the ones Megatron computes from
-        ``rotary_base`` (HF's, for any rope scaling: ``ModelArch.inv_freq``)."""
+        ``rotary_base`` (HF's, for any rope scaling: ``ModelArch.inv_freq``); ``embedding_requires_grad``
+        (full activation recomputation): the frozen embedding's output requires grad while grad is enabled,
+        since Megatron's reentrant checkpoint runs a block's backward only when one of its inputs requires
+        grad, and on the first stage none would: its adapters would silently get no gradient."""
         super().__init__(*args, **kwargs)
         self.fused_loss = None if fused_loss is None else check_impl(fused_loss)
         self.lora_context = lora_context
         if rope_inv_freq is not None:
             self.rotary_pos_emb.inv_freq = rope_inv_freq
+        if embedding_requires_grad and self.pre_process:
+            self.embedding.register_forward_hook(_output_requires_grad)
 
     def _fused_loss_applies(self, labels, mtp_in_postprocess, inference_context) -> bool:
         return (self.fused_loss is not None and labels is not None and self.post_process
@@ -65,6 +70,10 @@ class FusedLossGPTModel(GPTModel):
         # hidden [s, b, h], labels [b, s] → loss [b, s] (compute_language_model_loss's layout)
         loss = linear_cross_entropy(hidden_states, weight, labels.transpose(0, 1), impl=self.fused_loss)
         return loss.transpose(0, 1).contiguous()
+
+
+def _output_requires_grad(_module, _inputs, output):
+    return output.requires_grad_(True) if torch.is_grad_enabled() and not output.requires_grad else output
 
 
 __all__ = ["FusedLossGPTModel", "fused_config_overrides"]
