@@ -406,10 +406,10 @@ def scale_record(result: dict, args) -> dict:
 
 
 def main() -> None:
-    from lorafusion.cli import ALLOC_CONF
+    from lorafusion.core.procenv import set_process_env
     from lorafusion.runtime.signals import install_stack_dump
 
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)  # as `lorafusion train` runs
+    set_process_env()  # the allocator and OpenMP settings `lorafusion train` runs with
     install_stack_dump()  # kill -USR2: every thread's stack (scripts/device/watch.sh)
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/llama3.1-8b-4adapters.yaml")

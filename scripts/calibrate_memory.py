@@ -27,7 +27,6 @@ import argparse
 import gc
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -157,7 +156,9 @@ def _grid(shape: str, layers: int, extra: tuple[int, ...] = ()) -> list[dict]:
 
 
 def measure(args) -> None:
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as `lorafusion train` runs
+    from lorafusion.core.procenv import set_process_env
+
+    set_process_env()  # the allocator and OpenMP settings `lorafusion train` runs with
     import torch
 
     from lorafusion.core.arch import preset

@@ -12,6 +12,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from lorafusion.core.procenv import set_process_env
+
 
 _ENVIRONMENT_ERRNOS = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM,
                        errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP, errno.EBUSY}
@@ -294,17 +296,8 @@ def cmd_generate(args) -> int:
     return 0
 
 
-# Packed microbatches change size every step: expandable segments keep the CUDA caching allocator from
-# fragmenting (8B, 16k-token microbatches on one H200: 97.9 instead of 101.6 GiB reserved at the same
-# 92.5 GiB allocated; docs/BENCHMARKS.md). Set before CUDA starts; a user's own setting wins.
-ALLOC_CONF = "expandable_segments:True"
-
-
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)
-    # OpenMP threads waiting for work spin by default: on cores busy with other processes the demo model's fwd+bwd of
-    # a 960-token microbatch burnt 2.6-5.1 s of CPU instead of 0.16-0.20 s sleeping (PASSIVE). A user's setting wins
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    set_process_env()  # the allocator and OpenMP settings every training process runs with (core/procenv.py)
     argv = list(sys.argv[1:] if argv is None else argv)
     from lorafusion.cli.parser import build_parser, flags_last
 
