@@ -83,10 +83,25 @@ def test_readme_runs_as_written(tmp_path):
     # what the blocks made: the adapter, base and merged exports, the best-eval export, the API example's adapter
     latest = tmp_path / "outputs" / "quickstart" / "latest"
     for d in (tmp_path / "outputs" / "countdown-adapter", latest / "base", tmp_path / "outputs" / "countdown-merged",
-              tmp_path / "outputs" / "countdown-best", tmp_path / "out" / "sql"):
+              tmp_path / "outputs" / "countdown-best", tmp_path / "outputs" / "api-example" / "sql"):
         assert d.is_dir() and any(d.iterdir()), d
+    # nothing written into the repository outside the ignored outputs/ (the API example wrote out/)
+    assert {p.name for p in tmp_path.iterdir()} == {"Makefile", "pyproject.toml", "configs", ".venv", "outputs"}
     assert set(json.loads((latest / "summary.json").read_text())["jobs"]) == {"successor", "shout", "countdown"}
     score = expected_matches([json.loads(line) for line in (latest / "answers.jsonl").read_text().splitlines()])
     assert set(score) == {"successor", "shout", "countdown"}
     for job, (right, total) in score.items():  # the demo's adapters learned their tasks
         assert right >= 0.9 * total, (job, score)
+
+
+def test_make_demo_ends_with_the_readmes_next_commands():
+    """`make demo` prints the next commands; the README lists the same ones, in the same order."""
+    make = (ROOT / "Makefile").read_text()
+    printed = [m.group(1).replace("$(DEMO_LINK)", "outputs/quickstart/latest").replace("$(VENV)", ".venv")
+               for m in re.finditer(r'@echo "  (lorafusion [^"]*)"', make)]
+    text = (ROOT / "README.md").read_text()
+    block = next(body for lang, body in readme_blocks() if lang == "bash" and "lorafusion status" in body
+                 and body.lstrip().startswith("source .venv/bin/activate"))
+    assert "it ends by printing these next commands:\n\n```bash\n" + block in text
+    listed = [line.split("#")[0].strip() for line in block.splitlines() if line.startswith("lorafusion ")]
+    assert printed == listed and len(listed) >= 4
