@@ -314,6 +314,9 @@ def generate_file(run_dir, prompts, out, *, max_new_tokens: int = 128, temperatu
                   seed: int = 0, batch_size: int = 64, force: bool = False, use_cache: bool = True,
                   decode: str = "auto") -> dict:
     """Everything ``lorafusion generate`` does; returns a summary."""
+    if decode == "graph" and not torch.cuda.is_available():  # (generate_ids would run the same step eagerly)
+        raise ConfigError("--decode graph: a CUDA graph needs a CUDA GPU and this machine has none; use --decode "
+                          "static (the graph's step, run eagerly: the same tokens) or auto (dynamic on a CPU)")
     check_generate_out(out := Path(out), Path(prompts), force)  # --force: an earlier output only
     if not (0 <= temperature < float("inf")) or not (0 < top_p <= 1):  # (NaN fails both)
         raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1], got {temperature} and {top_p}")

@@ -219,3 +219,13 @@ def test_bad_input_is_one_error_line_and_exit_2(preset_run, tmp_path, capsys, ca
     assert code == 2 and len(err) == 1 and err[0].startswith("lorafusion generate: error: "), err
     assert expect in err[0], err[0]
     assert out.read_text() == "keep me\n" if case == "out_exists" else not out.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU takes --decode graph")
+def test_decode_graph_without_a_gpu_is_an_error_not_something_else(tmp_path, capsys):
+    out = tmp_path / "out.jsonl"
+    code = main(["generate", str(tmp_path / "run"), "--prompts", str(_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])),
+                 "--out", str(out), "--decode", "graph"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--decode graph: a CUDA graph needs a CUDA GPU" in err[0], err
+    assert "--decode static" in err[0] and not out.exists()
