@@ -50,7 +50,7 @@ def test_config_override_and_job_errors_import_neither_torch_nor_megatron(tmp_pa
         ["plan", str(QS), "scheduler.token_capacity=0"],
         ["submit", str(tmp_path), str(ROOT / "configs" / "quickstart" / "countdown.yaml"), "optimizer.lrr=1"],
         ["train", str(QS), "parallelism.dp=2", f"output_dir={tmp_path / 'never'}"],  # layout vs the launch (1 process)
-        ["plan", str(QS), "parallelism.pp=2", "parallelism.dp=auto"],   # dp: auto that the launch cannot give
+        ["plan", str(QS), "parallelism.pp=2", "parallelism.dp=auto", "--gpus", "3"],  # dp: auto that 3 cannot give
     ]
     got = _probe(cases)
     assert got["heavy"] == [], f"a config error imported {got['heavy']}"
@@ -66,7 +66,7 @@ def test_config_override_and_job_errors_import_neither_torch_nor_megatron(tmp_pa
     assert "countdown.yaml: override 'optimizer.lrr=1': unknown key optimizer.lrr; expected one of: lr," in errs[5]
     assert "jobs.0" not in errs[5]
     assert "parallelism: tp*pp*dp = 1*1*2 = 2, but the launch has 1 process(es)" in errs[6]
-    assert "parallelism.dp: auto needs tp*pp = 1*2 = 2 to divide the launch's 1 process(es)" in errs[7]
+    assert "parallelism.dp: auto needs tp*pp = 1*2 = 2 to divide the launch's 3 process(es)" in errs[7]
     assert not (tmp_path / "never").exists() and not (tmp_path / "requests").exists()
 
 

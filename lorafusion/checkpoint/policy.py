@@ -5,6 +5,7 @@ after checking that its settings did not change. The files themselves: :mod:`.fo
 from __future__ import annotations
 
 import hashlib
+import sys
 from pathlib import Path
 
 import torch
@@ -164,7 +165,7 @@ class JobCheckpoints:
                 if self.is_logger:
                     print(f"job {name}: resumed with {key[6:]} {now.get(key)!r} (the checkpoint's: "
                           f"{saved.get(key)!r}); --allow-different-result: its result differs from an "
-                          f"uninterrupted run's", flush=True)
+                          f"uninterrupted run's", file=sys.stderr, flush=True)
                 continue
             if saved.get(key) != now.get(key):
                 field = key.replace("(run) ", "") if key.startswith("(run) ") else \
@@ -196,7 +197,7 @@ class JobCheckpoints:
                               f"{getattr(js.cfg, key)} gives; expected at least {step} steps")
         if state.get("total_steps", js.stream.total_steps) != js.stream.total_steps and self.is_logger:
             print(f"job {name}: {state['total_steps']} -> {js.stream.total_steps} steps ({key} = "
-                  f"{getattr(js.cfg, key)}); its lr schedule spans the new total from step {step + 1}", flush=True)
+                  f"{getattr(js.cfg, key)}); its lr schedule spans the new total from step {step + 1}", file=sys.stderr, flush=True)
 
     def load(self) -> None:
         """Resume every job that has a checkpoint: adapter, optimizer, data stream and counters."""
@@ -217,12 +218,12 @@ class JobCheckpoints:
             if path is None:  # (--resume of a job never checkpointed: said, not silent — a mistyped output_dir?)
                 if self.is_logger:
                     print(f"job {name}: --resume: no checkpoint in {self.root / name}; it starts from step 0",
-                          flush=True)
+                          file=sys.stderr, flush=True)
                 continue
             if skipped and self.is_logger:
                 for bad, why in skipped:
-                    print(f"job {name}: checkpoint {bad} is not usable ({why}); falling back", flush=True)
-                print(f"job {name}: resuming from {path}", flush=True)
+                    print(f"job {name}: checkpoint {bad} is not usable ({why}); falling back", file=sys.stderr, flush=True)
+                print(f"job {name}: resuming from {path}", file=sys.stderr, flush=True)
             self._check_settings(name, path, state.get("settings"))
             params = adapter_parameters(self.model, name)
             with torch.no_grad():

@@ -22,6 +22,17 @@ _ENVIRONMENT_ERRNOS = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, err
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
+def _say(*lines) -> None:
+    """Lines for people: stderr (stdout is for --json)."""
+    print(*lines, sep="\n", file=sys.stderr, flush=True)
+
+
+def _result(args, obj) -> None:
+    """With --json: the verb's result as one JSON document on stdout."""
+    if getattr(args, "json", False):
+        print(json.dumps(obj, indent=2, default=str), flush=True)
+
+
 def _load(args):
     """The run config: the YAML with the overrides, or with --resume the config the run recorded at its start
     with only the changes given now (each one named on stderr); its record for the run directory."""
@@ -75,30 +86,36 @@ def cmd_train(args) -> int:
                 shutil.rmtree(out, ignore_errors=True)
         raise
     if trainer.is_logger:
-        if summary["status"] == "stopped":
-            where = " ".join(o for o in args.overrides if o.split("=", 1)[0].strip() == "output_dir")
-            print(f"stopped by {summary['stopped_by']}: every job checkpointed in "
-                  f"{Path(cfg.output_dir) / 'checkpoints'}; continue with: lorafusion train {args.config} "
-                  f"{where} --resume (the run recorded its config: pass only what you change)".replace("  ", " "))
-        else:
-            print(f"done: {summary['session_tokens']:,} tokens in {summary['elapsed_s']:.1f}s "
-                  f"({summary['tokens_per_s']:,.0f} tokens/s), kernels={summary['kernels']}")
-        fmt = lambda x: "-" if x is None or x != x else f"{x:.4f}"  # noqa: E731
-        for name, j in summary["jobs"].items():
-            where = (f"adapter: {Path(cfg.output_dir) / 'adapters' / name}" if j["status"] == "done"
-                     else f"{j['status']} at step {j['steps']}/{j['total_steps']}")
-            print(f"  {name:<16} steps {j['steps']:>5}  loss {fmt(j['first_loss'])} -> {fmt(j['final_loss'])}  "
-                  f"{where}")
-        if cfg.model.preset:  # the adapters name RUN_DIR/base as their base model
-            out = Path(cfg.output_dir)
-            print(f"  base model (HF format, for peft/transformers): lorafusion export {out} --base --out {out / 'base'}")
-        print(f"try them: lorafusion generate {cfg.output_dir} --prompts FILE.jsonl --out OUT.jsonl  "
-              f"(one {{\"prompt\": ..., \"job\": NAME}} per line; a chat job: {{\"messages\": [{{\"role\": \"user\", "
-              f"\"content\": ...}}], \"job\": NAME}}; lorafusion generate -h)")
+        _say_summary(args, cfg, summary)
+        _result(args, summary)
     from lorafusion.dist import destroy_distributed
 
     destroy_distributed()
     return 0
+
+
+def _say_summary(args, cfg, summary: dict) -> None:
+    """The end of a training session, for people: how it ended, each job, the next commands."""
+    if summary["status"] == "stopped":
+        where = " ".join(o for o in args.overrides if o.split("=", 1)[0].strip() == "output_dir")
+        _say(f"stopped by {summary['stopped_by']}: every job checkpointed in "
+             f"{Path(cfg.output_dir) / 'checkpoints'}; continue with: lorafusion train {args.config} "
+             f"{where} --resume (the run recorded its config: pass only what you change)".replace("  ", " "))
+    else:
+        _say(f"done: {summary['session_tokens']:,} tokens in {summary['elapsed_s']:.1f}s "
+             f"({summary['tokens_per_s']:,.0f} tokens/s), kernels={summary['kernels']}")
+    fmt = lambda x: "-" if x is None or x != x else f"{x:.4f}"  # noqa: E731
+    for name, j in summary["jobs"].items():
+        where = (f"adapter: {Path(cfg.output_dir) / 'adapters' / name}" if j["status"] == "done"
+                 else f"{j['status']} at step {j['steps']}/{j['total_steps']}")
+        _say(f"  {name:<16} steps {j['steps']:>5}  loss {fmt(j['first_loss'])} -> {fmt(j['final_loss'])}  "
+             f"{where}")
+    if cfg.model.preset:  # the adapters name RUN_DIR/base as their base model
+        out = Path(cfg.output_dir)
+        _say(f"  base model (HF format, for peft/transformers): lorafusion export {out} --base --out {out / 'base'}")
+    _say(f"try them: lorafusion generate {cfg.output_dir} --prompts FILE.jsonl --out OUT.jsonl  "
+         f"(one {{\"prompt\": ..., \"job\": NAME}} per line; a chat job: {{\"messages\": [{{\"role\": \"user\", "
+         f"\"content\": ...}}], \"job\": NAME}}; lorafusion generate -h)")
 
 
 def _holds_only_our_lock(out: Path) -> bool:
@@ -121,8 +138,9 @@ def _plan_memory(args) -> int:
     except ValueError as e:
         raise ConfigError(f"--gpu-memory: {e}") from None
     cfg = load_run_config(args.config, args.overrides, check_files=False)
-    lines, _ = report(cfg, sizes, load_coefficients())
-    print("\n".join(lines).rstrip())
+    lines, ok = report(cfg, sizes, load_coefficients())
+    _say("\n".join(lines).rstrip())
+    _result(args, {"gpu_memory_gib": [round(x / (1 << 30), 2) for x in sizes], "fits": ok, "report": lines})
     return 0
 
 
@@ -155,39 +173,45 @@ def cmd_plan(args) -> int:
     args.progress = Progress()
     res = write_plan_report(Feed(load_jobs(cfg)[1], scheduler_config(cfg), dp_rank=None), out,
                             max_chunks=args.chunks, stage=stage, progress=args.progress)
-    print(f"{'window':>6} {'jobs':>4} {'mbs':>5} {'noops':>5} {'fill':>6} {'imbal':>6} {'bubble':>7} {'plan_s':>7}")
+    _say(f"{'window':>6} {'jobs':>4} {'mbs':>5} {'noops':>5} {'fill':>6} {'imbal':>6} {'bubble':>7} {'plan_s':>7}")
     for c in res["chunks"]:
-        print(f"{c['window']:>6} {len(c['jobs']):>4} {c['microbatches']:>5} {c['noops']:>5} {c['fill']:>6.3f} "
-              f"{c['imbalance'] or 0:>6.3f} {c['simulated_bubble']:>7.3f} {c['plan_s']:>7.3f}")
+        _say(f"{c['window']:>6} {len(c['jobs']):>4} {c['microbatches']:>5} {c['noops']:>5} {c['fill']:>6.3f} "
+             f"{c['imbalance'] or 0:>6.3f} {c['simulated_bubble']:>7.3f} {c['plan_s']:>7.3f}")
     charts = "" if any(f.endswith(".png") for f in res["files"]) else " (no chunk planned: no charts)"
-    print("  (window: a chunk; noops: empty slots keeping a job's next batch behind its optimizer step; fill: mean share "
-          "of the token capacity used;\n   imbal: largest microbatch / mean; bubble: simulated idle share of pipeline time)")
-    print(f"written to {res['dir']}: {', '.join(res['files'])}{charts}")
-    _print_pipeline(cfg, stage, res, args, out)
+    _say("  (window: a chunk; noops: empty slots keeping a job's next batch behind its optimizer step; fill: mean share "
+         "of the token capacity used;\n   imbal: largest microbatch / mean; bubble: simulated idle share of pipeline time)")
+    _say(f"written to {res['dir']}: {', '.join(res['files'])}{charts}")
+    pipeline = _print_pipeline(cfg, stage, res, args, out)
+    _result(args, {"dir": res["dir"], "files": res["files"], "windows": res["chunks"], **pipeline})
     return 0
 
 
-def _print_pipeline(cfg, stage, res, args, out: Path) -> None:
-    """The simulated steady bubble per stage of the run's pipeline, and with --virtual-sweep the best V/split."""
+def _print_pipeline(cfg, stage, res, args, out: Path) -> dict:
+    """The simulated steady bubble per stage of the run's pipeline, and with --virtual-sweep the best V/split;
+    returned for --json."""
     from lorafusion.runtime.telemetry.report import steady_bubble, sweep_virtual
     from lorafusion.scheduler.stages import CALIBRATION
 
     if cfg.parallelism.pp == 1 or (b := steady_bubble(res["chunks"])) is None:
-        return
-    print(f"pipeline: pp={cfg.parallelism.pp} virtual_stages={stage.virtual_stages} stage_layers={stage.split} "
-          f"(output layer + loss = {stage.loss_layers:.2f} layers of work on the last)")
-    print(f"simulated steady bubble {b[0]:.3f}, per stage {' '.join(f'{x:.3f}' for x in b[1])}  [{CALIBRATION}]")
+        return {}
+    found = {"pipeline": {"pp": cfg.parallelism.pp, "virtual_stages": stage.virtual_stages, "stage_layers": stage.split,
+                          "steady_bubble": b[0], "steady_bubble_per_stage": b[1]}}
+    _say(f"pipeline: pp={cfg.parallelism.pp} virtual_stages={stage.virtual_stages} stage_layers={stage.split} "
+         f"(output layer + loss = {stage.loss_layers:.2f} layers of work on the last)")
+    _say(f"simulated steady bubble {b[0]:.3f}, per stage {' '.join(f'{x:.3f}' for x in b[1])}  [{CALIBRATION}]")
     if args.virtual_sweep:
         rows = sweep_virtual(cfg, args.virtual_sweep, args.chunks, out / "sweep", progress=args.progress,
                              planned={stage.virtual_stages: res["planned"]})  # the run's V: planned above
-        print(f"{'V':>3} {'split':>5} {'bubble':>7}  per stage / stage_layers")
+        _say(f"{'V':>3} {'split':>5} {'bubble':>7}  per stage / stage_layers")
         for r in rows:
-            print(f"{r['virtual_stages']:>3} {r['split']:>5} {r['bubble']:>7.3f}  "
-                  f"{' '.join(f'{x:.3f}' for x in r['bubble_per_stage'])}  {r['stage_layers']}")
+            _say(f"{r['virtual_stages']:>3} {r['split']:>5} {r['bubble']:>7.3f}  "
+                 f"{' '.join(f'{x:.3f}' for x in r['bubble_per_stage'])}  {r['stage_layers']}")
         if rows:
             best = min(rows, key=lambda r: r["bubble"])
-            print(f"best: parallelism.virtual_stages={best['virtual_stages']} parallelism.stage_layers="
-                  f"{best['split'] if best['split'] == 'auto' else 'null'} (simulated {best['bubble']:.3f})")
+            _say(f"best: parallelism.virtual_stages={best['virtual_stages']} parallelism.stage_layers="
+                 f"{best['split'] if best['split'] == 'auto' else 'null'} (simulated {best['bubble']:.3f})")
+        found["virtual_sweep"] = rows
+    return found
 
 
 def cmd_submit(args) -> int:
@@ -200,9 +224,10 @@ def cmd_submit(args) -> int:
     require_run_dir(run)
     check_submission(run, job.name)
     check_against_run(run, job)  # capacity, memory, data: what the run would refuse is refused now
-    write_request(run, "submit", {"name": job.name, "job": job.model_dump(mode="json")})
-    print(f"submitted job {job.name!r} to {run}: it joins at the next chunk boundary "
-          f"(a stopped run takes it when resumed); watch it with: lorafusion status {run}")
+    path = write_request(run, "submit", {"name": job.name, "job": job.model_dump(mode="json")})
+    _say(f"submitted job {job.name!r} to {run}: it joins at the next chunk boundary "
+         f"(a stopped run takes it when resumed); watch it with: lorafusion status {run}")
+    _result(args, {"submitted": job.name, "run": str(run), "request": str(path)})
     return 0
 
 
@@ -212,8 +237,9 @@ def cmd_cancel(args) -> int:
     run = Path(args.run_dir)
     require_run_dir(run)
     check_cancel(run, args.job)
-    write_request(run, "cancel", {"job": args.job})
-    print(f"cancel of job {args.job!r} queued: it leaves {run} at the next chunk boundary, checkpointed and exported")
+    path = write_request(run, "cancel", {"job": args.job})
+    _say(f"cancel of job {args.job!r} queued: it leaves {run} at the next chunk boundary, checkpointed and exported")
+    _result(args, {"cancel": args.job, "run": str(run), "request": str(path)})
     return 0
 
 
@@ -221,7 +247,10 @@ def cmd_status(args) -> int:
     from lorafusion.rundir.status import format_status, read_status
 
     status = read_status(Path(args.run_dir))
-    print(json.dumps(status, indent=2) if args.json else format_status(status, Path(args.run_dir)))
+    if args.json:
+        print(json.dumps(status, indent=2))
+    else:
+        _say(format_status(status, Path(args.run_dir)))
     return 0
 
 
@@ -278,9 +307,9 @@ def cmd_export(args) -> int:
                               replace=args.force)
     job = f" of job {args.job!r}" if args.job else ""
     what = f"{what}{job}{' merged into the base' + note if kind == 'merged' else ''}"
-    print(f"exported {what} to {out}", file=sys.stderr)
-    print(json.dumps({"job": args.job, "kind": kind, "exported": what,
-                      "from": str(adapter) if adapter else str(src), "to": str(out)}))
+    _say(f"exported {what} to {out}")
+    _result(args, {"job": args.job, "kind": kind, "exported": what, "from": str(adapter) if adapter else str(src),
+                   "to": str(out)})
     return 0
 
 
@@ -293,6 +322,7 @@ def cmd_generate(args) -> int:
           f"in {res['generate_s']:.1f}s ({res['tokens_per_s']:,.0f} tokens/s); written to {res['out']}", file=sys.stderr)
     if hits := ", ".join(f"{job} {hit}/{n}" for job, (hit, n) in res["expected"].items()):  # rows with "expected"
         print(f"outputs equal to 'expected': {hits}", file=sys.stderr)
+    _result(args, res)
     return 0
 
 

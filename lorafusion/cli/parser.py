@@ -61,6 +61,7 @@ def _train(sub) -> None:
                    "data otherwise; the result then differs (slightly) from an uninterrupted run")
     t.add_argument("--serve", action="store_true", help="after the last job ends, keep waiting for "
                    "`lorafusion submit` (serve: true; ends after serve_idle_minutes without jobs)")
+    _json(t)
 
 
 def _plan(sub) -> None:
@@ -81,6 +82,7 @@ def _plan(sub) -> None:
                          "the config's tp*pp*dp, with dp: auto = 1)")
     pl.add_argument("--virtual-sweep", type=_int_list, default=None, metavar="V,V,...",
                     help="also simulate these parallelism.virtual_stages with the even and the auto split")
+    _json(pl)
 
 
 def _jobs_verbs(sub) -> None:
@@ -89,10 +91,12 @@ def _jobs_verbs(sub) -> None:
     sb.add_argument("run_dir", help="the run's output_dir")
     sb.add_argument("job", help="the job's YAML (paths in it are relative to it)")
     sb.add_argument("overrides", nargs="*", help="key=value overrides of the job's keys, e.g. optimizer.lr=1e-4")
+    _json(sb)
     cn = _verb(sub, "cancel", "end a job of a run at the next chunk boundary (checkpointed, exported)",
                "  lorafusion cancel outputs/run --job countdown")
     cn.add_argument("run_dir", help="the run's output_dir")
     cn.add_argument("--job", required=True, help="the name of the job to end (as `lorafusion status` lists it)")
+    _json(cn)
     st = _verb(sub, "status", "where every job of a run stands (submitted, running or finished)",
                "  lorafusion status outputs/quickstart/latest\n  lorafusion status outputs/quickstart/latest --json")
     st.add_argument("run_dir", help="the run's output_dir")
@@ -115,6 +119,7 @@ def _export(sub) -> None:
     e.add_argument("--out", required=True, help="a new directory (an existing one is refused unless --force)")
     e.add_argument("--force", action="store_true", help="replace an earlier export at --out (nothing else), once "
                    "complete")
+    _json(e)
 
 
 def _generate(sub) -> None:
@@ -137,6 +142,7 @@ def _generate(sub) -> None:
     g.add_argument("--decode", choices=["auto", "graph", "static", "dynamic"], default="auto",
                    help="graph: a CUDA graph per token (GPU only; auto takes it on a GPU); static: the graph's step "
                         "run eagerly; dynamic: only the unfinished rows each step (auto takes it on a CPU)")
+    _json(g)
 
 
 def build_parser() -> argparse.ArgumentParser:

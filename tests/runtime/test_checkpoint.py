@@ -111,7 +111,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
     pt.write_bytes(pt.read_bytes()[:100])  # truncated
     capsys.readouterr()
     s, _ = train_inprocess(run, resume=True)
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "step_000004 is not usable" in out and "does not match the checkpoint's manifest.json" in out \
         and "resuming from" in out, out
     assert s["jobs"]["a"]["steps"] == 6
@@ -138,4 +138,4 @@ def test_resume_without_a_checkpoint_says_so(tmp_path, capsys, megatron_single):
     s, out = train_inprocess(write_run(tmp_path, jobs, out="fresh", capacity=1024), resume=True)
     assert s["jobs"]["a"]["steps"] == 1
     assert f"job a: --resume: no checkpoint in {out / 'checkpoints' / 'a'}; it starts from step 0" \
-        in capsys.readouterr().out
+        in capsys.readouterr().err

@@ -45,7 +45,7 @@ def test_plan_command_writes_tables_and_charts(three_jobs, tmp_path, capsys):
     assert _main("plan", str(tmp / "run.yaml"), "--out", str(tmp_path / "plan"), "--windows", "2") == 0
     for f in ("plan.jsonl", "windows.json", "gantt.png", "packing.png"):
         assert (tmp_path / "plan" / f).stat().st_size > 0
-    assert "gantt.png, packing.png" in capsys.readouterr().out
+    assert "gantt.png, packing.png" in capsys.readouterr().err
 
 
 def test_plan_windows_must_be_positive(three_jobs, tmp_path, capsys):
@@ -206,7 +206,7 @@ def test_plan_prints_the_simulated_pipeline_and_the_best_virtual_stages(tmp_path
     run = write_run(tmp_path, jobs, pp=2)
     assert _main("plan", str(run), "parallelism.virtual_stages=2", "parallelism.stage_layers=auto", "--out",
                  str(tmp_path / "plan"), "--windows", "2", "--virtual-sweep", "1,2") == 0
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "pipeline: pp=2 virtual_stages=2 stage_layers=[1, 1, 1, 1]" in out
     assert "simulated steady bubble" in out and "per stage" in out
     assert "  1  even" in out and "  2  auto" in out and "best: parallelism.virtual_stages=" in out

@@ -24,7 +24,7 @@ def test_diverging_job_is_skipped_paused_and_harms_no_other(tmp_path, megatron_s
     bad = [dict(j) for j in jobs]
     bad[1] = dict(bad[1], optimizer=dict(bad[1]["optimizer"], lr=1e30, max_grad_norm=None, warmup_steps=0))
     summary, out = train_inprocess(write_run(tmp_path, bad, out="bad", name="bad.yaml"))
-    text = capsys.readouterr().out
+    text = capsys.readouterr().err
     assert summary["jobs"]["up"]["status"] == "diverged"
     assert "job up: diverged" in text and "step" in text and "skipped" in text
     assert {summary["jobs"][n]["status"] for n in ("rev", "rev2")} == {"done"}

@@ -146,7 +146,7 @@ def test_early_stopping_best_checkpoint_survives_pruning_and_export_best(tmp_pat
     assert (ckpts / "best").read_text().strip() == "step_000002"
     assert (out / "adapters" / "a" / "adapter_model.safetensors").is_file()  # its state at the stop
     capsys.readouterr()
-    assert cli.main(["export", str(out), "--job", "a", "--best", "--out", str(tmp_path / "best")]) == 0
+    assert cli.main(["export", str(out), "--job", "a", "--best", "--out", str(tmp_path / "best"), "--json"]) == 0
     assert "step 2" in json.loads(capsys.readouterr().out)["exported"]
     assert (tmp_path / "best" / "adapter_model.safetensors").read_bytes() == \
         (ckpts / "step_000002" / "adapter" / "adapter_model.safetensors").read_bytes()

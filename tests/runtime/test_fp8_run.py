@@ -66,7 +66,7 @@ def test_merged_export_uses_the_original_weights_and_says_so(fp8_run, tmp_path, 
     _, _, out = fp8_run
     assert _main("export", out, "--base", "--out", tmp_path / "base") == 0
     assert "the run trained on an FP8 base; these are the original bfloat16 weights" in capsys.readouterr().err
-    assert _main("export", out, "--job", "a", "--merged", "--out", tmp_path / "merged") == 0
+    assert _main("export", out, "--job", "a", "--merged", "--out", tmp_path / "merged", "--json") == 0
     msg = json.loads(capsys.readouterr().out)
     assert msg["kind"] == "merged" and "original bfloat16 weights, reloaded from preset 'tiny-llama'" in msg["exported"]
     base, merged = load_file(tmp_path / "base" / "model.safetensors"), load_file(tmp_path / "merged" / "model.safetensors")

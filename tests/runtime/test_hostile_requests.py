@@ -53,7 +53,7 @@ def test_a_job_only_the_run_finds_wrong_is_refused_alone(tmp_path, monkeypatch, 
     assert not (out / "submitted").exists()
     capsys.readouterr()
     assert main(["status", str(out)]) == 0
-    shown = capsys.readouterr().out
+    shown = capsys.readouterr().err
     assert "(submit huge): refused" in shown and "(submit boom): refused" in shown, shown
     summary, _ = train_inprocess(run, resume=True)  # nothing of them is met again
     assert set(summary["jobs"]) == {"a"}
@@ -71,7 +71,7 @@ def test_a_submitted_record_that_no_longer_validates_is_set_aside_at_resume(tmp_
     assert not list((out / "submitted").glob("*.json"))
     capsys.readouterr()
     assert main(["status", str(out)]) == 0
-    shown = capsys.readouterr().out
+    shown = capsys.readouterr().err
     assert "(submit old): refused at resume: " in shown and "max_steps: expected an integer <= 1000000000" in shown
     assert "(submit junk): refused at resume: " in shown and "not UTF-8" in shown, shown
     summary, _ = train_inprocess(run, resume=True)

@@ -56,7 +56,7 @@ def test_requests_the_run_cannot_apply_are_refused_and_it_goes_on(tmp_path, monk
     assert not list((out / "requests").glob("*.json"))  # nothing left to retry
     capsys.readouterr()
     assert main(["status", str(out)]) == 0
-    shown = capsys.readouterr().out
+    shown = capsys.readouterr().err
     assert "submit huge): refused: job 'huge': lora.r = 1000000000000" in shown, shown
     assert len([ln for ln in shown.splitlines() if ln.startswith("  request ")]) == 4
 

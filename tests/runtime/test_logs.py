@@ -12,7 +12,7 @@ def test_plain_progress_lines_off_a_terminal_and_throughput_in_metrics(tmp_path,
             job_dict("b", write_dataset(tmp_path / "b.jsonl", 2), r=4, steps=2)]
     _, out = train_inprocess(write_run(tmp_path, jobs, out="o", capacity=1024),
                              ["logging.progress=true", "logging.log_every=2", "logging.log_every_s=0"])
-    printed = capsys.readouterr().out.splitlines()
+    printed = capsys.readouterr().err.splitlines()
     lines = [x for x in printed if re.match(r"\w+ step \d+/\d+  ", x)]
     assert [x.split("  ")[0] for x in lines] == ["a step 2/5", "b step 2/2", "a step 4/5", "a step 5/5"], lines
     # a job is handed over (adapter written) at the boundary after its last step, not at the end of the run
@@ -33,7 +33,7 @@ def test_plain_lines_are_periodic_not_one_per_step(capsys):
         p.update("b", step, 2.0 / step, 100)
     p.eval("a", 0.5)
     p.close()
-    lines = capsys.readouterr().out.splitlines()
+    lines = capsys.readouterr().err.splitlines()
     assert [x.split("  ")[0] for x in lines] == ["a step 1/50", "b step 1/50", "a step 50/50", "b step 50/50"]
     assert "ETA 0m00s" in lines[-1]
 
@@ -67,7 +67,7 @@ def test_rate_and_eta_are_over_the_steps_after_the_first(capsys, monkeypatch):
     p.update("a", 2, 0.5, 100)  # at 12 s: 100 tokens in 2 s
     p.update("a", 3, 0.25, 100)  # at 14 s: 200 tokens in 4 s
     p.close()
-    lines = capsys.readouterr().out.splitlines()
+    lines = capsys.readouterr().err.splitlines()
     assert "  - tok/s  ETA -" in lines[0], lines[0]
     assert "  50 tok/s  ETA 0m02s" in lines[1], lines[1]
     assert "  50 tok/s  ETA 0m00s" in lines[2], lines[2]

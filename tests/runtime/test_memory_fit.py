@@ -95,7 +95,7 @@ def test_runtime_out_of_memory_is_one_line_and_keeps_checkpoints(tmp_path, megat
 def test_plan_gpu_memory_prints_every_size(capsys):
     cfg = ROOT / "configs/llama3.1-70b-4adapters.yaml"
     assert _main("plan", cfg, "--gpu-memory", "24,48,80,141") == 0
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert out.count("GPU memory ") == 4 and "GPU memory 80.0 GiB" in out
     blocks = out.split("GPU memory ")[1:]
     assert "does NOT fit" in blocks[0] and "parallelism.pp: 8" in blocks[0]  # 24 GiB: not even the weights
@@ -107,7 +107,7 @@ def test_plan_gpu_memory_says_what_would_fit_a_fixed_setting(capsys):
     cfg = ROOT / "configs/llama3.1-8b-4adapters.yaml"
     assert _main("plan", cfg, "scheduler.token_capacity=16384", "model.recompute=false", "model.recompute_layers=null",
                  "--gpu-memory", "80GiB") == 0
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "does NOT fit" in out and "Would fit: scheduler.token_capacity: " in out
     assert "model.recompute_layers: " in out
 

@@ -47,7 +47,39 @@ def test_gpus_sets_the_process_count_and_a_sweep_shows_its_progress(tmp_path, ca
     assert {r["dp_rank"] for r in rows} == {0, 1}  # 8 processes / (tp*pp = 4) = 2 replicas
     assert "plan: run: planning up to 1 chunks" in err and "plan: virtual_stages=2: planning up to 1" in err
     assert "plan: virtual_stages=1: planning" not in err  # the run's own V is planned once, not again
-    assert "  2  auto" in out and "best: parallelism.virtual_stages=" in out
+    assert "  2  auto" in err and "best: parallelism.virtual_stages=" in err and out == ""  # (people: stderr)
     assert _plan(config, tmp_path, "--gpus", "6") == 2
     assert "parallelism.dp: auto needs tp*pp = 1*4 = 4 to divide the launch's 6 process(es)" in \
         capsys.readouterr().err
+
+
+def test_one_output_convention_lines_for_people_on_stderr_json_on_stdout(tmp_path, capsys, monkeypatch):
+    """plan, submit, cancel and status: nothing on stdout but --json's one document."""
+    from lorafusion.cli import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = ROOT / "configs" / "quickstart.yaml"
+    plan = ["plan", str(config), "--out", str(tmp_path / "plan"), "--windows", "1"]
+    assert main(plan) == 0
+    out, err = capsys.readouterr()
+    assert out == "" and "written to" in err
+    assert main([*plan, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["dir"] == str(tmp_path / "plan") and len(got["windows"]) == 1
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "status.json").write_text(json.dumps({
+        "run": {"state": "stopped", "elapsed_s": 1.0, "tokens_per_s": 1.0, "updated": "-"},
+        "jobs": {"successor": {"state": "stopped", "step": 1, "max_steps": 40, "tokens": 10, "last_loss": 1.0,
+                               "tokens_per_s": 1.0, "eta_s": None}}}))
+    job = ROOT / "configs" / "quickstart" / "countdown.yaml"
+    assert main(["submit", str(run), str(job), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["submitted"] == "countdown" and "submitted job 'countdown'" in err
+    for argv in (["cancel", str(run), "--job", "successor"], ["status", str(run)]):
+        assert main(argv) == 0
+        out, err = capsys.readouterr()
+        assert out == "" and err, argv
+    assert main(["status", str(run), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["jobs"]["countdown"]["state"] == "submitted" and got["jobs"]["successor"]["cancel_requested"]

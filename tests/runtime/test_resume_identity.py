@@ -77,7 +77,7 @@ def test_a_raised_max_steps_takes_its_lr_schedule_from_the_first_resumed_step(tm
     capsys.readouterr()
     train_inprocess(_run(tmp_path, steps=4), resume=True)
     assert "job a: 2 -> 4 steps (max_steps = 4); its lr schedule spans the new total from step 3" in \
-        capsys.readouterr().out
+        capsys.readouterr().err
     lrs = {r["step"]: r["lr"] for r in _rows(out)}
     f = lr_lambda("cosine", 1, 4)
     assert lrs[3] == pytest.approx(1e-2 * f(2), rel=1e-12) and lrs[4] == pytest.approx(1e-2 * f(3), rel=1e-12)

@@ -27,7 +27,7 @@ def test_resume_needs_only_the_change(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     record = json.loads((tmp_path / "o" / "run_config.json").read_text())
     assert record["effective"]["jobs"][0]["eval_split"] == 0.25 and record["effective"]["seed"] == 5
-    again = _train(str(run), "jobs.a.max_steps=6", "--resume")  # without the first run's overrides
+    again = _train(str(run), "jobs.a.max_steps=6", "--resume", "--json")  # without the first run's overrides
     assert again.returncode == 0, again.stderr[-3000:]
     said = again.stderr.splitlines()
     at = next(i for i, line in enumerate(said) if "resuming" in line)
@@ -35,6 +35,7 @@ def test_resume_needs_only_the_change(tmp_path):
     assert said[at + 1:at + 3] == ["  jobs.a.max_steps: 4 -> 6"] or \
         said[at + 1] == "  jobs.a.max_steps: 4 -> 6" and not said[at + 2].startswith("  jobs")
     summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert json.loads(again.stdout)["jobs"]["a"]["steps"] == 6  # --json: the summary, alone on stdout
     assert summary["jobs"]["a"]["steps"] == 6 and summary["jobs"]["a"]["best_step"] is not None
     record = json.loads((tmp_path / "o" / "run_config.json").read_text())
     assert record["effective"]["jobs"][0]["max_steps"] == 6 and record["effective"]["seed"] == 5

@@ -17,7 +17,7 @@ def test_status_of_a_finished_run(three_jobs, capsys):
         assert row["tokens"] == s["tokens"] and row["last_loss"] == s["final_loss"] and row["eta_s"] == 0
         assert row["tokens_per_s"] > 0
     assert main(["status", str(out)]) == 0
-    table = capsys.readouterr().out
+    table = capsys.readouterr().err
     assert all(f"{j['name']}" in table for j in jobs) and "done" in table
 
 

@@ -52,7 +52,7 @@ def _duration(s: float | None) -> str:
 
 
 class Progress:
-    """``jobs``: name -> max steps. ``terminal``: None = whether stdout is a terminal."""
+    """``jobs``: name -> max steps. ``terminal``: None = whether stderr is a terminal (lines for people go there)."""
 
     def __init__(self, jobs: dict[str, int], enabled: bool = True, log_every: int = 1, log_every_s: float = 30.0,
                  terminal: bool | None = None, memory=None):
@@ -63,11 +63,14 @@ class Progress:
         self.tokens = 0
         self._memory = memory  # () -> peak GiB, for the plain lines
         self._live = None
-        self.plain = enabled and not (sys.stdout.isatty() if terminal is None else terminal)
+        self.plain = enabled and not (sys.stderr.isatty() if terminal is None else terminal)
         if enabled and not self.plain:
             from rich.live import Live
 
-            self._live = Live(get_renderable=self._table, refresh_per_second=4, transient=False)
+            from rich.console import Console
+
+            self._live = Live(get_renderable=self._table, refresh_per_second=4, transient=False,
+                              console=Console(stderr=True))
             self._live.start()
 
     @classmethod
@@ -98,7 +101,7 @@ class Progress:
         last = step == row.total
         if last or (step % self.log_every == 0 and now - row.printed >= self.log_every_s):
             row.printed = now
-            print(self._line(job, row, now), flush=True)
+            print(self._line(job, row, now), file=sys.stderr, flush=True)
 
     def eval(self, job: str, loss: float) -> None:
         """A job's latest eval loss (its row shows it)."""
@@ -133,7 +136,7 @@ class Progress:
         if self._live is not None:
             self._live.console.print(line, markup=False, highlight=False)
         else:
-            print(line, flush=True)
+            print(line, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._live is not None:
