@@ -21,7 +21,8 @@ def packed_rope_patch_applied() -> bool:
 
 
 def apply_packed_rope_patch(packed_rope) -> None:
-    """``packed_rope(t, freqs, cu_seqlens, impl=...)``: the packed RoPE the dispatcher runs (the first call's)."""
+    """``packed_rope(t, freqs, cu_seqlens, impl=...)``: the packed RoPE the dispatcher runs (the first
+    call's)."""
     global _ORIGINAL
     if _ORIGINAL is not None:
         return
@@ -34,7 +35,8 @@ def apply_packed_rope_patch(packed_rope) -> None:
         # megatron.core.transformer.attention
         impl = getattr(config, "packed_rope_impl", None)
         if (impl is None or cu_seqlens is None or mscale != 1.0 or config.rotary_interleaved
-                or config.multi_latent_attention or config.apply_rope_fusion or config.context_parallel_size != 1
+                or config.multi_latent_attention or config.apply_rope_fusion
+                or config.context_parallel_size != 1
                 or t.dim() != 3 or freqs.shape[-1] != t.shape[-1]):
             return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
         return packed_rope(t, freqs, cu_seqlens, impl=impl)
@@ -74,8 +76,9 @@ def apply_rope_positions_patch(positions_for) -> None:
             return current(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
         from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-        # (Megatron's RotaryEmbedding moves its inv_freq to the current CUDA device on its first call, also for a
-        # model on the CPU: the rows' freqs follow t; a no-op when both are on the GPU, so capture is unaffected)
+        # (Megatron's RotaryEmbedding moves its inv_freq to the current CUDA device on its first call, also
+        # for a model on the CPU: the rows' freqs follow t; a no-op when both are on the GPU, so capture is
+        # unaffected)
         f = freqs[positions.to(freqs.device)].to(t.device)
         return _apply_rotary_pos_emb_bshd(t.unsqueeze(1), f, rotary_interleaved=config.rotary_interleaved,
                                           multi_latent_attention=config.multi_latent_attention,

@@ -69,10 +69,12 @@ class KVCache:
             raise ValueError("KVCache.prefill: a slot already holds tokens (prefill starts empty slots)")
         if any(n > self.max_len for n in lengths):
             raise ValueError(f"KVCache.prefill: a prompt exceeds the cache length {self.max_len}")
-        rows_slot = torch.cat([torch.full((n,), s, dtype=torch.long) for s, n in zip(slots, lengths, strict=True)])
+        rows_slot = torch.cat([torch.full((n,), s, dtype=torch.long)
+                               for s, n in zip(slots, lengths, strict=True)])
         positions = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths])
         cu = torch.tensor([0, *torch.tensor(list(lengths)).cumsum(0).tolist()], dtype=torch.int32)
-        self._set_plan("prefill", list(slots), list(lengths), rows_slot, positions, cu=cu, max_seqlen=max(lengths))
+        self._set_plan("prefill", list(slots), list(lengths), rows_slot, positions, cu=cu,
+                       max_seqlen=max(lengths))
         return positions
 
     def decode(self, slots: Sequence[int]) -> torch.Tensor:
@@ -112,7 +114,8 @@ class KVCache:
         self._plan = None
 
     # -- the attention (called by every layer's core attention) ----------------------------------------
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
         """q [t, h, d], k/v [t, g, d] of the planned rows → [t, h, d]."""
         plan = self._plan
         if plan is None:
@@ -132,7 +135,8 @@ class KVCache:
         kv_len = plan["kv_len"]
         keys = expand_kv(ck[plan["slots_t"], :kv_len], h, 2).transpose(1, 2)  # [n, h, L, d]
         vals = expand_kv(cv[plan["slots_t"], :kv_len], h, 2).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q[:, :, None], keys, vals, attn_mask=plan["key_mask"], scale=scale)
+        out = F.scaled_dot_product_attention(q[:, :, None], keys, vals, attn_mask=plan["key_mask"],
+                                             scale=scale)
         return out.reshape(n, h, q.shape[2])
 
     def _attend_static(self, ck, cv, q, k, v, scale: float) -> torch.Tensor:
@@ -147,8 +151,8 @@ class KVCache:
         ck.view(n, self.max_len, g * d).scatter_(1, at, k.reshape(n, 1, g * d))
         cv.view(n, self.max_len, g * d).scatter_(1, at, v.reshape(n, 1, g * d))
         mask = (plan["keys_at"][None, :] <= pos[:, None])[:, None, None, :]  # [n, 1, 1, max_len]
-        out = F.scaled_dot_product_attention(q.reshape(n, g, h // g, d), ck.transpose(1, 2), cv.transpose(1, 2),
-                                             attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(q.reshape(n, g, h // g, d), ck.transpose(1, 2),
+                                             cv.transpose(1, 2), attn_mask=mask, scale=scale)
         return out.reshape(n, h, d)
 
 

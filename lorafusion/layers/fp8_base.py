@@ -3,10 +3,10 @@
 A LoRA linear learns its base precision when it is built (:func:`base_precision_of`: the config's
 ``base_precision``, except the first ``fp8_bf16_layers`` decoder layers of the whole model, which keep the
 model dtype). An FP8 linear's constructor calls :func:`init_fp8_storage`: its base is ``weight_fp8``
-(float8_e4m3fn [n, k], this rank's TP shard) and ``weight_scale`` (float32 [n], one per output channel), both non-persistent
-buffers, and it has no bf16 ``weight`` (None): the base is never checkpointed, and no bf16 copy of an FP8
-layer is ever held. Its weights arrive like any other base tensor, through :func:`write_base_tensor`
-(random init, HF import), which quantizes them once.
+(float8_e4m3fn [n, k], this rank's TP shard) and ``weight_scale`` (float32 [n], one per output channel),
+both non-persistent buffers, and it has no bf16 ``weight`` (None): the base is never checkpointed, and no
+bf16 copy of an FP8 layer is ever held. Its weights arrive like any other base tensor, through
+:func:`write_base_tensor` (random init, HF import), which quantizes them once.
 
 :func:`fp8_base_forward` is Megatron's Column/RowParallelLinear forward (TP collectives, sequence parallelism,
 bias) around :func:`lorafusion.ops.fp8_linear.fp8_linear` instead of the bf16 GEMM. The LoRA term is unchanged
@@ -72,10 +72,10 @@ def write_base_tensor(mod, attr: str, value: torch.Tensor) -> None:
 
 
 def fp8_base_forward(mod, input_: torch.Tensor):
-    """(output, output bias) of a Megatron Column/RowParallelLinear whose weight is FP8, with Megatron's TP and
-    SP communication: column — all-gather the sequence (SP) or copy to the TP region (backward: reduce-scatter
-    / all-reduce of dX), FP8 GEMM, optional output gather; row — FP8 GEMM on the in-dim shard, then
-    reduce-scatter (SP) or all-reduce, bias after the reduction."""
+    """(output, output bias) of a Megatron Column/RowParallelLinear whose weight is FP8, with Megatron's TP
+    and SP communication: column — all-gather the sequence (SP) or copy to the TP region (backward:
+    reduce-scatter / all-reduce of dX), FP8 GEMM, optional output gather; row — FP8 GEMM on the in-dim shard,
+    then reduce-scatter (SP) or all-reduce, bias after the reduction."""
     tp = mod._tp()[0]
     group = getattr(mod, "tp_group", None)
     w_q, w_s = mod.weight_fp8, mod.weight_scale

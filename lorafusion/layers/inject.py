@@ -111,6 +111,7 @@ def lora_batch(model, routing: Routing | None, adapters: Sequence[str], seeds: S
         ctx.set_batch(*prev)
 
 
-def set_batch(model, routing: Routing | None, adapters: Sequence[str], seeds: Sequence[int] | None = None) -> None:
+def set_batch(model, routing: Routing | None, adapters: Sequence[str],
+              seeds: Sequence[int] | None = None) -> None:
     """Non-context-manager form of :func:`lora_batch` (the runtime sets it per microbatch)."""
     get_lora_context(model).set_batch(routing, adapters, seeds)

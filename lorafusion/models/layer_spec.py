@@ -3,7 +3,8 @@
 A layer is Megatron's local spec (``get_gpt_layer_local_spec(normalization="RMSNorm")``) with the four linears
 LoRA-capable and the core attention for packed sequences; the variants are parameters: the norms (Megatron's
 ``WrappedTorchNorm`` or our :class:`~lorafusion.models.fused.rms_norm.RMSNorm` of an implementation) and the
-activation (Megatron's ``config.activation_func`` or our fused :class:`~lorafusion.models.fused.swiglu.SwiGLU`).
+activation (Megatron's ``config.activation_func`` or our fused
+:class:`~lorafusion.models.fused.swiglu.SwiGLU`).
 Each LoRA linear's spec carries in its params what the linear is wired with (:func:`lora_linear_spec`: its
 kind, its global layer number, the model's LoRA context), so :func:`lora_block_spec` writes one layer spec per
 decoder layer a stage builds. ``tests/models/test_layer_spec.py`` checks the tree equals Megatron's local spec
@@ -50,8 +51,9 @@ def lora_linear_spec(kind: str, layer_number: int, lora_context: LoRAContext) ->
                                              "lora_context": lora_context})
 
 
-def lora_layer_spec(transformer_impl: str = "local", fused_ops: str = "off", *, sequence_parallel: bool = False,
-                    layer_number: int, lora_context: LoRAContext) -> ModuleSpec:
+def lora_layer_spec(transformer_impl: str = "local", fused_ops: str = "off", *,
+                    sequence_parallel: bool = False, layer_number: int,
+                    lora_context: LoRAContext) -> ModuleSpec:
     """LLaMA/Qwen2 decoder layer ``layer_number`` (global, 1-based) with LoRA linears on ``lora_context``.
     ``fused_ops`` "torch" / "triton": the fused RMSNorm and SwiGLU of that implementation; "off": Megatron's,
     except that the norms are our RMSNorm ("torch") under ``sequence_parallel`` (Megatron's
@@ -86,8 +88,10 @@ def lora_layer_spec(transformer_impl: str = "local", fused_ops: str = "off", *, 
                 submodules=MLPSubmodules(
                     linear_fc1=linear("linear_fc1"),
                     linear_fc2=linear("linear_fc2"),
-                    # our SwiGLU on the whole fc1 output (config.use_te_activation_func, fused_config_overrides)
-                    activation_func=None if impl is None else ModuleSpec(module=SwiGLU, params={"impl": impl}),
+                    # our SwiGLU on the whole fc1 output (config.use_te_activation_func,
+                    # fused_config_overrides)
+                    activation_func=(None if impl is None
+                                     else ModuleSpec(module=SwiGLU, params={"impl": impl})),
                 ),
             ),
             mlp_bda=get_bias_dropout_add,

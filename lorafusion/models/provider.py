@@ -32,10 +32,11 @@ from lorafusion.models.layer_spec import lora_block_spec
 from lorafusion.models.spec import ModelArch, transformer_config
 
 
-def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, pre_process: bool | None = None,
-                post_process: bool | None = None, recompute: bool = False, recompute_layers: int | None = None,
-                device: str | torch.device | None = None, transformer_impl: str = "local", seed: int = 1234,
-                fused_ops: str | None = None, sequence_parallel: bool = False, stage_layers: list[int] | None = None,
+def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32,
+                pre_process: bool | None = None, post_process: bool | None = None, recompute: bool = False,
+                recompute_layers: int | None = None, device: str | torch.device | None = None,
+                transformer_impl: str = "local", seed: int = 1234, fused_ops: str | None = None,
+                sequence_parallel: bool = False, stage_layers: list[int] | None = None,
                 base_precision: str = "bf16", lora_impl: str | None = None, timers=None,
                 **config_overrides) -> GPTModel | ModelChunks:
     """Build this pipeline stage's ``GPTModel`` (requires ``parallel_state`` to be initialised).
@@ -64,9 +65,9 @@ def build_model(arch: ModelArch, *, params_dtype: torch.dtype = torch.float32, p
     overrides = {**(fused_config_overrides(impl) if impl else {}), "fused_ops": mode,
                  "base_precision": base_precision, "timers": timers, **config_overrides}
     V = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
-    cfg = transformer_config(arch, params_dtype, tp=tp, pp=pp, recompute=recompute, recompute_layers=recompute_layers,
-                             sequence_parallel=sequence_parallel, stage_layers=stage_layers, virtual_stages=V,
-                             **overrides)
+    cfg = transformer_config(arch, params_dtype, tp=tp, pp=pp, recompute=recompute,
+                             recompute_layers=recompute_layers, sequence_parallel=sequence_parallel,
+                             stage_layers=stage_layers, virtual_stages=V, **overrides)
     if impl is not None:
         apply_packed_rope_patch(packed_rope)  # its dispatcher reads cfg.packed_rope_impl
     if recompute:  # the recompute re-runs a block with the LoRA routing of *its* microbatch
@@ -93,7 +94,8 @@ class ModelChunks(torch.nn.ModuleList):
 
 def _build_chunk(arch, cfg, ctx, *, transformer_impl, mode, sequence_parallel, device, seed, recompute,
                  pre_process=None, post_process=None, vp_stage=None) -> GPTModel:
-    """One model chunk (the whole stage without virtual pipeline) on ``cfg``: frozen, initialised, LoRA-ready."""
+    """One model chunk (the whole stage without virtual pipeline) on ``cfg``: frozen, initialised,
+    LoRA-ready."""
     if vp_stage is not None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)

@@ -1,5 +1,6 @@
-"""Megatron wiring of the fused ops (the layer spec's variants are in :mod:`lorafusion.models.layer_spec`) and a
-``GPTModel`` whose loss is the fused linear cross-entropy.
+"""Megatron wiring of the fused ops (the layer spec's variants are in :mod:`lorafusion.models.layer_spec`) and
+the ``GPTModel`` our provider builds, whose loss is the fused linear cross-entropy and which takes at
+construction what it is wired with (the LoRA context, RoPE frequencies).
 
 - Norms: ``input_layernorm``, ``pre_mlp_layernorm`` and the block's ``final_layernorm`` become
   :class:`~lorafusion.models.fused.rms_norm.RMSNorm` (weight in params dtype; same state-dict names).
@@ -61,8 +62,8 @@ class FusedLossGPTModel(GPTModel):
                      inference_context=None, **kwargs):
         if not self._fused_loss_applies(labels, mtp_in_postprocess, inference_context):
             return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args,
-                                        mtp_in_postprocess=mtp_in_postprocess, inference_context=inference_context,
-                                        **kwargs)
+                                        mtp_in_postprocess=mtp_in_postprocess,
+                                        inference_context=inference_context, **kwargs)
         if self.share_embeddings_and_output_weights:
             weight = self.shared_embedding_or_output_weight()
         else:
