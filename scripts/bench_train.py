@@ -263,8 +263,7 @@ def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, o
                            num_epochs=js.cfg.num_epochs)
         while (ids := stream.next_global_batch()) is not None:
             batches[n].append([js.samples[i] for i in ids])
-    cap = cfg.scheduler.token_capacity  # "auto" was resolved by the run on a GPU (the memory plan); on a CPU it stays
-    info = {"arch": trainer.arch, "capacity": cap if isinstance(cap, int) else 4096,
+    info = {"arch": trainer.arch, "capacity": trainer.plan.token_capacity,  # the run's resolved capacity
             "jobs": {n: js.cfg for n, js in trainer.jobs.items()}, "dtype": cfg.model.dtype}
     del trainer
     gc.collect()

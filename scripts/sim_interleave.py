@@ -44,12 +44,13 @@ def run_arch(cfg) -> ModelArch:
 
 
 def plan_chunks(config: str, overrides: list[str], n: int):
-    from lorafusion.runtime.feed import Feed, scheduler_config
+    from lorafusion.resolve import World, resolve
+    from lorafusion.runtime.feed import Feed
     from lorafusion.runtime.jobs import load_jobs
 
     cfg = load_run_config(config, overrides)
     _, jobs = load_jobs(cfg)
-    feed = Feed(jobs, scheduler_config(cfg), dp_rank=None)
+    feed = Feed(jobs, resolve(cfg, World.for_plan(cfg), None).scheduler, dp_rank=None)
     return cfg, [c.plan for c in (feed.next() for _ in range(n)) if c is not None]
 
 

@@ -1,6 +1,6 @@
 """Writing what ended jobs leave behind while the other jobs train.
 
-A job that ends in a run that goes on (runtime/online.py) is captured at a chunk boundary in host memory —
+A job that ends in a run that goes on (runtime/admission.py) is captured at a chunk boundary in host memory —
 collective and quick — and its final checkpoint and PEFT adapter are then written by one background thread
 per process, in order, while the next chunks run. A job's ``on_done`` runs once all its files are complete
 (``status`` says ``done`` from then on). The first failed write is raised on the main thread at the next

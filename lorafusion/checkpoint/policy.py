@@ -17,12 +17,14 @@ from lorafusion.rundir.states import JobStatus
 
 
 class JobCheckpoints:
-    """Checkpoints of the jobs ``jobs`` (name -> job state with ``cfg``, ``steps``, ``stream``, ``optimizer``…)
-    of run ``cfg`` under ``OUTPUT_DIR/checkpoints/<job>/``. ``snapshot(name)`` takes a job's PEFT adapter to
+    """Checkpoints of the jobs ``jobs`` (the run's job registry: name -> job state with ``cfg``, ``steps``,
+    ``stream``, ``optimizer``…) of run ``cfg`` under ``OUTPUT_DIR/checkpoints/<job>/``; ``plan`` is the run's
+    resolved plan (``lorafusion.resolve.RunPlan``: the layout and scheduler settings a checkpoint records). ``snapshot(name)`` takes a job's PEFT adapter to
     host memory (collective; rank 0 gets it). Saving and loading are collective over all ranks."""
 
-    def __init__(self, cfg, jobs: dict, model, snapshot, *, is_logger: bool, allow_different_result: bool = False):
-        self.cfg, self.jobs, self.model, self.snapshot, self.is_logger = cfg, jobs, model, snapshot, is_logger
+    def __init__(self, cfg, plan, jobs: dict, model, snapshot, *, is_logger: bool, allow_different_result: bool = False):
+        self.cfg, self.plan, self.jobs, self.model, self.snapshot = cfg, plan, jobs, model, snapshot
+        self.is_logger = is_logger
         self.allow_different_result = allow_different_result  # changed _PACKING settings: resumed anyway
         self.root = RunDir(cfg.output_dir).checkpoints
         self._fingerprints: dict[str, dict] = {}
@@ -114,7 +116,7 @@ class JobCheckpoints:
                 "first_loss": js.first_loss, "last_loss": js.last_loss, "status": js.status,
                 "nonfinite": js.nonfinite, "eval": {"last": js.last_eval, "best": js.best_eval,
                                                     "best_step": js.best_step, "since_best": js.evals_since_best},
-                "seed": self.cfg.seed, "layout": self.cfg.parallelism.model_dump(),
+                "seed": self.cfg.seed, "layout": self.plan.parallelism,
                 "total_steps": js.stream.total_steps,
                 "settings": self._settings(name)}
 
@@ -145,7 +147,7 @@ class JobCheckpoints:
                          "(run) model": Path(cfg.model.path).name if cfg.model.path else cfg.model.preset,
                          "(run) model.digest": model_digest(Path(cfg.model.path)) if cfg.model.path else None,
                          "(run) tokenizer.type": cfg.tokenizer.type,
-                         **{f"(run) scheduler.{k}": getattr(cfg.scheduler, k) for k in _PACKING}})
+                         **{f"(run) scheduler.{k}": getattr(self.plan.scheduler, k) for k in _PACKING}})
             if cfg.model.base_precision != "bf16":  # (absent = bf16: checkpoints written before the field resume)
                 flat["(run) model.base_precision"] = cfg.model.base_precision
             self._fingerprints[name] = flat
@@ -156,7 +158,7 @@ class JobCheckpoints:
             return
         if "lora.r" in saved and "lora.shared_fused_a" not in saved:  # before PEFT's A per projection: one shared A
             saved = {**saved, "lora.shared_fused_a": True}
-        index = next(i for i, j in enumerate(self.cfg.jobs) if j.name == name)
+        index = list(self.jobs).index(name)
         now = self._settings(name)
         for key in sorted(set(saved) | set(now)):
             if key not in saved and key in _ADDED:  # a checkpoint from before the key was recorded
@@ -189,7 +191,7 @@ class JobCheckpoints:
         """A resume may raise or lower a job's total steps (its lr schedule then spans the new total from the
         first resumed step), never below the step its checkpoint is at."""
         js, step = self.jobs[name], state["step"]
-        index = next(i for i, j in enumerate(self.cfg.jobs) if j.name == name)
+        index = list(self.jobs).index(name)
         key = "max_steps" if js.cfg.max_steps is not None else "num_epochs"
         if js.stream.total_steps < step:
             raise ConfigError(f"{self.cfg.source}: jobs.{index}.{key}: cannot resume job {name!r} from {path}: it is at "

@@ -56,7 +56,10 @@ def cmd_train(args) -> int:
 
     exit_on_stop_outside_run()  # a stop while starting or after the end: exit 0, nothing to checkpoint
     cfg = _load(args)  # before torch and Megatron are imported: a config error in well under a second
-    from lorafusion.scheduler.host import check_run_on_host, gpu_device_seen
+    if args.serve:  # (a copy with the flag: the loaded config is never written)
+        cfg = cfg.model_copy(update={"serve": True})
+    from lorafusion.resolve import check_run_on_host
+    from lorafusion.scheduler.host import gpu_device_seen
 
     if not (gpu := gpu_device_seen()):  # the CPU trains it: refused now if the host's memory cannot hold it
         check_run_on_host(cfg)
@@ -67,8 +70,6 @@ def cmd_train(args) -> int:
     with stops_held():
         from lorafusion.rundir.atomic import remove_partial_outputs
         from lorafusion.runtime.trainer import Trainer
-    if args.serve:
-        cfg.serve = True
     out = Path(cfg.output_dir)
     created = not out.exists()
     if args.allow_different_result and not args.resume:
@@ -127,51 +128,46 @@ def _holds_only_our_lock(out: Path) -> bool:
 
 
 def _plan_memory(args) -> int:
-    """``lorafusion plan RUN.yaml --gpu-memory SIZES``: the memory plan per stage for each GPU size (torch-free)."""
+    """``lorafusion plan RUN.yaml --gpu-memory SIZES``: the run's plan (memory per stage) for each GPU size, as
+    ``train`` prints it on such a GPU (torch-free: no data, no model)."""
     from lorafusion.config import load_run_config
     from lorafusion.core.errors import ConfigError
-    from lorafusion.scheduler.memory import load_coefficients
-    from lorafusion.scheduler.sizing import parse_bytes, report
+    from lorafusion.resolve import GpuMemory, World, resolve
+    from lorafusion.scheduler.sizing import parse_bytes
 
     try:
         sizes = [parse_bytes(x) for x in args.gpu_memory.split(",")]
     except ValueError as e:
         raise ConfigError(f"--gpu-memory: {e}") from None
     cfg = load_run_config(args.config, args.overrides, check_files=False)
-    lines, ok = report(cfg, sizes, load_coefficients())
-    _say("\n".join(lines).rstrip())
-    _result(args, {"gpu_memory_gib": [round(x / (1 << 30), 2) for x in sizes], "fits": ok, "report": lines})
+    world = World.for_plan(cfg, args.gpus)
+    plans = [resolve(cfg, world, GpuMemory(size, size)) for size in sizes]
+    _say("\n\n".join("\n".join(plan.lines()) for plan in plans))
+    _result(args, {"gpu_memory_gib": [round(x / (1 << 30), 2) for x in sizes], "fits": all(p.fits for p in plans),
+                   "plans": [p.to_dict() for p in plans]})
     return 0
-
-
-def _plan_config(args):
-    """The run config laid out for ``plan``: no processes are launched, so the layout is the config's own
-    (tp·pp·dp, ``dp: auto`` = 1 replica) or ``--gpus N`` processes (``dp: auto`` = N / (tp·pp))."""
-    from lorafusion.config import load_run_config
-
-    cfg = load_run_config(args.config, args.overrides)
-    p = cfg.parallelism
-    if args.gpus is not None:
-        cfg.check_world_size(args.gpus)
-    elif p.dp == "auto":
-        cfg.check_world_size(p.tp * p.pp)
-    return cfg
 
 
 def cmd_plan(args) -> int:
     if args.gpu_memory:  # the memory plan per stage for these GPU sizes: no data, no model, no GPU
         return _plan_memory(args)
-    cfg = _plan_config(args)  # before torch is imported
+    from lorafusion.config import load_run_config
+    from lorafusion.resolve import World, resolve
+
+    cfg = load_run_config(args.config, args.overrides)  # before torch is imported
+    # no processes are launched: the config's own layout (dp: auto = 1 replica) or --gpus N processes
+    run_plan = resolve(cfg, world := World.for_plan(cfg, args.gpus), None)  # as `train` without a GPU
     from lorafusion.rundir.atomic import check_writable_dir
-    from lorafusion.runtime.feed import Feed, scheduler_config
+    from lorafusion.runtime.feed import Feed
     from lorafusion.runtime.jobs import load_jobs
     from lorafusion.runtime.telemetry.report import Progress, stage_model, write_plan_report
 
     out = Path(args.out) if args.out else Path(cfg.output_dir) / "plan"
     check_writable_dir(out, f"{out}: --out")  # before the work
-    stage = stage_model(cfg)
+    _say("\n".join(run_plan.lines()))
+    stage = stage_model(cfg, run_plan)
     args.progress = Progress()
-    res = write_plan_report(Feed(load_jobs(cfg)[1], scheduler_config(cfg), dp_rank=None), out,
+    res = write_plan_report(Feed(load_jobs(cfg)[1], run_plan.scheduler, dp_rank=None), out,
                             max_chunks=args.chunks, stage=stage, progress=args.progress)
     _say(f"{'window':>6} {'jobs':>4} {'mbs':>5} {'noops':>5} {'fill':>6} {'imbal':>6} {'bubble':>7} {'plan_s':>7}")
     for c in res["chunks"]:
@@ -181,12 +177,13 @@ def cmd_plan(args) -> int:
     _say("  (window: a chunk; noops: empty slots keeping a job's next batch behind its optimizer step; fill: mean share "
          "of the token capacity used;\n   imbal: largest microbatch / mean; bubble: simulated idle share of pipeline time)")
     _say(f"written to {res['dir']}: {', '.join(res['files'])}{charts}")
-    pipeline = _print_pipeline(cfg, stage, res, args, out)
-    _result(args, {"dir": res["dir"], "files": res["files"], "windows": res["chunks"], **pipeline})
+    pipeline = _print_pipeline(cfg, world, stage, res, args, out)
+    _result(args, {"run_plan": run_plan.to_dict(), "dir": res["dir"], "files": res["files"], "windows": res["chunks"],
+                   **pipeline})
     return 0
 
 
-def _print_pipeline(cfg, stage, res, args, out: Path) -> dict:
+def _print_pipeline(cfg, world, stage, res, args, out: Path) -> dict:
     """The simulated steady bubble per stage of the run's pipeline, and with --virtual-sweep the best V/split;
     returned for --json."""
     from lorafusion.runtime.telemetry.report import steady_bubble, sweep_virtual
@@ -200,7 +197,7 @@ def _print_pipeline(cfg, stage, res, args, out: Path) -> dict:
          f"(output layer + loss = {stage.loss_layers:.2f} layers of work on the last)")
     _say(f"simulated steady bubble {b[0]:.3f}, per stage {' '.join(f'{x:.3f}' for x in b[1])}  [{CALIBRATION}]")
     if args.virtual_sweep:
-        rows = sweep_virtual(cfg, args.virtual_sweep, args.chunks, out / "sweep", progress=args.progress,
+        rows = sweep_virtual(cfg, world, args.virtual_sweep, args.chunks, out / "sweep", progress=args.progress,
                              planned={stage.virtual_stages: res["planned"]})  # the run's V: planned above
         _say(f"{'V':>3} {'split':>5} {'bubble':>7}  per stage / stage_layers")
         for r in rows:

@@ -45,8 +45,9 @@ def _betas(v: Any) -> Any:
 
 
 class _Strict(BaseModel):
-    # allow_inf_nan=False: .inf and .nan are rejected in every float field (a NaN lr or alpha trains nothing)
-    model_config = ConfigDict(extra="forbid", strict=True, validate_default=False, allow_inf_nan=False)
+    # allow_inf_nan=False: .inf and .nan are rejected in every float field (a NaN lr or alpha trains nothing);
+    # frozen: a loaded config is never written (what is derived from it lives in lorafusion.resolve.RunPlan)
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=False, allow_inf_nan=False, frozen=True)
 
 
 def _recompute_layers(v: Any) -> Any:
@@ -141,12 +142,6 @@ class ParallelismConfig(_Strict):
                                  f"{self.stage_layers}")
         return self
 
-    @property
-    def world_size(self) -> int:
-        if self.dp == "auto":
-            raise ValueError("parallelism.dp is 'auto': resolve it against the launch first (check_world_size)")
-        return self.tp * self.pp * self.dp
-
     def resolve_dp(self, world: int) -> int:
         """dp for ``world`` processes: the given integer, or world / (tp*pp) for "auto" (ValueError when
         tp*pp does not divide world)."""
@@ -174,9 +169,9 @@ MAX_TOKEN_CAPACITY = 1 << 24  # tokens a microbatch: far above any GPU's memory 
 
 
 class SchedulerSection(_Strict):
-    """The run YAML's ``scheduler`` section. Its fields are fields of the scheduler's ``SchedulerConfig``
-    with the same names and defaults (``lorafusion.runtime.feed.scheduler_config`` builds one from the
-    run config)."""
+    """The run YAML's ``scheduler`` section: how the data is planned. Read by :func:`lorafusion.resolve.resolve`
+    only, which makes ``token_capacity: auto`` a value and hands the scheduler these settings as its
+    ``SchedulerConfig`` (the one type the scheduler and the runtime read)."""
 
     token_capacity: Annotated[int | Literal["auto"], BeforeValidator(_capacity)] = 4096
     milp_time_limit_s: float = Field(1.0, gt=0, le=MAX_SECONDS)
@@ -349,11 +344,13 @@ class RunConfig(_Strict):
             seen[job.name] = i
         if "tokenizer" not in self.model_fields_set and self.model.path is not None:
             # a real model without a tokenizer section: its own tokenizer files, never byte ids on its vocabulary
+            # (set while validating: the model is frozen once built)
             d = Path(self.model.path)
             if (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file() or not d.is_dir():
-                self.tokenizer = TokenizerConfig(type="hf")
+                object.__setattr__(self, "tokenizer", TokenizerConfig(type="hf"))
             elif (d / "tokenizer.model").is_file():
-                self.tokenizer = TokenizerConfig(type="sentencepiece", path=str(d / "tokenizer.model"))
+                object.__setattr__(self, "tokenizer", TokenizerConfig(type="sentencepiece",
+                                                                      path=str(d / "tokenizer.model")))
             else:
                 raise ValueError(f"tokenizer: model.path {self.model.path} has no tokenizer files (tokenizer.json, "
                                  f"tokenizer_config.json or tokenizer.model); add a tokenizer section (type hf "
@@ -380,17 +377,17 @@ class RunConfig(_Strict):
         """The run YAML as shown in messages (``<config>`` when built in code)."""
         return self._source
 
-    def check_world_size(self, world_size: int | None = None) -> None:
-        """ConfigError unless tp * pp * dp equals the number of launched processes (default: the
-        ``WORLD_SIZE`` torchrun/Slurm set, 1 without it)."""
+    def check_world_size(self, world_size: int | None = None) -> int:
+        """The data-parallel size for ``world_size`` launched processes (default: the ``WORLD_SIZE`` torchrun/Slurm
+        set, 1 without it): ``parallelism.dp``, or for ``auto`` the launch over tp*pp. ConfigError unless tp * pp *
+        dp equals the launch. Nothing is written: :func:`lorafusion.resolve.resolve` records the value."""
         world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
         p = self.parallelism
-        if p.dp == "auto":  # resolved in place: everything downstream sees an integer
-            try:
-                p.dp = p.resolve_dp(world)
-            except ValueError as e:
-                raise ConfigError(f"{self.source}: parallelism.{e}") from None
-            return
-        if p.world_size != world:
-            raise ConfigError(f"{self.source}: parallelism: tp*pp*dp = {p.tp}*{p.pp}*{p.dp} = {p.world_size}, "
+        try:
+            dp = p.resolve_dp(world)
+        except ValueError as e:
+            raise ConfigError(f"{self.source}: parallelism.{e}") from None
+        if p.tp * p.pp * dp != world:
+            raise ConfigError(f"{self.source}: parallelism: tp*pp*dp = {p.tp}*{p.pp}*{dp} = {p.tp * p.pp * dp}, "
                               f"but the launch has {world} process(es)")
+        return dp

@@ -20,7 +20,7 @@ def _require(tracker: BaseModel, package: str, pip_name: str) -> BaseModel:
 
 
 class _Strict(BaseModel):  # as lorafusion.config.schema's (which imports this module)
-    model_config = ConfigDict(extra="forbid", strict=True, validate_default=False, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=False, allow_inf_nan=False, frozen=True)
 
 
 class WandbConfig(_Strict):

@@ -19,10 +19,16 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from lorafusion.core.targets import PEFT_GROUPS, megatron_targets, partial_groups, projections, resolve_target_modules
+from lorafusion.core.targets import (
+    COLUMN_PARALLEL,
+    megatron_targets,
+    partial_groups,
+    projections,
+    resolve_target_modules,
+)
 
 __all__ = ["ADAPTER_NAME_MAX", "ADAPTER_NAME_RE", "LoRASpec", "check_adapter_memory", "check_adapter_name",
-           "lora_memory_bytes"]
+           "lora_layer_params", "lora_memory_bytes", "lora_s_width", "projection_shapes"]
 
 ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9_\-]+")  # used with fullmatch (``$`` would let "name\n" through)
 # the longest file name a run derives from a job name is a request's temporary file,
@@ -105,30 +111,57 @@ class LoRASpec(BaseModel):
         return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
 
 
-def lora_memory_bytes(spec: LoRASpec, arch: Any, token_capacity: int) -> int:
-    """Bytes an adapter of ``spec`` on ``arch`` (a :class:`lorafusion.core.arch.ModelArch`) needs to train, over
-    all ranks, from the shapes alone (nothing is allocated; exact integers, whatever ``r``): fp32 weights,
-    gradients and two AdamW moments (16 bytes a parameter) and its LoRA activations (``r`` fp32 values per token
-    per adapted projection) at ``token_capacity``. The projections of a fused linear count with an A each
-    (PEFT's layout)."""
+def projection_shapes(arch: Any) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each PEFT projection of a decoder layer of ``arch`` (unsharded)."""
     h, kv, ffn = arch.hidden_size, arch.kv_channels, arch.ffn_hidden_size
     q, k = arch.num_attention_heads * kv, arch.num_query_groups * kv
-    shapes = {"linear_qkv": [(h, q), (h, k), (h, k)], "linear_proj": [(q, h)],
-              "linear_fc1": [(h, ffn), (h, ffn)], "linear_fc2": [(ffn, h)]}  # (in, out) of each projection
-    projections = [s for m in spec.megatron_targets for p, s in zip(PEFT_GROUPS[m], shapes[m], strict=True)
-                   if p in spec.projections(m)]
-    numel = spec.r * sum(i + o for i, o in projections) * arch.num_layers
-    return 16 * numel + 4 * spec.r * len(projections) * arch.num_layers * int(token_capacity)
+    return {"q_proj": (h, q), "k_proj": (h, k), "v_proj": (h, k), "o_proj": (q, h), "gate_proj": (h, ffn),
+            "up_proj": (h, ffn), "down_proj": (ffn, h)}
 
 
-def check_adapter_memory(job: str, spec: LoRASpec, arch: Any, token_capacity: int | None, memory_bytes: int,
+def lora_layer_params(arch: Any, r: int, target_modules: tuple[str, ...], *, shared_a: bool = False,
+                      tp: int = 1) -> int | float:
+    """One adapter's LoRA parameters in one decoder layer on one TP rank — the one count of an adapter's size
+    (the memory model, the run's admission and ``submit``'s check all use it). Per targeted projection (normalised
+    ``target_modules``: Megatron names for whole linears, PEFT names for a subset) a B (out x r) and an A (r x in);
+    with ``shared_a`` one A for the projections of a fused linear. Column-parallel linears (qkv, fc1) shard B over
+    ``tp``, row-parallel ones (proj, fc2) shard A."""
+    shapes, n = projection_shapes(arch), 0
+    for kind in megatron_targets(target_modules):
+        projs = projections(target_modules, kind)
+        a = r * shapes[projs[0]][0] * (1 if shared_a else len(projs))
+        b = r * sum(shapes[p][1] for p in projs)
+        n += a + b / tp if kind in COLUMN_PARALLEL else a / tp + b
+    return n if tp > 1 else int(n)
+
+
+def lora_s_width(r: int, target_modules: tuple[str, ...], *, shared_a: bool = False) -> int:
+    """Values of S = dropout(X)·Aᵀ an adapter saves per token in one decoder layer: ``r`` per A."""
+    return sum(r * (1 if shared_a else len(projections(target_modules, kind)))
+               for kind in megatron_targets(target_modules))
+
+
+def lora_memory_bytes(spec: LoRASpec, arch: Any, token_capacity: int, *, layers: int | None = None, tp: int = 1,
+                      bytes_per_param: int = 16) -> int:
+    """Bytes an adapter of ``spec`` on ``arch`` (a :class:`lorafusion.core.arch.ModelArch`) needs to train on
+    ``layers`` decoder layers (default all: over all ranks) sharded over ``tp``, from the shapes alone (nothing is
+    allocated; exact integers, whatever ``r``): fp32 weights, gradients and two AdamW moments (16 bytes a
+    parameter; 12 once the weights exist) and its LoRA activations (S: :func:`lora_s_width` fp32 values per token
+    and layer) at ``token_capacity``."""
+    layers = arch.num_layers if layers is None else layers
+    params = lora_layer_params(arch, spec.r, spec.target_modules, shared_a=spec.shared_fused_a, tp=tp)
+    width = lora_s_width(spec.r, spec.target_modules, shared_a=spec.shared_fused_a)
+    return int(bytes_per_param * params * layers) + 4 * width * layers * int(token_capacity)
+
+
+def check_adapter_memory(job: str, spec: LoRASpec, arch: Any, token_capacity: int, memory_bytes: int,
                          model_parallel: int) -> None:
-    """ConfigError when job's adapter could never fit one rank: its :func:`lora_memory_bytes` (at the token
-    capacity; 16384 when it is chosen at run time) shared by ``model_parallel`` ranks, above a rank's whole
-    ``memory_bytes``. The run checks it before allocating anything, ``lorafusion submit`` before it answers."""
+    """ConfigError when job's adapter could never fit one rank: its :func:`lora_memory_bytes` (at the run's token
+    capacity) shared by ``model_parallel`` ranks, above a rank's whole ``memory_bytes``. The run checks it before
+    allocating anything, ``lorafusion submit`` before it answers."""
     from lorafusion.core.errors import ConfigError
 
-    cap = token_capacity or 16384
+    cap = int(token_capacity)
     need = lora_memory_bytes(spec, arch, cap) // model_parallel
     if need > memory_bytes:
         raise ConfigError(f"job {job!r}: lora.r = {spec.r}: its adapter needs about {need / 2**30:,.1f} GiB a rank "

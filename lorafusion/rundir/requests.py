@@ -158,11 +158,11 @@ def check_against_run(run_dir: Path, job) -> None:
     try:
         record = read_json_file(rd.base_record)
         limits = read_json_file(rd.status)["run"]["limits"]
-        cap, memory, mp = limits["token_capacity"], limits["memory_bytes"], limits["model_parallel"]
+        cap, memory, mp = int(limits["token_capacity"]), limits["memory_bytes"], limits["model_parallel"]
         arch = arch_from_hf_config(record["config"], str(rd.base_record))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError):  # (a capacity of None: not recorded)
         return
-    if isinstance(cap, int) and job.dataset.max_seq_len > cap:
+    if job.dataset.max_seq_len > cap:
         raise ConfigError(f"job {job.name!r}: dataset.max_seq_len {job.dataset.max_seq_len} exceeds the run's "
                           f"scheduler.token_capacity {cap} ({run_dir})")
     check_adapter_memory(job.name, job.lora, arch, cap, memory, mp)

@@ -24,39 +24,14 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from lorafusion.config.schema import RunConfig
 from lorafusion.dist import multi_process
 from lorafusion.data.packing import PackedBatch, loss_token_count, noop_microbatch, pack_microbatch
 from lorafusion.scheduler import (JobSpec, Microbatch, Plan, SchedulerConfig, dependency_distance, plan, policy,
-                                  resolve_capacity, verify_plan)
+                                  verify_plan)
 
 from lorafusion.runtime.jobs import TRANSITIONS, JobState, JobStatus
 
 Key = tuple[str, int]  # (job name, global batch index)
-
-
-def scheduler_config(cfg: RunConfig) -> SchedulerConfig:
-    """The scheduler's config for a run: its ``parallelism`` depth/width and ``scheduler`` section."""
-    if cfg.parallelism.dp == "auto":
-        cfg.check_world_size()  # dp: auto → world / (tp*pp), or one clear error
-    return SchedulerConfig(pipeline_depth=cfg.parallelism.pp, dp_size=cfg.parallelism.dp,
-                           virtual_stages=cfg.parallelism.virtual_stages, **cfg.scheduler.model_dump())
-
-
-def stage_split(cfg: RunConfig, arch) -> list[int] | None:
-    """``parallelism.stage_layers`` for the model builder: ``auto`` becomes the scheduler's loss-aware split
-    (scheduler/stages.py: the output layer and loss counted as work on the last virtual stage)."""
-    layers = cfg.parallelism.stage_layers
-    if layers != "auto":
-        return layers
-    from lorafusion.core.errors import ConfigError
-    from lorafusion.scheduler import PlanError, stages
-
-    try:
-        return stages.auto_split(arch.num_layers, cfg.parallelism.pp, cfg.parallelism.virtual_stages,
-                                 stages.loss_layers(arch))
-    except PlanError as e:
-        raise ConfigError(f"{cfg.source}: parallelism.stage_layers: auto: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -94,7 +69,8 @@ class Chunk:
 class Feed:
     """Hands out the run's chunks in order (see the module docstring).
 
-    ``dp_rank=None`` plans without packing (``lorafusion plan``). ``eos_id`` fills no-op microbatches.
+    ``sched``: the run's scheduler settings (``RunPlan.scheduler``). ``dp_rank=None`` plans without packing
+    (``lorafusion plan``). ``eos_id`` fills no-op microbatches.
     """
 
     def __init__(self, jobs: dict[str, JobState], sched: SchedulerConfig, *, dp_rank: int | None = 0,
@@ -179,7 +155,7 @@ class Feed:
                                      self.sched.dp_size,
                                      max((len(batches.get(n, ())) for n in main), default=0))
             policy.take_fill(fill_order, lambda n: None if (got := draw(n)) is None else [len(s.tokens) for s in got],
-                             self._capacity(batches), room)
+                             self.sched.token_capacity, room)
         return batches, set(batches) - set(main)
 
     def _remaining_tokens(self, name: str) -> int:
@@ -188,11 +164,6 @@ class Feed:
         js = self.jobs[name]
         left = max(0, js.stream.total_steps - js.stream.steps_done)
         return min(round(min(left * js.cfg.global_batch_size, 1 << 53) * js.mean_len), 1 << 62)
-
-    def _capacity(self, batches) -> int:
-        if self.sched.token_capacity != "auto":
-            return int(self.sched.token_capacity)
-        return resolve_capacity(self.sched, self._specs(batches))
 
     def _specs(self, batches) -> list[JobSpec]:
         specs = []

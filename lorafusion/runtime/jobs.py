@@ -53,7 +53,7 @@ class JobState:
     best_eval: float | None = None
     best_step: int | None = None
     evals_since_best: int = 0
-    # ended, and handed over at a chunk boundary (runtime/online.py): its final checkpoint and PEFT adapter taken
+    # ended, and handed over at a chunk boundary (runtime/admission.py): its final checkpoint and PEFT adapter taken
     # (``written`` once their files are complete; checkpoint/handover.py)
     handed_over: bool = False
     written: bool = False

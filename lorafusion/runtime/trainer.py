@@ -3,6 +3,9 @@ chunk through Megatron's schedule with in-pipeline optimizer steps), telemetry, 
 (:mod:`lorafusion.rundir.lock`), per-job checkpoints (:mod:`lorafusion.checkpoint.policy`) and export. The loop
 is thin — next chunk → run → record → callbacks — and the boundary's own work is its first callback.
 
+Every ``auto`` is decided once by :func:`lorafusion.resolve.resolve` (``self.plan``, frozen); the config is never
+written; submitted jobs join the job registry (``self.jobs``).
+
 The feed prepares chunk k+1 on a background thread while chunk k trains (see :mod:`.feed`); a job's
 checkpoint after chunk k records its data stream as of the end of chunk k (``Chunk.stream_states``).
 """
@@ -17,30 +20,32 @@ from pathlib import Path
 
 import torch
 
-from lorafusion import ops
+from lorafusion.checkpoint.handover import Handover
+from lorafusion.config.resume import RECORD_NAME
 from lorafusion.config.schema import RunConfig
 from lorafusion.core.errors import ConfigError
-from lorafusion.core.impls import kernels_name, lora_impl
+from lorafusion.core.impls import lora_impl
+from lorafusion.resolve import RunPlan, World, resolve
 from lorafusion.rundir.atomic import write_text_atomic
-from lorafusion.rundir.layout import RunDir
-from lorafusion.runtime.feed import Feed, scheduler_config, stage_split
-from lorafusion.runtime.jobs import JobStatus, job_state, load_jobs
 from lorafusion.rundir.lock import OutputDirLock, check_output_dir
-from lorafusion.runtime.online import check_adapter_fits, run_limits
-
+from lorafusion.runtime.admission import check_adapter_fits, run_limits
+from lorafusion.runtime.callbacks import Boundary, TrainerCallback  # noqa: F401 - TrainerCallback: the hooks
+from lorafusion.runtime.feed import Feed
+from lorafusion.runtime.gpu_memory import check_fit, gpu_memory
+from lorafusion.runtime.jobs import JobState, JobStatus, job_state, load_jobs
 
 
 class Trainer:
-    """``Trainer(cfg).run()`` checks the launch and output directory, loads the data, builds the model with
-    one adapter and optimizer per job, trains every job to its end (taking ``lorafusion submit`` / ``cancel``
-    requests at chunk boundaries, see :mod:`.online`), exports the adapters and writes ``summary.json``.
-    ``resume=True`` continues each job from its latest checkpoint."""
+    """``Trainer(cfg).run()`` checks the launch and output directory, loads the data, resolves the run's plan,
+    builds the model with one adapter and optimizer per job, trains every job to its end (taking ``lorafusion
+    submit`` / ``cancel`` requests at chunk boundaries, see :mod:`.admission`), exports the adapters and writes
+    ``summary.json``. ``resume=True`` continues each job from its latest checkpoint."""
 
     SERVE_POLL_S = 2.0  # serving (no job left): how often the run looks for submissions
 
     def __init__(self, cfg: RunConfig, *, resume: bool = False, background_planning: bool = True,
                  allow_different_result: bool = False, callbacks: Sequence = (), config_record: dict | None = None):
-        self.cfg = cfg
+        self.cfg = cfg  # read only
         self.config_record = config_record  # written to RUN_DIR/run_config.json at start (config/resume.py)
         self._user_callbacks = list(callbacks)  # see TrainerCallback
         self.resume = resume
@@ -48,7 +53,15 @@ class Trainer:
         self.background_planning = background_planning
         self.out = Path(cfg.output_dir)
         self._lock = OutputDirLock(self.out, cfg.source)
-        self.memory_plan = None  # (set at start: lorafusion.runtime.memory.size_run)
+        self.handover = Handover()  # writes what ended jobs leave while the others train
+        # set up by _setup (the launch, data, plan and model) and _open_session (this session's helpers)
+        self.plan: RunPlan | None = None
+        self.jobs: dict[str, JobState] = {}  # the job registry: the YAML's jobs, then submitted ones
+        self.tokenizer = self.arch = self.device = self.model = self.timers = self.checkpoints = None
+        self.evaluator = self.feed = self.adapters = self.telemetry = self.live = self._stops = None
+        self.is_logger, self.callbacks = False, []
+        self.stopped: str | None = None  # the stop signal that ended the run
+        self._last_timed_save = self.elapsed = 0.0
 
     @property
     def owns_output_dir(self) -> bool:
@@ -63,14 +76,15 @@ class Trainer:
     def _setup(self) -> None:
         from megatron.core import parallel_state
 
+        from lorafusion.checkpoint.policy import JobCheckpoints
+        from lorafusion.dist import init_distributed, share_from_rank0
         from lorafusion.models.base import base_arch, build_base
         from lorafusion.runtime.evaluate import Evaluator
-        from lorafusion.dist import init_distributed, share_from_rank0
-        from lorafusion.checkpoint.policy import JobCheckpoints
+        from lorafusion.runtime.handoff import AdapterHandoff
         from lorafusion.runtime.telemetry.timers import StageTimers
 
         cfg = self.cfg
-        cfg.check_world_size()
+        cfg.check_world_size()  # the launch first: one clear error before the data is read
         if lora_impl(cfg.kernels) == "triton" and not torch.cuda.is_available():
             raise ConfigError(f"{cfg.source}: kernels: fused needs a CUDA GPU (Triton kernels); this machine has "
                               f"none — use auto (fused on CUDA, reference elsewhere) or reference")
@@ -79,42 +93,38 @@ class Trainer:
         info = init_distributed(cfg.parallelism.tp, cfg.parallelism.pp, seed=cfg.seed,
                                 virtual_stages=cfg.parallelism.virtual_stages)
         self.is_logger = info["rank"] == 0
-        dp_rank = parallel_state.get_data_parallel_rank()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         self.arch, ckpt = base_arch(cfg.model.path, cfg.model.preset)
         if self.tokenizer.vocab_size > self.arch.vocab_size:
             raise ConfigError(f"{cfg.source}: tokenizer: vocab_size {self.tokenizer.vocab_size} exceeds the "
                               f"model's vocab_size {self.arch.vocab_size}")
-        # token_capacity / recompute_layers "auto" resolved for this GPU's memory (one clear error if nothing fits)
-        from lorafusion.runtime.memory import recompute_kwargs, size_run
-
-        self.memory_plan = size_run(cfg, self.arch, self.jobs, is_logger=self.is_logger)
+        self.plan = resolve(cfg, World(info["world"]), gpu_memory())  # every auto, once, for this GPU's memory
+        check_fit(self.plan, is_logger=self.is_logger)  # printed; one clear error if auto found nothing that fits
         self._lock.acquire(self.is_logger, share=share_from_rank0)  # (after the checks that may refuse the run)
         stage = parallel_state.get_pipeline_model_parallel_rank()
         self.timers = StageTimers()  # Megatron's schedules time their stages through config.timers
         self.model = build_base(self.arch, ckpt, dtype=cfg.model.dtype, device=self.device, seed=cfg.seed,
-                                **recompute_kwargs(cfg, self.memory_plan, stage, self.arch),
-                                sequence_parallel=cfg.parallelism.sequence_parallel,
-                                stage_layers=stage_split(cfg, self.arch),
-                                base_precision=cfg.model.base_precision, lora_impl=lora_impl(cfg.kernels),
-                                timers=self.timers)
-        for name, js in self.jobs.items():
+                                **self.plan.recompute_kwargs(stage), sequence_parallel=self.plan.sequence_parallel,
+                                stage_layers=self.plan.model_stage_layers, base_precision=self.plan.base_precision,
+                                lora_impl=lora_impl(self.plan.kernels), timers=self.timers)
+        for js in self.jobs.values():
             self._attach(js)
-        self.checkpoints = JobCheckpoints(cfg, self.jobs, self.model, self.snapshot, is_logger=self.is_logger,
-                                          allow_different_result=self.allow_different_result)
+        self.adapters = AdapterHandoff(cfg, self.out, self.model, self.arch, self.device, self.jobs, self.handover)
+        self.checkpoints = JobCheckpoints(cfg, self.plan, self.jobs, self.model, self.adapters.snapshot,
+                                          is_logger=self.is_logger, allow_different_result=self.allow_different_result)
         self.evaluator = Evaluator(self.model, self.jobs, self.checkpoints, self.device, self.tokenizer.eos_id)
         if self.resume:  # jobs added by `lorafusion submit` are not in the YAML: they come back from the run dir
-            from lorafusion.runtime.online import resume_submitted
+            from lorafusion.runtime.admission import resume_submitted
 
-            cfg.jobs += resume_submitted(self.out, self.jobs, self._new_job, is_logger=self.is_logger)
+            resume_submitted(self.out, self.jobs, self._new_job, is_logger=self.is_logger)  # into the registry
             self.checkpoints.load()
         # after resuming: the feed continues every job's stream where its checkpoint left it
-        self.feed = Feed(self.jobs, scheduler_config(cfg), dp_rank=dp_rank, eos_id=self.tokenizer.eos_id,
-                         background=self.background_planning)
+        self.feed = Feed(self.jobs, self.plan.scheduler, dp_rank=parallel_state.get_data_parallel_rank(),
+                         eos_id=self.tokenizer.eos_id, background=self.background_planning)
 
     def _train_chunk(self, chunk, number: int) -> dict:
         """Chunk ``number`` through the pipeline with every job's current optimizer; a CUDA out-of-memory is one
-        clear error naming the stage, the predicted and the actual peak (:func:`.memory.oom_error`)."""
+        clear error naming the stage, the predicted and the actual peak (:func:`.gpu_memory.oom_error`)."""
         from lorafusion.runtime.pipeline import run_chunk
 
         try:
@@ -123,12 +133,11 @@ class Trainer:
         except torch.OutOfMemoryError:
             from megatron.core import parallel_state
 
-            from lorafusion.runtime.memory import oom_error
+            from lorafusion.runtime.gpu_memory import oom_error
 
-            stage = parallel_state.get_pipeline_model_parallel_rank()
-            raise oom_error(self.cfg, self.memory_plan, stage, number) from None
+            raise oom_error(self.plan, parallel_state.get_pipeline_model_parallel_rank(), number) from None
 
-    def _new_job(self, job):
+    def _new_job(self, job) -> JobState:
         """A job joining the run (resumed submission or ``lorafusion submit``): data, stream, adapter, optimizer."""
         js = job_state(job, self.tokenizer, self.cfg.seed)
         self._attach(js)
@@ -139,7 +148,7 @@ class Trainer:
         from lorafusion.layers import adapter_parameters, add_adapter
         from lorafusion.runtime.optim import AdapterOptimizer
 
-        check_adapter_fits(self.cfg, js.cfg, self.arch)  # before allocating: lora.r = 10**12 is one clear error
+        check_adapter_fits(self.plan, js.cfg, self.arch)  # before allocating: lora.r = 10**12 is one clear error
         if js.cfg.init_from is not None:  # continued training of a PEFT adapter (a resume then loads its checkpoint)
             from lorafusion.export.peft import import_peft_adapter
 
@@ -188,26 +197,22 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ session
     def _open_session(self, stops) -> None:
         """This session's outputs and helpers, and the boundary's work as the first callbacks."""
-        from lorafusion.checkpoint.handover import Handover
         from lorafusion.export.hf import base_reference
-        from lorafusion.runtime.online import LiveJobs
+        from lorafusion.runtime.admission import LiveJobs
         from lorafusion.runtime.telemetry.session import Telemetry
 
         if self.is_logger:
             self.out.mkdir(parents=True, exist_ok=True)
             base_reference(self.cfg, self.out, self.arch, self.device)  # base_model.json: export, submit's checks
             if self.config_record is not None:  # the config this session started with: --resume continues it
-                from lorafusion.config.resume import RECORD_NAME
-                from lorafusion.rundir.atomic import write_text_atomic
-
                 write_text_atomic(self.out / RECORD_NAME, json.dumps(self.config_record, indent=1) + "\n")
         self.telemetry = Telemetry(self.cfg, self.out, self.jobs, is_logger=self.is_logger, resume=self.resume,
-                                   limits=run_limits(self.cfg))
-        self.handover = Handover()  # writes what ended jobs leave while the others train
+                                   limits=run_limits(self.plan))
         self._stops, self.stopped, self._last_timed_save = stops, None, time.monotonic()
-        self.live = LiveJobs(self.cfg, self.out, self.model, self.feed, self.jobs, is_logger=self.is_logger,
-                             add_job=self._new_job, finish=self._finish_job, log=self.telemetry.log)
-        self.callbacks = [_Boundary(self), *self._user_callbacks]
+        self.live = LiveJobs(self.cfg, self.plan, self.out, self.model, self.feed, self.jobs, is_logger=self.is_logger,
+                             add_job=self._new_job, log=self.telemetry.log,
+                             finish=lambda name, release: self.adapters.finish(name, release, self.checkpoints))
+        self.callbacks = [Boundary(), *self._user_callbacks]
 
     def _next_chunk(self):
         """The next chunk to train; None when the run is over: every job ended (serving: and no submission came
@@ -237,7 +242,7 @@ class Trainer:
 
         order = list(self.jobs)
         totals = self.timers.reset()  # every chunk: resolves (and frees) its timing events
-        bubble = self.timers.bubble(totals) if self.cfg.parallelism.pp > 1 else None
+        bubble = self.timers.bubble(totals) if self.plan.pp > 1 else None
         self.telemetry.chunk(chunk, bubble)
         mem_gib = max_memory_gib()
         self.checkpoints.chunk_done(chunk)
@@ -270,7 +275,7 @@ class Trainer:
             self.checkpoints.save_all(only_default_policy=True)  # the end of the run: every job's final state
         for name, js in self.jobs.items():  # (jobs handed over at a boundary were exported then)
             if js.status != JobStatus.CANCELLED and not js.handed_over and (js.finished or js.halted):
-                self.export(name, RunDir(self.out).adapter(name))
+                self.adapters.export(name)
         self.handover.close()  # every hand-over written before the summary says done
 
     def _close_session(self) -> None:
@@ -281,67 +286,9 @@ class Trainer:
         self.telemetry.close()
 
     def _summary(self) -> dict:
-        cfg, tele = self.cfg, self.telemetry
-        summary = {
-            "status": "stopped" if self.stopped else "done", "stopped_by": self.stopped,
-            "tokens": sum(js.tokens for js in self.jobs.values()),  # the whole run, resumed parts included
-            "session_tokens": tele.tokens,
-            "elapsed_s": round(self.elapsed, 3), "tokens_per_s": tele.tokens / max(self.elapsed, 1e-9),
-            "windows": tele.chunks, "plan_s": round(tele.plan_s, 3), "plan_wait_s": round(self.feed.wait_s, 3),
-            "noop_microbatches": tele.noops, "bubble_ratio": tele.bubble_ratio,
-            "parallelism": cfg.parallelism.model_dump(), "memory_plan": self.memory_plan and self.memory_plan.to_dict(),
-            "kernels": kernels_name(ops.resolve_impl(torch.empty(0, device=self.device or "cpu"), lora_impl(cfg.kernels))),
-            "jobs": {n: {"status": js.final_status,
-                         "steps": js.steps, "total_steps": js.stream.total_steps, "tokens": js.tokens,
-                         "final_loss": js.last_loss, "first_loss": js.first_loss, **self.evaluator.summary(js)}
-                     for n, js in self.jobs.items()},
-        }
-        if self.is_logger:
-            write_text_atomic(RunDir(self.out).summary, json.dumps(summary, indent=2) + "\n")
-            tele.end(summary)
-        return summary
+        from lorafusion.runtime.telemetry.summary import write_summary
 
-    # ------------------------------------------------------------------------------- export / checkpoint
-    def snapshot(self, name: str) -> tuple | None:
-        """Adapter ``name`` in host memory as a PEFT adapter of this run's base (collective; rank 0 gets it)."""
-        from lorafusion.export.peft import peft_adapter_snapshot
-        from lorafusion.export.hf import base_reference
-
-        return peft_adapter_snapshot(self.model, name, self.arch,
-                                     base_reference(self.cfg, self.out, self.arch, self.device))
-
-    def export(self, name: str, out_dir: Path) -> None:
-        from lorafusion.export.peft import write_peft_adapter
-
-        if (snap := self.snapshot(name)) is not None:
-            write_peft_adapter(out_dir, *snap)
-
-    def _finish_job(self, name: str, release: bool) -> None:
-        """Hand over a job that ended (done, cancelled, diverged, early-stopped; collective, quick): its final
-        checkpoint (its stream as of its last chunk) and its adapter are taken to host memory and written in
-        the background (``js.written`` once complete); with ``release`` its adapter and optimizer state leave
-        the model."""
-        from lorafusion.layers import remove_adapter
-        from lorafusion.export.peft import write_peft_adapter
-        from lorafusion.rundir.atomic import copier, fill_dir_atomically
-
-        js = self.jobs[name]
-        snap = self.snapshot(name)
-        save = self.checkpoints.start_final(name, snap)
-        out = RunDir(self.out).adapter(name)
-
-        def write() -> None:
-            saved = save() if save is not None else None  # (the checkpoint's directory on rank 0)
-            if saved is not None:  # its adapter, serialised once already: copied
-                fill_dir_atomically(out, copier(saved / "adapter"))
-            elif snap is not None:
-                write_peft_adapter(out, *snap)
-
-        js.hand_over()
-        self.handover.submit(write, on_done=js.mark_written)
-        if release:
-            remove_adapter(self.model, name)
-            js.optimizer = None
+        return write_summary(self)
 
     def _pause_diverged(self, name: str) -> None:
         """Stop a job whose last ``max_nonfinite_steps`` steps were all non-finite: no more batches (from the
@@ -351,29 +298,3 @@ class Trainer:
         self.telemetry.log(f"job {name}: diverged ({js.nonfinite} non-finite steps in a row) — paused at step "
                            f"{js.steps}; its adapter is its last finite state; the other jobs continue")
         self.checkpoints.halt(name, JobStatus.DIVERGED)
-
-
-class TrainerCallback:
-    """Observes the loop (any subset of the hooks; ``Trainer(cfg, callbacks=[...])``): ``chunk_start(trainer,
-    chunk)`` right before the pipeline runs the chunk, ``chunk_ran(trainer, chunk, result)`` right after it
-    returns, ``chunk_end(trainer, chunk, record)`` once its steps are counted and the boundary's work is done
-    (``record``: result, bubble ratio of the stage timers when pp > 1, peak memory in GiB)."""
-
-
-class _Boundary(TrainerCallback):
-    """The boundary's own work, first of the callbacks: the status of the chunk starting; after it, evaluations
-    (eval_loss rows, best checkpoint, early stop), the checkpoints due, ``lorafusion submit`` / ``cancel``
-    (collective; jobs that ended are handed over) and the background writes (one that failed fails the run)."""
-
-    def __init__(self, trainer: Trainer):
-        self.t = trainer
-
-    def chunk_start(self, trainer, chunk) -> None:
-        self.t.telemetry.chunk_start(chunk)
-
-    def chunk_end(self, trainer, chunk, record) -> None:
-        t = self.t
-        t.evaluator.after_chunk(chunk, t.telemetry.metrics, t.telemetry.progress)
-        t.checkpoints.save_due(chunk)
-        t.live.poll()
-        t.handover.check()

@@ -10,8 +10,8 @@ Input
     ``(sample_id, num_tokens)`` (batch k has global-batch index ``first_batch_index + k``);
     ``global_batch_size``; optional ``priority`` (higher first), ``rank`` (LoRA r, scales the
     simulated cost per token), ``truncate`` (cut samples longer than the capacity instead of failing).
-  * ``SchedulerConfig``: ``pipeline_depth`` S, ``dp_size``, ``token_capacity`` (int, or ``"auto"``
-    from a fitted ``CostModel`` via ``auto_token_capacity``), ``milp_time_limit_s`` (MILP budget of
+  * ``SchedulerConfig``: ``pipeline_depth`` S, ``dp_size``, ``token_capacity`` (an int: a
+    run's ``auto`` is made a value by ``lorafusion.resolve``), ``milp_time_limit_s`` (MILP budget of
     one ``plan`` call), ``milp_gap``, ``grouping`` on/off, ``merge`` on/off, ``solver``
     (auto|cbc|highs|greedy), ``balance`` ("fill": full microbatches + one under-full tail per group,
     the default; "even": equal microbatches, lower pipeline bubble, more unused capacity).
@@ -54,7 +54,7 @@ from .costmodel import CostModel, auto_token_capacity, fit_cost_model
 from .grouper import AdapterGrouper, JobLoad
 from .merge import merge_tails
 from .online import JobReport, OnlineScheduler, concat_plans
-from .planner import plan, resolve_capacity
+from .planner import plan
 from .charts import render_chunks, render_gantt, render_packing
 from .simulate import (
     Timeline,
@@ -110,7 +110,6 @@ __all__ = [
     "render_chunks",
     "render_gantt",
     "render_packing",
-    "resolve_capacity",
     "sequence",
     "stage_order",
     "start_slot",

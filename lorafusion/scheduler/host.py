@@ -1,5 +1,6 @@
 """Host memory of a run trained without GPUs, torch-free: what a CPU launch needs, what the machine has, and the
-one-line refusal of a run that cannot fit (an 8B base on a laptop), given before the model is built.
+one-line refusal of a run that cannot fit (an 8B base on a laptop), given before the model is built (a run's need
+at its resolved capacity and recompute: :func:`lorafusion.resolve.check_run_on_host`).
 
 The need counts the tensors the ranks on this host hold, per pipeline stage (:mod:`.memory`'s counts, taken on
 the CPU's paths: Megatron's local ops, per-sample attention, no GPU calibration):
@@ -22,8 +23,7 @@ from pathlib import Path
 
 from .memory import GIB, Coefficients, MemorySetup, stage_memory
 
-__all__ = ["HostNeed", "PROCESS_BYTES", "available_bytes", "check_run_on_host", "gpu_device_seen", "host_need",
-           "no_fit_on_host"]
+__all__ = ["HostNeed", "PROCESS_BYTES", "available_bytes", "gpu_device_seen", "host_need", "no_fit_on_host"]
 
 # one training process beside its tensors: the interpreter with torch, Megatron and gloo imported measured 435 MiB
 # resident on the 2-core CPU machine; the data, the plans and the allocator's slack take the rest
@@ -120,35 +120,3 @@ def no_fit_on_host(need: HostNeed, available: float | None, source: str) -> str 
     return (f"{source}: the run needs about {need.total / GIB:.1f} GiB of host memory to train on this machine's "
             f"CPU (no CUDA GPU; {procs}: {need.describe()}) and {available / GIB:.1f} GiB is available — launch "
             f"it on GPUs (scripts/train.sh on a GPU machine), or lower model.preset / scheduler.token_capacity")
-
-
-def run_need(cfg, processes: int) -> HostNeed:
-    """:func:`host_need` of a run config (``lorafusion.config.RunConfig``) at the capacity and recompute its CPU
-    run takes: ``auto`` capacity = the cost model's for its longest ``dataset.max_seq_len``, ``auto`` recompute =
-    every layer (runtime/memory.py: no GPU, no plan)."""
-    from .costmodel import CostModel, auto_token_capacity
-    from .sizing import run_arch, setup_from_run
-
-    arch = run_arch(cfg)
-    s = setup_from_run(cfg, arch, dp=cfg.parallelism.dp if isinstance(cfg.parallelism.dp, int) else 1,
-                       fused_ops=False)
-    longest = max((j.dataset.max_seq_len for j in cfg.jobs), default=1)
-    cap = cfg.scheduler.token_capacity
-    cap = auto_token_capacity(CostModel(), longest) if cap == "auto" else int(cap)
-    m, layers = cfg.model, [s.layers(k) for k in range(s.pp)]
-    if m.recompute_layers == "auto" or (m.recompute and m.recompute_layers is None):
-        rc: int | list[int] = layers
-    else:
-        rc = int(m.recompute_layers) if m.recompute else 0
-    return host_need(s, cap, rc, processes)
-
-
-def check_run_on_host(cfg, available: float | None = None, processes: int | None = None) -> None:
-    """Refuse (:class:`~lorafusion.scheduler.sizing.MemoryFitError`, one line) a run whose ranks on this host
-    need more memory than it has; ``processes``: the launch's ranks on this host (``LOCAL_WORLD_SIZE``)."""
-    from .sizing import MemoryFitError
-
-    procs = processes or int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")) or 1)
-    msg = no_fit_on_host(run_need(cfg, procs), available_bytes() if available is None else available, cfg.source)
-    if msg:
-        raise MemoryFitError(msg)

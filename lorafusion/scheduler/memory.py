@@ -40,7 +40,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from lorafusion.core.arch import ModelArch
-from lorafusion.core.targets import MEGATRON_TARGETS
+from lorafusion.core.lora import lora_layer_params, lora_s_width
+from lorafusion.core.targets import MEGATRON_TARGETS, resolve_target_modules
 
 __all__ = ["ATTENTION_PATHS", "GIB", "AdapterShape", "Coefficients", "MemorySetup", "StageMemory", "in_flight", "load_coefficients",
            "plan_memory", "stage_memory"]
@@ -48,7 +49,6 @@ __all__ = ["ATTENTION_PATHS", "GIB", "AdapterShape", "Coefficients", "MemorySetu
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LORA_STATE_BYTES = 16  # fp32 weight + fp32 gradient + fp32 AdamW exp_avg and exp_avg_sq (runtime/optim.py)
-PROJECTIONS = {"linear_qkv": 3, "linear_proj": 1, "linear_fc1": 2, "linear_fc2": 1}  # LoRA A's per Megatron linear
 LOGITS_CHUNK_BYTES = 1 << 30  # models/fused/linear_cross_entropy.py: one chunk's fp32 logits stay under this
 COEFFICIENTS_FILE = Path(__file__).with_name("memory_coefficients.json")
 ATTENTION_PATHS = ("varlen", "varlen-gqa", "per-sample")
@@ -163,17 +163,9 @@ def _linear_shapes(arch: ModelArch) -> dict[str, tuple[int, int]]:
 
 
 def lora_params_per_layer(arch: ModelArch, a: AdapterShape, tp: int = 1) -> float:
-    """One adapter's LoRA parameters in one decoder layer on one TP rank (A: r x in per projection, B: out x r;
-    column linears shard B, row linears shard A)."""
-    shapes, n = _linear_shapes(arch), 0.0
-    for t in a.targets:
-        fin, fout = shapes[t]
-        k = PROJECTIONS[t] if a.independent_a else 1
-        if t in ("linear_qkv", "linear_fc1"):
-            n += k * a.r * fin + a.r * fout / tp
-        else:
-            n += a.r * fin / tp + a.r * fout
-    return n
+    """One adapter's LoRA parameters in one decoder layer on one TP rank
+    (:func:`lorafusion.core.lora.lora_layer_params`: the one count of an adapter's size)."""
+    return float(lora_layer_params(arch, a.r, a.targets, shared_a=not a.independent_a, tp=tp))
 
 
 def base_bytes_per_layer(s: MemorySetup) -> float:
@@ -238,9 +230,8 @@ def lora_elems(s: MemorySetup) -> float:
     if not s.adapters:
         return 0.0
     r = max(a.r for a in s.adapters)
-    targets = {t for a in s.adapters for t in a.targets}
-    indep = any(a.independent_a for a in s.adapters)
-    return sum((PROJECTIONS[t] if indep else 1) * r for t in targets)
+    targets = resolve_target_modules([t for a in s.adapters for t in a.targets])  # (their union)
+    return float(lora_s_width(r, targets, shared_a=not any(a.independent_a for a in s.adapters)))
 
 
 def _loss_chunk_tokens(vocab: int) -> int:

@@ -58,8 +58,6 @@ class OnlineScheduler:
     """Stateful planner over a growing stream of plans; see the module docstring."""
 
     def __init__(self, config: SchedulerConfig, cost_model: CostModel | None = None) -> None:
-        if config.token_capacity == "auto":
-            raise PlanError("OnlineScheduler needs a fixed token_capacity (resolve 'auto' first)")
         self.config = config
         self.cost_model = cost_model or CostModel()
         self.specs: dict[str, JobSpec] = {}
@@ -116,7 +114,7 @@ class OnlineScheduler:
 
         room = policy.idle_slots(dependency_distance(self.config.pipeline_depth, self.config.virtual_stages),
                                  self.config.dp_size, rounds)
-        taken = policy.take_fill(fill_order, next_batch, int(self.config.token_capacity), room) if fill_order else {}
+        taken = policy.take_fill(fill_order, next_batch, self.config.token_capacity, room) if fill_order else {}
         fill = [j for n, k in taken.items() if (j := self._chunk_part(n, k)) is not None]
         if not main:
             return None

@@ -12,25 +12,12 @@ import time
 from collections.abc import Mapping, Sequence
 
 from .batcher import DataBatcher
-from .costmodel import CostModel, auto_token_capacity
+from .costmodel import CostModel
 from .grouper import AdapterGrouper, JobLoad
 from .merge import merge_tails, noop_counter, orient
 from .pipeorder import dependency_distance, interleave_padding
 from .spec import Entry, JobSpec, Microbatch, Plan, PlanError, PlanStats, SampleTooLongError, SchedulerConfig
 from .verify import PackedMicrobatch, sequence
-
-
-def resolve_capacity(
-    config: SchedulerConfig, jobs: Sequence[JobSpec], cost_model: CostModel | None = None
-) -> int:
-    """``config.token_capacity``, or for ``"auto"`` :func:`auto_token_capacity` of the cost model
-    (the default :class:`CostModel` when none is given) and the longest sample."""
-    if config.token_capacity != "auto":
-        return int(config.token_capacity)
-    longest = config.max_sample_len_for_auto or max(
-        (n for j in jobs for b in j.global_batches for _, n in b), default=1
-    )
-    return auto_token_capacity(cost_model or CostModel(), longest)
 
 
 def job_entries(job: JobSpec, capacity: int) -> list[list[Entry]]:
@@ -131,7 +118,7 @@ def plan(
     names = [j.name for j in (*jobs, *fill)]
     if len(set(names)) != len(names):
         raise PlanError(f"job names must be unique, got {names}")
-    capacity = resolve_capacity(config, [*jobs, *fill], cost_model)
+    capacity = config.token_capacity
     stats = PlanStats()
     ready = dict(initial_ready or {})
     deadline = t0 + config.milp_time_limit_s

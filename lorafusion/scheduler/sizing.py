@@ -21,12 +21,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from lorafusion.core.errors import UserError
-from lorafusion.core.precision import FP8_BF16_LEADING_LAYERS
 
 from .costmodel import CostModel
-from .memory import GIB, AdapterShape, Coefficients, MemorySetup, StageMemory, plan_memory, stage_memory
+from .memory import GIB, Coefficients, MemorySetup, StageMemory, plan_memory, stage_memory
 
-__all__ = ["MemoryFitError", "MemoryPlan", "RECOMPUTE_COST", "choose", "no_fit_message", "oom_advice", "parse_bytes", "setup_from_run",
+__all__ = ["MemoryFitError", "MemoryPlan", "RECOMPUTE_COST", "choose", "no_fit_message", "oom_advice", "parse_bytes",
            "what_fits"]
 
 # a step with every decoder layer recomputed over one with none (Qwen2.5-32B PP=2 on 2x H200, recompute of 16 of
@@ -101,32 +100,6 @@ def parse_bytes(text: str) -> float:
     if not v > 0:
         raise ValueError(f"expected a positive memory size, got {text!r}")
     return v
-
-
-def layers_per_stage(cfg, arch) -> list[int]:
-    """Decoder layers of each pipeline rank (its virtual stages' together) for the run's ``stage_layers``
-    (None: even, "auto": the scheduler's balanced split, a list: one count per virtual stage in layer order)."""
-    from .stages import loss_layers, resolve_split
-
-    p = cfg.parallelism
-    v = getattr(p, "virtual_stages", 1) or 1
-    split = resolve_split(p.stage_layers, arch.num_layers, p.pp, v, loss_layers(arch))
-    return [sum(split[c * p.pp + k] for c in range(v)) for k in range(p.pp)]
-
-
-def setup_from_run(cfg, arch, dp: int = 1, fused_ops: bool = True) -> MemorySetup:
-    """The :class:`MemorySetup` of a run config (``lorafusion.config.RunConfig``) and its ``ModelArch``."""
-    p, m = cfg.parallelism, cfg.model
-    # PEFT-exact fused projections (an A per projection) where the LoRA spec has them, else one shared A
-    adapters = tuple(AdapterShape(j.lora.r, tuple(j.lora.target_modules), j.lora.lora_dropout,
-                                  independent_a=not getattr(j.lora, "shared_fused_a", True)) for j in cfg.jobs)
-    fp8 = getattr(m, "base_precision", None) == "fp8"
-    return MemorySetup(arch, adapters, dtype=m.dtype, base_bytes_per_param=1.0 if fp8 else None,
-                       row_scale_bytes=4 if fp8 else 0, bf16_base_layers=FP8_BF16_LEADING_LAYERS if fp8 else 0,
-                       tp=p.tp, pp=p.pp, dp=dp,
-                       sequence_parallel=p.sequence_parallel,
-                       stage_layers=tuple(layers_per_stage(cfg, arch)),
-                       virtual_stages=getattr(p, "virtual_stages", None) or 1, fused_ops=fused_ops)
 
 
 def _fewest(s: MemorySetup, stage: int, capacity: int, gpu: float, c: Coefficients) -> int | None:
@@ -339,61 +312,3 @@ def no_fit_message(s: MemorySetup, plan: MemoryPlan, longest: dict[str, int], so
             fixes.append(f"more pipeline stages (parallelism.pp: {deeper[0]})")
         fixes.append("tensor parallelism (parallelism.tp) or a GPU with more memory")
     return head + ". Would fit: " + "; or ".join(fixes)
-
-
-def run_arch(cfg):
-    """The ``ModelArch`` of a run config without loading weights (preset, or the HF directory's config.json)."""
-    import json
-    from pathlib import Path
-
-    from lorafusion.core.arch import arch_from_hf_config, preset
-
-    if cfg.model.path is None:
-        return preset(cfg.model.preset)
-    src = Path(cfg.model.path) / "config.json"
-    try:
-        data = json.loads(src.read_text())
-    except (OSError, ValueError) as e:
-        raise MemoryFitError(f"{cfg.source}: model.path: cannot read {src}: {e}") from None
-    return arch_from_hf_config(data, str(src))
-
-
-def report(cfg, gpu_sizes: Sequence[float], coeffs: Coefficients | None = None) -> tuple[list[str], bool]:
-    """``lorafusion plan --gpu-memory``: the memory plan of ``cfg`` per GPU size, what does not fit and what
-    would. Jobs' samples are taken at their ``dataset.max_seq_len`` (no data is read). Returns (lines, all fit)."""
-    arch = run_arch(cfg)
-    dp = cfg.parallelism.dp if isinstance(cfg.parallelism.dp, int) else 1
-    s = setup_from_run(cfg, arch, dp=dp)
-    layers = [s.layers(k) for k in range(s.pp)]
-    longest = {j.name: j.dataset.max_seq_len for j in cfg.jobs}
-    look = cfg.scheduler.lookahead_batches
-    chunk = sum(j.global_batch_size * look * j.dataset.max_seq_len / 2 for j in cfg.jobs)
-    m = cfg.model
-    rc = "auto" if m.recompute_layers == "auto" else (
-        0 if not m.recompute else (m.recompute_layers if m.recompute_layers is not None else layers))
-    lines, ok = [], True
-    for gpu in gpu_sizes:
-        plan = choose(s, gpu, max(longest.values()), capacity=cfg.scheduler.token_capacity, recompute=rc,
-                      coeffs=coeffs, chunk_tokens=chunk, split=cfg.parallelism.stage_layers)
-        auto = [k for k, v in plan.chosen.items() if v]
-        lines.append(f"GPU memory {gpu / GIB:.1f} GiB per GPU ({cfg.model.preset or cfg.model.path}, tp={s.tp} "
-                     f"pp={s.pp}, {len(s.adapters)} adapters): token_capacity {plan.capacity}, recompute_layers "
-                     f"per stage {plan.recompute_layers}"
-                     + (f", stage_layers {plan.stage_layers}" if plan.stage_layers else "")
-                     + (f" (auto: {', '.join(auto)})" if auto else ""))
-        lines += ["  " + x for x in plan.lines()]
-        if plan.fits and rc == "auto" and any(plan.recompute_layers):  # why recompute: none fits without it?
-            bare = choose(s, gpu, max(longest.values()), capacity=cfg.scheduler.token_capacity, recompute=0,
-                          coeffs=coeffs, chunk_tokens=chunk)
-            lines.append("  without recompute: " + (f"token_capacity {bare.capacity} fits, predicted "
-                         f"{bare.cost / plan.cost:.3f}x the time per token" if bare.fits and bare.cost and plan.cost
-                         else f"nothing fits (at {bare.capacity} tokens a stage needs {max(m.need for m in bare.stages) / GIB:.1f} GiB)"))
-        lines += ["  why: alternatives that fit, by the cost model's time per token (larger microbatches amortise "
-                  "their fixed cost; recomputed layers cost time)"] * bool(plan.why()) + ["    " + x for x in plan.why()]
-        if plan.fits:
-            lines.append("  fits")
-        else:
-            ok = False
-            lines.append("  does NOT fit: " + no_fit_message(s, plan, longest, cfg.source, coeffs))
-        lines.append("")
-    return lines, ok

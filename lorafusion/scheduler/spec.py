@@ -66,7 +66,7 @@ class SchedulerConfig:
 
     pipeline_depth: int = 1
     dp_size: int = 1
-    token_capacity: int | Literal["auto"] = 4096
+    token_capacity: int = 4096  # tokens a microbatch ("auto" in the YAML is made a value by lorafusion.resolve)
     milp_time_limit_s: float = 1.0
     grouping: bool = True
     lookahead_batches: int = 2
@@ -77,7 +77,6 @@ class SchedulerConfig:
     sequencer_window: int | None = None  # pending microbatches the no-op sequencer looks at; None -> 2*S*dp + 4
     max_milp_vars: int = 3000  # bigger instances are improved on a neighbourhood of the greedy plan
     milp_gap: float = 0.01  # relative optimality gap of the balance MILP (0: solve to optimality)
-    max_sample_len_for_auto: int | None = None  # capacity="auto" never goes below the longest sample
     virtual_stages: int = 1  # parallelism.virtual_stages: model chunks per pipeline rank (interleaved 1F1B)
 
     def __post_init__(self) -> None:
@@ -86,8 +85,8 @@ class SchedulerConfig:
         if self.virtual_stages < 1 or (self.virtual_stages > 1 and self.pipeline_depth < 2):
             raise PlanError(f"virtual_stages must be >= 1 (> 1 only with pipeline_depth >= 2), got "
                             f"{self.virtual_stages} with pipeline_depth {self.pipeline_depth}")
-        if self.token_capacity != "auto" and int(self.token_capacity) < 1:
-            raise PlanError("token_capacity must be a positive int or 'auto'")
+        if isinstance(self.token_capacity, bool) or not isinstance(self.token_capacity, int) or self.token_capacity < 1:
+            raise PlanError(f"token_capacity must be a positive int, got {self.token_capacity!r}")
         if self.balance not in ("fill", "even"):
             raise PlanError(f"balance must be 'fill' or 'even', got {self.balance!r}")
         if self.policy not in POLICIES:

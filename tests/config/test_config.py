@@ -305,16 +305,16 @@ def test_dp_auto_is_the_launch_over_tp_times_pp(in_tmp, monkeypatch):
     cfg = load_run_config("run.yaml", ["parallelism.dp=auto", "parallelism.pp=2", "parallelism.tp=2",
                                        "parallelism.sequence_parallel=true"])
     assert cfg.parallelism.dp == "auto" and cfg.parallelism.sequence_parallel
-    cfg.check_world_size(8)
-    assert cfg.parallelism.dp == 2 and cfg.parallelism.world_size == 8
+    assert cfg.check_world_size(8) == 2
+    assert cfg.parallelism.dp == "auto"  # the config is not written: lorafusion.resolve records the value
     cfg = load_run_config("run.yaml", ["parallelism.dp=auto", "parallelism.pp=4"])
     with pytest.raises(ConfigError, match=r"^run.yaml: parallelism.dp: auto needs tp\*pp = 1\*4 = 4 to divide "
                                           r"the launch's 6 process"):
         cfg.check_world_size(6)
     monkeypatch.setenv("WORLD_SIZE", "8")  # the plan command and the trainer read the launch the same way
-    from lorafusion.runtime.feed import scheduler_config
+    from lorafusion.resolve import World, resolve
 
-    assert scheduler_config(cfg).dp_size == 2
+    assert resolve(cfg, World.from_env(), None).scheduler.dp_size == 2
 
 
 def test_shipped_configs_fit_their_readme_launch_lines():

@@ -10,7 +10,8 @@ from runtime_utils import three_job_dicts, write_run
 
 def _feed(tmp_path, background: bool, out: str, overrides=("scheduler.solver=greedy",)):
     from lorafusion.config import load_run_config
-    from lorafusion.runtime.feed import Feed, scheduler_config
+    from lorafusion.resolve import World, resolve
+    from lorafusion.runtime.feed import Feed
     from lorafusion.runtime.jobs import load_jobs
 
     jobs = three_job_dicts(tmp_path)
@@ -19,7 +20,7 @@ def _feed(tmp_path, background: bool, out: str, overrides=("scheduler.solver=gre
     # by default plans that do not depend on time (greedy), so planning is deterministic on a loaded machine
     cfg = load_run_config(write_run(tmp_path, jobs, out=out), list(overrides))
     tokenizer, state = load_jobs(cfg)
-    return Feed(state, scheduler_config(cfg), dp_rank=0, eos_id=tokenizer.eos_id, background=background)
+    return Feed(state, resolve(cfg, World.for_plan(cfg), None).scheduler, dp_rank=0, eos_id=tokenizer.eos_id, background=background)
 
 
 def _chunks(feed):

@@ -136,7 +136,8 @@ def test_memory_model_counts_the_fp8_base_70b_pp2_fits_80gib(tmp_path):
     from pathlib import Path
 
     from lorafusion.config import load_run_config
-    from lorafusion.scheduler.sizing import GIB, report
+    from lorafusion.resolve import GpuMemory, World, resolve
+    from lorafusion.scheduler.memory import GIB
 
     data = [f"jobs.{i}.dataset.path={write_dataset(tmp_path / f'{i}.jsonl', i)}" for i in range(4)]
     config = Path(__file__).resolve().parents[2] / "configs" / "llama3.1-70b-4adapters.yaml"
@@ -144,8 +145,9 @@ def test_memory_model_counts_the_fp8_base_70b_pp2_fits_80gib(tmp_path):
     for precision in ("bf16", "fp8"):
         cfg = load_run_config(config, [*data, "parallelism.pp=2", "parallelism.dp=1",
                                         f"model.base_precision={precision}", f"output_dir={tmp_path / precision}"])
-        lines, fits[precision] = report(cfg, [80 * GIB])
-        weights = [float(x.split()[4]) for x in lines[2:4]]  # the stages' weight GiB
+        plan = resolve(cfg, World.for_plan(cfg), GpuMemory(80 * GIB, 80 * GIB))
+        fits[precision] = plan.fits
+        weights = [float(x.split()[4]) for x in plan.lines()[2:4]]  # the stages' weight GiB
         assert (precision == "fp8") == (max(weights) < 40), lines
     assert fits == {"bf16": False, "fp8": True}
 

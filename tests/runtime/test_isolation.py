@@ -10,7 +10,7 @@ import pytest
 import lorafusion.runtime.pipeline as pipeline
 from lorafusion.cli import main
 from lorafusion.rundir.requests import write_request
-from lorafusion.runtime.online import LiveJobs
+from lorafusion.runtime.admission import LiveJobs
 from runtime_utils import job_dict, train_inprocess, write_dataset, write_run
 
 

@@ -8,7 +8,7 @@ import yaml
 
 import lorafusion.runtime.pipeline as pipeline
 from lorafusion.cli import main
-from lorafusion.runtime.online import LiveJobs
+from lorafusion.runtime.admission import LiveJobs
 from runtime_utils import assert_close, job_dict, load_adapter, train_inprocess, write_dataset, write_run
 
 

@@ -1,4 +1,4 @@
-"""The memory plan in a run (issue 22), on CPU with the GPU's memory given (``runtime.memory.gpu_free_bytes``
+"""The memory plan in a run, on CPU with the GPU's memory given (``runtime.gpu_memory.gpu_free_bytes``
 patched): ``auto`` resolved, printed and recorded in summary.json; a run that cannot fit refused in one line
 before anything is written; a runtime out-of-memory one line naming the stage, with the checkpoints already
 written intact; ``lorafusion plan --gpu-memory``; ``recompute_layers: auto`` in the schema."""
@@ -25,9 +25,9 @@ def _main(*args) -> int:
 
 
 def _gpu(monkeypatch, free_gib: float, total_gib: float = 80.0) -> None:
-    import lorafusion.runtime.memory as memory
+    import lorafusion.runtime.gpu_memory as gpu_memory
 
-    monkeypatch.setattr(memory, "gpu_free_bytes", lambda: (free_gib * GIB, total_gib * GIB))
+    monkeypatch.setattr(gpu_memory, "gpu_free_bytes", lambda: (free_gib * GIB, total_gib * GIB))
 
 
 def _run(tmp: Path, *, steps=2, save_every=None, capacity="auto", recompute_layers="auto") -> Path:
@@ -46,11 +46,15 @@ def test_auto_is_resolved_printed_and_recorded(tmp_path, megatron_single, monkey
     assert plan["stages"][0]["predicted_peak_gib"] < plan["gpu_memory_gib"]
     err = capsys.readouterr().err
     assert "memory plan for 8.0 GiB free of 80.0 GiB" in err and f"token_capacity {plan['token_capacity']} (auto)" in err
+    assert summary["run_plan"]["token_capacity"] == plan["token_capacity"]
+    assert summary["run_plan"]["memory_plan"] == plan
 
 
 def test_cpu_keeps_todays_auto(tmp_path, megatron_single, capsys):
     summary, _ = train_inprocess(_run(tmp_path))  # no CUDA here: no memory to read
     assert summary["memory_plan"] is None and "memory plan" not in capsys.readouterr().err
+    # the cost model's capacity at the longest max_seq_len, every layer recomputed
+    assert summary["run_plan"]["token_capacity"] == 5120 and summary["run_plan"]["recompute_layers"] == [4]  # (tiny-llama: 4 layers)
 
 
 def test_a_run_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, megatron_single, monkeypatch,
@@ -96,10 +100,11 @@ def test_plan_gpu_memory_prints_every_size(capsys):
     cfg = ROOT / "configs/llama3.1-70b-4adapters.yaml"
     assert _main("plan", cfg, "--gpu-memory", "24,48,80,141") == 0
     out = capsys.readouterr().err
-    assert out.count("GPU memory ") == 4 and "GPU memory 80.0 GiB" in out
-    blocks = out.split("GPU memory ")[1:]
+    assert out.count("memory plan for ") == 4 and "memory plan for 80.0 GiB free of 80.0 GiB per GPU" in out
+    blocks = out.split("memory plan for ")[1:]
     assert "does NOT fit" in blocks[0] and "parallelism.pp: 8" in blocks[0]  # 24 GiB: not even the weights
-    assert blocks[2].rstrip().endswith("fits") and "(auto: token_capacity, recompute_layers, stage_layers)" in blocks[2]
+    assert blocks[2].rstrip().endswith("fits") and "token_capacity 4096 (auto)" in blocks[2]
+    assert "recompute_layers per stage [" in blocks[2] and "] (auto)" in blocks[2] and "stage_layers [" in blocks[2]
     assert blocks[2].count("\n      ") >= 4  # one row per stage
 
 
@@ -130,19 +135,25 @@ def test_recompute_layers_auto_in_the_schema():
 
 
 def test_recompute_kwargs_per_stage():
+    """The model builder's recompute per pipeline rank comes from the plan: the memory plan's counts for auto
+    (none: off; all: every layer; Megatron counts per model chunk: rounded up), every layer without a GPU, the
+    config's own count otherwise."""
     from lorafusion.config import load_run_config
-    from lorafusion.core.arch import preset
-    from lorafusion.runtime.memory import recompute_kwargs
-    from lorafusion.scheduler.sizing import MemoryPlan
+    from lorafusion.resolve import GpuMemory, World, resolve
 
-    cfg = load_run_config(ROOT / "configs/llama3.1-70b-4adapters.yaml", check_files=False)
-    arch = preset("llama3.1-70b")
-    plan = MemoryPlan(4096, [20, 13, 1, 0], [], 79 * GIB, {})
-    got = [recompute_kwargs(cfg, plan, k, arch) for k in range(4)]
-    assert got == [{"recompute": True, "recompute_layers": None}, {"recompute": True, "recompute_layers": 13},
-                   {"recompute": True, "recompute_layers": 1}, {"recompute": False, "recompute_layers": None}]
-    assert recompute_kwargs(cfg, None, 0, arch) == {"recompute": True, "recompute_layers": None}  # CPU: every layer
-    cfg.parallelism.virtual_stages = 2  # Megatron counts per model chunk (10 layers each here): rounded up
-    assert recompute_kwargs(cfg, plan, 1, arch) == {"recompute": True, "recompute_layers": 7}
-    cfg.model.recompute_layers = 5  # a fixed count is the config's
-    assert recompute_kwargs(cfg, plan, 3, arch) == {"recompute": True, "recompute_layers": 5}
+    config = ROOT / "configs/llama3.1-70b-4adapters.yaml"
+    cfg = load_run_config(config, check_files=False)
+    plan = resolve(cfg, World(4), GpuMemory(80 * GIB, 80 * GIB))
+    n, layers = plan.recompute_layers, plan.layers_per_rank
+    assert 0 < n[1] < layers[1] and n[3] == 0 and n[0] >= n[1]  # some layers on early stages, none on the last
+    assert [plan.recompute_kwargs(k) for k in range(4)] == [
+        {"recompute": True, "recompute_layers": n[0]}, {"recompute": True, "recompute_layers": n[1]},
+        {"recompute": True, "recompute_layers": n[2]}, {"recompute": False, "recompute_layers": None}]
+    assert resolve(cfg, World(4), None).recompute_kwargs(0) == {"recompute": True, "recompute_layers": None}
+    v2 = resolve(load_run_config(config, ["parallelism.virtual_stages=2"], check_files=False), World(4),
+                 GpuMemory(80 * GIB, 80 * GIB))
+    assert [v2.recompute_kwargs(k)["recompute_layers"] for k in range(4)] == \
+        [None if m in (0, v2.layers_per_rank[k]) else -(-m // 2) for k, m in enumerate(v2.recompute_layers)]
+    fixed = load_run_config(config, ["model.recompute_layers=5"], check_files=False)
+    assert resolve(fixed, World(4), GpuMemory(80 * GIB, 80 * GIB)).recompute_kwargs(3) == \
+        {"recompute": True, "recompute_layers": 5}

@@ -75,7 +75,8 @@ def test_a_run_too_big_for_the_host_is_refused_in_seconds_before_the_model_is_bu
     import pytest
 
     from lorafusion.config import load_run_config
-    from lorafusion.scheduler.host import available_bytes, run_need
+    from lorafusion.resolve import run_need
+    from lorafusion.scheduler.host import available_bytes
 
     (tmp_path / "configs").mkdir()
     cfg = tmp_path / "configs" / "8b.yaml"

@@ -22,7 +22,8 @@ from lorafusion.scheduler.memory import (
     plan_memory,
     stage_memory,
 )
-from lorafusion.scheduler.sizing import choose, no_fit_message, parse_bytes, report
+from lorafusion.resolve import GpuMemory, World, memory_setup, resolve, run_arch
+from lorafusion.scheduler.sizing import choose, no_fit_message, parse_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 R16 = tuple(AdapterShape(16, dropout=0.1) for _ in range(4))
@@ -103,10 +104,9 @@ def test_committed_coefficients_predict_the_shipped_8b_runs_measured_on_an_h200(
     # auto (23,040) and hand-picked capacities without recompute; peak allocated per run. 11,264: the same config's
     # auto choice on one H100 (docs/results/e2e-8b-auto-tuned-h100.json, 70.4 GiB)
     from lorafusion.config import load_run_config
-    from lorafusion.scheduler.sizing import run_arch, setup_from_run
 
     cfg = load_run_config(ROOT / "configs/llama3.1-8b-4adapters.yaml", check_files=False)
-    s = setup_from_run(cfg, run_arch(cfg))
+    s = memory_setup(cfg, run_arch(cfg))
     assert all(a.independent_a for a in s.adapters)
     m = stage_memory(s, 0, capacity, 0, load_coefficients())
     assert abs(m.peak / GIB / measured_gib - 1) < 0.07
@@ -235,9 +235,10 @@ def test_shipped_70b_config_plan_fits_h100_80gb(gpus):
 
     cfg = load_run_config(ROOT / "configs/llama3.1-70b-4adapters.yaml", [f"parallelism.dp={gpus // 4}"],
                           check_files=False)
-    lines, ok = report(cfg, [H100], load_coefficients())
-    assert ok, "\n".join(lines)
-    assert cfg.scheduler.token_capacity == "auto" and cfg.model.recompute_layers == "auto"
+    plan = resolve(cfg, World.for_plan(cfg), GpuMemory(H100, H100), coeffs=load_coefficients())
+    assert plan.fits, "\n".join(plan.lines())
+    assert plan.dp == gpus // 4 and {"token_capacity", "recompute_layers"} <= set(plan.auto)
+    assert cfg.scheduler.token_capacity == "auto" and cfg.model.recompute_layers == "auto"  # the config unchanged
 
 
 @pytest.mark.parametrize("config", ["llama3.1-8b-4adapters", "qwen2.5-32b-4adapters"])
@@ -245,8 +246,8 @@ def test_shipped_configs_fit_80_and_141_gb(config):
     from lorafusion.config import load_run_config
 
     cfg = load_run_config(ROOT / f"configs/{config}.yaml", check_files=False)
-    _, ok = report(cfg, [H100, 139 * GIB], load_coefficients())
-    assert ok
+    for size in (H100, 139 * GIB):
+        assert resolve(cfg, World.for_plan(cfg), GpuMemory(size, size), coeffs=load_coefficients()).fits
 
 
 def test_the_memory_plan_says_why_it_recomputes_and_what_the_alternatives_cost():
@@ -255,8 +256,7 @@ def test_the_memory_plan_says_why_it_recomputes_and_what_the_alternatives_cost()
     from lorafusion.config import load_run_config
 
     cfg = load_run_config(ROOT / "configs/llama3.1-8b-4adapters.yaml", check_files=False)
-    lines, _ = report(cfg, [24 * GIB, 48 * GIB], load_coefficients())
-    small, large = "\n".join(lines).split("\n\n")[:2]
+    small, large = ("\n".join(resolve(cfg, World(1), GpuMemory(gib * GIB, gib * GIB)).lines()) for gib in (24, 48))
     assert "  without recompute: nothing fits (at 4096 tokens a stage needs" in small
     assert "without recompute" not in large  # its plan recomputes nothing
     for text in (small, large):
@@ -282,15 +282,14 @@ def test_workspace_and_margin_come_from_the_committed_file():
 
 def test_run_config_fp8_base_and_virtual_stages_reach_the_model():
     from lorafusion.config import load_run_config
-    from lorafusion.scheduler.sizing import setup_from_run
 
     cfg = load_run_config(ROOT / "configs/llama3.1-70b-4adapters.yaml", ["model.base_precision=fp8",
                                                                           "parallelism.virtual_stages=2"],
                           check_files=False)
-    s = setup_from_run(cfg, preset("llama3.1-70b"))
+    s = memory_setup(cfg, preset("llama3.1-70b"))
     assert s.base_bytes_per_param == 1.0 and s.row_scale_bytes == 4 and s.virtual_stages == 2
     assert s.stage_layers == (20, 21, 21, 18)  # stage_layers: auto, the loss-aware split (per rank, V chunks summed)
-    bf16 = setup_from_run(load_run_config(ROOT / "configs/llama3.1-70b-4adapters.yaml", check_files=False),
+    bf16 = memory_setup(load_run_config(ROOT / "configs/llama3.1-70b-4adapters.yaml", check_files=False),
                           preset("llama3.1-70b"))
     w8, w16 = stage_memory(s, 1, 4096).weights, stage_memory(bf16, 1, 4096).weights
     assert 0.5 < w8 / w16 < 0.51  # a middle stage holds decoder linears only (and norms)
@@ -308,11 +307,10 @@ def test_reference_kernels_save_what_the_fused_ones_save_and_predict_their_h100_
 
 def _70b_setup(**kw):
     from lorafusion.config import load_run_config
-    from lorafusion.scheduler.sizing import setup_from_run
 
     cfg = load_run_config(ROOT / "configs/llama3.1-70b-4adapters.yaml", ["parallelism.dp=1", *kw.get("ov", [])],
                           check_files=False)
-    return cfg, setup_from_run(cfg, preset("llama3.1-70b"))
+    return cfg, memory_setup(cfg, preset("llama3.1-70b"))
 
 
 def test_memory_balanced_split_beats_the_compute_split_on_an_80gb_pipeline():

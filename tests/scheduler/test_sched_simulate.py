@@ -10,6 +10,7 @@ import pytest
 from lorafusion.scheduler import (
     CostModel,
     JobSpec,
+    PlanError,
     SchedulerConfig,
     auto_token_capacity,
     bubble_ratio,
@@ -17,7 +18,6 @@ from lorafusion.scheduler import (
     plan,
     render_gantt,
     render_packing,
-    resolve_capacity,
     simulate_1f1b,
     simulate_plan,
 )
@@ -102,5 +102,5 @@ def test_auto_capacity_rule():
     assert cm.a <= 0.05 * (cm.a + cm.b * cap)
     assert auto_token_capacity(cm, max_sample_len=9000) == 9216
     assert auto_token_capacity(cm, 100, max_capacity=2048) == 2048
-    job = JobSpec("j", [[("s", 3000)]], 1)
-    assert resolve_capacity(SchedulerConfig(token_capacity="auto"), [job], cm) == 5120
+    with pytest.raises(PlanError, match="token_capacity must be a positive int"):  # a run's auto: lorafusion.resolve
+        SchedulerConfig(token_capacity="auto")

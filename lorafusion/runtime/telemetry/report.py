@@ -6,18 +6,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from lorafusion.core.arch import ModelArch, arch_from_hf_config, preset
+from lorafusion.resolve import RunPlan, World, resolve, run_arch
 from lorafusion.runtime.feed import Feed
 
 CHART_CHUNKS = 2  # chunks drawn in gantt.png and packing.png (each a panel per DP rank)
-
-
-def run_arch(cfg) -> ModelArch:
-    """The run's architecture without building a model (preset, or the HF directory's config.json)."""
-    if cfg.model.preset:
-        return preset(cfg.model.preset)
-    return arch_from_hf_config(json.loads((Path(cfg.model.path) / "config.json").read_text()),
-                               str(Path(cfg.model.path) / "config.json"))
 
 
 @dataclass
@@ -31,20 +23,15 @@ class StageModel:
     stage_costs: list[tuple[float, float]]
 
 
-def stage_model(cfg) -> StageModel:
-    """The run's ``virtual_stages`` and ``stage_layers`` resolved against its architecture, with the FLOP
-    cost model (scheduler/stages.py: the output layer and loss counted on the last virtual stage)."""
-    from lorafusion.core.errors import ConfigError
-    from lorafusion.scheduler import PlanError, stages
+def stage_model(cfg, plan: RunPlan) -> StageModel:
+    """The run's resolved ``virtual_stages`` and ``stage_layers`` with the FLOP cost model of its architecture
+    (scheduler/stages.py: the output layer and loss counted on the last virtual stage)."""
+    from lorafusion.scheduler import stages
 
     arch = run_arch(cfg)
-    pp, V = cfg.parallelism.pp, cfg.parallelism.virtual_stages
     loss = stages.loss_layers(arch)
-    try:
-        split = stages.resolve_split(cfg.parallelism.stage_layers, arch.num_layers, pp, V, loss)
-    except PlanError as e:
-        raise ConfigError(f"{cfg.source}: {e}") from None
-    return StageModel(V, split, loss, stages.flop_cost_model(arch, loss, tp=cfg.parallelism.tp),
+    split = list(plan.stage_layers)
+    return StageModel(plan.virtual_stages, split, loss, stages.flop_cost_model(arch, loss, tp=plan.tp),
                       stages.stage_costs(split, loss))
 
 
@@ -138,26 +125,26 @@ def steady_bubble(chunks: list[dict]) -> tuple[float, list[float]] | None:
     return sum(r["simulated_bubble"] for r in rows) / len(rows), per
 
 
-def sweep_virtual(cfg, virtuals: list[int], max_chunks: int, out_dir: Path, planned: dict | None = None,
-                  progress: Progress | None = None) -> list[dict]:
+def sweep_virtual(cfg, world: World, virtuals: list[int], max_chunks: int, out_dir: Path,
+                  planned: dict | None = None, progress: Progress | None = None) -> list[dict]:
     """For each V: the run's chunks planned for V (once: the split changes the simulation, not the plan; the
     chunks of ``planned[V]`` are taken as they are), simulated with the even split (when it exists) and the
     loss-aware ``auto`` split; one row per (V, split) with the steady bubble overall and per stage."""
     from lorafusion.core.errors import ConfigError
-    from lorafusion.runtime.feed import scheduler_config
     from lorafusion.runtime.jobs import load_jobs
 
     rows, planned, feeds = [], dict(planned or {}), {}
     for V in virtuals:
         for name, layers in (("even", None), ("auto", "auto")):
-            cfg_v = cfg.model_copy(deep=True)
-            cfg_v.parallelism.virtual_stages, cfg_v.parallelism.stage_layers = V, layers
+            layout = cfg.parallelism.model_copy(update={"virtual_stages": V, "stage_layers": layers})
+            cfg_v = cfg.model_copy(update={"parallelism": layout})  # (a copy: the loaded config stays as it is)
             try:
-                st = stage_model(cfg_v)
+                plan_v = resolve(cfg_v, world, None)
             except ConfigError:  # no even split for this V
                 continue
+            st = stage_model(cfg_v, plan_v)
             if V not in feeds:  # (a feed's jobs give the simulation their ranks)
-                feeds[V] = Feed(load_jobs(cfg_v)[1], scheduler_config(cfg_v), dp_rank=None)
+                feeds[V] = Feed(load_jobs(cfg_v)[1], plan_v.scheduler, dp_rank=None)
             if V not in planned:
                 planned[V] = plan_chunks(feeds[V], max_chunks, progress, f"virtual_stages={V}")
             res = write_plan_report(feeds[V], out_dir / f"v{V}-{name}", max_chunks, st, charts=False,

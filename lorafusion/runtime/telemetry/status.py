@@ -20,7 +20,7 @@ class StatusWriter:
     def __init__(self, out: Path, jobs: dict, limits: dict | None = None):
         self.path = RunDir(out).status
         self.jobs = jobs
-        self.limits = limits  # what `lorafusion submit` checks a job against (runtime.online.run_limits)
+        self.limits = limits  # what `lorafusion submit` checks a job against (runtime.admission.run_limits)
         self._t0 = time.perf_counter()
         self._start: dict[str, tuple[int, int, float]] = {}  # job -> (steps, tokens, time) when first seen
         self.write("starting")

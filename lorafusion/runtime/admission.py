@@ -33,7 +33,9 @@ import torch
 
 from lorafusion.config.load import job_config_from
 from lorafusion.config.schema import JobConfig, RunConfig
+from lorafusion.resolve import RunPlan
 from lorafusion.core.errors import ConfigError, UserError
+from lorafusion.core.lora import lora_memory_bytes
 from lorafusion.dist import min_over_ranks, share_from_rank0
 from lorafusion.rundir.atomic import write_text_atomic
 from lorafusion.rundir.jsonfile import read_json_file
@@ -81,18 +83,6 @@ def _read_json(path: Path):
         raise ConfigError(f"{path}: not a readable job record ({e})") from None
 
 
-def adapter_memory_bytes(model, name: str, token_capacity: int) -> int:
-    """Rough bytes adapter ``name`` (already on the model) still needs on this rank once it trains: fp32
-    gradients and two AdamW moments of its LoRA parameters, and its LoRA activations (r values per token per
-    adapted linear, kept for backward) at the token capacity."""
-    from lorafusion.layers import adapter_parameters
-
-    params = adapter_parameters(model, name)
-    numel = sum(p.numel() for p in params.values())
-    rank_sum = sum(p.shape[0] for k, p in params.items() if k.endswith("lora_A"))  # Σ r over adapted linears
-    return 12 * numel + 4 * rank_sum * token_capacity
-
-
 def device_memory_bytes() -> int:
     """The memory one rank's adapters live in: the GPU's, or the host's without CUDA."""
     if torch.cuda.is_available():
@@ -102,20 +92,19 @@ def device_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_adapter_fits(cfg: RunConfig, job: JobConfig, arch) -> None:
+def check_adapter_fits(plan: RunPlan, job: JobConfig, arch) -> None:
     """:func:`lorafusion.core.lora.check_adapter_memory` for this run: before anything is allocated, for a YAML
     job, a resumed one or a submission alike."""
     from lorafusion.core.lora import check_adapter_memory
 
-    check_adapter_memory(job.name, job.lora, arch, **run_limits(cfg))
+    check_adapter_memory(job.name, job.lora, arch, **run_limits(plan))
 
 
-def run_limits(cfg: RunConfig) -> dict:
+def run_limits(plan: RunPlan) -> dict:
     """What a job must fit to join this run (``status.json``'s ``run.limits``; ``lorafusion submit`` checks a job
     against them before it answers, :func:`check_adapter_fits` and :meth:`LiveJobs._submit` again at the boundary)."""
-    cap = cfg.scheduler.token_capacity
-    return {"token_capacity": cap if isinstance(cap, int) else None, "memory_bytes": device_memory_bytes(),
-            "model_parallel": cfg.parallelism.tp * cfg.parallelism.pp}
+    return {"token_capacity": plan.token_capacity, "memory_bytes": device_memory_bytes(),
+            "model_parallel": plan.tp * plan.pp}
 
 
 def _withdraw(model, name: str) -> None:
@@ -132,14 +121,15 @@ def _withdraw(model, name: str) -> None:
 
 
 class LiveJobs:
-    """See the module docstring. ``add_job(job_cfg) -> JobState`` builds a job (data, stream, adapter,
-    optimizer) on every rank; ``finish(name, release)`` hands an ended job over (checkpoint, export; with
-    ``release`` its adapter and optimizer leave the model)."""
+    """See the module docstring. ``jobs`` is the run's job registry (name -> :class:`JobState`; a submitted job
+    joins it, never the config). ``add_job(job_cfg) -> JobState`` builds a job (data, stream, adapter, optimizer)
+    on every rank; ``finish(name, release)`` hands an ended job over (checkpoint, export; with ``release`` its
+    adapter and optimizer leave the model)."""
 
-    def __init__(self, cfg: RunConfig, out: Path, model, feed: Feed, jobs: dict[str, JobState], *,
+    def __init__(self, cfg: RunConfig, plan: RunPlan, out: Path, model, feed: Feed, jobs: dict[str, JobState], *,
                  is_logger: bool, add_job: Callable[[JobConfig], JobState], finish: Callable[[str, bool], None],
                  log: Callable[[str], None] = print):
-        self.cfg, self.out, self.model, self.feed, self.jobs = cfg, Path(out), model, feed, jobs
+        self.cfg, self.plan, self.out, self.model, self.feed, self.jobs = cfg, plan, Path(out), model, feed, jobs
         self.is_logger, self._add_job, self._finish, self.log = is_logger, add_job, finish, log
         self._wait: dict[str, int] = {}  # cancelling job -> chunk boundaries until its planned batches have run
         self._queue: list[str] = [n for n, js in jobs.items() if js.status == JobStatus.QUEUED]
@@ -177,12 +167,10 @@ class LiveJobs:
         job = job_config_from(req.get("job"), f"request {Path(req['_path']).name}: job")
         if job.name in self.jobs:
             raise ConfigError(f"jobs: a job named {job.name!r} is already in the run")
-        cap = self.cfg.scheduler.token_capacity
-        if isinstance(cap, int) and job.dataset.max_seq_len > cap:
+        if job.dataset.max_seq_len > self.plan.token_capacity:
             raise ConfigError(f"job {job.name!r}: dataset.max_seq_len {job.dataset.max_seq_len} exceeds the run's "
-                              f"scheduler.token_capacity {cap}")
+                              f"scheduler.token_capacity {self.plan.token_capacity}")
         js = self._build(job)  # data, stream, adapter, optimizer; on every rank, or on none
-        self.cfg.jobs.append(job)
         if self.is_logger:
             RunDir(self.out).submitted.mkdir(exist_ok=True)
             write_text_atomic(RunDir(self.out).submitted / f"{job.name}.json", json.dumps(job.model_dump(mode="json")) + "\n")
@@ -258,8 +246,10 @@ class LiveJobs:
             return True
         free, _ = torch.cuda.mem_get_info()
         free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()  # the allocator's cache is free too
-        cap = self.cfg.scheduler.token_capacity
-        need = adapter_memory_bytes(self.model, name, cap if isinstance(cap, int) else 16384)
+        # what the job still needs on the rank with the most layers once it trains (its weights are on the model):
+        # fp32 gradients and AdamW moments, and its LoRA activations at the token capacity
+        need = lora_memory_bytes(self.jobs[name].cfg.lora, self.plan.setup.arch, self.plan.token_capacity,
+                                 layers=max(self.plan.layers_per_rank), tp=self.plan.tp, bytes_per_param=12)
         return bool(min_over_ranks(int(free - (1 << 30) >= need)))  # admitted only where every rank has room
 
     def _admit(self) -> None:
