@@ -19,6 +19,7 @@ from lorafusion.config.bounds import (MAX_BATCH, MAX_COUNT, MAX_EPOCHS, MAX_EPS,
                                       MAX_WEIGHT_DECAY)
 from lorafusion.core.errors import ConfigError
 from lorafusion.core.lora import LoRASpec, check_adapter_name
+from lorafusion.core.pipeline import virtual_stages_problem
 from lorafusion.config.trackers import MlflowConfig, WandbConfig
 
 __all__ = [
@@ -131,8 +132,8 @@ class ParallelismConfig(_Strict):
     def _sp_needs_tp(self) -> "ParallelismConfig":
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel: true needs tp > 1 (it splits activations over the TP group)")
-        if self.virtual_stages > 1 and self.pp == 1:
-            raise ValueError(f"virtual_stages: {self.virtual_stages} needs a pipeline (pp > 1)")
+        if why := virtual_stages_problem(self.pp, self.virtual_stages):
+            raise ValueError(f"virtual_stages: {why}")
         if isinstance(self.stage_layers, list):
             n = self.pp * self.virtual_stages
             if len(self.stage_layers) != n:

@@ -29,14 +29,6 @@ from .spec import PlanError
 Op = tuple[str, int, int]  # (kind "F" | "B", microbatch, model chunk)
 
 
-def check_virtual(pipeline_depth: int, virtual_stages: int) -> None:
-    """One clear error for a virtual-stage count interleaving cannot run."""
-    if virtual_stages < 1:
-        raise PlanError(f"virtual_stages must be >= 1, got {virtual_stages}")
-    if virtual_stages > 1 and pipeline_depth < 2:
-        raise PlanError(f"virtual_stages={virtual_stages} needs a pipeline (pp >= 2), got pp={pipeline_depth}")
-
-
 def schedule_table(num_microbatches: int, virtual_stages: int, group: int) -> list[tuple[int, int]]:
     """Megatron's ``get_schedule_table``: (microbatch, chunk) of every virtual microbatch, in order."""
     table = []

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from lorafusion.core.errors import UserError
+from lorafusion.core.pipeline import virtual_stages_problem
 
 from .policy import POLICIES, Policy
 
@@ -82,9 +83,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.pipeline_depth < 1 or self.dp_size < 1:
             raise PlanError("pipeline_depth and dp_size must be >= 1")
-        if self.virtual_stages < 1 or (self.virtual_stages > 1 and self.pipeline_depth < 2):
-            raise PlanError(f"virtual_stages must be >= 1 (> 1 only with pipeline_depth >= 2), got "
-                            f"{self.virtual_stages} with pipeline_depth {self.pipeline_depth}")
+        if why := virtual_stages_problem(self.pipeline_depth, self.virtual_stages):
+            raise PlanError(f"virtual_stages: {why} (pipeline_depth {self.pipeline_depth})")
         if isinstance(self.token_capacity, bool) or not isinstance(self.token_capacity, int) or self.token_capacity < 1:
             raise PlanError(f"token_capacity must be a positive int, got {self.token_capacity!r}")
         if self.balance not in ("fill", "even"):

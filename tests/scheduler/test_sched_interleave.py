@@ -128,7 +128,7 @@ def test_verify_refuses_a_1f1b_gap_under_interleaving():
 
 
 def test_bad_virtual_stages_one_clear_error():
-    with pytest.raises(PlanError, match="virtual_stages must be >= 1"):
+    with pytest.raises(PlanError, match="virtual_stages: 2 needs a pipeline"):
         SchedulerConfig(pipeline_depth=1, virtual_stages=2)
     assert interleave_padding(5, 4, 2) == 3 and interleave_padding(2, 4, 2) == 2 and interleave_padding(5, 4, 1) == 0
 
