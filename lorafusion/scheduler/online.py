@@ -122,7 +122,7 @@ class OnlineScheduler:
         ready = {j.name: max(0, self.ready.get(j.name, 0) - self.slots) for j in parts}
         if fill or self.groups is None or {n for g in self.groups for n in g} != {j.name for j in main}:
             self.groups = None
-        p = make_plan(main, self.config, self.cost_model, ready, self.groups, fill)
+        p = make_plan(main, self.config, ready, self.groups, fill)
         self.groups = None if fill else (self.groups or p.stats.groups)
         for (job, _), idx in sorted(p.last_microbatch.items(), key=lambda kv: kv[1]):
             self.ready[job] = self.slots + start_slot(p.microbatches[idx].slot, self.config.pipeline_depth,
@@ -159,7 +159,7 @@ class OnlineScheduler:
         out = {}
         for job in self.planned_jobs():
             alone_cfg = replace(self.config, grouping=False)
-            alone = make_plan([job], alone_cfg, self.cost_model)
+            alone = make_plan([job], alone_cfg)
             alone_s = simulate_plan(alone, self.cost_model, ranks)[0].makespan
             lo, hi = spans.get(job.name, (0.0, 0.0))
             out[job.name] = JobReport(

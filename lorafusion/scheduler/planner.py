@@ -12,7 +12,6 @@ import time
 from collections.abc import Mapping, Sequence
 
 from .batcher import DataBatcher
-from .costmodel import CostModel
 from .grouper import AdapterGrouper, JobLoad
 from .merge import merge_tails, noop_counter, orient
 from .pipeorder import dependency_distance, interleave_padding
@@ -100,7 +99,6 @@ def _order_groups(groups: list[list[str]], ready: Mapping[str, int]) -> list[lis
 def plan(
     jobs: Sequence[JobSpec],
     config: SchedulerConfig,
-    cost_model: CostModel | None = None,
     initial_ready: Mapping[str, int] | None = None,
     groups: Sequence[Sequence[str]] | None = None,
     fill: Sequence[JobSpec] = (),
