@@ -26,6 +26,7 @@ from megatron.core import parallel_state
 from lorafusion.core.errors import MissingFileError
 from lorafusion.dist import is_rank0, multi_process
 from lorafusion.rundir.atomic import file_sha256, write_bytes, write_text_atomic
+from lorafusion.rundir.integrity import MANIFEST, check_manifest
 from lorafusion.rundir.layout import best_checkpoint, latest_checkpoint, read_state, step_name
 
 
@@ -145,22 +146,13 @@ def _install(job_dir: Path, final: Path, tmp: Path, keep_last: int | None) -> No
         prune_checkpoints(job_dir, keep_last)
 
 
-MANIFEST = "manifest.json"
 
 
 
 def _check_manifest(path: Path, names: list[str]) -> None:
-    """MissingFileError unless the files ``names`` of checkpoint ``path`` are those its manifest records (a
-    checkpoint written before manifests: not checked)."""
-    if not (path / MANIFEST).is_file():
-        return
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError) as e:
-        raise MissingFileError(f"{path / MANIFEST}: not readable ({e})") from None
-    for name in names:
-        if not isinstance(manifest, dict) or manifest.get(name) != file_sha256(path / name):
-            raise MissingFileError(f"{path / name}: does not match the checkpoint's {MANIFEST} (edited or damaged)")
+    """DamagedFileError (a MissingFileError) unless the files ``names`` of checkpoint ``path`` are those its
+    manifest records; a checkpoint without a manifest is not believed (rundir/integrity.py)."""
+    check_manifest(path, names)
 
 
 def _to_host(obj):

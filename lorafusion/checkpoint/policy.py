@@ -4,14 +4,15 @@ after checking that its settings did not change. The files themselves: :mod:`.fo
 
 from __future__ import annotations
 
-import hashlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from lorafusion.core.errors import ConfigError, MissingFileError
 from lorafusion.rundir.atomic import file_sha256
+from lorafusion.rundir.integrity import model_digest  # noqa: F401 (its home before)
 from lorafusion.rundir.layout import RunDir
 from lorafusion.rundir.states import JobStatus
 
@@ -49,12 +50,14 @@ class JobCheckpoints:
 
     def save_all(self, *, only_default_policy: bool) -> None:
         """Checkpoint every job not yet saved at its current step (``only_default_policy``: only jobs without
-        ``save_every``, whose policy is time-based and at the end; a stop signal saves every job)."""
-        for name, js in self.jobs.items():
-            if (only_default_policy and js.cfg.save_every) or js.handed_over:  # (saved when it ended)
-                continue
-            if self._saved_step.get(name) != js.steps and name in self._stream_states:
-                self.save(name, self._stream_states[name])
+        ``save_every``, whose policy is time-based and at the end; a stop signal saves every job). Each records
+        where all of them stood (``together``: a resume checks they agree, checkpoint/consistent.py)."""
+        todo = [name for name, js in self.jobs.items()  # (a handed-over job was saved when it ended)
+                if not ((only_default_policy and js.cfg.save_every) or js.handed_over)
+                and self._saved_step.get(name) != js.steps and name in self._stream_states]
+        together = {n: self.jobs[n].steps for n in todo} if len(todo) > 1 else None
+        for name in todo:
+            self.save(name, self._stream_states[name], together=together)
 
     def halt(self, name: str, why: JobStatus) -> None:
         """Pause job ``name`` for good (diverged or early stopped: no more batches, no more updates) and
@@ -96,16 +99,17 @@ class JobCheckpoints:
         self._saved_step[name], self._saved_status[name] = js.steps, js.status
         return write
 
-    def save(self, name: str, stream_state: dict) -> None:
+    def save(self, name: str, stream_state: dict, together: dict | None = None) -> None:
         """``stream_state``: the job's data stream as of the chunk boundary being saved (the feed's live
-        stream is already a chunk further)."""
+        stream is already a chunk further); ``together``: the jobs saved at this boundary with it, and their steps."""
         from lorafusion.layers import adapter_parameters
         from lorafusion.checkpoint.format import save_job_checkpoint
 
         js = self.jobs[name]
+        state = {**self._state(name, stream_state), **({"together": together} if together else {})}
         save_job_checkpoint(self.root / name, js.steps,
                             adapter_params=adapter_parameters(self.model, name),
-                            optimizer_state=js.optimizer.state_dict(), state=self._state(name, stream_state),
+                            optimizer_state=js.optimizer.state_dict(), state=state,
                             adapter=self.snapshot(name), keep_last=self.cfg.checkpoint.keep_last)
         self._saved_step[name], self._saved_status[name] = js.steps, js.status
 
@@ -202,54 +206,86 @@ class JobCheckpoints:
                   f"{getattr(js.cfg, key)}); its lr schedule spans the new total from step {step + 1}", file=sys.stderr, flush=True)
 
     def load(self) -> None:
-        """Resume every job that has a checkpoint: adapter, optimizer, data stream and counters."""
+        """Resume every job that has a checkpoint: adapter, optimizer, data stream and counters — from a set of
+        checkpoints that agree across the jobs (checkpoint/consistent.py)."""
+        from lorafusion.checkpoint.consistent import consistent_picks
+
+        picks = {name: self._newest(name) for name in self.jobs}
+        log = (lambda m: print(m, file=sys.stderr, flush=True)) if self.is_logger else (lambda m: None)
+        picks = consistent_picks(picks, _older, source=self.cfg.source,
+                                 allow_different_result=self.allow_different_result, log=log)
+        for name, (path, state, tensors) in picks.items():
+            if path is not None:
+                self._apply(name, path, state, tensors)
+
+    def _newest(self, name: str) -> tuple:
+        """(path, state, tensors) of job ``name``'s newest usable checkpoint ((None, None, None): none)."""
         import torch.distributed as dist
 
         from lorafusion.dist import multi_process
-        from lorafusion.layers import adapter_parameters
         from lorafusion.checkpoint.format import load_newest_usable
 
-        for name, js in self.jobs.items():
-            path, state, tensors, skipped = load_newest_usable(self.root / name)
-            if multi_process():  # every rank must resume the same step
-                steps = [None] * dist.get_world_size()
-                dist.all_gather_object(steps, None if path is None else path.name)
-                if len(set(steps)) > 1:
-                    raise MissingFileError(f"{self.root / name}: ranks found different usable "
-                                           f"checkpoints ({sorted(set(map(str, steps)))}); a checkpoint is damaged")
-            if path is None:  # (--resume of a job never checkpointed: said, not silent — a mistyped output_dir?)
-                if self.is_logger:
-                    print(f"job {name}: --resume: no checkpoint in {self.root / name}; it starts from step 0",
-                          file=sys.stderr, flush=True)
+        path, state, tensors, skipped = load_newest_usable(self.root / name)
+        if multi_process():  # every rank must resume the same step
+            steps = [None] * dist.get_world_size()
+            dist.all_gather_object(steps, None if path is None else path.name)
+            if len(set(steps)) > 1:
+                raise MissingFileError(f"{self.root / name}: ranks found different usable "
+                                       f"checkpoints ({sorted(set(map(str, steps)))}); a checkpoint is damaged")
+        if path is None:  # (--resume of a job never checkpointed: said, not silent — a mistyped output_dir?)
+            if self.is_logger:
+                print(f"job {name}: --resume: no checkpoint in {self.root / name}; it starts from step 0",
+                      file=sys.stderr, flush=True)
+        elif skipped and self.is_logger:
+            for bad, why in skipped:
+                print(f"job {name}: checkpoint {bad} is not usable ({why}); falling back", file=sys.stderr, flush=True)
+            print(f"job {name}: resuming from {path}", file=sys.stderr, flush=True)
+        return path, state, tensors
+
+    def _apply(self, name: str, path: Path, state: dict, tensors: dict) -> None:
+        from lorafusion.layers import adapter_parameters
+
+        js = self.jobs[name]
+        self._check_settings(name, path, state.get("settings"))
+        params = adapter_parameters(self.model, name)
+        with torch.no_grad():
+            for k, p in params.items():
+                if k not in tensors["adapter"] or tensors["adapter"][k].shape != p.shape:
+                    raise ConfigError(f"{path}: adapter tensor {k} is missing or has another shape; "
+                                      f"the checkpoint does not match job {name!r}'s lora settings" + (
+                                          " (a checkpoint from before lora.shared_fused_a existed has one A "
+                                          "shared by q/k/v and gate/up: set lora.shared_fused_a: true)"
+                                          if k in tensors["adapter"] and k.endswith(("linear_qkv.lora_A",
+                                                                                    "linear_fc1.lora_A"))
+                                          else ""))
+                p.copy_(tensors["adapter"][k])
+        self._check_total(name, path, state)
+        js.optimizer.load_state_dict(tensors["optimizer"])
+        js.stream.load_state_dict(state["stream"])
+        js.steps, js.tokens = state["step"], state.get("tokens", 0)
+        js.first_loss, js.last_loss = state.get("first_loss"), state.get("last_loss")
+        js.restore(state.get("status", JobStatus.RUNNING), state.get("nonfinite", 0))
+        ev = state.get("eval") or {}
+        js.last_eval, js.best_eval, js.best_step = ev.get("last"), ev.get("best"), ev.get("best_step")
+        js.evals_since_best = ev.get("since_best", 0)
+        self._saved_step[name], self._saved_status[name] = js.steps, js.status
+        self._stream_states[name] = state["stream"]
+
+
+def _older(name_unused: str, path: Path) -> Iterator[tuple]:
+    """The usable checkpoints of ``path``'s job older than ``path``, newest first (loaded on demand)."""
+    from lorafusion.checkpoint.format import load_job_checkpoint
+
+    def usable():
+        for p in sorted(path.parent.glob("step_*"), reverse=True):
+            if p.name >= path.name or not (p / "state.json").is_file():
                 continue
-            if skipped and self.is_logger:
-                for bad, why in skipped:
-                    print(f"job {name}: checkpoint {bad} is not usable ({why}); falling back", file=sys.stderr, flush=True)
-                print(f"job {name}: resuming from {path}", file=sys.stderr, flush=True)
-            self._check_settings(name, path, state.get("settings"))
-            params = adapter_parameters(self.model, name)
-            with torch.no_grad():
-                for k, p in params.items():
-                    if k not in tensors["adapter"] or tensors["adapter"][k].shape != p.shape:
-                        raise ConfigError(f"{path}: adapter tensor {k} is missing or has another shape; "
-                                          f"the checkpoint does not match job {name!r}'s lora settings" + (
-                                              " (a checkpoint from before lora.shared_fused_a existed has one A "
-                                              "shared by q/k/v and gate/up: set lora.shared_fused_a: true)"
-                                              if k in tensors["adapter"] and k.endswith(("linear_qkv.lora_A",
-                                                                                        "linear_fc1.lora_A"))
-                                              else ""))
-                    p.copy_(tensors["adapter"][k])
-            self._check_total(name, path, state)
-            js.optimizer.load_state_dict(tensors["optimizer"])
-            js.stream.load_state_dict(state["stream"])
-            js.steps, js.tokens = state["step"], state.get("tokens", 0)
-            js.first_loss, js.last_loss = state.get("first_loss"), state.get("last_loss")
-            js.restore(state.get("status", JobStatus.RUNNING), state.get("nonfinite", 0))
-            ev = state.get("eval") or {}
-            js.last_eval, js.best_eval, js.best_step = ev.get("last"), ev.get("best"), ev.get("best_step")
-            js.evals_since_best = ev.get("since_best", 0)
-            self._saved_step[name], self._saved_status[name] = js.steps, js.status
-            self._stream_states[name] = state["stream"]
+            try:
+                yield (p, *load_job_checkpoint(p))
+            except (MissingFileError, OSError, ValueError, RuntimeError, EOFError, KeyError):
+                continue
+
+    return usable()
 
 
 # scheduler settings that decide only how the data is packed: changed on resume, the numbers differ slightly (fp32
@@ -257,24 +293,6 @@ class JobCheckpoints:
 _PACKING = ("token_capacity", "lookahead_batches", "grouping", "policy", "solver")
 # settings added to the record later: absent from older checkpoints, which resume as before
 _ADDED = {"(run) model.digest", *(f"(run) scheduler.{k}" for k in _PACKING)}
-
-
-def model_digest(path: Path) -> str:
-    """The identity of a HF model directory by content, cheaply: sha256 over config.json, and of every
-    ``*.safetensors`` file its size, its header (names, dtypes, shapes, offsets) and 16 samples of 64 KiB spread
-    over its data (other weights of the same shapes differ there; a few MB read, whatever the model's size)."""
-    h = hashlib.sha256((path / "config.json").read_bytes())
-    for f in sorted(path.glob("*.safetensors")):
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with f.open("rb") as fh:
-            head = fh.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else 0
-            h.update(head + fh.read(min(n, size)))
-            for i in range(16):
-                fh.seek(8 + n + (max(0, size - 8 - n - 65536) * i) // 15)
-                h.update(fh.read(65536))
-    return h.hexdigest()
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

@@ -22,6 +22,7 @@ alpha/sqrt(r) with rslora), cast back to the weight's dtype.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -69,9 +70,15 @@ def read_record(run_dir: Path) -> dict:
         raise MissingFileError(f"{f}: missing (expected a lorafusion train output_dir; runs written before base "
                                f"export was added have no record of their base)")
     try:
-        return json.loads(f.read_text())
-    except json.JSONDecodeError as e:
+        record = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{f}: not valid JSON ({e})") from None
+    if not isinstance(record, dict):
+        raise ConfigError(f"{f}: expected a JSON object, got {type(record).__name__}")
+    from lorafusion.rundir.integrity import check_base_record
+
+    check_base_record(run_dir, record)  # (an edited record would rebuild another base than the run's)
+    return record
 
 
 def _record_arch(record: dict, run_dir: Path) -> ModelArch:
@@ -228,7 +235,7 @@ def write_byte_tokenizer(out: Path) -> None:
 def write_base(run_dir: Path, out: Path, *, max_shard_bytes: int | None = None):
     """A filler for :func:`lorafusion.rundir.atomic.fill_dir_atomically` that writes the run's base, and a
     description of what it wrote (from the record, before anything is written)."""
-    from lorafusion.models.hf_export import DEFAULT_SHARD_BYTES, write_hf_weights
+    from lorafusion.models.hf_export import DEFAULT_SHARD_BYTES
 
     record = read_record(run_dir)
     arch = _record_arch(record, run_dir)
@@ -245,13 +252,34 @@ def write_base(run_dir: Path, out: Path, *, max_shard_bytes: int | None = None):
                 if (src / n).is_file():
                     shutil.copyfile(src / n, tmp / n)
         else:
-            write_hf_weights(tmp, _preset_base_state(record, arch), max_shard_bytes or DEFAULT_SHARD_BYTES)
+            _write_weights(tmp, _preset_base_state(record, arch), max_shard_bytes or DEFAULT_SHARD_BYTES)
             (tmp / "config.json").write_text(json.dumps(_hf_config(record, arch), indent=2) + "\n")
         _write_tokenizer(record, tmp)
 
     what = f"copy of model.path {record['path']}" if record["path"] else \
         f"preset {record['preset']!r} (seed {record['seed']}, {record['dtype']})"
     return fill, what + fp8_note(record)
+
+
+def _write_weights(tmp: Path, state, max_shard_bytes: int) -> None:
+    """``write_hf_weights``, a failed write an OSError naming the file (safetensors' writer raises its own
+    SafetensorError for a full disk, which the CLI cannot tell from a bug)."""
+    import errno
+    import re
+
+    from lorafusion.models.hf_export import write_hf_weights
+
+    try:
+        write_hf_weights(tmp, state, max_shard_bytes)
+    except Exception as e:
+        if type(e).__name__ != "SafetensorError":
+            raise
+        code = re.search(r"code: (\d+)", str(e))
+        if code is None and shutil.disk_usage(tmp).free >= 64 << 20:
+            raise
+        num = int(code.group(1)) if code else errno.ENOSPC
+        shards = sorted(tmp.glob(".shard-*")) or [tmp]
+        raise OSError(num, os.strerror(num), str(shards[-1])) from None
 
 
 def fp8_note(record: dict) -> str:
@@ -265,7 +293,7 @@ def fp8_note(record: dict) -> str:
 
 def write_merged(run_dir: Path, adapter_dir: Path, *, max_shard_bytes: int | None = None):
     """Filler (see :func:`write_base`) for the base with the PEFT adapter at ``adapter_dir`` merged in."""
-    from lorafusion.models.hf_export import DEFAULT_SHARD_BYTES, write_hf_weights
+    from lorafusion.models.hf_export import DEFAULT_SHARD_BYTES
     from lorafusion.export.peft import read_peft_adapter
 
     record = read_record(run_dir)
@@ -298,7 +326,7 @@ def write_merged(run_dir: Path, adapter_dir: Path, *, max_shard_bytes: int | Non
                     shutil.copyfile(Path(record["path"]) / n, tmp / n)
         else:
             state, cfg = _preset_base_state(record, arch), _hf_config(record, arch)
-        write_hf_weights(tmp, merged(state), max_shard_bytes or DEFAULT_SHARD_BYTES)
+        _write_weights(tmp, merged(state), max_shard_bytes or DEFAULT_SHARD_BYTES)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         _write_tokenizer(record, tmp)
 

@@ -30,6 +30,7 @@ from lorafusion.models.hf_layout import qkv_merge, qkv_split
 from lorafusion.core.arch import ModelArch
 from lorafusion.dist import multi_process
 from lorafusion.rundir.atomic import write_bytes, write_dir_atomically
+from lorafusion.rundir.integrity import ADAPTER_HASHES, adapter_hashes
 
 _PARENT = {"linear_qkv": "self_attn", "linear_proj": "self_attn", "linear_fc1": "mlp", "linear_fc2": "mlp"}
 _PREFIX = "base_model.model.model.layers"
@@ -136,13 +137,14 @@ def peft_adapter_snapshot(model, name: str, arch: ModelArch | None = None,
 
 
 def write_peft_adapter(out_dir: str | Path, state: dict[str, torch.Tensor], config: dict) -> Path:
-    """Write a snapshot as a PEFT adapter directory, complete or absent (no collectives: any thread)."""
-    return write_dir_atomically(out_dir, {
-        "adapter_config.json": lambda p: p.write_text(json.dumps(config, indent=2) + "\n"),
-        # serialised here, written by Python: a full disk or a file size limit is then an OSError naming the
-        # file (safetensors' own writer raises SafetensorError, which the CLI cannot tell from a bug)
-        "adapter_model.safetensors": lambda p: write_bytes(p, safetensors_bytes(state, metadata={"format": "pt"})),
-    })
+    """Write a snapshot as a PEFT adapter directory, complete or absent (no collectives: any thread), with the
+    sha256 of its files beside them (export and generate check them: rundir/integrity.py)."""
+    files = {"adapter_config.json": (json.dumps(config, indent=2) + "\n").encode(),
+             # serialised here, written by Python: a full disk or a file size limit is then an OSError naming the
+             # file (safetensors' own writer raises SafetensorError, which the CLI cannot tell from a bug)
+             "adapter_model.safetensors": safetensors_bytes(state, metadata={"format": "pt"})}
+    files[ADAPTER_HASHES] = adapter_hashes(files).encode()
+    return write_dir_atomically(out_dir, {n: (lambda p, b=b: write_bytes(p, b)) for n, b in files.items()})
 
 
 def model_arch(model) -> ModelArch:

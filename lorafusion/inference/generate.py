@@ -38,7 +38,9 @@ from lorafusion.core.seeds import mix_seed
 from lorafusion.data.tokenizer import build_tokenizer
 from lorafusion.inference.sampling import Request, commit_tokens, pick_tokens
 from lorafusion.rundir.adapters import check_generate_out, find_adapter, run_jobs
-from lorafusion.rundir.atomic import write_text_atomic
+from lorafusion.rundir.atomic import exclusive_out, write_text_atomic
+from lorafusion.rundir.jsonfile import read_json_file
+from lorafusion.rundir.integrity import DamagedFileError, check_adapter, check_base_record
 from lorafusion.rundir.layout import latest_checkpoint
 
 # The model side (Megatron, the model, the KV cache, adapters) is imported inside the functions that build
@@ -63,9 +65,12 @@ class RunInfo:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        value = read_json_file(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not readable JSON ({e.strerror if isinstance(e, OSError) else e})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _latest_checkpoint_dir(job_dir: Path) -> Path | None:
@@ -88,8 +93,11 @@ def load_run(run_dir: str | Path) -> RunInfo:
             states.append(_read_json(ckpt / "state.json"))
         try:  # as `lorafusion export` picks: the final adapter of a job that ended, else its latest checkpoint
             adapters[name] = find_adapter(run, name)[0]
+        except DamagedFileError:  # (never passed over)
+            raise
         except UserError:  # no usable checkpoint: its final adapter if it has one
             if (final / "adapter_config.json").is_file():
+                check_adapter(final)
                 adapters[name] = final
     if not adapters:
         raise MissingFileError(f"{run}: no adapter under adapters/ or checkpoints/ (expected the output_dir of "
@@ -97,6 +105,7 @@ def load_run(run_dir: str | Path) -> RunInfo:
     record = run / "base_model.json"
     if record.is_file():  # the run's own record of its base
         r = _read_json(record)
+        check_base_record(run, r)  # (an edited record would rebuild another base than the adapters trained on)
         if not isinstance(r.get("seed"), int) or (r.get("preset") is None) == (r.get("path") is None):
             raise ConfigError(f"{record}: expected an integer 'seed' and exactly one of 'preset' or 'path'")
         tok = r.get("tokenizer") or {"type": "byte", "path": None}
@@ -313,11 +322,20 @@ def generate_ids(model, requests: Sequence[Request], *, eos_id: int, max_new_tok
 def generate_file(run_dir, prompts, out, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                   seed: int = 0, batch_size: int = 64, force: bool = False, use_cache: bool = True,
                   decode: str = "auto") -> dict:
-    """Everything ``lorafusion generate`` does; returns a summary."""
+    """Everything ``lorafusion generate`` does; returns a summary. One writer of ``out`` at a time: a second
+    generate to the same --out fails at once (both reported success, one's rows lost)."""
     if decode == "graph" and not torch.cuda.is_available():  # (generate_ids would run the same step eagerly)
         raise ConfigError("--decode graph: a CUDA graph needs a CUDA GPU and this machine has none; use --decode "
                           "static (the graph's step, run eagerly: the same tokens) or auto (dynamic on a CPU)")
     check_generate_out(out := Path(out), Path(prompts), force)  # --force: an earlier output only
+    with exclusive_out(out):
+        return _generate_file(run_dir, prompts, out, max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_p=top_p, seed=seed, batch_size=batch_size, force=force, use_cache=use_cache,
+                              decode=decode)
+
+
+def _generate_file(run_dir, prompts, out: Path, *, max_new_tokens, temperature, top_p, seed, batch_size, force,
+                   use_cache, decode) -> dict:
     if not (0 <= temperature < float("inf")) or not (0 < top_p <= 1):  # (NaN fails both)
         raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1], got {temperature} and {top_p}")
     if not 0 <= seed < 1 << 63:
@@ -337,7 +355,8 @@ def generate_file(run_dir, prompts, out, *, max_new_tokens: int = 128, temperatu
     t2 = time.perf_counter()
     rows = [{**r.row, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
              "output": tokenizer.decode([t for t in r.output_ids if t != tokenizer.eos_id])} for r in requests]
-    write_text_atomic(out, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), mkdir=True)
+    write_text_atomic(out, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), mkdir=True,
+                      replace=force)  # (without --force never over a file written meanwhile)
     new = sum(len(r.output_ids) for r in requests)
     return {"rows": len(requests), "jobs": jobs, "new_tokens": new, "load_s": round(t1 - t0, 3),
             "generate_s": round(t2 - t1, 3), "tokens_per_s": round(new / max(t2 - t1, 1e-9), 1), "out": str(out),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from lorafusion.core.errors import ConfigError, MissingFileError
 from lorafusion.rundir.atomic import check_writable_dir
+from lorafusion.rundir.integrity import check_adapter
 from lorafusion.rundir.layout import RunDir, best_checkpoint, latest_checkpoint, read_state
 from lorafusion.rundir.states import ENDED, JobStatus
 
@@ -64,6 +65,7 @@ def find_adapter(src: Path, job: str, best: bool = False) -> tuple[Path, str]:
     """(PEFT adapter directory, what it is) of ``job`` in a run directory or one checkpoint step directory;
     ``best``: its best-eval checkpoint's (a run directory only). The adapter's weights must be whole."""
     adapter, what = _find_adapter(src, job, best)
+    check_adapter(adapter)  # (against the hashes the run recorded: a damaged or edited file is never used)
     if (weights := adapter / "adapter_model.safetensors").is_file():
         check_safetensors(weights)
     if (config := adapter / "adapter_config.json").is_file():  # (copied as is, it would load nowhere)

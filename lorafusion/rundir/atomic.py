@@ -4,30 +4,48 @@ clears after a failed run) and renamed into place: a reader sees the old one or 
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
+import glob
 import hashlib
 import os
+import re
 import shutil
+import signal
 import tempfile
+import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 
-def _tmp_sibling(path: Path) -> Path:
-    return path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+def _tmp_sibling(path: Path) -> Path:  # (the writer's pid: one left by a killed writer is known as such)
+    return path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-def write_text_atomic(path: Path, text: str, *, mkdir: bool = False) -> None:
+def write_text_atomic(path: Path, text: str, *, mkdir: bool = False, replace: bool = True) -> None:
     """Write ``text`` (UTF-8) to a temporary sibling, then rename it over ``path``; the temporary file is removed
-    if the write fails. ``mkdir``: create ``path``'s directory first."""
+    if the write fails (an OSError names the file). ``mkdir``: create ``path``'s directory first. Without
+    ``replace`` a ``path`` that exists by then (written meanwhile by another process) is a ConfigError, left as
+    it is."""
+    from lorafusion.core.errors import ConfigError
+
     path = Path(path)
     if mkdir:
         path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_sibling(path)
     try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        write_bytes(tmp, text.encode("utf-8"))
+        if replace:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)  # (atomic and never over an existing file)
+            except FileExistsError:
+                raise ConfigError(f"{path}: written meanwhile by another process (a second writer of the same "
+                                  f"path?); left as it is") from None
+            tmp.unlink()
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -48,11 +66,18 @@ def write_bytes(path: Path, data: bytes) -> None:
 def fill_dir_atomically(out_dir: str | Path, fill: Callable[[Path], None], *, replace: bool = True) -> Path:
     """``fill(tmp_dir)`` writes into a temporary sibling directory, which is then renamed to ``out_dir``;
     an existing ``out_dir`` is replaced only after the new one is complete, and only with ``replace`` (without:
-    one written meanwhile, e.g. by a second export to the same path, is a :class:`ConfigError`)."""
-    from lorafusion.core.errors import ConfigError
-
+    one written meanwhile, e.g. by a second export to the same path, is a :class:`ConfigError`). One writer of
+    ``out`` at a time (:func:`exclusive_out`); what a killed one left beside it is removed first."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive_out(out):
+        _drop_leftovers(out)
+        return _fill(out, fill, replace)
+
+
+def _fill(out: Path, fill: Callable[[Path], None], replace: bool) -> Path:
+    from lorafusion.core.errors import ConfigError
+
     tmp = _tmp_sibling(out)
     tmp.mkdir()
     taken = ConfigError(f"{out}: written meanwhile by another process (a second export to the same path?); "
@@ -77,6 +102,78 @@ def fill_dir_atomically(out_dir: str | Path, fill: Callable[[Path], None], *, re
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _drop_leftovers(out: Path) -> None:
+    """Temporary siblings of ``out`` that a killed writer left (its pid is gone; held by :func:`exclusive_out`,
+    so no live writer of ``out`` is at work): a SIGKILL during a 16 GB export left them forever."""
+    for p in out.parent.glob(f".{glob.escape(out.name)}.*"):
+        m = re.fullmatch(r"\.(?:tmp-(\d+)-[0-9a-f]{8}|old-[0-9a-f]{8})", p.name[len(out.name) + 1:])
+        if m and not (m.group(1) and _alive(int(m.group(1)))) and (m.group(1) or out.exists()):  # (an .old
+            # one without out: the writer died between its two renames; it is the only copy, kept)
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (another user's process)
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def exclusive_out(out: Path, what: str = "--out"):
+    """Held while ``out`` is written (an export, a generate output): a second process writing the same path at
+    the same time fails at once, so two writers never both report success. While held in the main thread, a
+    stop (SIGTERM, SIGHUP) ends the write through Python — its temporary files are removed — instead of killing
+    the process where it stands."""
+    from lorafusion.core.errors import ConfigError
+
+    out = Path(out)
+    lock = out.parent / f".{out.name}.tmp-lock"
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(f"{out}: {what} is being written by another process right now (a second export or "
+                              f"generate to the same path?); run one at a time") from None
+        try:
+            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                break  # (else the holder before removed it between our open and lock: take the new one)
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        with _stops_raise():
+            yield
+    finally:
+        lock.unlink(missing_ok=True)
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _stops_raise():
+    """SIGTERM and SIGHUP raise SystemExit (exit status 128 + signal) while inside, where they would otherwise
+    kill the process at once: only in the main thread, and only over the default action (a run's own handlers
+    stay)."""
+    sigs = [s for s in (signal.SIGTERM, signal.SIGHUP) if threading.current_thread() is threading.main_thread()
+            and signal.getsignal(s) == signal.SIG_DFL]
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    for s in sigs:
+        signal.signal(s, stop)
+    try:
+        yield
+    finally:
+        for s in sigs:
+            signal.signal(s, signal.SIG_DFL)
 
 
 def write_dir_atomically(out_dir: str | Path, files: dict[str, Callable[[Path], None]]) -> Path:

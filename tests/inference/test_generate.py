@@ -178,12 +178,21 @@ def test_run_record_and_adapter_choice(preset_run, tmp_path):
     _, d = preset_run
     run = tmp_path / "run"
     shutil.copytree(d / "run", run)
-    (run / "base_model.json").write_text(json.dumps({"preset": "tiny-llama", "path": None, "seed": 99,
-                                                     "dtype": "bfloat16", "init_device": "cpu",
-                                                     "tokenizer": {"type": "byte", "path": None}}))
+    record = {"preset": "tiny-llama", "path": None, "seed": 1234, "dtype": "float32", "init_device": "cpu",
+              "base_precision": "fp8", "tokenizer": {"type": "byte", "path": None}}
+    (run / "base_model.json").write_text(json.dumps(record))
     (run / "summary.json").write_text(json.dumps({"jobs": {"alpha": {"status": "stopped"}, "beta": {"status": "done"}}}))
     info = load_run(run)
-    assert (info.preset, info.seed, info.dtype, info.init_device) == ("tiny-llama", 99, "bfloat16", "cpu")
+    assert (info.preset, info.seed, info.base_precision, info.init_device) == ("tiny-llama", 1234, "fp8", "cpu")
+    # a record that says another seed or dtype than the run's checkpoints recorded (edited, or of another run) would
+    # rebuild another base than the adapters were trained on: refused
+    from lorafusion.rundir.integrity import DamagedFileError
+
+    for key, value in (("seed", 99), ("dtype", "bfloat16")):
+        (run / "base_model.json").write_text(json.dumps({**record, key: value}))
+        with pytest.raises(DamagedFileError, match=f"base_model.json: (model.)?{key} is {value!r}, but the run trained"):
+            load_run(run)
+    (run / "base_model.json").write_text(json.dumps(record))
     assert info.adapters == {"alpha": run / "checkpoints" / "alpha" / "step_000003" / "adapter",
                              "beta": run / "adapters" / "beta"}
     # every job that ended early decodes with the adapter it ended with, as export picks it (one rule for both)

@@ -83,8 +83,8 @@ def test_export_returns_the_final_adapter_says_which_and_never_deletes(tmp_path,
     assert (tmp_path / "link").is_symlink() and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("."))\
         == []  # no temporary left
     assert _export(str(out), "--job", "b", "--out", str(tmp_path / "e1"), "--force") == 0  # an earlier export
-    assert sorted(p.name for p in (tmp_path / "e1").iterdir()) == [".lorafusion-export.json", "adapter_config.json",
-                                                                   "adapter_model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "e1").iterdir()) == [".lorafusion-export.json", ".lorafusion-sha256.json",
+                                                                   "adapter_config.json", "adapter_model.safetensors"]
     assert (tmp_path / "e1" / "adapter_model.safetensors").read_bytes() != final  # job b's now
     assert json.loads((tmp_path / "e1" / ".lorafusion-export.json").read_text())["job"] == "b"
     (tmp_path / "empty").mkdir()

@@ -80,6 +80,10 @@ def test_generate_refuses_a_non_finite_adapter(run_copy, tmp_path, capsys):
     k = sorted(t)[0]
     t[k][0, 0] = float("nan")
     save_file(t, f, metadata={"format": "pt"})
+    from lorafusion.rundir.integrity import ADAPTER_HASHES, adapter_hashes  # (as if the run wrote it so)
+
+    (f.parent / ADAPTER_HASHES).write_text(adapter_hashes({n: (f.parent / n).read_bytes() for n in (
+        "adapter_config.json", "adapter_model.safetensors")}))
     assert main(["generate", str(run_copy), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o")]) == 2
     _one_line(capsys, "generate", f"{f}: tensor", "holds non-finite values")
     assert not (tmp_path / "o").exists()
@@ -108,7 +112,10 @@ def test_a_rank_file_without_its_states(tmp_path, capsys, megatron_single):
     capsys.readouterr()  # (the training's lines, on stderr)
     step = out / "checkpoints" / "a" / "step_000002"
     torch.save({"something": 1}, step / "rank_tp0_pp0.pt")
-    (step / "manifest.json").unlink()  # (else the manifest names the change first)
+    manifest = json.loads((step / "manifest.json").read_text())  # (as if written so: else the manifest names it)
+    from lorafusion.rundir.atomic import file_sha256
+
+    (step / "manifest.json").write_text(json.dumps({**manifest, "rank_tp0_pp0.pt": file_sha256(step / "rank_tp0_pp0.pt")}))
     assert main(["train", str(run), "jobs.0.max_steps=3", "--resume"]) == 2
     _one_line(capsys, "train", "rank_tp0_pp0.pt: expected a checkpoint's 'adapter' and 'optimizer' states")
 
