@@ -141,7 +141,8 @@ class JobCheckpoints:
         if name not in self._fingerprints:
             cfg, job = self.cfg, self.jobs[name].cfg
             ds = job.dataset.model_dump(exclude={"path"})
-            ds["sha256"] = file_sha256(Path(job.dataset.path))
+            path = Path(job.dataset.path)  # (gone: a job that ended, resumed without its data — nothing to compare)
+            ds["sha256"] = file_sha256(path) if path.is_file() else None
             tree = {"eval_split": job.eval_split,  # the held-out share changes the training samples
                     "lora": job.lora.model_dump(mode="json"), "optimizer": job.optimizer.model_dump(mode="json"),
                     "global_batch_size": job.global_batch_size, "dataset": ds}
@@ -165,8 +166,8 @@ class JobCheckpoints:
         index = list(self.jobs).index(name)
         now = self._settings(name)
         for key in sorted(set(saved) | set(now)):
-            if key not in saved and key in _ADDED:  # a checkpoint from before the key was recorded
-                continue
+            if key not in saved and key in _ADDED or key == "dataset.sha256" and now.get(key) is None:
+                continue  # a checkpoint from before the key was recorded; an ended job's data, gone
             if saved.get(key) != now.get(key) and key.startswith("(run) scheduler.") and self.allow_different_result:
                 if self.is_logger:
                     print(f"job {name}: resumed with {key[6:]} {now.get(key)!r} (the checkpoint's: "

@@ -214,6 +214,8 @@ def read_prompts(path: str | Path, tokenizer, jobs: Sequence[str], context: int,
             raise ConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
         except UnicodeEncodeError as e:
             raise ConfigError(f"{where}: \\u{ord(e.object[e.start]):04x} is a lone surrogate, not text") from None
+        except RecursionError:
+            raise ConfigError(f"{where}: nested too deep to be a prompt row") from None
         if not isinstance(row, dict):
             raise ConfigError(f"{where}: expected a JSON object with 'prompt' and optionally 'job'")
         job = row.get("job")

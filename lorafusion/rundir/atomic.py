@@ -208,7 +208,18 @@ def check_writable_dir(path: Path, what: str) -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise ConfigError(f"{what}: cannot write in {path} ({e.strerror or e})") from None
+        raise ConfigError(f"{what}: cannot write in {path} ({blocker(Path(path)) or e.strerror or e})") from None
+
+
+def blocker(path: Path) -> str | None:
+    """Why directory ``path`` cannot be created where a mkdir says only "File exists": the first name on its way
+    that is a dangling symlink or not a directory (None when there is none)."""
+    for p in (path, *path.parents):
+        if p.is_symlink() and not p.exists():
+            return f"{p} is a symlink to {os.readlink(p)}, which does not exist"
+        if p.exists():
+            return None if p.is_dir() else f"{p} is not a directory"
+    return None
 
 
 def remove_partial_outputs(out: Path) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable
 from pathlib import Path
 
@@ -64,7 +65,10 @@ class OutputDirLock:
                 path = RunDir(self.out).lock
                 self._file = path.open("a+")
             except OSError as e:  # e.g. /proc/self/x, a file on the way, a read-only disk: said on every rank
-                holder = f"!cannot create {e.filename or self.out} ({e.strerror or e})"
+                from lorafusion.rundir.atomic import blocker
+
+                why = blocker(self.out) if e.errno == errno.EEXIST else None  # (a dangling symlink: "File exists")
+                holder = f"!cannot create {e.filename or self.out} ({why or e.strerror or e})"
         if is_logger and self._file is not None:
             try:
                 fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)

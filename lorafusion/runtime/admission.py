@@ -46,7 +46,8 @@ from lorafusion.rundir.requests import answer_request, pending_requests
 
 
 def resume_submitted(out: Path, jobs: dict, add_job: Callable[[JobConfig], JobState], *, is_logger: bool,
-                     log: Callable[[str], None] = print) -> list[JobConfig]:
+                     log: Callable[[str], None] = print, ended: Callable[[JobConfig, Exception], JobState] | None = None
+                     ) -> list[JobConfig]:
     """Jobs a run accepted by ``submit`` (not in the YAML), added back by ``add_job`` for a resume; returns them.
     A record that is no valid job (edited, damaged, or accepted before a bound it breaks existed) is set aside —
     moved to ``requests/done/`` with the reason, which ``lorafusion status`` shows — so that no later resume
@@ -62,18 +63,53 @@ def resume_submitted(out: Path, jobs: dict, add_job: Callable[[JobConfig], JobSt
                 set_aside_submitted(out, path, f"refused at resume: {e}")
             continue
         if job.name not in jobs:
-            jobs[job.name] = add_job(job)
+            try:
+                jobs[job.name] = add_job(job)
+            except UserError as e:  # (its data gone or unreadable: a job that ended needs none)
+                if ended is None:
+                    raise
+                jobs[job.name] = ended(job, e)
             added.append(job)
     return added
+
+
+def ended_without_data(out: Path, job: JobConfig, seed: int, attach: Callable[[JobState], None], why: Exception,
+                       log: Callable[[str], None] = print) -> JobState:
+    """Job ``job`` of a resumed run as it ended, without its data (deleted since): its newest checkpoint says it
+    ended, and the resume loads its adapter and counts from it; ``why`` (the data's error) is raised for a job
+    that has not ended."""
+    from lorafusion.data import JobStream
+    from lorafusion.rundir.layout import latest_checkpoint, read_state
+    from lorafusion.rundir.states import ENDED
+
+    try:
+        ckpt = latest_checkpoint(RunDir(out).job_checkpoints(job.name))
+        state = read_state(ckpt) if ckpt is not None else {}
+        status, samples, step = state.get("status"), state["stream"]["num_samples"], state["step"]
+        done = step >= state["total_steps"] and (job.max_steps is None or job.max_steps <= step)  # (all steps run)
+    except (UserError, OSError, KeyError, TypeError):
+        raise why from None
+    if not (status in ENDED or done) or not isinstance(samples, int):
+        raise why
+    status = status if status in ENDED else "done"
+    stream = JobStream(job.name, samples, job.global_batch_size, seed, max_steps=job.max_steps,
+                       num_epochs=job.num_epochs)
+    js = JobState(job, [], stream, eval_samples=[] if job.has_eval else None)
+    attach(js)
+    log(f"job {job.name}: resumed as it ended ({status}) without its data, which it no longer needs ({why})")
+    return js
 
 
 def set_aside_submitted(out: Path, path: Path, answer: str) -> None:
     """Move submitted job record ``path`` to ``requests/done/`` with ``answer`` (rank 0)."""
     done = RunDir(out).requests / "done"
     done.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(done / f"{time.time_ns():020d}-submit-{path.stem}.json",
-                      json.dumps({"kind": "submit", "name": path.stem, "answer": answer}, indent=2) + "\n")
-    path.unlink(missing_ok=True)
+    name = f"{time.time_ns():020d}-submit-{path.stem}.json"
+    write_text_atomic(done / name, json.dumps({"kind": "submit", "name": path.stem, "answer": answer}, indent=2) + "\n")
+    try:
+        path.unlink(missing_ok=True)
+    except IsADirectoryError:  # (moved aside whole, never read again)
+        path.replace(done / f"{name}.not-a-file")
 
 
 def _read_json(path: Path):

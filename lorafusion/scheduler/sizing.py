@@ -71,7 +71,7 @@ class MemoryPlan:
         for s in self.stages:
             out.append(f"{s.stage:>5} {s.layers:>6} {s.recompute_layers:>6} {s.in_flight:>6.2f} "
                        f"{s.weights / GIB:>8.1f} {s.lora / GIB:>8.1f} {s.per_microbatch / GIB:>7.2f} "
-                       f"{s.peak / GIB:>7.1f} {s.need / GIB:>7.1f} {self.gpu_bytes / GIB:>7.1f}  "
+                       f"{max(s.peak, 0.0) / GIB:>7.1f} {s.need / GIB:>7.1f} {self.gpu_bytes / GIB:>7.1f}  "
                        f"{'yes' if s.fits(self.gpu_bytes) else 'NO'}")
         return out
 
@@ -295,7 +295,7 @@ def no_fit_message(s: MemorySetup, plan: MemoryPlan, longest: dict[str, int], so
     head = (f"{source}: the run does not fit {plan.gpu_bytes / GIB:.1f} GiB of GPU memory: at token_capacity "
             f"{plan.capacity} with {plan.recompute_layers[worst.stage]} of {worst.layers} decoder layers "
             f"recomputed, pipeline stage {worst.stage} needs {worst.need / GIB:.1f} GiB (predicted peak "
-            f"{worst.peak / GIB:.1f} GiB + margin)")
+            f"{max(worst.peak, 0.0) / GIB:.1f} GiB + margin)")  # (the fitted model can go below 0 far below its data)
     if job is not None and plan.chosen.get("token_capacity"):
         head += f"; job {job!r} has samples of up to {longest[job]} tokens (its dataset.max_seq_len)"
     fixes = what_fits(s, plan.gpu_bytes, max(longest.values(), default=1), plan.capacity, plan.recompute_layers,
@@ -307,8 +307,10 @@ def no_fit_message(s: MemorySetup, plan: MemoryPlan, longest: dict[str, int], so
         if cap is not None and cap < plan.capacity:
             fixes.append(f"dataset.max_seq_len: {cap} or less with truncate: true on the jobs over it "
                          f"(fits with every layer recomputed)")
-        deeper = [pp for pp in (2 * s.pp, 4 * s.pp) if s.arch.num_layers % pp == 0]
-        if deeper:
-            fixes.append(f"more pipeline stages (parallelism.pp: {deeper[0]})")
-        fixes.append("tensor parallelism (parallelism.tp) or a GPU with more memory")
-    return head + ". Would fit: " + "; or ".join(fixes)
+        low = -(-max(1, max(longest.values(), default=1)) // 512) * 512  # (advised only where the model fits it)
+        fixes += [f"more pipeline stages (parallelism.pp: {pp})" for pp in (2 * s.pp, 4 * s.pp) if s.arch.num_layers % pp
+                  == 0 and what_fits(replace(s, pp=pp, stage_layers=None), plan.gpu_bytes, low, low, [0] * pp, coeffs)][:1]
+        fixes += ["tensor parallelism (parallelism.tp) or a GPU with more memory"] if fixes else []
+    return head + (". Would fit: " + "; or ".join(fixes) if fixes else ". Nothing within this run's settings fits: a "
+                   "GPU with more memory, or tensor parallelism (parallelism.tp)")
+

@@ -53,3 +53,14 @@ def test_a_null_first_line_never_kills_the_process(tmp_path):
                         f"jobs.countdown.dataset.path={tmp_path / 'd.jsonl'}", "--out", str(tmp_path / "p")],
                        capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert r.returncode == 2 and "line 1: expected a JSON object per line, got null" in r.stderr, r.stderr[-2000:]
+
+
+def test_a_prompt_row_nested_too_deep_is_one_error(tmp_path):
+    """generate --prompts with a line nested 100,000 deep was a RecursionError traceback."""
+    from lorafusion.config import ConfigError
+    from lorafusion.inference.generate import read_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ConfigError, match=r"p.jsonl:2: nested too deep to be a prompt row"):
+        read_prompts(path, ByteTokenizer(), [], 1024, tmp_path)

@@ -143,3 +143,15 @@ def test_a_full_disk_during_a_merged_export_names_the_file(tmp_path, monkeypatch
     with pytest.raises(OSError) as e:
         _write_weights(tmp_path, iter(()), 1 << 30)
     assert e.value.errno == 28 and e.value.filename == str(tmp_path), e.value
+
+
+def test_a_directory_that_cannot_be_made_says_why(tmp_path):
+    """A dangling symlink as output_dir / --out's directory said only "File exists"; a file on the way too."""
+    from lorafusion.rundir.atomic import check_writable_dir
+
+    (tmp_path / "dang").symlink_to("/nonexistent/y")
+    with pytest.raises(ConfigError, match="dang is a symlink to /nonexistent/y, which does not exist"):
+        check_writable_dir(tmp_path / "dang", "--out")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=r"cannot write in .*file/sub \(.*file is not a directory\)"):
+        check_writable_dir(tmp_path / "file" / "sub", "--out")

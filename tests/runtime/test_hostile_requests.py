@@ -6,11 +6,14 @@ was accepted by ``submit``, killed the run that admitted it, and every ``--resum
 import json
 from types import SimpleNamespace
 
+import pytest
+
 from lorafusion.cli import main
+from lorafusion.core.errors import UserError
 from lorafusion.layers import get_lora_context
 from lorafusion.rundir.requests import write_request
 from lorafusion.runtime.trainer import Trainer
-from runtime_utils import job_dict, train_inprocess, write_dataset, write_run
+from runtime_utils import assert_close, job_dict, load_adapter, train_inprocess, write_dataset, write_run
 import lorafusion.runtime.pipeline as pipeline
 
 
@@ -66,6 +69,7 @@ def test_a_submitted_record_that_no_longer_validates_is_set_aside_at_resume(tmp_
     bad = job_dict("old", write_dataset(tmp_path / "o.jsonl", 2), r=4, steps=10**400)  # accepted before bounds
     (out / "submitted" / "old.json").write_text(json.dumps(bad))
     (out / "submitted" / "junk.json").write_bytes(b"\xff\xfe")
+    (out / "submitted" / "adir.json").mkdir()  # (a directory named like a record: moved aside, not EISDIR)
     summary, _ = train_inprocess(run, resume=True)
     assert set(summary["jobs"]) == {"a"}
     assert not list((out / "submitted").glob("*.json"))
@@ -74,6 +78,7 @@ def test_a_submitted_record_that_no_longer_validates_is_set_aside_at_resume(tmp_
     shown = capsys.readouterr().err
     assert "(submit old): refused at resume: " in shown and "max_steps: expected an integer <= 1000000000" in shown
     assert "(submit junk): refused at resume: " in shown and "not UTF-8" in shown, shown
+    assert "(submit adir): refused at resume: " in shown and "a directory" in shown, shown
     summary, _ = train_inprocess(run, resume=True)
     assert set(summary["jobs"]) == {"a"}
 
@@ -101,3 +106,26 @@ def test_resume_cuts_a_metrics_file_with_damaged_lines(tmp_path):
                      b'{"job": "a", "step": "x"}\n' + b"[" * 100_000 + b"\n")
     cut_metrics(path, {"a": 1})
     assert [json.loads(x) for x in path.read_text().splitlines()] == [rows[0], rows[2]]
+
+
+def test_a_finished_submitted_job_needs_no_data_to_resume(tmp_path, megatron_single, capsys):
+    """Deleting the data of a finished submitted job made every later resume refuse (dataset: file not found)."""
+    import yaml
+
+    run = write_run(tmp_path, [job_dict("a", write_dataset(tmp_path / "a.jsonl", 1), r=4, steps=2)], out="o")
+    _, out = train_inprocess(run)
+    late = tmp_path / "late.yaml"
+    late.write_text(yaml.safe_dump(job_dict("late", write_dataset(tmp_path / "late.jsonl", 2), r=4, steps=3)))
+    assert main(["submit", str(out), str(late)]) == 0
+    train_inprocess(run, resume=True)
+    before = load_adapter(out, "late")
+    (tmp_path / "late.jsonl").unlink()
+    capsys.readouterr()
+    summary, _ = train_inprocess(run, resume=True)
+    assert summary["jobs"]["late"]["status"] == "done" and summary["jobs"]["late"]["steps"] == 3
+    assert "job late: resumed as it ended (done) without its data" in capsys.readouterr().out
+    assert_close(load_adapter(out, "late"), before, rel=0)
+    # a job that has not ended still needs its data: refused, naming it
+    (out / "checkpoints" / "late").rename(tmp_path / "gone")
+    with pytest.raises(UserError, match="late.jsonl: file not found"):
+        train_inprocess(run, resume=True)

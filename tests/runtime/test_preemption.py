@@ -139,6 +139,15 @@ def test_resume_refuses_a_changed_setting_naming_the_field(tmp_path, megatron_si
     assert f": {field}: cannot resume job 'a'" in msg, msg
 
 
+def _rewrite_state(f, state: dict) -> None:
+    """``state.json`` as an older version wrote it, with its manifest entry to match (a resume checks it)."""
+    from lorafusion.rundir.atomic import file_sha256
+
+    f.write_text(json.dumps(state))
+    manifest = json.loads((f.parent / "manifest.json").read_text())
+    (f.parent / "manifest.json").write_text(json.dumps({**manifest, "state.json": file_sha256(f)}))
+
+
 def test_checkpoint_from_before_per_projection_a_resumes_only_with_shared_fused_a(tmp_path, megatron_single):
     """A checkpoint written before lora.shared_fused_a existed (one A shared by q/k/v and gate/up) is refused by
     the default (an A per projection) with one error saying what to set, and resumes with shared_fused_a: true."""
@@ -150,8 +159,7 @@ def test_checkpoint_from_before_per_projection_a_resumes_only_with_shared_fused_
     for f in (tmp_path / "o" / "checkpoints" / "a").glob("step_*/state.json"):  # as written before the field
         state = json.loads(f.read_text())
         del state["settings"]["lora.shared_fused_a"]
-        f.write_text(json.dumps(state))
-        (f.parent / "manifest.json").unlink()  # (a checkpoint of then had no manifest)
+        _rewrite_state(f, state)
     more = [dict(json.loads(json.dumps(jobs[0])), max_steps=3)]
     del more[0]["lora"]["shared_fused_a"]
     with pytest.raises(ConfigError) as e:
@@ -161,12 +169,12 @@ def test_checkpoint_from_before_per_projection_a_resumes_only_with_shared_fused_
     for f in (tmp_path / "o" / "checkpoints" / "a").glob("step_*/state.json"):  # older still: no settings recorded
         state = json.loads(f.read_text())
         saved = state.pop("settings")
-        f.write_text(json.dumps(state))
+        _rewrite_state(f, state)
     with pytest.raises(ConfigError, match=r"linear_qkv.lora_A is missing or has another shape.*set "
                                           r"lora.shared_fused_a: true"):
         train_inprocess(write_run(tmp_path, more, out="o", capacity=1024), resume=True)
     for f in (tmp_path / "o" / "checkpoints" / "a").glob("step_*/state.json"):
-        f.write_text(json.dumps({**json.loads(f.read_text()), "settings": saved}))
+        _rewrite_state(f, {**json.loads(f.read_text()), "settings": saved})
     more[0]["lora"]["shared_fused_a"] = True
     summary, _ = train_inprocess(write_run(tmp_path, more, out="o", capacity=1024), resume=True)
     assert summary["jobs"]["a"]["steps"] == 3

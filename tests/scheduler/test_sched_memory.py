@@ -222,11 +222,23 @@ def test_recompute_auto_is_the_fewest_layers_per_stage_that_fit():
 
 def test_nothing_fits_names_the_stage_and_the_job_and_what_would():
     s = _setup("llama3.1-70b", pp=4)
-    p = choose(s, 24 * GIB, 4096, coeffs=load_coefficients())
+    p = choose(s, 40 * GIB, 4096, coeffs=load_coefficients())
     assert not p.fits
     msg = no_fit_message(s, p, {"short": 512, "long": 4096}, "run.yaml", load_coefficients())
-    assert msg.startswith("run.yaml: the run does not fit 24.0 GiB") and "pipeline stage 0 needs" in msg
+    assert msg.startswith("run.yaml: the run does not fit 40.0 GiB") and "pipeline stage 0 needs" in msg
     assert "job 'long'" in msg and "parallelism.pp: 8" in msg
+    # advice is only what the model says fits: at 32 GiB not pp 8 (it would not fit either) but 16; at 24 nothing
+    for gib, advice in ((32, "parallelism.pp: 16"), (24, "Nothing within this run's settings fits")):
+        p = choose(s, gib * GIB, 4096, coeffs=load_coefficients())
+        msg = no_fit_message(s, p, {"short": 512, "long": 4096}, "run.yaml", load_coefficients())
+        assert advice in msg and "parallelism.pp: 8" not in msg, msg
+    # a model far below the fitted data (`plan --gpu-memory 1` of the quickstart): its peak is never shown below 0
+    from lorafusion.config import load_run_config
+
+    cfg = load_run_config(ROOT / "configs/quickstart.yaml", check_files=False)
+    plan = resolve(cfg, World.for_plan(cfg), GpuMemory(GIB, GIB), coeffs=load_coefficients())
+    shown = "\n".join([*plan.lines(), plan.no_fit or ""])
+    assert not plan.fits and "predicted peak 0.0 GiB" in shown and "peak -" not in shown, shown
 
 
 @pytest.mark.parametrize("gpus", [4, 8])
