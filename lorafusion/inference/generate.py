@@ -142,7 +142,6 @@ def build_run_model(info: RunInfo, jobs: Sequence[str], device=None):
     from megatron.core import parallel_state
 
     from lorafusion.dist import init_distributed
-    from lorafusion.export.peft import import_peft_adapter
     from lorafusion.models.base import base_arch, build_base
 
     if not parallel_state.model_parallel_is_initialized():
@@ -158,9 +157,22 @@ def build_run_model(info: RunInfo, jobs: Sequence[str], device=None):
     model = build_base(*base_arch(info.path, info.preset), dtype=info.dtype, device=device, seed=info.seed,
                        base_precision=info.base_precision, lora_impl=None)  # (None: fused kernels on CUDA)
     for job in jobs:
-        import_peft_adapter(model, job, info.adapters[job])
+        _import_adapter(model, info, job)
     model.eval()
     return model
+
+
+def _import_adapter(model, info: RunInfo, job: str, tries: int = 3) -> None:
+    """Job ``job``'s adapter onto ``model``. A live run prunes old checkpoints: one picked a moment ago may be
+    gone by now (its files read as missing), so the lookup is made again and the newer one taken."""
+    from lorafusion.export.peft import import_peft_adapter
+    for attempt in range(tries):
+        try:
+            return import_peft_adapter(model, job, info.adapters[job])
+        except (MissingFileError, ConfigError):
+            if attempt == tries - 1 or (info.adapters[job] / "adapter_config.json").is_file():
+                raise
+            info.adapters[job] = find_adapter(info.run_dir, job)[0]  # (pruned meanwhile: the newer one)
 
 
 # ---------------------------------------------------------------------------------------------- prompts

@@ -65,6 +65,6 @@ def test_a_partly_failed_checkpoint_of_a_run_resumes_from_the_last_agreeing_set(
     (out / "checkpoints" / "b" / "latest").write_text(b_steps[-3].name + "\n")
     capsys.readouterr()  # (a resume with more steps continues both)
     summary, _ = train_inprocess(run, ov + ["jobs.a.max_steps=8", "jobs.b.max_steps=8"], resume=True)
-    said = capsys.readouterr().out
+    said = capsys.readouterr().err
     assert f"resuming 'a' from {out / 'checkpoints' / 'a' / b_steps[-3].name}, where they agree" in said, said
     assert summary["jobs"]["a"]["steps"] == summary["jobs"]["b"]["steps"] == 8

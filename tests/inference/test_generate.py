@@ -238,3 +238,19 @@ def test_decode_graph_without_a_gpu_is_an_error_not_something_else(tmp_path, cap
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--decode graph: a CUDA graph needs a CUDA GPU" in err[0], err
     assert "--decode static" in err[0] and not out.exists()
+
+
+def test_a_checkpoint_pruned_between_lookup_and_load_is_looked_up_again(preset_run, tmp_path):
+    """On a live run, generate failed ("step_…/adapter_config.json: missing") when the checkpoint it had picked was
+    pruned before it was loaded: it now looks the adapter up again and takes the newer one."""
+    import shutil
+
+    from lorafusion.inference.generate import build_run_model, load_run
+
+    _, d = preset_run
+    run = tmp_path / "run"
+    shutil.copytree(d / "run", run)
+    info = load_run(run)
+    info.adapters["alpha"] = run / "checkpoints" / "alpha" / "step_000001" / "adapter"  # (picked, then pruned)
+    build_run_model(info, ["alpha"])
+    assert info.adapters["alpha"] == run / "adapters" / "alpha"

@@ -116,6 +116,7 @@ def test_a_rank_file_without_its_states(tmp_path, capsys, megatron_single):
     from lorafusion.rundir.atomic import file_sha256
 
     (step / "manifest.json").write_text(json.dumps({**manifest, "rank_tp0_pp0.pt": file_sha256(step / "rank_tp0_pp0.pt")}))
+    capsys.readouterr()
     assert main(["train", str(run), "jobs.0.max_steps=3", "--resume"]) == 2
     _one_line(capsys, "train", "rank_tp0_pp0.pt: expected a checkpoint's 'adapter' and 'optimizer' states")
 
