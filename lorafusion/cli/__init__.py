@@ -164,10 +164,11 @@ def cmd_plan(args) -> int:
 
     out = Path(args.out) if args.out else Path(cfg.output_dir) / "plan"
     check_writable_dir(out, f"{out}: --out")  # before the work
-    _say("\n".join(run_plan.lines()))
     stage = stage_model(cfg, run_plan)
+    jobs = load_jobs(cfg)[1]  # (a data error: its one line, nothing before it)
+    _say("\n".join(run_plan.lines()))
     args.progress = Progress()
-    res = write_plan_report(Feed(load_jobs(cfg)[1], run_plan.scheduler, dp_rank=None), out,
+    res = write_plan_report(Feed(jobs, run_plan.scheduler, dp_rank=None), out,
                             max_chunks=args.chunks, stage=stage, progress=args.progress)
     _say(f"{'window':>6} {'jobs':>4} {'mbs':>5} {'noops':>5} {'fill':>6} {'imbal':>6} {'bubble':>7} {'plan_s':>7}")
     for c in res["chunks"]:
