@@ -31,7 +31,8 @@ def init_distributed(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str
         apply_cpu_patches()
     from megatron_patches import apply_stream_local_p2p_sync
 
-    apply_stream_local_p2p_sync()  # no device-wide synchronise in the pipeline p2p (see megatron_patches/p2p.py)
+    # no device-wide synchronise in the pipeline p2p (see megatron_patches/p2p.py)
+    apply_stream_local_p2p_sync()
     if not dist.is_initialized():
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -39,16 +40,20 @@ def init_distributed(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str
         if "RANK" in os.environ:  # torchrun / Slurm: env:// rendezvous
             dist.init_process_group(backend)
         else:  # a single process; nothing is put into os.environ, so child processes start clean
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                    rank=0, world_size=1)
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"parallelism: tp*pp = {tp}*{pp} does not divide the world size {world}")
     if parallel_state.model_parallel_is_initialized():
-        if (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
-                parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) == (tp, pp, virtual_stages):
-            # the same layout in the same process group (runs one after another in one process): keep its groups.
-            # destroy_model_parallel only forgets them; their gloo threads would stay, two per group, ~20 groups
-            # per layout (a test session of in-process runs reached 1,600 idle threads and doubled its time)
+        layout = (parallel_state.get_tensor_model_parallel_world_size(),
+                  parallel_state.get_pipeline_model_parallel_world_size(),
+                  parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1)
+        if layout == (tp, pp, virtual_stages):
+            # the same layout in the same process group (runs one after another in one process): keep its
+            # groups. destroy_model_parallel only forgets them; their gloo threads would stay, two per group,
+            # ~20 groups per layout (a test session of in-process runs reached 1,600 idle threads and doubled
+            # its time)
             model_parallel_cuda_manual_seed(seed)
             return {"rank": dist.get_rank(), "world": world, "tp": tp, "pp": pp, "dp": world // (tp * pp)}
         parallel_state.destroy_model_parallel()
@@ -70,7 +75,8 @@ def is_rank0() -> bool:
 
 
 def min_over_ranks(value: float, device="cuda") -> float:
-    """The smallest ``value`` of all ranks (an all-reduce on ``device`` when multi-process; else ``value``)."""
+    """The smallest ``value`` of all ranks (an all-reduce on ``device`` when multi-process; else
+    ``value``)."""
     if not multi_process():
         return value
     t = torch.tensor([float(value)], device=device)
@@ -79,11 +85,11 @@ def min_over_ranks(value: float, device="cuda") -> float:
 
 
 def warm_communicators() -> None:
-    """Create, on a GPU, the NCCL communicators a training step uses (the model-parallel, data-parallel, tensor-
-    and pipeline-parallel groups' all-reduces and the pipeline's batched p2p with its neighbours, wrapping around
-    under interleaved 1F1B), so that their buffers — allocated outside torch's allocator, on a communicator's
-    first use — are already taken when the free GPU memory is read for the memory plan. Collective over all
-    ranks; nothing without CUDA or with one process."""
+    """Create, on a GPU, the NCCL communicators a training step uses (the model-parallel, data-parallel,
+    tensor- and pipeline-parallel groups' all-reduces and the pipeline's batched p2p with its neighbours,
+    wrapping around under interleaved 1F1B), so that their buffers — allocated outside torch's allocator, on a
+    communicator's first use — are already taken when the free GPU memory is read for the memory plan.
+    Collective over all ranks; nothing without CUDA or with one process."""
     if not (multi_process() and torch.cuda.is_available()):
         return
     from megatron.core import parallel_state as ps
@@ -99,8 +105,10 @@ def warm_communicators() -> None:
     if not ps.model_parallel_is_initialized() or ps.get_pipeline_model_parallel_world_size() == 1:
         torch.cuda.synchronize()
         return
-    g, ring = ps.get_pipeline_model_parallel_group(), (ps.get_virtual_pipeline_model_parallel_world_size() or 1) > 1
-    first, last = ps.is_pipeline_first_stage(ignore_virtual=True), ps.is_pipeline_last_stage(ignore_virtual=True)
+    g = ps.get_pipeline_model_parallel_group()
+    ring = (ps.get_virtual_pipeline_model_parallel_world_size() or 1) > 1
+    first = ps.is_pipeline_first_stage(ignore_virtual=True)
+    last = ps.is_pipeline_last_stage(ignore_virtual=True)
     out, inn = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
     ops = []
     if ring or not last:  # forward activations go to the next stage, gradients come back from it
@@ -115,7 +123,8 @@ def warm_communicators() -> None:
 
 
 def share_from_rank0(value, group=None):
-    """``value`` as global rank 0 has it, on every rank of ``group`` (collective; a single process: ``value``)."""
+    """``value`` as global rank 0 has it, on every rank of ``group`` (collective; a single process:
+    ``value``)."""
     if not (dist.is_initialized() and dist.get_world_size(group) > 1):
         return value
     box = [value]

@@ -21,6 +21,7 @@ from megatron_patches.rope import (
     rope_positions_patch_applied,
 )
 
-__all__ = ["after_each_backward", "apply_cpu_patches", "cpu_patches_applied", "apply_stream_local_p2p_sync", "stream_local_p2p_sync_applied",
-           "apply_recompute_state_hook", "apply_packed_rope_patch", "packed_rope_patch_applied",
+__all__ = ["after_each_backward", "apply_cpu_patches", "cpu_patches_applied", "apply_stream_local_p2p_sync",
+           "stream_local_p2p_sync_applied", "apply_recompute_state_hook", "apply_packed_rope_patch",
+           "packed_rope_patch_applied",
            "apply_rope_positions_patch", "rope_positions_patch_applied"]

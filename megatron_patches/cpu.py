@@ -71,7 +71,8 @@ def apply_cpu_patches() -> bool:
 
     version = getattr(megatron.core, "__version__", "0.16")
     if not version.startswith(SUPPORTED_MEGATRON):
-        warnings.warn(f"megatron_patches targets megatron-core {SUPPORTED_MEGATRON}, found {version}", stacklevel=2)
+        warnings.warn(f"megatron_patches targets megatron-core {SUPPORTED_MEGATRON}, found "
+                      f"{version}", stacklevel=2)
 
     torch.cuda.current_device = _cpu_current_device
     # torch.cuda.synchronize(): megatron timers / schedules call it; nothing to wait for on CPU.

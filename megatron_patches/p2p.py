@@ -51,7 +51,8 @@ class _TorchView(types.ModuleType):
 
 
 def apply_stream_local_p2p_sync() -> bool:
-    """Make Megatron's pipeline p2p synchronise the current stream instead of the device; True when applied."""
+    """Make Megatron's pipeline p2p synchronise the current stream instead of the device; True when
+    applied."""
     global _applied
     if _applied:
         return True

@@ -1,8 +1,9 @@
 """The timer and the record writer every benchmark script here shares.
 
-Timing: device work is asynchronous, so a GPU call is bracketed by CUDA events (synchronized before and after);
-on a CPU the host clock times it. :func:`median_ms` runs ``warmup`` untimed calls first (Triton JIT, cuBLAS
-heuristics and allocator growth stay out of the numbers), then ``iters`` timed ones, and returns their median.
+Timing: device work is asynchronous, so a GPU call is bracketed by CUDA events (synchronized before and
+after); on a CPU the host clock times it. :func:`median_ms` runs ``warmup`` untimed calls first (Triton JIT,
+cuBLAS heuristics and allocator growth stay out of the numbers), then ``iters`` timed ones, and returns their
+median.
 
 Records: :func:`run_info` is what every result JSON carries so that a number can be traced back — the device,
 the commit (``BENCH_COMMIT``, else a ``.commit`` file at the repository root for a tree copied without its git
@@ -73,7 +74,8 @@ def commit() -> str | None:
     if (ROOT / ".commit").is_file():
         return (ROOT / ".commit").read_text().strip() or None
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                             capture_output=True, text=True)
     except OSError:
         return None
     return out.stdout.strip() or None
@@ -87,7 +89,8 @@ def command() -> str:
 
 def run_info() -> dict:
     """``device``, ``commit``, ``command`` and ``date`` of this run."""
-    return {"device": device_name(), "commit": commit(), "command": command(), "date": time.strftime("%Y-%m-%d")}
+    return {"device": device_name(), "commit": commit(), "command": command(),
+            "date": time.strftime("%Y-%m-%d")}
 
 
 def write_json(rec: dict, out: str | os.PathLike | None, indent: int = 2) -> None:

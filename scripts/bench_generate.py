@@ -1,20 +1,21 @@
 #!/usr/bin/env python3
-"""Decoding speed of ``lorafusion generate`` after a warm-up, beside transformers + PEFT ``generate`` on the same
-weights and adapter. Times :func:`lorafusion.inference.generate.generate_ids`, the function the CLI
-runs for every batch (packed prefill, then one packed row per live sequence per step through the KV cache), on a
-preset base with random weights and LoRA adapters (r=16, all-linear, B drawn nonzero so every LoRA term computes).
+"""Decoding speed of ``lorafusion generate`` after a warm-up, beside transformers + PEFT ``generate`` on the
+same weights and adapter. Times :func:`lorafusion.inference.generate.generate_ids`, the function the CLI
+runs for every batch (packed prefill, then one packed row per live sequence per step through the KV cache), on
+a preset base with random weights and LoRA adapters (r=16, all-linear, B drawn nonzero so every LoRA term
+computes).
 
 Every sequence decodes exactly ``--new-tokens`` tokens (no eos: ours with ``eos_id=-1``, transformers with
-``min_new_tokens``), greedy. Each timed call is bracketed by CUDA events; the first call is the warm-up (Triton
-JIT, cuBLAS heuristics) and is reported apart; tokens/s = new tokens / median time over ``--repeats``.
-``--decode`` picks generate_ids' decode steps (default auto: on a GPU the static step replayed from a CUDA graph,
-:mod:`lorafusion.inference.static_decode`; ``--also-dynamic`` times the packed step of live rows beside it);
-``ms_per_decode_step`` = (median time - the prefill alone) / (new tokens - 1), capture and warm-up included.
-``syncs_per_decode_step``: device-to-host syncs one decode step makes, counted with
+``min_new_tokens``), greedy. Each timed call is bracketed by CUDA events; the first call is the warm-up
+(Triton JIT, cuBLAS heuristics) and is reported apart; tokens/s = new tokens / median time over ``--repeats``.
+``--decode`` picks generate_ids' decode steps (default auto: on a GPU the static step replayed from a CUDA
+graph, :mod:`lorafusion.inference.static_decode`; ``--also-dynamic`` times the packed step of live rows beside
+it); ``ms_per_decode_step`` = (median time - the prefill alone) / (new tokens - 1), capture and warm-up
+included. ``syncs_per_decode_step``: device-to-host syncs one decode step makes, counted with
 ``torch.cuda.set_sync_debug_mode("warn")`` (one is needed: the picked tokens, to see who has finished).
 
-    python scripts/bench_generate.py --model tiny-llama --prompts configs/quickstart/heldout.jsonl --out A.json
-    python scripts/bench_generate.py --model llama3.1-8b --batch 8 --hf --out B.json
+  python scripts/bench_generate.py --model tiny-llama --prompts configs/quickstart/heldout.jsonl --out A.json
+  python scripts/bench_generate.py --model llama3.1-8b --batch 8 --hf --out B.json
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def build(preset_name: str, adapters: list[str], dtype: str, seed: int, impl: st
 
 
 def prompt_rows(args, adapters: list[str], vocab: int) -> list[tuple[str | None, list[int]]]:
-    """(job, prompt ids): the rows of ``--prompts`` (byte tokenizer, as generate encodes them), else ``--batch``
-    random prompts of ``--prompt-len`` lo-hi tokens, spread over the adapters round-robin."""
+    """(job, prompt ids): the rows of ``--prompts`` (byte tokenizer, as generate encodes them), else
+    ``--batch`` random prompts of ``--prompt-len`` lo-hi tokens, spread over the adapters round-robin."""
     if args.prompts:
         from lorafusion.data.tokenizer import ByteTokenizer
         from lorafusion.inference.generate import encode_prompt
@@ -72,7 +73,8 @@ def prompt_rows(args, adapters: list[str], vocab: int) -> list[tuple[str | None,
     out = []
     for i in range(args.batch):
         n = int(torch.randint(lo, hi + 1, (1,), generator=g))
-        out.append((adapters[i % len(adapters)], [1, *torch.randint(3, vocab, (n - 1,), generator=g).tolist()]))
+        out.append(
+            (adapters[i % len(adapters)], [1, *torch.randint(3, vocab, (n - 1,), generator=g).tolist()]))
     return out
 
 
@@ -82,8 +84,8 @@ def timed(fn) -> float:
 
 
 def ours(model, rows, args, context: int, decode: str | None = None) -> dict:
-    """``generate_ids`` timed (``decode``: args.decode); prefill alone (one new token) timed too, so the decode
-    steps' share is known; capture fallbacks (GraphCaptureWarning) recorded."""
+    """``generate_ids`` timed (``decode``: args.decode); prefill alone (one new token) timed too, so the
+    decode steps' share is known; capture fallbacks (GraphCaptureWarning) recorded."""
     from lorafusion.inference.generate import Request, generate_ids
     from lorafusion.inference.static_decode import GraphCaptureWarning
 
@@ -105,7 +107,8 @@ def ours(model, rows, args, context: int, decode: str | None = None) -> dict:
     return {"decode": decode, "first_call_s": round(first, 3), "times_s": [round(t, 4) for t in times],
             "new_tokens": new, "tokens_per_s": round(new / med, 1), "prefill_only_s": round(prefill, 4),
             "ms_per_decode_step": round((med - prefill) / max(args.new_tokens - 1, 1) * 1e3, 2),
-            "capture_warnings": [str(w.message)[:400] for w in caught if issubclass(w.category, GraphCaptureWarning)],
+            "capture_warnings": [str(w.message)[:400] for w in caught
+                                 if issubclass(w.category, GraphCaptureWarning)],
             "outputs": outputs}
 
 
@@ -141,8 +144,8 @@ def profile(model, rows, context: int, steps: int = 8) -> str:
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV == "cuda" else [])
     with prof(activities=acts) as p:
-        generate_ids(model, [Request({}, j, ids, "bench") for j, ids in rows], eos_id=-1, max_new_tokens=steps,
-                     context=context)
+        generate_ids(model, [Request({}, j, ids, "bench") for j, ids in rows], eos_id=-1,
+                     max_new_tokens=steps, context=context)
     key = "self_cuda_time_total" if DEV == "cuda" else "self_cpu_time_total"
     return p.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
 
@@ -182,7 +185,8 @@ def theirs(hf, rows, args) -> dict:
     def run():
         with torch.no_grad():
             out[:] = [hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new_tokens,
-                                  min_new_tokens=args.new_tokens, do_sample=False, num_beams=1, pad_token_id=0)]
+                                  min_new_tokens=args.new_tokens, do_sample=False, num_beams=1,
+                                  pad_token_id=0)]
 
     first = timed(run)
     times = [timed(run) for _ in range(args.repeats)]
@@ -197,18 +201,21 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--model", default="tiny-llama")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--prompts", help="a generate prompts file (rows' jobs name the adapters)")
-    ap.add_argument("--batch", type=int, default=8, help="random prompts (without --prompts); with it: the first N")
+    ap.add_argument("--batch", type=int, default=8,
+                    help="random prompts (without --prompts); with it: the first N")
     ap.add_argument("--prompt-len", default="64-256")
     ap.add_argument("--adapters", type=int, default=1, help="random prompts spread over this many adapters")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--impl", choices=["fused", "reference"], help="LoRA ops (default: fused on CUDA)")
     ap.add_argument("--also-reference", action="store_true",
-                    help="time ours again with the torch reference LoRA ops (same model, after the fused run)")
+                    help="time ours again with the torch reference LoRA ops (same model, after the fused "
+                         "run)")
     ap.add_argument("--also-batch", type=int, help="time ours again on the first N rows only (same model)")
-    ap.add_argument("--decode", default="auto", help="generate_ids' decode steps (auto: the CUDA graph on a GPU)")
-    ap.add_argument("--also-dynamic", action="store_true", help="time ours again with decode=dynamic (the packed "
-                    "step of live rows, no graph) and count the rows whose tokens equal")
+    ap.add_argument("--decode", default="auto",
+                    help="generate_ids' decode steps (auto: the CUDA graph on a GPU)")
+    ap.add_argument("--also-dynamic", action="store_true", help="time ours again with decode=dynamic (the "
+                    "packed step of live rows, no graph) and count the rows whose tokens equal")
     ap.add_argument("--profile", help="also write torch.profiler's table of 8 decode tokens to this file")
     ap.add_argument("--hf", action="store_true", help="also transformers + PEFT generate (one adapter only)")
     ap.add_argument("--skip-syncs", action="store_true", help="do not count the syncs per decode step")
@@ -229,7 +236,8 @@ def main() -> None:
     rows = prompt_rows(args, adapters, arch.vocab_size)
     context = preset(args.model).max_position_embeddings
     res = {**run_info(),
-           "model": args.model, "dtype": args.dtype, "lora_impl": args.impl or "auto", "rows": len(rows), "adapters": adapters,
+           "model": args.model, "dtype": args.dtype, "lora_impl": args.impl or "auto", "rows": len(rows),
+           "adapters": adapters,
            "prompt_tokens": [len(x) for _, x in rows], "new_tokens_per_row": args.new_tokens}
     res["lorafusion"] = ours(model, rows, args, context)
     save(res, args.out)  # after each phase: a run cut short by its time limit keeps what it measured
@@ -266,7 +274,8 @@ def main() -> None:
 def against_dynamic(mine: dict, dynamic: dict) -> dict:
     """The dynamic step's timing beside ours: rows whose tokens equal, and the speed ratio."""
     return {"lorafusion_dynamic": dynamic,
-            "rows_same_as_dynamic": sum(x == y for x, y in zip(mine["outputs"], dynamic["outputs"], strict=True)),
+            "rows_same_as_dynamic": sum(x == y
+                                        for x, y in zip(mine["outputs"], dynamic["outputs"], strict=True)),
             "speedup_vs_dynamic": round(mine["tokens_per_s"] / dynamic["tokens_per_s"], 3)}
 
 

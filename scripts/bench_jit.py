@@ -1,10 +1,10 @@
 """Triton JIT work per planned chunk, for the benchmarks (a trainer callback).
 
-A kernel specialisation that a process meets for the first time is compiled (or, when an earlier process of the
-same machine compiled it, loaded from Triton's disk cache) inside the chunk that first launches it. In a sweep of
-one process per configuration the first process compiles and the later ones load: a timed chunk that meets a new
-microbatch shape then costs the first run seconds that the others do not pay. :class:`JitClock` counts these
-events and their wall time per chunk through Triton's ``jit_cache_hook`` (called before) and
+A kernel specialisation that a process meets for the first time is compiled (or, when an earlier process of
+the same machine compiled it, loaded from Triton's disk cache) inside the chunk that first launches it. In a
+sweep of one process per configuration the first process compiles and the later ones load: a timed chunk that
+meets a new microbatch shape then costs the first run seconds that the others do not pay. :class:`JitClock`
+counts these events and their wall time per chunk through Triton's ``jit_cache_hook`` (called before) and
 ``jit_post_compile_hook`` (after), so a run's record says whether its timed chunks were steady.
 """
 
@@ -14,9 +14,10 @@ import time
 
 
 class JitClock:
-    """Counts and times Triton JIT compilations / cache loads per chunk (``per_chunk``: ``{"n", "s"}`` for each
-    chunk, the work between two chunks counted with the next one). Chains the hooks it finds; ``close()``
-    restores them. Without Triton (or under ``TRITON_INTERPRET``, where nothing is compiled) it records zeros."""
+    """Counts and times Triton JIT compilations / cache loads per chunk (``per_chunk``: ``{"n", "s"}`` for
+    each chunk, the work between two chunks counted with the next one). Chains the hooks it finds; ``close()``
+    restores them. Without Triton (or under ``TRITON_INTERPRET``, where nothing is compiled) it records
+    zeros."""
 
     def __init__(self, knobs=None):
         if knobs is None:

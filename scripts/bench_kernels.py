@@ -29,14 +29,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from _bench import median_ms, run_info, write_json  # noqa: E402
 
-SHAPES = [(8192, 4096, 4096), (8192, 4096, 14336), (8192, 14336, 4096), (16384, 4096, 4096), (4096, 8192, 8192)]
+SHAPES = [(8192, 4096, 4096), (8192, 4096, 14336), (8192, 14336, 4096), (16384, 4096, 4096),
+          (4096, 8192, 8192)]
 
 
 def bench(fn, grad_to_none=None, warmup=25, rep=100) -> float:
     if torch.cuda.is_available():
         import triton.testing
 
-        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")
+        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none,
+                                       return_mode="median")
     return median_ms(fn, warmup=0, iters=3)
 
 
@@ -193,7 +195,8 @@ def single_shape(m, k, n, r, p, dtype, dev, do_compile, warmup, rep):
     ms, ratio, refs = interleaved(base, variants, [x, A, B], warmup, rep)
     ms["base"] = sorted(refs)[len(refs) // 2]
     gvariants = [("eager", eager)] + [v for v in variants if v[0] == "compile"] + [
-        ("fused", with_gemm("triton", fused_fixed)), ("fused_p0", with_gemm("triton", lambda: fused_fixed(0.0))),
+        ("fused", with_gemm("triton", fused_fixed)),
+        ("fused_p0", with_gemm("triton", lambda: fused_fixed(0.0))),
         ("fused_cublas", with_gemm("cublas", fused_fixed)),
         ("fused_cublas_p0", with_gemm("cublas", lambda: fused_fixed(0.0)))]
     gms, gratio, grefs = interleaved_graph(base, gvariants, [x, A, B], warmup, rep)
@@ -202,7 +205,8 @@ def single_shape(m, k, n, r, p, dtype, dev, do_compile, warmup, rep):
         ms.update({f"graph_{key}": v for key, v in gms.items()})
         ratio.update({f"graph_{key}": v for key, v in gratio.items()})
     extra = {"base_spread": (max(refs) - min(refs)) / ms["base"],
-             "cpu_ms_fused": cpu_ms(with_gemm("triton", fused)), "cpu_ms_fused_cublas": cpu_ms(with_gemm("cublas", fused))}
+             "cpu_ms_fused": cpu_ms(with_gemm("triton", fused)),
+             "cpu_ms_fused_cublas": cpu_ms(with_gemm("cublas", fused))}
     set_main_gemm("triton")
     params = [W, A, B]
     mem = {
@@ -286,24 +290,32 @@ def breakdown(m, k, n, r, dtype, dev, warmup, rep):
         tag = f"p{p:g}"
         S = K.lora_shrink(x, A, st, routing, ids, k_total=k, cache=TableCache())
         dS, _ = K.lora_ds_db(dy, B, S, st, routing, cache=TableCache())
-        out[f"shrink_{tag}"] = bench(lambda: K.lora_shrink(x, A, st, routing, ids, k_total=k, cache=TableCache()), None, warmup, rep)
-        out[f"da_{tag}"] = bench(lambda: K.lora_da(x, dS, st, routing, ids, k_total=k, cache=TableCache()), None, warmup, rep)
-        out[f"dx_gemm_lora_{tag}"] = bench(lambda: K.lora_gemm(dy, W, None, dS, A, st.inv_keep, st, routing, n=k,
-                                                                dropout=st.dropout, row_ids=ids, k_total=k, cache=TableCache()),
-                                           None, warmup, rep)
-        dxb = dy @ W
-        out[f"da_dx_acc_{tag}"] = bench(lambda: K.lora_da_dx(x, dS, A, dxb, st, routing, ids, k_total=k, cache=TableCache()), None,
-                                        warmup, rep)
-        out[f"dx_lowrank_{tag}"] = bench(lambda: K.lora_gemm(None, None, None, dS, A, st.inv_keep, st, routing, n=k,
-                                                              dropout=st.dropout, row_ids=ids, k_total=k, cache=TableCache()),
-                                         None, warmup, rep)
-    out["ds_db"] = bench(lambda: K.lora_ds_db(dy, B, S, st, routing, cache=TableCache()), None, warmup, rep)
-    out["fwd_gemm_lora"] = bench(lambda: K.lora_gemm(x, W.t(), None, S, B.t(), st.scale, st, routing, n=n, cache=TableCache()),
+        out[f"shrink_{tag}"] = bench(
+            lambda: K.lora_shrink(x, A, st, routing, ids, k_total=k, cache=TableCache()), None, warmup, rep)
+        out[f"da_{tag}"] = bench(lambda: K.lora_da(x, dS, st, routing, ids, k_total=k, cache=TableCache()),
                                  None, warmup, rep)
-    out["fwd_gemm_triton_nolora"] = bench(lambda: K.lora_gemm(x, W.t(), None, S, B.t(), st.scale, st, empty, n=n, cache=TableCache()),
-                                          None, warmup, rep)
-    out["fwd_lowrank"] = bench(lambda: K.lora_gemm(None, None, None, S, B.t(), st.scale, st, routing, n=n, cache=TableCache()),
-                               None, warmup, rep)
+        out[f"dx_gemm_lora_{tag}"] = bench(
+            lambda: K.lora_gemm(dy, W, None, dS, A, st.inv_keep, st, routing, n=k,
+                                dropout=st.dropout, row_ids=ids, k_total=k, cache=TableCache()),
+            None, warmup, rep)
+        dxb = dy @ W
+        out[f"da_dx_acc_{tag}"] = bench(
+            lambda: K.lora_da_dx(x, dS, A, dxb, st, routing, ids, k_total=k, cache=TableCache()), None,
+            warmup, rep)
+        out[f"dx_lowrank_{tag}"] = bench(
+            lambda: K.lora_gemm(None, None, None, dS, A, st.inv_keep, st, routing, n=k,
+                                dropout=st.dropout, row_ids=ids, k_total=k, cache=TableCache()),
+            None, warmup, rep)
+    out["ds_db"] = bench(lambda: K.lora_ds_db(dy, B, S, st, routing, cache=TableCache()), None, warmup, rep)
+    out["fwd_gemm_lora"] = bench(
+        lambda: K.lora_gemm(x, W.t(), None, S, B.t(), st.scale, st, routing, n=n, cache=TableCache()),
+        None, warmup, rep)
+    out["fwd_gemm_triton_nolora"] = bench(
+        lambda: K.lora_gemm(x, W.t(), None, S, B.t(), st.scale, st, empty, n=n, cache=TableCache()),
+        None, warmup, rep)
+    out["fwd_lowrank"] = bench(
+        lambda: K.lora_gemm(None, None, None, S, B.t(), st.scale, st, routing, n=n, cache=TableCache()),
+        None, warmup, rep)
     lr = K.lora_gemm(None, None, None, S, B.t(), st.scale, st, routing, n=n, cache=TableCache())
     out["fwd_cublas_addmm_beta1"] = bench(lambda: torch.addmm(lr, x, W.t()), None, warmup, rep)
     out["fwd_cublas"] = bench(lambda: F.linear(x, W), None, warmup, rep)
@@ -341,12 +353,14 @@ def profile_host(smoke: bool):
     pieces = {
         "slot_tables (new seed)": lambda: tc.slot_tables([16], [2.0], [0.1], [next(seeds)], dev),
         "slot_tables (seeds on device)": lambda: tc.slot_tables([16], [2.0], [0.1], seed_dev, dev),
-        "launch shrink": lambda: K.lora_shrink(x.detach(), A.detach(), st, routing, ids, k_total=k, cache=TableCache()),
-        "launch lowrank": lambda: K.lora_gemm(None, None, None, S, Bt, st.scale, st, routing, n=n, cache=TableCache()),
+        "launch shrink": lambda: K.lora_shrink(x.detach(), A.detach(), st, routing, ids, k_total=k,
+                                               cache=TableCache()),
+        "launch lowrank": lambda: K.lora_gemm(None, None, None, S, Bt, st.scale, st, routing, n=n,
+                                              cache=TableCache()),
         "torch.empty": lambda: torch.empty(m, 16, device=dev, dtype=dt),
         "F.linear (cuBLAS)": lambda: F.linear(x.detach(), W),
-        "fused forward only": lambda: fused_lora_linear(x, W, None, A, B, 2.0, 0.1, next(seeds), routing=routing,
-                                                        cache=tc),
+        "fused forward only": lambda: fused_lora_linear(x, W, None, A, B, 2.0, 0.1, next(seeds),
+                                                        routing=routing, cache=tc),
         "fused fwd+bwd": lambda: fused_lora_linear(x, W, None, A, B, 2.0, 0.1, next(seeds), routing=routing,
                                                    cache=tc).backward(g),
         "torch eager LoRA fwd+bwd": lambda: peft_lora(x, W, A, B, 2.0, 0.1).backward(g),
@@ -378,7 +392,8 @@ def main():
     ap.add_argument("--rep", type=int, default=100, help="ms (do_bench)")
     ap.add_argument("--out", help="also write the JSON record here")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU/interpreter check of the script)")
-    ap.add_argument("--profile-host", action="store_true", help="cProfile the host side of fused fwd+bwd, then exit")
+    ap.add_argument("--profile-host", action="store_true",
+                    help="cProfile the host side of fused fwd+bwd, then exit")
     args = ap.parse_args()
     if args.profile_host:
         profile_host(args.smoke)
@@ -389,13 +404,13 @@ def main():
     shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
     if args.smoke:
         shapes = [(64, 48, 40)]
-    report = {**run_info(), "torch": torch.__version__, "r": args.r, "p": args.p, "dtype": str(dtype), "single": [], "multi": None,
-              "breakdown": []}
+    report = {**run_info(), "torch": torch.__version__, "r": args.r, "p": args.p, "dtype": str(dtype),
+              "single": [], "multi": None, "breakdown": []}
     import triton
 
     report["triton"] = triton.__version__
-    hdr = f"{'m,k,n':>20} {'base ms':>8} {'eager':>7} {'compile':>7} {'fused':>7} {'f_cublas':>8} {'f_p0':>6} " \
-          f"{'fc_p0':>6} {'spread':>6} {'cpu ms f/fc':>12} {'saved MiB eager/fused':>22}"
+    hdr = (f"{'m,k,n':>20} {'base ms':>8} {'eager':>7} {'compile':>7} {'fused':>7} {'f_cublas':>8} "
+           f"{'f_p0':>6} {'fc_p0':>6} {'spread':>6} {'cpu ms f/fc':>12} {'saved MiB eager/fused':>22}")
     print(hdr)
     for (m, k, n) in shapes:
         ms, ratios, extra, mem = single_shape(m, k, n, args.r, args.p, dtype, dev,
@@ -409,9 +424,9 @@ def main():
               f"{mem['eager'] / 2**20:10.1f}/{mem['fused'] / 2**20:.1f}", flush=True)
         if "graph_fused" in ratios:
             gr = {key: ("-" if v is None else f"{v:.3f}") for key, v in ratios.items()}
-            print(f"{'  graph replay:':>20} {ms['graph_base']:8.3f} {gr['graph_eager']:>7} {gr.get('graph_compile', '-'):>7} "
-                  f"{gr['graph_fused']:>7} {gr['graph_fused_cublas']:>8} {gr['graph_fused_p0']:>6} "
-                  f"{gr['graph_fused_cublas_p0']:>6}", flush=True)
+            print(f"{'  graph replay:':>20} {ms['graph_base']:8.3f} {gr['graph_eager']:>7} "
+                  f"{gr.get('graph_compile', '-'):>7} {gr['graph_fused']:>7} {gr['graph_fused_cublas']:>8} "
+                  f"{gr['graph_fused_p0']:>6} {gr['graph_fused_cublas_p0']:>6}", flush=True)
         if args.breakdown:
             bd = breakdown(m, k, n, args.r, dtype, dev, args.warmup, args.rep)
             report["breakdown"].append({"m": m, "k": k, "n": n, "ms": bd})

@@ -1,7 +1,7 @@
 """Four adapters in one packed microbatch vs one adapter over the same tokens: forward + backward of
 the whole LLaMA-3.1-8B-shaped model (bf16, the layers' fused LoRA path as training runs it, fused loss) on one
-microbatch of realistic samples (the four bench datasets' lognormal lengths packed up to ``--tokens``), the same
-samples and model every time; only the routing differs:
+microbatch of realistic samples (the four bench datasets' lognormal lengths packed up to ``--tokens``), the
+same samples and model every time; only the routing differs:
 
   one_r16   every sample trains one r=16 adapter (what "one job at a time" runs per microbatch)
   four_r16  the samples in four contiguous groups, one r=16 adapter each (what packing four jobs runs)
@@ -15,7 +15,8 @@ four_r16 and one_r16. Prints a table, last line JSON.
 
     python3 scripts/bench_model_step.py --tokens 12288 --profile --out /tmp/model_step.json
     python3 scripts/bench_model_step.py --variants four_r16,four_r16_shared_a --out /tmp/shared_a.json
-    python3 scripts/bench_model_step.py --preset tiny-llama --tokens 256 --layers 2 --iters 1   # CPU smoke test
+    # CPU smoke test:
+    python3 scripts/bench_model_step.py --preset tiny-llama --tokens 256 --layers 2 --iters 1
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ from _bench import run_info, timed_ms, write_json
 VARIANTS = {"one_r16": (1, 16, False), "four_r16": (4, 16, False), "one_r64": (1, 64, False),
             "four_r16_shared_a": (4, 16, True)}
 DEFAULT_VARIANTS = ("one_r16", "four_r16", "one_r64")
-FAMILIES = (("LoRA (Triton)", ("_lora_gemm", "_shrink", "_ds_db", "_da_dx", "_da_kernel")),  # first match wins
+# first match wins
+FAMILIES = (("LoRA (Triton)", ("_lora_gemm", "_shrink", "_ds_db", "_da_dx", "_da_kernel")),
             ("attention (flash)", ("flash",)),
             ("gemm (cuBLAS)", ("nvjet", "gemm", "cutlass", "sm90_xmma", "cublas")),
-            ("loss / norm / SwiGLU / RoPE (Triton)", ("liger", "_rms", "swiglu", "silu", "rope", "cross_entropy",
-                                                       "triton", "_fwd", "_bwd")),
+            ("loss / norm / SwiGLU / RoPE (Triton)", ("liger", "_rms", "swiglu", "silu", "rope",
+                                                       "cross_entropy", "triton", "_fwd", "_bwd")),
             ("copies", ("memcpy", "memset", "copy", "cat")),
             ("reductions / elementwise (ATen)", ("reduce", "elementwise", "vectorized", "at::native")))
 
@@ -79,8 +81,8 @@ def build(args, dev):
 
     arch = preset(args.preset, num_layers=args.layers)
     cuda = dev.type == "cuda"
-    model = build_model(arch, params_dtype=torch.bfloat16 if cuda else torch.float32, device=dev if cuda else None,
-                        seed=0)
+    model = build_model(arch, params_dtype=torch.bfloat16 if cuda else torch.float32,
+                        device=dev if cuda else None, seed=0)
     samples = sample_lengths(args.tokens, arch.vocab_size)
     batches = {}
     for v in args.variants:
@@ -93,8 +95,10 @@ def build(args, dev):
                 for k, p in adapter_parameters(model, name).items():
                     if k.endswith("lora_B"):
                         p.normal_(0, 0.01)
-        owner = [names[min(count - 1, i * count // len(samples))] for i in range(len(samples))]  # contiguous groups
-        batch = pack_microbatch(list(zip(owner, samples, strict=True)), row_ids=list(range(len(samples)))).to(dev)
+        owner = [names[min(count - 1, i * count // len(samples))]
+                 for i in range(len(samples))]  # contiguous groups
+        batch = pack_microbatch(list(zip(owner, samples, strict=True)),
+                                row_ids=list(range(len(samples)))).to(dev)
         batches[v] = (batch, list(range(count)))
     model.train()
     return model, batches, samples
@@ -163,7 +167,8 @@ def summarise(prof: dict[str, tuple[dict[str, float], dict]]) -> dict:
             fams[family(name)] = fams.get(family(name), 0.0) + ms
         total = sum(by.values())
         out[v] = {"kernel_ms": total, "families_ms": dict(sorted(fams.items(), key=lambda kv: -kv[1])),
-                  "families_frac": {f: ms / max(total, 1e-9) for f, ms in sorted(fams.items(), key=lambda kv: -kv[1])},
+                  "families_frac": {f: ms / max(total, 1e-9)
+                                    for f, ms in sorted(fams.items(), key=lambda kv: -kv[1])},
                   "timeline": timeline, "top": sorted(by.items(), key=lambda kv: -kv[1])[:20]}
     prof = {v: by for v, (by, _) in prof.items()}
     if "four_r16" in prof and "one_r16" in prof:
@@ -174,7 +179,8 @@ def summarise(prof: dict[str, tuple[dict[str, float], dict]]) -> dict:
 
 
 def stamp(t0: float, msg: str) -> None:
-    print(f"[+{time.perf_counter() - t0:.0f}s] {msg}", flush=True)  # progress: a run cut by its limit says how far it got
+    # progress: a run cut by its limit says how far it got
+    print(f"[+{time.perf_counter() - t0:.0f}s] {msg}", flush=True)
 
 
 def print_profile(prof: dict) -> None:
@@ -183,9 +189,10 @@ def print_profile(prof: dict) -> None:
             print("  four_r16 - one_r16 by kernel (ms): " + ", ".join(f"{n[:40]} {d:+.2f}" for n, d in p))
             continue
         tl = p["timeline"]
-        print(f"  {v}: step {tl['wall_ms']:.1f} ms wall, kernels {p['kernel_ms']:.1f} ms, GPU busy {tl['busy_ms']:.1f} ms"
-              f" → idle {tl['idle_ms']:.1f} ms ({tl['idle_ms'] / max(tl['wall_ms'], 1e-9):.1%}); gaps ≥ 1 ms "
-              f"{tl.get('idle_gaps_ge_1ms')}, < 1 ms {tl.get('idle_gaps_lt_1ms_total_ms', 0):.1f} ms")
+        print(f"  {v}: step {tl['wall_ms']:.1f} ms wall, kernels {p['kernel_ms']:.1f} ms, GPU busy "
+              f"{tl['busy_ms']:.1f} ms → idle {tl['idle_ms']:.1f} ms "
+              f"({tl['idle_ms'] / max(tl['wall_ms'], 1e-9):.1%}); gaps ≥ 1 ms {tl.get('idle_gaps_ge_1ms')}, "
+              f"< 1 ms {tl.get('idle_gaps_lt_1ms_total_ms', 0):.1f} ms")
         print("    by family: " + ", ".join(f"{f} {ms:.1f} ms ({p['families_frac'][f]:.1%})"
                                             for f, ms in p["families_ms"].items()))
         for name, ms in p["top"]:
@@ -201,10 +208,12 @@ def report(args, samples, times, settings, name, cuda) -> dict:
         if t:
             print(f"  {v:9s} fwd+bwd median {med[v]:8.1f} ms  tokens/s {ntok / med[v] * 1e3:8,.0f}  "
                   f"(all {', '.join(f'{x:.1f}' for x in t)})")
-    rec = {**run_info(), "torch": torch.__version__, **vars(args), "tokens_packed": ntok, "samples": len(samples),
-           "median_ms": med, "all_ms": times, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+    rec = {**run_info(), "torch": torch.__version__, **vars(args), "tokens_packed": ntok,
+           "samples": len(samples), "median_ms": med, "all_ms": times,
+           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
     ratio = lambda a, b: med[a] / med[b] if a in med and b in med else None  # noqa: E731
-    rec["four_over_one_r16"], rec["four_over_one_r64"] = ratio("four_r16", "one_r16"), ratio("four_r16", "one_r64")
+    rec["four_over_one_r16"] = ratio("four_r16", "one_r16")
+    rec["four_over_one_r64"] = ratio("four_r16", "one_r64")
     rec["per_projection_a_over_shared_a"] = ratio("four_r16", "four_r16_shared_a")
     for tag in list(settings)[1:]:
         rec[f"{tag[1:]}_over_shipped"] = {v: ratio(v + tag, v) for v in args.variants}
@@ -224,14 +233,17 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                     help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--preset", default="llama3.1-8b", help="tiny-llama + a CPU: a smoke test of this script")
-    ap.add_argument("--profile", action="store_true", help="one profiled step per variant right after the warm-up "
-                    "(printed before the timed loop, so a run cut later still has it)")
+    ap.add_argument("--profile", action="store_true", help="one profiled step per variant right after the "
+                    "warm-up (printed before the timed loop, so a run cut later still has it)")
     ap.add_argument("--budget", type=float, default=0.0,
-                    help="seconds from the start: the timed loop stops after the round that passes it (0: no limit)")
+                    help="seconds from the start: the timed loop stops after the round that passes it (0: no "
+                         "limit)")
     ap.add_argument("--setting", action="append", default=[], metavar="NAME:VAR=VALUE[,VAR=VALUE]",
-                    help="also time every variant with these environment settings (LORAFUSION_TUNING_FILE=tuned.json, "
-                    "LORAFUSION_MAIN_GEMM=cublas_fold), alternating with the shipped ones")
-    ap.add_argument("--profile-setting", default="", help="the setting NAME to profile under (default: shipped)")
+                    help="also time every variant with these environment settings "
+                    "(LORAFUSION_TUNING_FILE=tuned.json, LORAFUSION_MAIN_GEMM=cublas_fold), alternating with "
+                    "the shipped ones")
+    ap.add_argument("--profile-setting", default="",
+                    help="the setting NAME to profile under (default: shipped)")
     ap.add_argument("--out")
     args = ap.parse_args()
     args.variants = [v for v in args.variants.split(",") if v]

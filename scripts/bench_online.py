@@ -50,10 +50,10 @@ from lorafusion.scheduler.trace import (  # noqa: E402
     trace_dict, trace_specs)
 
 MEASURED = {
-    "pp1": {"file": "docs/results/e2e-8b-1gpu.json", "device": "1x NVIDIA H200", "model": "LLaMA-3.1-8B shape",
-            "sequential_tps": 16656.85, "together_tps": 16108.90},
-    "pp4": {"file": "docs/results/70b-pp4-4gpu.json", "device": "4x NVIDIA H200", "model": "LLaMA-3.1-70B shape",
-            "sequential_tps": 4602.86, "together_tps": 6836.26},
+    "pp1": {"file": "docs/results/e2e-8b-1gpu.json", "device": "1x NVIDIA H200",
+            "model": "LLaMA-3.1-8B shape", "sequential_tps": 16656.85, "together_tps": 16108.90},
+    "pp4": {"file": "docs/results/70b-pp4-4gpu.json", "device": "4x NVIDIA H200",
+            "model": "LLaMA-3.1-70B shape", "sequential_tps": 4602.86, "together_tps": 6836.26},
 }
 SETTINGS = {  # "online" is shortest_first; online_together is reported beside it
     "pp1": SchedulerConfig(pipeline_depth=1, token_capacity=16384, lookahead_batches=2, solver="greedy",
@@ -69,7 +69,8 @@ def measured_from_files() -> None:
     pp4 = json.loads((ROOT / MEASURED["pp4"]["file"]).read_text())
     MEASURED["pp1"].update(sequential_tps=e2e["scheduler_off"]["tokens_per_s"],
                            together_tps=e2e["lorafusion"]["tokens_per_s"])
-    MEASURED["pp4"].update(sequential_tps=pp4["scheduler_off"]["tokens_per_s"], together_tps=pp4["tokens_per_s"])
+    MEASURED["pp4"].update(sequential_tps=pp4["scheduler_off"]["tokens_per_s"],
+                           together_tps=pp4["tokens_per_s"])
     # a run's setup on the 8B shape, one H200 (mean over the real replay's one-run-per-job policy)
     sep = json.loads((ROOT / "docs/results/online-jct-gpu.json").read_text())["policies"].get("separate")
     if sep and sep.get("mean_setup_s"):
@@ -91,20 +92,25 @@ def fit_costs() -> tuple[dict[str, SimCost], dict]:
     # PP=1: scale from jobs one at a time (single-adapter microbatches only), then the mixed penalty.
     pp1 = fit_scale(m1["sequential_tps"], lambda c: throughput(cal, c1, c), base)
     plans1 = together_plans(cal, c1)
-    pen = bisect(lambda x: throughput(cal, c1, replace(pp1, mixed_penalty=x), plans1), m1["together_tps"], 0.5, 2.0)
+    pen = bisect(lambda x: throughput(cal, c1, replace(pp1, mixed_penalty=x), plans1),
+                 m1["together_tps"], 0.5, 2.0)
     pp1 = replace(pp1, mixed_penalty=pen)
     # PP=4: the same penalty, scale from the together run.
     plans4 = together_plans(cal, c4)
-    pp4 = fit_scale(m4["together_tps"], lambda c: throughput(cal, c4, c, plans4), replace(base, mixed_penalty=pen))
+    pp4 = fit_scale(m4["together_tps"], lambda c: throughput(cal, c4, c, plans4),
+                    replace(base, mixed_penalty=pen))
     fit = {
-        "method": "default CostModel shape (a=1e-3, b=4e-6, c=2e-10, gamma=1e-3; backward 2x forward; p2p 2e-4 s); "
-                  "a, b, c scaled by one factor per setting; mixed-adapter penalty fitted on PP=1",
-        "workload": "4 jobs r=16 (short, medium, long, mixed profiles), global batch 16, 8 global batches each",
+        "method": "default CostModel shape (a=1e-3, b=4e-6, c=2e-10, gamma=1e-3; backward 2x forward; p2p "
+                  "2e-4 s); a, b, c scaled by one factor per setting; mixed-adapter penalty fitted on PP=1",
+        "workload": "4 jobs r=16 (short, medium, long, mixed profiles), global batch 16, 8 global batches "
+                    "each",
         "pp1": {"used": {"sequential_tps": m1["sequential_tps"], "together_tps": m1["together_tps"]},
                 "source": m1["file"], "scale": pp1.model.b / base.model.b, "mixed_penalty": pen,
                 "cost_model": vars(pp1.model),
-                "simulated_tps": {"sequential": throughput(cal, c1, pp1), "together": throughput(cal, c1, pp1, plans1)}},
-        "pp4": {"used": {"together_tps": m4["together_tps"], "mixed_penalty_from": "pp1"}, "source": m4["file"],
+                "simulated_tps": {"sequential": throughput(cal, c1, pp1),
+                                  "together": throughput(cal, c1, pp1, plans1)}},
+        "pp4": {"used": {"together_tps": m4["together_tps"], "mixed_penalty_from": "pp1"},
+                "source": m4["file"],
                 "scale": pp4.model.b / base.model.b, "mixed_penalty": pen, "cost_model": vars(pp4.model),
                 "not_used_check": {"measured_sequential_tps": m4["sequential_tps"],
                                    "simulated_sequential_tps": throughput(cal, c4, pp4)},
@@ -124,7 +130,8 @@ def run_setting(name: str, trace, cost: SimCost, rho_list: list[float], rho: flo
            "alone_s": {k: round(v, 3) for k, v in alone.items()}, "mean_alone_s": mean_alone, "loads": []}
     loads = sorted(set(rho_list) | {rho}) if unit else [None]
     for r in loads:
-        t = trace.scaled(unit * mean_alone / r) if unit else trace  # unit-rate arrivals -> rate rho/mean_alone
+        # unit-rate arrivals -> rate rho/mean_alone
+        t = trace.scaled(unit * mean_alone / r) if unit else trace
         arrival = {j.name: j.arrival_s for j in t.jobs}
         t0 = time.perf_counter()
         res = run_policies(specs, arrival, cfg, cost)
@@ -144,7 +151,8 @@ def run_setting(name: str, trace, cost: SimCost, rho_list: list[float], rho: flo
             "together_p90_jct_speedup_vs_sequential": seq["p90_jct_s"] / tog["p90_jct_s"],
             "min_jct_over_alone": min(res["online"].jct[n] / alone[n] for n in alone),
         }
-        if MEASURED[name].get("setup_s"):  # today's practice taken literally: one run per job, each paying setup
+        # today's practice taken literally: one run per job, each paying setup
+        if MEASURED[name].get("setup_s"):
             sep = sequential(specs, arrival, cfg, cost, setup_s=MEASURED[name]["setup_s"]).summary()
             s["separate"] = sep
             row.update(setup_s=MEASURED[name]["setup_s"],
@@ -152,19 +160,23 @@ def run_setting(name: str, trace, cost: SimCost, rho_list: list[float], rho: flo
                        p90_jct_speedup_vs_separate=sep["p90_jct_s"] / on["p90_jct_s"],
                        mean_jct_with_setup_bound_speedup_vs_separate=sep["mean_jct_s"] / (
                            on["mean_jct_s"] + MEASURED[name]["setup_s"]))
-        # the ordering-only ceiling: preemptive SRPT over the jobs' times alone (optimal mean JCT on one server)
+        # the ordering-only ceiling: preemptive SRPT over the jobs' times alone (optimal mean JCT on one
+        # server)
         srpt = srpt_jct(alone, arrival)
         row["srpt_mean_jct_s"] = float(np.mean(list(srpt.values())))
         row["srpt_mean_jct_speedup_vs_sequential"] = seq["mean_jct_s"] / row["srpt_mean_jct_s"]
-        row["target_met"] = row["mean_jct_speedup_vs_sequential"] >= 2.0 and row["mean_jct_speedup_vs_static"] > 1.0
+        row["target_met"] = (row["mean_jct_speedup_vs_sequential"] >= 2.0
+                             and row["mean_jct_speedup_vs_static"] > 1.0)
         out["loads"].append(row)
         print(f"{name} rho={r}: " + "  ".join(
             f"{k}: mean {v['mean_jct_s']:.1f}s p90 {v['p90_jct_s']:.1f}s makespan {v['makespan_s']:.1f}s "
             f"busy {v['gpu_busy_fraction']:.3f}" for k, v in s.items() if k != "online")
             + f"  | mean x{row['mean_jct_speedup_vs_sequential']:.2f} (SRPT ceiling"
-              f" x{row['srpt_mean_jct_speedup_vs_sequential']:.2f}) p90 x{row['p90_jct_speedup_vs_sequential']:.2f}"
-              f" vs static x{row['mean_jct_speedup_vs_static']:.2f}"
-            + (f" vs separate runs x{row['mean_jct_speedup_vs_separate']:.2f}" if "setup_s" in row else ""), flush=True)
+              f" x{row['srpt_mean_jct_speedup_vs_sequential']:.2f}) p90 "
+              f"x{row['p90_jct_speedup_vs_sequential']:.2f} vs static "
+              f"x{row['mean_jct_speedup_vs_static']:.2f}"
+            + (" vs separate runs "
+               f"x{row['mean_jct_speedup_vs_separate']:.2f}" if "setup_s" in row else ""), flush=True)
     out["headline"] = next(x for x in out["loads"] if x["rho"] in (rho, None))
     return out
 
@@ -173,7 +185,8 @@ def over_traces(args, costs: dict, head: dict) -> dict:
     """The headline's speedups on more traces of the same generator (other seeds), at ``--rho``."""
     seeds = [args.seed] + [int(x) for x in args.seeds.split(",") if x.strip()]
     keys = ("mean_jct_speedup_vs_sequential", "p90_jct_speedup_vs_sequential", "mean_jct_speedup_vs_static",
-            "together_mean_jct_speedup_vs_sequential", "makespan_ratio", "srpt_mean_jct_speedup_vs_sequential")
+            "together_mean_jct_speedup_vs_sequential", "makespan_ratio",
+            "srpt_mean_jct_speedup_vs_sequential")
     out: dict = {"seeds": seeds, "rho": args.rho, "n_jobs": args.jobs}
     for name in args.settings.split(","):
         rows = [head[name]] + [run_setting(name, poisson_trace(args.jobs, s, rate_per_s=1.0), costs[name], [],
@@ -201,7 +214,8 @@ def chart(results: dict, path: Path, rho: float, over: dict | None = None) -> No
     colors = {"sequential": "tab:gray", "static": "tab:orange", "online_together": "tab:green",
               "online": "tab:blue"}
     label = {"online": "online, shortest first (ours)", "online_together": "online, every job each chunk",
-             "sequential": "sequential FIFO, one job at a time", "static": "static batching (wait for all jobs)"}
+             "sequential": "sequential FIFO, one job at a time",
+             "static": "static batching (wait for all jobs)"}
     for c, name in enumerate(names):
         res = results[name]
         h = res["headline"]
@@ -210,8 +224,10 @@ def chart(results: dict, path: Path, rho: float, over: dict | None = None) -> No
         ax = axes[0][c]
         for k, pol in enumerate(colors):
             ax.bar(x + (k - 1.5) * 0.2, [h["policies"][pol]["jct_s"][j] for j in jobs], 0.2,
-                   color=colors[pol], label=f"{label.get(pol, pol)} (mean {h['policies'][pol]['mean_jct_s']:.0f} s)")
-        ax.scatter(x, [res["alone_s"][j] for j in jobs], marker="_", color="black", s=120, zorder=3, label="alone")
+                   color=colors[pol], label=f"{label.get(pol, pol)} (mean "
+                                            f"{h['policies'][pol]['mean_jct_s']:.0f} s)")
+        ax.scatter(x, [res["alone_s"][j] for j in jobs], marker="_", color="black", s=120,
+                   zorder=3, label="alone")
         ax.set_xticks(x, jobs, rotation=60, fontsize=7)
         ax.set_yscale("log")
         lo, hi = ax.get_ylim()
@@ -219,16 +235,17 @@ def chart(results: dict, path: Path, rho: float, over: dict | None = None) -> No
         ax.set_ylabel("JCT (s, log)")
         med = (over or {}).get(name, {}).get("median", {}).get("mean_jct_speedup_vs_sequential")
         spread = f" (median over {len(over['seeds'])} traces x{med:.2f})" if med else ""
-        ax.set_title(f"{name.upper()}: {MEASURED[name]['model']}, {MEASURED[name]['device']}; headline trace, "
-                     f"rho={h['rho']}\nshortest first: mean JCT x{h['mean_jct_speedup_vs_sequential']:.2f} vs "
-                     f"sequential FIFO{spread},\nx{h['mean_jct_speedup_vs_static']:.2f} vs static batching",
+        ax.set_title(f"{name.upper()}: {MEASURED[name]['model']}, {MEASURED[name]['device']}; headline "
+                     f"trace, rho={h['rho']}\nshortest first: mean JCT "
+                     f"x{h['mean_jct_speedup_vs_sequential']:.2f} vs sequential "
+                     f"FIFO{spread},\nx{h['mean_jct_speedup_vs_static']:.2f} vs static batching",
                      fontsize=9)
         ax.legend(fontsize=7, loc="upper left")
         ax = axes[1][c]
         loads = [row for row in res["loads"] if row["rho"] is not None]
         for pol in colors:
-            ax.plot([row["rho"] for row in loads], [row["policies"][pol]["mean_jct_s"] for row in loads], "o-",
-                    color=colors[pol], label=label.get(pol, pol))
+            ax.plot([row["rho"] for row in loads], [row["policies"][pol]["mean_jct_s"] for row in loads],
+                    "o-", color=colors[pol], label=label.get(pol, pol))
         ax.axvline(rho, color="black", linestyle=":", linewidth=0.8)
         ax.set_yscale("log")
         ax.set_xlabel("offered load rho (arrival rate x mean alone time)")
@@ -243,12 +260,13 @@ def chart(results: dict, path: Path, rho: float, over: dict | None = None) -> No
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", help="replay this trace file as is (arrival times as written; no load scaling)")
+    ap.add_argument("--trace",
+                    help="replay this trace file as is (arrival times as written; no load scaling)")
     ap.add_argument("--jobs", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0, help="the headline trace (load sweep, chart, trace file)")
     ap.add_argument("--seeds", default="1,2,3,4,5,6,7",
-                    help="more traces (same generator, other seeds) replayed at --rho only: the spread of the "
-                         "speedups over traces ('' for none)")
+                    help="more traces (same generator, other seeds) replayed at --rho only: the spread of "
+                         "the speedups over traces ('' for none)")
     ap.add_argument("--rho", type=float, default=0.8)
     ap.add_argument("--sweep", default="0.4,0.6,0.8,1.0,1.2", help="loads to run as well ('' for none)")
     ap.add_argument("--settings", default="pp1,pp4")
@@ -289,10 +307,12 @@ def main() -> None:
             save_trace(trace, ROOT / args.save_trace)
         trace_ref = {"path": args.save_trace, "generator": "lorafusion.scheduler.trace.poisson_trace",
                      "n_jobs": args.jobs, "seed": args.seed, "rate_per_s": 1.0,
-                     "mix": {"profiles": GEN_PROFILES, "lora_r": GEN_RANKS, "global_batch_size": GEN_BATCH_SIZES,
+                     "mix": {"profiles": GEN_PROFILES, "lora_r": GEN_RANKS,
+                             "global_batch_size": GEN_BATCH_SIZES,
                              "max_steps": GEN_STEPS, "note": "uniform choices; sample lengths from the bench "
                                                              "data profiles (lorafusion/core/lengths.py)"},
-                     "arrivals": "unit-rate Poisson gaps, scaled per setting and load to rate rho / mean alone time"}
+                     "arrivals": "unit-rate Poisson gaps, scaled per setting and load to rate rho / mean "
+                                 "alone time"}
     sweep = [float(x) for x in args.sweep.split(",") if x.strip()]
     results = {}
     for name in args.settings.split(","):
@@ -314,12 +334,14 @@ def main() -> None:
         "mean_jct_speedup_vs_static": {n: h["mean_jct_speedup_vs_static"] for n, h in head.items()},
         "mean_jct_speedup_vs_separate": {n: h["mean_jct_speedup_vs_separate"] for n, h in head.items()
                                          if "mean_jct_speedup_vs_separate" in h},
-        "separate_note": "sequential FIFO with each job its own run paying the setup measured on one H200 (8B shape, "
-                         "docs/results/online-jct-gpu.json separate mean_setup_s); PP=1 only (no 70B setup measured); "
-                         "the load rule stays that of sequential without setup, so separate runs see a higher load",
+        "separate_note": "sequential FIFO with each job its own run paying the setup measured on one H200 "
+                         "(8B shape, docs/results/online-jct-gpu.json separate mean_setup_s); PP=1 only (no "
+                         "70B setup measured); the load rule stays that of sequential without setup, so "
+                         "separate runs see a higher load",
         "target": "mean JCT >= 2x better than sequential FIFO and better than static batching",
         "target_met": {n: h["target_met"] for n, h in head.items()},
-        "makespan_ratio_note": "online makespan / sequential makespan (< 1: online finishes the trace sooner)",
+        "makespan_ratio_note": "online makespan / sequential makespan (< 1: online finishes the trace "
+                               "sooner)",
         "sensitivity_overrides": overrides,
         "over_traces": over,
         "cost_fit": fit,

@@ -123,7 +123,8 @@ def padding_and_imbalance(plans, capacity: int) -> tuple[float, float]:
     return (unused / total if total else 0.0), max(tokens) / statistics.mean(tokens)
 
 
-def single_adapter_bubble(jobs, S: int, capacity: int, time_limit: float, cm: CostModel, balance: str) -> float:
+def single_adapter_bubble(jobs, S: int, capacity: int, time_limit: float, cm: CostModel,
+                          balance: str) -> float:
     busy = span = 0.0
     for job in jobs:
         for k, gb in enumerate(job.global_batches):
@@ -160,7 +161,8 @@ def run_config(jobs, S: int, capacity: int, args, cm: CostModel) -> dict:
         "milp_wins": sum(p.stats.pack_sources.get("milp", 0) for p in online.plans),
         "packings": sum(sum(p.stats.pack_sources.values()) for p in online.plans),
         "bubble_lorafusion": bubble_ratio(simulate_plan(combined, cm)),
-        "bubble_single_adapter": single_adapter_bubble(jobs, S, capacity, args.milp_time_limit, cm, args.balance),
+        "bubble_single_adapter": single_adapter_bubble(jobs, S, capacity, args.milp_time_limit,
+                                                       cm, args.balance),
     }
 
 

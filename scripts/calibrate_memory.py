@@ -17,8 +17,8 @@ or ``oom`` when it did not fit, and the attention path it ran on (``attention``:
 what each saves; grids from before the field are labelled by :func:`label_attention`). Points are written
 as they come (a cut-off run keeps what it measured).
 
-``fit`` fits :class:`lorafusion.scheduler.memory.Coefficients` (activation scale, backward workspace, constant)
-on the fit subset by least squares and reports the prediction error on every held-out point.
+``fit`` fits :class:`lorafusion.scheduler.memory.Coefficients` (activation scale, backward workspace,
+constant) on the fit subset by least squares and reports the prediction error on every held-out point.
 """
 
 from __future__ import annotations
@@ -38,12 +38,14 @@ from _bench import run_info  # noqa: E402
 CAPACITIES = (2048, 4096, 8192, 12288, 16384)
 ADAPTER_SETS = ((4, 16), (12, 16), (4, 64), (12, 64))  # (count, rank)
 GRADS_AT_PEAK = True
-INDEPENDENT_A = True  # LoRASpec's default layout (PEFT's: an A per fused projection); the H100 raw points predate it
+# LoRASpec's default layout (PEFT's: an A per fused projection); the H100 raw points predate it
+INDEPENDENT_A = True
 LENGTHS = (3072, 512, 1536, 256, 2048, 1024, 768)  # sample lengths cycled to fill a microbatch (max 4096)
 
 
 def _samples(capacity: int, adapters: list[str]) -> list[tuple[str, int]]:
-    """(adapter, length) filling exactly ``capacity`` tokens, every adapter present, contiguous per adapter."""
+    """(adapter, length) filling exactly ``capacity`` tokens, every adapter present, contiguous per
+    adapter."""
     lens, left, i = [], capacity, 0
     while left > 0:
         n = min(LENGTHS[i % len(LENGTHS)], left)
@@ -64,7 +66,8 @@ def _batch(capacity: int, adapters: list[str], vocab: int, seed: int):
     from lorafusion.data.packing import pack_microbatch
 
     g = torch.Generator().manual_seed(seed)
-    samples = [(a, torch.randint(1, vocab, (n,), generator=g).tolist()) for a, n in _samples(capacity, adapters)]
+    samples = [(a, torch.randint(1, vocab, (n,), generator=g).tolist())
+               for a, n in _samples(capacity, adapters)]
     return pack_microbatch(samples, prompt_lengths=[len(s) // 4 for _, s in samples])
 
 
@@ -105,7 +108,8 @@ def _measure_point(model, optimizers, arch, point: dict, dev) -> dict:
     import torch
 
     adapters = list(optimizers)
-    batches = [_batch(point["capacity"], adapters, arch.vocab_size, seed=s) for s in range(point["in_flight"])]
+    batches = [_batch(point["capacity"], adapters, arch.vocab_size, seed=s)
+               for s in range(point["in_flight"])]
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -115,7 +119,8 @@ def _measure_point(model, optimizers, arch, point: dict, dev) -> dict:
     try:
         _step(model, optimizers, batches, dev)
         torch.cuda.synchronize()
-        out = {"peak_allocated": torch.cuda.max_memory_allocated(), "peak_reserved": torch.cuda.max_memory_reserved()}
+        out = {"peak_allocated": torch.cuda.max_memory_allocated(),
+               "peak_reserved": torch.cuda.max_memory_reserved()}
     except torch.OutOfMemoryError:
         out = {"oom": True, "peak_allocated": torch.cuda.max_memory_allocated()}
     for p in model.parameters():
@@ -134,11 +139,12 @@ def _attach(model, count: int, rank: int) -> dict:
     opts = {}
     for i in range(count):
         name = f"a{i}"
-        add_adapter(model, name, LoRASpec(r=rank, lora_alpha=2 * rank, lora_dropout=0.1, target_modules="all-linear",
-                                          shared_fused_a=not INDEPENDENT_A), seed=i)
-        opts[name] = AdapterOptimizer(list(adapter_parameters(model, name).values()), lr=1e-4, weight_decay=0.0,
-                                      betas=(0.9, 0.999), eps=1e-8, schedule="constant", warmup_steps=0,
-                                      total_steps=100, min_lr_ratio=0.0, max_grad_norm=1.0)
+        add_adapter(model, name,
+                    LoRASpec(r=rank, lora_alpha=2 * rank, lora_dropout=0.1, target_modules="all-linear",
+                             shared_fused_a=not INDEPENDENT_A), seed=i)
+        opts[name] = AdapterOptimizer(list(adapter_parameters(model, name).values()), lr=1e-4,
+                                      weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, schedule="constant",
+                                      warmup_steps=0, total_steps=100, min_lr_ratio=0.0, max_grad_norm=1.0)
     return opts
 
 
@@ -169,12 +175,15 @@ def measure(args) -> None:
     t_start = time.perf_counter()
     init_distributed(1, 1, seed=1)
     dev = torch.device("cuda", torch.cuda.current_device())
-    raw = {**run_info(), "gpu_total_bytes": torch.cuda.mem_get_info()[1], "torch": torch.__version__, "points": []}
-    shapes = [("8b", preset("llama3.1-8b")), ("70b-width", preset("llama3.1-70b", num_layers=args.layers_70b))]
+    raw = {**run_info(), "gpu_total_bytes": torch.cuda.mem_get_info()[1],
+           "torch": torch.__version__, "points": []}
+    shapes = [("8b", preset("llama3.1-8b")),
+              ("70b-width", preset("llama3.1-70b", num_layers=args.layers_70b))]
     shapes = [(name, arch) for name, arch in shapes if name in args.shapes.split(",")]
     for k, (shape, arch) in enumerate(shapes):
         t0 = time.perf_counter()
-        deadline = t0 + (args.budget_s - (t0 - t_start)) / (len(shapes) - k)  # the time left, shared by the shapes
+        # the time left, shared by the shapes
+        deadline = t0 + (args.budget_s - (t0 - t_start)) / (len(shapes) - k)
         model = build_model(arch, params_dtype=torch.bfloat16, recompute=True, device=dev, seed=1)
         model.train()
         build_s = time.perf_counter() - t0
@@ -190,8 +199,8 @@ def measure(args) -> None:
                 _set_recompute(model, "full", arch.num_layers)  # the first step creates the AdamW moments
                 _measure_point(model, optimizers, arch, dict(capacity=2048, in_flight=1), dev)
             n = _set_recompute(model, p["recompute"], arch.num_layers)
-            rec = dict(shape=shape, num_layers=arch.num_layers, recompute_layers=n, independent_a=INDEPENDENT_A, **p,
-                       **_measure_point(model, optimizers, arch, p, dev))
+            rec = dict(shape=shape, num_layers=arch.num_layers, recompute_layers=n,
+                       independent_a=INDEPENDENT_A, **p, **_measure_point(model, optimizers, arch, p, dev))
             rec["attention"] = attention_path()  # after the point: a fallback during it counts
             raw["points"].append(rec)
             print(json.dumps(rec), flush=True)
@@ -226,7 +235,8 @@ def _setup(pt: dict):
     base = "llama3.1-8b" if pt["shape"] == "8b" else "llama3.1-70b"
     arch = preset(base, num_layers=pt["num_layers"])
     a = AdapterShape(pt["rank"], dropout=0.1, independent_a=pt.get("independent_a", False))
-    return MemorySetup(arch, tuple(a for _ in range(pt["adapters"])), attention=pt.get("attention", ATTENTION_DEFAULT))
+    return MemorySetup(arch, tuple(a for _ in range(pt["adapters"])),
+                       attention=pt.get("attention", ATTENTION_DEFAULT))
 
 
 def predict(pt: dict, coeffs) -> float:
@@ -243,8 +253,8 @@ def in_fit(pt: dict, subset: str) -> bool:
 
 
 def fit(points: list[dict], subset: str):
-    """Least squares on relative error: a grid over (act_scale, workspace, opt_copies), then a finer one around
-    the best; the constant in closed form."""
+    """Least squares on relative error: a grid over (act_scale, workspace, opt_copies), then a finer one
+    around the best; the constant in closed form."""
     import itertools
 
     import numpy as np
@@ -292,17 +302,20 @@ def fit_main(args) -> None:
         if p.get("oom"):
             row.update(oom=True, predicted_fits=pred * (1 + coeffs.margin_frac) < raws[0]["gpu_total_bytes"])
         else:
-            row.update(measured_gib=round(p["peak_allocated"] / GIB, 3), reserved_gib=round(p["peak_reserved"] / GIB, 3),
+            row.update(measured_gib=round(p["peak_allocated"] / GIB, 3),
+                       reserved_gib=round(p["peak_reserved"] / GIB, 3),
                        error_pct=round(100 * (pred - p["peak_allocated"]) / p["peak_allocated"], 2))
         rows.append(row)
     ok = [r for r in rows if "error_pct" in r]
     # what a plan keeps free over the prediction: 3% of it (the model's error) and the most the allocator's
-    # reserved memory exceeded 1.03 x the prediction on any point (cached blocks, fragmentation), at least 1 GiB
+    # reserved memory exceeded 1.03 x the prediction on any point (cached blocks, fragmentation), at least
+    # 1 GiB
     over = max((r["reserved_gib"] - 1.03 * r["predicted_gib"] for r in ok), default=0.0)
     if not check:
         coeffs = replace(coeffs, margin_frac=0.03, margin_bytes=max(1.0, math.ceil(over * 10) / 10) * GIB,
                          source=f"scripts/calibrate_memory.py on {raws[0]['device']} at {raws[0]['commit']} "
-                                f"(fit on {args.subset}: 2k/8k/16k, one microbatch; docs/results/memory-model.json)")
+                                f"(fit on {args.subset}: 2k/8k/16k, one microbatch; "
+                                "docs/results/memory-model.json)")
     held = [abs(r["error_pct"]) for r in ok if r["held_out"]]
     summary = {"device": raws[0]["device"], "commit": raws[0]["commit"], "command": raws[0]["command"],
                "torch": raws[0]["torch"], "coefficients": asdict(coeffs),
@@ -311,9 +324,9 @@ def fit_main(args) -> None:
                "within_7pct": sum(e <= 7 for e in held), "reserved_over_1.03_prediction_gib": round(over, 2),
                "points": rows}
     for r in rows:
-        print(f"{r['shape']:>9} L{r['num_layers']:<2} {r['adapters']:>2}x r{r['rank']:<2} {r['recompute']:>4} "
-              f"C{r['capacity']:>5} k{r['in_flight']} pred {r['predicted_gib']:6.1f} meas "
-              f"{r.get('measured_gib', float('nan')):6.1f} err {r.get('error_pct', float('nan')):6.2f}% "
+        print(f"{r['shape']:>9} L{r['num_layers']:<2} {r['adapters']:>2}x r{r['rank']:<2} "
+              f"{r['recompute']:>4} C{r['capacity']:>5} k{r['in_flight']} pred {r['predicted_gib']:6.1f} "
+              f"meas {r.get('measured_gib', float('nan')):6.1f} err {r.get('error_pct', float('nan')):6.2f}% "
               f"{'held-out' if r['held_out'] else 'fit'}{' OOM' if r.get('oom') else ''}")
     print(json.dumps({k: v for k, v in summary.items() if k != "points"}))
     if args.json:
@@ -327,7 +340,8 @@ def main() -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("measure")
     m.add_argument("--out", required=True)
-    m.add_argument("--budget-s", type=float, default=330.0, help="stop starting points after this many seconds")
+    m.add_argument("--budget-s", type=float, default=330.0,
+                   help="stop starting points after this many seconds")
     m.add_argument("--layers-70b", type=int, default=10)
     m.add_argument("--shapes", default="8b,70b-width", help="which shapes to measure (comma-separated)")
     m.add_argument("--extra-capacities", type=lambda v: tuple(int(x) for x in v.split(",") if x), default=(),

@@ -68,7 +68,8 @@ def layer_row(m: int, k: int, n: int) -> dict:
         row["y_rel_err_bf16"] = rel(x @ w.t(), ref)
         row["y_rel_err_fp8"] = rel(F.fp8_linear(x, q, s), ref)
         xq_, sx_ = F.quantize_rows(x)
-        row["y_rel_err_fp8_fast_accum"] = rel(F.scaled_gemm(xq_, sx_, q, s.view(1, -1), torch.bfloat16, True), ref)
+        row["y_rel_err_fp8_fast_accum"] = rel(
+            F.scaled_gemm(xq_, sx_, q, s.view(1, -1), torch.bfloat16, True), ref)
         del ref
         dref = dy.float() @ w.float()
         row["dx_rel_err_bf16"] = rel(dy @ w, dref)
@@ -80,7 +81,8 @@ def layer_row(m: int, k: int, n: int) -> dict:
         ones = torch.ones(1, k, device=DEV)
         t = {"fwd_bf16": lambda: x @ w.t(), "fwd_fp8": lambda: F.fp8_linear(x, q, s),
              "fwd_fp8_gemm_only": lambda: F.scaled_gemm(x_q, s_x, q, s.view(1, -1), torch.bfloat16),
-             "fwd_fp8_gemm_fast_accum": lambda: F.scaled_gemm(x_q, s_x, q, s.view(1, -1), torch.bfloat16, True),
+             "fwd_fp8_gemm_fast_accum": lambda: F.scaled_gemm(x_q, s_x, q, s.view(1, -1),
+                                                              torch.bfloat16, True),
              "quant_x": lambda: F.quantize_rows(x),
              "dgrad_bf16": lambda: dy @ w,
              "dgrad_fp8": lambda: F.Fp8BaseLinear.backward(_Ctx(q, s), dy),
@@ -148,8 +150,9 @@ def step(model, batch, names, dtype: torch.dtype = torch.float32):
 
 def grad_cosines(grads: dict, ref: dict) -> dict:
     """Each LoRA gradient's cosine similarity with its reference (float64), by name."""
-    return {k: float(torch.nn.functional.cosine_similarity(grads[k].flatten().double(), ref[k].flatten().double(),
-                                                           dim=0)) for k in ref}
+    return {k: float(torch.nn.functional.cosine_similarity(grads[k].flatten().double(),
+                                                           ref[k].flatten().double(), dim=0))
+            for k in ref}
 
 
 def model_check(mb_tokens: int) -> dict:
@@ -161,7 +164,8 @@ def model_check(mb_tokens: int) -> dict:
     g = torch.Generator().manual_seed(5)
     parts = [int(mb_tokens * f) for f in (0.3, 0.15, 0.35)]
     parts.append(mb_tokens - sum(parts))
-    samples = [(n, torch.randint(0, 500 if DEV == "cpu" else 128000, (t,), generator=g).tolist()) for n, t in zip(names, parts)]
+    samples = [(n, torch.randint(0, 500 if DEV == "cpu" else 128000, (t,), generator=g).tolist())
+               for n, t in zip(names, parts)]
     batch = pack_microbatch(samples, row_ids=list(range(4))).to(torch.device(DEV))
     out: dict = {"mb_tokens": mb_tokens}
     res = {}
@@ -208,8 +212,10 @@ def lora_linear_ms(m: int, k: int, n: int) -> dict:
     x = torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16).requires_grad_(True)
     w = (torch.randn(n, k, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
     q, s = F.quantize_weight(w)
-    A = [(torch.randn(16, k, device=DEV, generator=g) * 0.01).to(torch.bfloat16).requires_grad_(True) for _ in range(4)]
-    B = [(torch.randn(n, 16, device=DEV, generator=g) * 0.01).to(torch.bfloat16).requires_grad_(True) for _ in range(4)]
+    A = [(torch.randn(16, k, device=DEV, generator=g) * 0.01).to(torch.bfloat16).requires_grad_(True)
+         for _ in range(4)]
+    B = [(torch.randn(n, 16, device=DEV, generator=g) * 0.01).to(torch.bfloat16).requires_grad_(True)
+         for _ in range(4)]
     cut = [0, int(m * 0.3), int(m * 0.45), int(m * 0.8), m]
     routing = Routing(segments=tuple((a, cut[a], cut[a + 1] - cut[a]) for a in range(4)), num_rows=m)
     dy = torch.randn(m, n, device=DEV, generator=g).to(torch.bfloat16)
@@ -225,10 +231,11 @@ def lora_linear_ms(m: int, k: int, n: int) -> dict:
 
 
 def quant_variants(m: int) -> dict:
-    """ms of the row quantization per launch variant: the long rows (fc1's dY with its column scale, fc2's X) as
-    shipped (two loops over a row), one read from registers with 16 / 32 warps, two loops of 8k; the 4096- and
-    6144-column rows (X of qkv/proj/fc1, dY of qkv) as shipped (the 4096-column X: 4 rows a program, 16 warps, since
-    2026-11-25; dY one row), or with other warps / rows a program. Equality is against one row a program."""
+    """ms of the row quantization per launch variant: the long rows (fc1's dY with its column scale, fc2's X)
+    as shipped (two loops over a row), one read from registers with 16 / 32 warps, two loops of 8k; the 4096-
+    and 6144-column rows (X of qkv/proj/fc1, dY of qkv) as shipped (the 4096-column X: 4 rows a program, 16
+    warps, since 2026-11-25; dY one row), or with other warps / rows a program. Equality is against one row a
+    program."""
     if DEV != "cuda":
         return {}
     from lorafusion.kernels.fp8_quant import quantize_rows_triton
@@ -247,7 +254,8 @@ def quant_variants(m: int) -> dict:
         c = torch.rand(n, device=DEV, generator=g) + 0.5 if cs else None
         q0, s0 = quantize_rows_triton(x, F.E4M3, c, F.EPS, rows=1)
         for var, kw in variants:
-            out[f"{name}_{var}"] = cuda_ms(lambda x=x, c=c, kw=kw: quantize_rows_triton(x, F.E4M3, c, F.EPS, **kw))
+            out[f"{name}_{var}"] = cuda_ms(
+                lambda x=x, c=c, kw=kw: quantize_rows_triton(x, F.E4M3, c, F.EPS, **kw))
             q1, s1 = quantize_rows_triton(x, F.E4M3, c, F.EPS, **kw)
             out[f"{name}_{var}_equal"] = bool(torch.equal(s0, s1) and torch.equal(q0.view(torch.uint8),
                                                                                   q1.view(torch.uint8)))

@@ -149,7 +149,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--ops", default="linear_ce,rms_norm,swiglu,rope")
-    ap.add_argument("--small", action="store_true", help="tiny shapes (smoke test; CPU with TRITON_INTERPRET=1)")
+    ap.add_argument("--small", action="store_true",
+                    help="tiny shapes (smoke test; CPU with TRITON_INTERPRET=1)")
     args = ap.parse_args()
     if args.small:
         args.tokens, args.hidden, args.vocab, args.heads, args.kv_heads, args.head_dim, args.ffn = (
@@ -179,8 +180,8 @@ def main() -> None:
         labels = labels.to(dev)
         gout = (torch.rand(T, generator=gen) * 2).to(dev)
         # float64 reference, chunked over tokens (each token's loss depends on its row only)
-        ref_loss, ref_grad = torch.empty(T, dtype=torch.float64, device=dev), torch.empty(T, H, dtype=torch.float64,
-                                                                                          device=dev)
+        ref_loss = torch.empty(T, dtype=torch.float64, device=dev)
+        ref_grad = torch.empty(T, H, dtype=torch.float64, device=dev)
         w64 = weight.double()
         for s in range(0, T, 2048):
             x = hidden[s:s + 2048].double().requires_grad_(True)
@@ -190,12 +191,14 @@ def main() -> None:
             del x, lo
         del w64
 
-        def baseline(x):  # logits materialised, fp32 CE (Megatron: output_layer + vocab_parallel_cross_entropy)
+        # logits materialised, fp32 CE (Megatron: output_layer + vocab_parallel_cross_entropy)
+        def baseline(x):
             logits = x @ weight.t()
             return F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="none")
 
         impls = {"triton": lambda x: linear_cross_entropy(x, weight, labels, impl="triton"),
-                 "torch": lambda x: linear_cross_entropy(x, weight, labels, impl="torch"), "baseline": baseline}
+                 "torch": lambda x: linear_cross_entropy(x, weight, labels, impl="torch"),
+                 "baseline": baseline}
 
         def check(label, fwd):
             x = hidden.clone().requires_grad_(True)
@@ -214,8 +217,8 @@ def main() -> None:
             return step
 
         results["linear_ce"] = measure(
-            "linear_ce", impls, ce_step, lambda fwd: (lambda: fwd(hidden.clone().requires_grad_(True))), check, T,
-            timer, exclude=(weight,))
+            "linear_ce", impls, ce_step, lambda fwd: (lambda: fwd(hidden.clone().requires_grad_(True))),
+            check, T, timer, exclude=(weight,))
         del hidden, weight, ref_grad, ref_loss
         torch.cuda.empty_cache() if dev.type == "cuda" else None
 
@@ -242,7 +245,8 @@ def main() -> None:
             return e
 
         results["rms_norm"] = measure(
-            "rms_norm", impls, lambda fwd: grad_step(lambda x: fwd(x).to(dt), x0.clone().requires_grad_(True), dy),
+            "rms_norm", impls,
+            lambda fwd: grad_step(lambda x: fwd(x).to(dt), x0.clone().requires_grad_(True), dy),
             lambda fwd: (lambda: fwd(x0.clone().requires_grad_(True))), check, T, timer,
             exclude=(w, base_mod.weight))
         del x0, dy, xr, ref
@@ -307,8 +311,8 @@ def main() -> None:
             q, k = q0.clone().requires_grad_(True), k0.clone().requires_grad_(True)
             oq, ok_ = fwd(q, k)
             torch.autograd.backward([oq, ok_], [dq, dk])
-            e = {"q_rel": rel(oq, refs[0][0]), "k_rel": rel(ok_, refs[1][0]), "dq_rel": rel(q.grad, refs[0][1]),
-                 "dk_rel": rel(k.grad, refs[1][1])}
+            e = {"q_rel": rel(oq, refs[0][0]), "k_rel": rel(ok_, refs[1][0]),
+                 "dq_rel": rel(q.grad, refs[0][1]), "dk_rel": rel(k.grad, refs[1][1])}
             e["ok"] = max(e.values()) <= TOL and finite(oq) and finite(q.grad)
             if label == "torch":
                 with torch.no_grad():
@@ -326,8 +330,8 @@ def main() -> None:
 
         results["rope"] = measure(
             "rope", impls, rope_step,
-            lambda fwd: (lambda: fwd(q0.clone().requires_grad_(True), k0.clone().requires_grad_(True))), check, T,
-            timer)
+            lambda fwd: (lambda: fwd(q0.clone().requires_grad_(True), k0.clone().requires_grad_(True))),
+            check, T, timer)
         results["rope"]["samples"] = len(lengths)
 
     all_ok = all(r.get("ok", False) for op in results.values() for k, r in op.items()

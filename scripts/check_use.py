@@ -35,7 +35,8 @@ def main() -> int:
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     rows = [json.loads(x) for x in Path(args.generated).read_text().splitlines() if x.strip()]
-    out = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "rows": len(rows), "mismatches": []}
+    out = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "rows": len(rows),
+           "mismatches": []}
     for row in rows:
         base = AutoModelForCausalLM.from_pretrained(args.base, torch_dtype=torch.float32).to(dev).eval()
         model = PeftModel.from_pretrained(base, str(Path(args.run) / "adapters" / row["job"])).eval() \
@@ -46,7 +47,8 @@ def main() -> int:
                                 eos_token_id=257, pad_token_id=258)
         theirs = hf[0, ids.shape[1]:].tolist()
         if theirs != row["output_ids"]:
-            out["mismatches"].append({"job": row.get("job"), "ours": row["output_ids"], "transformers_peft": theirs})
+            out["mismatches"].append(
+                {"job": row.get("job"), "ours": row["output_ids"], "transformers_peft": theirs})
     base = AutoModelForCausalLM.from_pretrained(args.base, torch_dtype=torch.float32).to(dev).eval()
     peft = PeftModel.from_pretrained(base, str(Path(args.run) / "adapters" / args.job)).eval()
     merged = AutoModelForCausalLM.from_pretrained(args.merged, torch_dtype=torch.float32).to(dev).eval()

@@ -3,14 +3,15 @@
     TRITON_INTERPRET=1 python scripts/count_saved_bytes.py [--adapters 4,12] [--capacities 128,256]
 
 Builds a reduced-width decoder with the 8B's ratios (hidden 512, ffn 1792, 8 heads of 64, 2 query groups: 4
-heads a group as the 8B's 32/8) through ``lorafusion.models.provider.build_model`` with the GPU's fused ops and Triton LoRA kernels
-(interpreted on the CPU; ``fused_ops="torch"`` would not do: ``F.rms_norm`` keeps an fp32 copy of its input),
-adds LoRA adapters as ``scripts/calibrate_memory.py`` does (r=16, all-linear, dropout 0.1, an A per
-projection), packs a microbatch with its ``_batch`` (mixed sample lengths, contiguous per adapter), runs the
-forward under ``torch.autograd.graph.saved_tensors_hooks`` and counts each saved storage once (by data
-pointer; the frozen weights left out). Two capacities give the bytes per token: their difference over the token
-difference, printed beside what the memory model counts per token at ``act_scale`` 1 (``memory.saved_elems`` +
-``memory.lora_elems`` per layer, and the last stage's three hidden-size loss tensors).
+heads a group as the 8B's 32/8) through ``lorafusion.models.provider.build_model`` with the GPU's fused ops
+and Triton LoRA kernels (interpreted on the CPU; ``fused_ops="torch"`` would not do: ``F.rms_norm`` keeps an
+fp32 copy of its input), adds LoRA adapters as ``scripts/calibrate_memory.py`` does (r=16, all-linear, dropout
+0.1, an A per projection), packs a microbatch with its ``_batch`` (mixed sample lengths, contiguous per
+adapter), runs the forward under ``torch.autograd.graph.saved_tensors_hooks`` and counts each saved storage
+once (by data pointer; the frozen weights left out). Two capacities give the bytes per token: their difference
+over the token difference, printed beside what the memory model counts per token at ``act_scale`` 1
+(``memory.saved_elems`` + ``memory.lora_elems`` per layer, and the last stage's three hidden-size loss
+tensors).
 
 ``--attention`` chooses the core attention: ``per-sample`` is the path a CPU (and a GPU after
 ``varlen_attn`` failed) takes — one SDPA per sample, outputs concatenated; ``varlen`` stands in for the
@@ -35,7 +36,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 
 class _VarlenLike:
-    """An autograd Function saving what torch's varlen_attn saves; the values come from the exact reference."""
+    """An autograd Function saving what torch's varlen_attn saves; the values come from the exact
+    reference."""
 
     @staticmethod
     def make(gqa: bool):
@@ -118,12 +120,14 @@ def main() -> None:
         cm._attach(model, n, 16)
         for mode in args.attention.split(","):
             path = "varlen-gqa" if mode == "varlen" and args.varlen_gqa else mode
-            setup = MemorySetup(arch, tuple(AdapterShape(16, dropout=0.1, independent_a=True) for _ in range(n)),
+            setup = MemorySetup(arch,
+                                tuple(AdapterShape(16, dropout=0.1, independent_a=True) for _ in range(n)),
                                 attention=path)
             counted = 2 * (arch.num_layers * (saved_elems(setup) + lora_elems(setup)) + 3 * arch.hidden_size)
             att.varlen_attention = per_sample if mode == "per-sample" else _VarlenLike.make(args.varlen_gqa)
-            sizes = {c: _saved_bytes(model, cm._batch(c, list(get_lora_context(model).specs), arch.vocab_size, 0),
-                                     dtype) for c in caps}
+            sizes = {c: _saved_bytes(model, cm._batch(c, list(get_lora_context(model).specs),
+                                                      arch.vocab_size, 0), dtype)
+                     for c in caps}
             slope = (sizes[caps[-1]] - sizes[caps[0]]) / (caps[-1] - caps[0])
             rec = dict(attention=path, adapters=n, layers=arch.num_layers, saved_bytes=sizes,
                        bytes_per_token=round(slope, 1), model_bytes_per_token=counted)

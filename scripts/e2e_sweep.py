@@ -6,11 +6,11 @@ order: is the memory model's choice within 3% of the best hand-picked capacity o
 Every run is ``scripts/bench_train.py --config CONFIG --rows R --steps S --warmup W --skip-hf`` in its own
 process: ``auto`` as shipped (``token_capacity`` and ``recompute_layers`` auto), a number as that
 ``scheduler.token_capacity`` without recompute. Order effects are what this guards against: the first process
-of a call compiles every Triton kernel (later ones load them from the disk cache), and a timed chunk that meets a
-new microbatch shape compiles inside the timing (each run records ``jit_timed_s``, scripts/bench_jit.py); the GPU
-may also be colder at the start (its SM clock and temperature are read before each run). Alternate the order
-(e.g. auto first and last) and compare the medians of each configuration; the summary gives the ratio over
-all runs and over the runs that did not start the call.
+of a call compiles every Triton kernel (later ones load them from the disk cache), and a timed chunk that
+meets a new microbatch shape compiles inside the timing (each run records ``jit_timed_s``,
+scripts/bench_jit.py); the GPU may also be colder at the start (its SM clock and temperature are read before
+each run). Alternate the order (e.g. auto first and last) and compare the medians of each configuration; the
+summary gives the ratio over all runs and over the runs that did not start the call.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def gpu_state() -> str | None:
     """SM clock, temperature and power draw now (nvidia-smi), or None without one."""
     try:
         return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,temperature.gpu,power.draw",
-                               "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+                               "--format=csv,noheader"], capture_output=True, text=True,
+                              timeout=20).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -52,7 +53,8 @@ def run_record(index: int, spec: str, bench: dict | None, wall_s: float, gpu: st
             "tokens_per_s": ours.get("tokens_per_s"), "chunk_s": ours.get("chunk_s"),
             "jit_timed_n": ours.get("jit_timed_n"), "jit_timed_s": ours.get("jit_timed_s"),
             "jit_per_chunk": ours.get("jit_per_chunk"), "peak_mem_gib": ours.get("peak_mem_gib"),
-            "reserved_gib": ours.get("reserved_gib"), "predicted_peak_gib": stages[0].get("predicted_peak_gib")}
+            "reserved_gib": ours.get("reserved_gib"),
+            "predicted_peak_gib": stages[0].get("predicted_peak_gib")}
 
 
 def summarise(runs: list[dict], target: float = 0.97) -> dict:
@@ -77,7 +79,8 @@ def summarise(runs: list[dict], target: float = 0.97) -> dict:
     rest = table(runs[1:])
     out["excluding_first_run"] = dict(zip(("best_hand_picked", "auto_over_best_hand_picked"), ratio(rest)),
                                       per_config=rest, first_run=runs[0]["name"] if runs else None)
-    r_all, r_rest = out["auto_over_best_hand_picked"], out["excluding_first_run"]["auto_over_best_hand_picked"]
+    r_all = out["auto_over_best_hand_picked"]
+    r_rest = out["excluding_first_run"]["auto_over_best_hand_picked"]
     out["within_3pct"] = None if r_all is None else r_all >= target
     out["within_3pct_excluding_first_run"] = None if r_rest is None else r_rest >= target
     auto_caps = {r["token_capacity"] for r in runs if r["name"] == "auto"}
@@ -87,7 +90,8 @@ def summarise(runs: list[dict], target: float = 0.97) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--order", required=True, help="comma-separated: auto or a token capacity, e.g. auto,24576,auto")
+    ap.add_argument("--order", required=True,
+                    help="comma-separated: auto or a token capacity, e.g. auto,24576,auto")
     ap.add_argument("--config", default="configs/llama3.1-8b-4adapters.yaml")
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--steps", type=int, default=6)
@@ -105,13 +109,15 @@ def main() -> None:
     runs = []
     for i, spec in enumerate(specs):
         name, gpu = run_name(spec), gpu_state()
-        cmd = [sys.executable, str(ROOT / "scripts/bench_train.py"), "--config", args.config, "--rows", str(args.rows),
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--skip-hf", "--out", f"/tmp/e2e_{i}_{name}"]
+        cmd = [sys.executable, str(ROOT / "scripts/bench_train.py"), "--config", args.config,
+               "--rows", str(args.rows), "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--skip-hf", "--out", f"/tmp/e2e_{i}_{name}"]
         cmd += [] if spec == "auto" else [f"scheduler.token_capacity={int(spec)}", *HAND]
         t0 = time.perf_counter()
         with open(out / f"{i}-{name}.log", "w") as log:
             try:
-                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout, cwd=ROOT).returncode
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout,
+                                    cwd=ROOT).returncode
             except subprocess.TimeoutExpired:
                 rc = 124
         lines = (out / f"{i}-{name}.log").read_text().strip().splitlines()
@@ -122,9 +128,10 @@ def main() -> None:
         runs.append(run_record(i, spec, bench, time.perf_counter() - t0, gpu, rc))
         r = runs[-1]
         print(f"run {i} {name}: rc={rc} cap={r['token_capacity']} tok/s={r['tokens_per_s'] or 0:,.0f} "
-              f"chunks={r['chunk_s']} jit_timed={r['jit_timed_n']}/{r['jit_timed_s']}s peak={r['peak_mem_gib']} "
-              f"gpu=[{gpu}] wall={r['wall_s']}s", flush=True)
-    summary = {"config": args.config, "command": command(), "commit": commit(), "runs": runs, **summarise(runs)}
+              f"chunks={r['chunk_s']} jit_timed={r['jit_timed_n']}/{r['jit_timed_s']}s "
+              f"peak={r['peak_mem_gib']} gpu=[{gpu}] wall={r['wall_s']}s", flush=True)
+    summary = {"config": args.config, "command": command(), "commit": commit(), "runs": runs,
+               **summarise(runs)}
     Path(args.json or out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({k: summary[k] for k in ("order", "auto_token_capacity", "best_hand_picked",
                                               "auto_over_best_hand_picked", "within_3pct")}

@@ -65,7 +65,8 @@ def job_yaml(trace: Trace, tj: TraceJob, work: Path, max_len: int) -> Path:
             data.parent.mkdir(parents=True, exist_ok=True)
             rng = np.random.default_rng(tj.seed if tj.seed is not None else 0)
             rows = []
-            for n in dataset_lengths(tj, trace.base_dir, tj.max_steps * tj.global_batch_size, trace.seed or 0):
+            for n in dataset_lengths(tj, trace.base_dir, tj.max_steps * tj.global_batch_size,
+                                     trace.seed or 0):
                 n = max(2, min(int(n), max_len)) - 2  # bos + eos are added by the byte tokenizer
                 text = "".join(rng.choice(LETTERS, n))
                 rows.append(json.dumps({"prompt": text[: n // 3], "response": text[n // 3:]}))
@@ -73,8 +74,8 @@ def job_yaml(trace: Trace, tj: TraceJob, work: Path, max_len: int) -> Path:
         dataset = {"path": str(data), "format": "prompt_response", "max_seq_len": max_len, "truncate": True}
     else:
         p = Path(tj.path)
-        dataset = {"path": str(p if p.is_absolute() else (trace.base_dir / p).resolve()), "format": "prompt_response",
-                   "max_seq_len": max_len, "truncate": True}
+        dataset = {"path": str(p if p.is_absolute() else (trace.base_dir / p).resolve()),
+                   "format": "prompt_response", "max_seq_len": max_len, "truncate": True}
     doc = {"name": tj.name, "dataset": dataset,
            "lora": {"r": tj.r, "lora_alpha": 2 * tj.r, "target_modules": "all-linear"},
            "global_batch_size": tj.global_batch_size, "max_steps": tj.max_steps, "priority": tj.priority}
@@ -126,14 +127,15 @@ def _run_yaml(base: dict, jobs: list[str], out: Path, path: Path, **extra) -> Pa
     return path
 
 
-def _summary(policy: str, cmd: list[str], arrival: dict, finish: dict, tokens: int, exit_code, **extra) -> dict:
+def _summary(policy: str, cmd: list[str], arrival: dict, finish: dict, tokens: int, exit_code,
+             **extra) -> dict:
     jct = {n: finish[n] - arrival[n] for n in finish}
     j = np.array(list(jct.values()))
     makespan = max(finish.values())
     return {"policy": policy, "command": shlex.join(cmd), "arrival_s": _r(arrival), "finish_s": _r(finish),
             "jct_s": _r(jct), "mean_jct_s": float(j.mean()), "p90_jct_s": float(np.percentile(j, 90)),
-            "makespan_s": makespan, "tokens": tokens, "tokens_per_s": tokens / makespan, "exit_code": exit_code,
-            **extra}
+            "makespan_s": makespan, "tokens": tokens, "tokens_per_s": tokens / makespan,
+            "exit_code": exit_code, **extra}
 
 
 def _tokens(out: Path) -> int:
@@ -156,7 +158,8 @@ def run_separate(trace: Trace, args, overrides: list[str], work: Path) -> dict:
         while time.monotonic() - t0 < arrival[tj.name]:
             time.sleep(max(0.0, min(args.poll_s, arrival[tj.name] - (time.monotonic() - t0))))
         out = work / "separate" / tj.name
-        cmd = _train_cmd(args, _run_yaml(base, [str(yamls[tj.name])], out, work / "separate" / f"{tj.name}.yaml"),
+        cmd = _train_cmd(args,
+                         _run_yaml(base, [str(yamls[tj.name])], out, work / "separate" / f"{tj.name}.yaml"),
                          overrides)
         cmds.append(cmd)
         start = time.monotonic()
@@ -232,7 +235,8 @@ def run_policy(policy: str, trace: Trace, args, overrides: list[str], work: Path
                 raise RuntimeError(f"{policy}: the run exited ({proc.returncode}) with jobs unfinished: "
                                    f"{sorted(set(arrival) - set(finish))}; see {work / policy / 'train.log'}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{policy}: jobs unfinished after --timeout: {sorted(set(yamls) - set(finish))}")
+                raise TimeoutError(f"{policy}: jobs unfinished after --timeout: "
+                                   f"{sorted(set(yamls) - set(finish))}")
             time.sleep(args.poll_s)
     finally:
         if proc.poll() is None:
@@ -264,7 +268,8 @@ def simulate(trace: Trace, policies: list[str], time_scale: float, base: dict, o
 
     bench_online.measured_from_files()
     costs, _ = bench_online.fit_costs()
-    cfg = replace(bench_online.SETTINGS["pp1"], token_capacity=scheduler_int(base, overrides, "token_capacity", 4096),
+    cfg = replace(bench_online.SETTINGS["pp1"],
+                  token_capacity=scheduler_int(base, overrides, "token_capacity", 4096),
                   lookahead_batches=scheduler_int(base, overrides, "lookahead_batches", 2))
     scaled = trace.scaled(time_scale)
     res = run_policies(trace_specs(scaled), {j.name: j.arrival_s for j in scaled.jobs}, cfg, costs["pp1"])
@@ -273,7 +278,8 @@ def simulate(trace: Trace, policies: list[str], time_scale: float, base: dict, o
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", required=True, help="run YAML: model, parallelism, scheduler, kernels (jobs ignored)")
+    ap.add_argument("--config", required=True,
+                    help="run YAML: model, parallelism, scheduler, kernels (jobs ignored)")
     ap.add_argument("--trace", required=True)
     ap.add_argument("--policies", default="fifo,shortest_first,together",
                     help="any of separate (one run per job), fifo, shortest_first, together")
@@ -286,8 +292,8 @@ def main() -> None:
     ap.add_argument("--idle-minutes", type=float, default=30.0)
     ap.add_argument("--timeout", type=float, default=3600.0, help="per policy, seconds")
     ap.add_argument("--warmup", action="store_true",
-                    help="first run every trace job for one step together (discarded): compiles and caches land "
-                         "there, not in the first policy's JCTs")
+                    help="first run every trace job for one step together (discarded): compiles and caches "
+                         "land there, not in the first policy's JCTs")
     ap.add_argument("--simulate", action="store_true", help="add the simulator's prediction (PP=1 fit)")
     ap.add_argument("--device", default="", help="recorded in the JSON (e.g. '1x NVIDIA H200')")
     ap.add_argument("--commit", default=os.environ.get("BENCH_COMMIT", ""))
@@ -296,7 +302,8 @@ def main() -> None:
     policies = [p for p in args.policies.split(",") if p]
     known = ("separate", "fifo", "shortest_first", "together")
     if not policies or set(policies) - set(known):
-        raise SystemExit(f"--policies: expected a comma-separated list of {', '.join(known)}; got {args.policies!r}")
+        raise SystemExit(f"--policies: expected a comma-separated list of {', '.join(known)}; got "
+                         f"{args.policies!r}")
     trace = load_trace(args.trace)
     out = Path(args.out)
     work = Path(args.work) if args.work else out.with_suffix(".work")
@@ -306,14 +313,15 @@ def main() -> None:
     if args.warmup:
         from dataclasses import replace as _replace
 
-        once = Trace(tuple(_replace(j, arrival_s=0.0, max_steps=1) for j in trace.jobs), trace.source, trace.seed)
+        once = Trace(tuple(_replace(j, arrival_s=0.0, max_steps=1) for j in trace.jobs),
+                     trace.source, trace.seed)
         warm = run_policy("together", once, args, list(args.overrides), work / "warmup")
         print(f"warm-up (discarded): {warm['makespan_s']:.1f}s", flush=True)
     commit = args.commit or bench_commit()
     results: dict = {}
-    doc = {"date": time.strftime("%Y-%m-%d"), "what": "real runs: one serving lorafusion train per policy, jobs "
-           "submitted at their arrival times; JCT = done (status.json: adapter written) - arrival, setup not counted "
-           "(mean_jct_with_setup_bound_s adds it); 'separate': "
+    doc = {"date": time.strftime("%Y-%m-%d"), "what": "real runs: one serving lorafusion train per policy, "
+           "jobs submitted at their arrival times; JCT = done (status.json: adapter written) - arrival, "
+           "setup not counted (mean_jct_with_setup_bound_s adds it); 'separate': "
            "one lorafusion train per job in arrival order, JCT = its run's exit - arrival, its setup counted",
            "device": args.device, "commit": commit,
            "command": command(),
@@ -327,8 +335,8 @@ def main() -> None:
     for p in policies:  # the JSON is rewritten after each policy: a cut-off replay keeps what it measured
         results[p] = run_policy(p, trace, args, list(args.overrides), work)
         r = results[p]
-        print(f"{p}: mean JCT {r['mean_jct_s']:.2f}s p90 {r['p90_jct_s']:.2f}s makespan {r['makespan_s']:.2f}s "
-              f"{r['tokens_per_s']:,.0f} tokens/s", flush=True)
+        print(f"{p}: mean JCT {r['mean_jct_s']:.2f}s p90 {r['p90_jct_s']:.2f}s makespan "
+              f"{r['makespan_s']:.2f}s {r['tokens_per_s']:,.0f} tokens/s", flush=True)
         for name in ("fifo", "separate"):
             ref = results.get(name)
             for r in results.values():

@@ -119,7 +119,8 @@ def main() -> None:
     loss, scale = stages.loss_layers(arch), 1.0 / cal["used"]["sim_flops_per_s"]
     rows = []
     for V in [int(v) for v in args.virtual.split(",")]:
-        vplans = plans if V == 1 else plan_chunks(args.config, overrides + [f"parallelism.virtual_stages={V}"], 2)[1]
+        vplans = (plans if V == 1
+                  else plan_chunks(args.config, overrides + [f"parallelism.virtual_stages={V}"], 2)[1])
         for name, split in splits_for(arch, S, V, loss).items():
             tl = simulate(vplans[1], arch, split, loss, scale)
             rows.append({"virtual_stages": V, "split_name": name, "stage_layers": split,
@@ -134,22 +135,25 @@ def main() -> None:
                   f"{' '.join(f'{x:.3f}' for x in tl.stage_bubbles)}  noops {vplans[1].num_noops}")
     best = min(rows, key=lambda r: r["simulated_bubble"])
     v1 = next(r for r in rows if r["virtual_stages"] == 1 and r["split_name"] == "even")
-    res = {"config": args.config, "overrides": overrides, "date": datetime.date.today().isoformat(), "commit": commit(),
-           "command": command(),
-           "model": {"num_layers": arch.num_layers, "loss_layers_flops": round(stages.flop_loss_layers(arch), 3),
+    res = {"config": args.config, "overrides": overrides, "date": datetime.date.today().isoformat(),
+           "commit": commit(), "command": command(),
+           "model": {"num_layers": arch.num_layers,
+                     "loss_layers_flops": round(stages.flop_loss_layers(arch), 3),
                      "loss_layers_calibrated": round(loss, 3)},
            "simulator": {"backward_ratio": BACKWARD_RATIO, "p2p_s": P2P_S, "chunk": 1,
-                         "cost": "GEMM + causal attention FLOPs per microbatch, scaled to the measured busy time"},
+                         "cost": "GEMM + causal attention FLOPs per microbatch, scaled to the measured busy "
+                                 "time"},
            "measured": {"source": args.measured, "device": measured.get("device"),
                         "bubble_ratio": measured["bubble_ratio"],
                         "bubble_ratio_per_stage": measured["bubble_ratio_per_rank"]},
            "calibration_v1_even": cal, "v1_even": v1, "best": best, "target": 0.05,
            "met": best["simulated_bubble"] <= 0.05, "runs": rows}
     print(f"measured V=1 even {measured['bubble_ratio']:.4f}; simulated {v1['simulated_bubble']:.4f} "
-          f"(calibration error {cal['used']['error']:+.4f}, per stage rms {cal['used']['rms_error_per_stage']:.4f}; "
-          f"a priori FLOP loss {cal['flops']['error']:+.4f}; least-squares loss "
-          f"{cal['least_squares']['loss_layers']} layers); "
-          f"best V={best['virtual_stages']} {best['split_name']} {best['stage_layers']}: {best['simulated_bubble']:.4f}")
+          f"(calibration error {cal['used']['error']:+.4f}, per stage rms "
+          f"{cal['used']['rms_error_per_stage']:.4f}; a priori FLOP loss {cal['flops']['error']:+.4f}; "
+          f"least-squares loss {cal['least_squares']['loss_layers']} layers); "
+          f"best V={best['virtual_stages']} {best['split_name']} {best['stage_layers']}: "
+          f"{best['simulated_bubble']:.4f}")
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
 

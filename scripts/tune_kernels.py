@@ -2,9 +2,9 @@
 """Choose block configs per kernel and shape bucket on this GPU; write them as JSON.
 
 Times each candidate with triton.testing.do_bench (median, CUDA events) on the five benchmark shapes
-(r=16, p=0.1, bf16) and the multi-adapter case (r_max=64), or on ``--shapes`` (m,k,n of a model's linears) with
-``--segments`` equal r=16 adapter segments, and keeps the fastest per (kernel, bucket). A candidate whose output
-differs from the default config's (beyond bf16 rounding of the fp32 accumulation order) is rejected.
+(r=16, p=0.1, bf16) and the multi-adapter case (r_max=64), or on ``--shapes`` (m,k,n of a model's linears)
+with ``--segments`` equal r=16 adapter segments, and keeps the fastest per (kernel, bucket). A candidate whose
+output differs from the default config's (beyond bf16 rounding of the fp32 accumulation order) is rejected.
 Paste the result into ``lorafusion/kernels/tuning.py`` (TUNED), or point LORAFUSION_TUNING_FILE at the JSON.
 
     python scripts/tune_kernels.py --out tuned.json
@@ -28,7 +28,8 @@ from lorafusion.kernels import fused_multi_lora as K  # noqa: E402
 from lorafusion.kernels import tuning  # noqa: E402
 from lorafusion.core.routing import Routing  # noqa: E402
 
-SHAPES = [(8192, 4096, 4096), (8192, 4096, 14336), (8192, 14336, 4096), (16384, 4096, 4096), (4096, 8192, 8192)]
+SHAPES = [(8192, 4096, 4096), (8192, 4096, 14336), (8192, 14336, 4096), (16384, 4096, 4096),
+          (4096, 8192, 8192)]
 
 CANDIDATES = {
     "gemm": [dict(BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=w, num_stages=s)
@@ -108,7 +109,8 @@ def main():
     ap.add_argument("--shapes", nargs="+", metavar="M,K,N", help="linears to tune at (default: the five "
                     "benchmark shapes and the r 8/16/32/64 multi-adapter case)")
     ap.add_argument("--segments", type=int, default=1, help="with --shapes: equal segments of r=16 adapters")
-    ap.add_argument("--device", default="cuda", help="cpu: a dry run under TRITON_INTERPRET=1 (fp32, wall clock)")
+    ap.add_argument("--device", default="cuda",
+                    help="cpu: a dry run under TRITON_INTERPRET=1 (fp32, wall clock)")
     args = ap.parse_args()
     kernels = args.kernels.split(",")
     dev, dt = args.device, (torch.bfloat16 if args.device != "cpu" else torch.float32)
@@ -135,11 +137,12 @@ def main():
         else:
             ls = [int(m * f) for f in (0.37, 0.29, 0.21)]
             routing = Routing.from_lengths([0, 1, 2, 3], ls + [m - sum(ls)])
-        # one table cache per case, as the layers keep one per microbatch: the routing tables of a block size are
-        # built on a config's first call and reused, so the timing is the kernel's, not host-side table building
-        # (a fresh cache per call made configs with more row chunks look slower)
+        # one table cache per case, as the layers keep one per microbatch: the routing tables of a block size
+        # are built on a config's first call and reused, so the timing is the kernel's, not host-side table
+        # building (a fresh cache per call made configs with more row chunks look slower)
         tc = TableCache()
-        st = TableCache().slot_tables(ranks, [2.0] * len(ranks), [0.1] * len(ranks), list(range(len(ranks))), dev)
+        st = TableCache().slot_tables(ranks, [2.0] * len(ranks), [0.1] * len(ranks),
+                                      list(range(len(ranks))), dev)
         ids = TableCache().row_ids(routing, dev)
         rt = sum(ranks)
         x = torch.randn(m, k, device=dev, dtype=dt)
@@ -149,21 +152,30 @@ def main():
         dy = torch.randn(m, n, device=dev, dtype=dt)
         S = K.lora_shrink(x, A, st, routing, ids, k_total=k, cache=tc)
         dS, _ = K.lora_ds_db(dy, B, S, st, routing, cache=tc)
-        dx0 = dy @ W  # dY·W, what the da_dx pass adds into (in place: timed runs use dxb, checks a copy of dx0)
+        # dY·W, what the da_dx pass adds into (in place: timed runs use dxb, checks a copy of dx0)
+        dx0 = dy @ W
         dxb = dx0.clone()
         jobs = {
-            "gemm": [((m, n, k), lambda check=False: K.lora_gemm(x, W.t(), None, S, B.t(), st.scale, st, routing, n=n, cache=tc)),
-                     ((m, k, n), lambda check=False: K.lora_gemm(dy, W, None, dS, A, st.inv_keep, st, routing, n=k,
-                                                     dropout=True, row_ids=ids, k_total=k, cache=tc))],
-            "lowrank": [((m, n, 0), lambda check=False: K.lora_gemm(None, None, None, S, B.t(), st.scale, st, routing, n=n, cache=tc)),
-                        ((m, k, 0), lambda check=False: K.lora_gemm(None, None, None, dS, A, st.inv_keep, st, routing, n=k,
-                                                        dropout=True, row_ids=ids, k_total=k, cache=tc))]
+            "gemm": [((m, n, k), lambda check=False: K.lora_gemm(x, W.t(), None, S, B.t(), st.scale, st,
+                                                                 routing, n=n, cache=tc)),
+                     ((m, k, n), lambda check=False: K.lora_gemm(dy, W, None, dS, A, st.inv_keep, st,
+                                                                 routing, n=k, dropout=True, row_ids=ids,
+                                                                 k_total=k, cache=tc))],
+            "lowrank": [((m, n, 0), lambda check=False: K.lora_gemm(None, None, None, S, B.t(), st.scale,
+                                                                    st, routing, n=n, cache=tc)),
+                        ((m, k, 0), lambda check=False: K.lora_gemm(None, None, None, dS, A, st.inv_keep,
+                                                                    st, routing, n=k, dropout=True,
+                                                                    row_ids=ids, k_total=k, cache=tc))]
                        [: 1 if args.shapes else 2],  # the dX variant (main_gemm "triton" only) would share a
                                                      # bucket with the forward of an n == k linear
-            "shrink": [((m, st.r_max, k), lambda check=False: K.lora_shrink(x, A, st, routing, ids, k_total=k, cache=tc))],
+            "shrink": [((m, st.r_max, k),
+                        lambda check=False: K.lora_shrink(x, A, st, routing, ids, k_total=k, cache=tc))],
             "ds_db": [((m, n, st.r_max), lambda check=False: K.lora_ds_db(dy, B, S, st, routing, cache=tc))],
-            "da": [((m, st.r_max, k), lambda check=False: K.lora_da(x, dS, st, routing, ids, k_total=k, cache=tc))],
-            "da_dx": [((m, st.r_max, k), lambda check=False: K.lora_da_dx(x, dS, A, dx0.clone() if check else dxb, st, routing, ids, k_total=k, cache=tc))],
+            "da": [((m, st.r_max, k),
+                    lambda check=False: K.lora_da(x, dS, st, routing, ids, k_total=k, cache=tc))],
+            "da_dx": [((m, st.r_max, k),
+                       lambda check=False: K.lora_da_dx(x, dS, A, dx0.clone() if check else dxb, st, routing,
+                                                        ids, k_total=k, cache=tc))],
         }
         for kernel in kernels:
             for shape, run in jobs[kernel]:

@@ -119,7 +119,8 @@ def _mapping(cfg, source: str) -> dict:
 
 
 def _check_numbers(cfg: dict, source: str) -> None:
-    """The numeric fields' types (e.g. "hidden_size": "64" would otherwise fail deep inside the model build)."""
+    """The numeric fields' types (e.g. "hidden_size": "64" would otherwise fail deep inside the model
+    build)."""
     _ints = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
              "intermediate_size", "max_position_embeddings", "head_dim")
     for key in _ints:
@@ -134,14 +135,16 @@ def _check_numbers(cfg: dict, source: str) -> None:
 
 def _rope_scaling(cfg: dict, source: str) -> RopeScaling | None:
     """llama3 RoPE scaling from ``rope_scaling`` (or transformers 5's ``rope_parameters``); None without."""
-    rs = cfg.get("rope_scaling") or (cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict)
+    rs = cfg.get("rope_scaling") or (cfg.get("rope_parameters")
+                                     if isinstance(cfg.get("rope_parameters"), dict)
                                      and cfg["rope_parameters"].get("rope_type", "default") != "default"
                                      else None)
     if not rs:
         return None
     rtype = rs.get("rope_type", rs.get("type"))
     if rtype != "llama3":
-        raise ConfigError(f"{source}: rope_scaling.rope_type: expected 'llama3' (or no scaling), got {rtype!r}")
+        raise ConfigError(
+            f"{source}: rope_scaling.rope_type: expected 'llama3' (or no scaling), got {rtype!r}")
     return RopeScaling(factor=float(rs["factor"]), low_freq_factor=float(rs["low_freq_factor"]),
                        high_freq_factor=float(rs["high_freq_factor"]),
                        original_max_position_embeddings=int(rs["original_max_position_embeddings"]))
@@ -165,7 +168,8 @@ def arch_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArch:
     if cfg.get("mlp_bias"):
         raise ConfigError(f"{source}: mlp_bias: expected false (MLP biases are not supported)")
     if mt == "llama" and cfg.get("attention_bias"):
-        raise ConfigError(f"{source}: attention_bias: expected false for llama (o_proj bias is not supported)")
+        raise ConfigError(
+            f"{source}: attention_bias: expected false for llama (o_proj bias is not supported)")
     scaling = _rope_scaling(cfg, source)
     theta = cfg.get("rope_theta")
     if theta is None and isinstance(cfg.get("rope_parameters"), dict):
@@ -178,12 +182,14 @@ def arch_from_hf_config(cfg: dict, source: str = "config.json") -> ModelArch:
     qkv_bias = mt == "qwen2"
     try:
         return ModelArch(
-            family=mt, vocab_size=need("vocab_size"), hidden_size=hidden, num_layers=need("num_hidden_layers"),
+            family=mt, vocab_size=need("vocab_size"), hidden_size=hidden,
+            num_layers=need("num_hidden_layers"),
             num_attention_heads=heads, num_query_groups=cfg.get("num_key_value_heads") or heads,
             ffn_hidden_size=need("intermediate_size"),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             rope_theta=float(theta if theta is not None else 10000.0), rope_scaling=scaling,
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias, head_dim=head_dim,
         )
     except ValueError as e:  # an inconsistent config.json

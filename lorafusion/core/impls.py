@@ -28,7 +28,8 @@ def kernels_name(impl: str) -> str:
 
 
 def spelled(impl: str) -> str:
-    """``impl`` with the YAML's words "fused" / "reference" read as "triton" / "torch" (anything else as is)."""
+    """``impl`` with the YAML's words "fused" / "reference" read as "triton" / "torch" (anything else as
+    is)."""
     return _SPELLINGS.get(impl, impl)
 
 

@@ -24,10 +24,12 @@ def profile_lengths(profile: str, n: int, rng: np.random.Generator, max_len: int
 
 
 def bench_data_hint(path) -> str:
-    """For a dataset file missing under ``data/bench/`` (the shipped large configs' synthetic data): how to make it."""
+    """For a dataset file missing under ``data/bench/`` (the shipped large configs' synthetic data): how to
+    make it."""
     from pathlib import Path
 
     p = Path(path)
     if p.exists() or p.parent.name != "bench" or p.parent.parent.name != "data":
         return ""
-    return f" (the benchmark datasets are made, not shipped: python scripts/make_bench_data.py --out {p.parent})"
+    return (" (the benchmark datasets are made, not shipped: "
+            f"python scripts/make_bench_data.py --out {p.parent})")

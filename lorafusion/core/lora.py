@@ -32,7 +32,8 @@ __all__ = ["ADAPTER_NAME_MAX", "ADAPTER_NAME_RE", "LoRASpec", "check_adapter_mem
 
 ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9_\-]+")  # used with fullmatch (``$`` would let "name\n" through)
 # the longest file name a run derives from a job name is a request's temporary file,
-# ``.<20-digit stamp>-submit-<name>.json.tmp`` (38 characters more): 128 keeps every one far below NAME_MAX (255)
+# ``.<20-digit stamp>-submit-<name>.json.tmp`` (38 characters more): 128 keeps every one far below
+# NAME_MAX (255)
 ADAPTER_NAME_MAX = 128
 MAX_RANK, MAX_ALPHA = 1 << 16, 1e6  # lora.r above any real hidden size; lora_alpha
 
@@ -44,13 +45,14 @@ def check_adapter_name(name: Any, field: str | None = "adapter name") -> str:
     if not isinstance(name, str) or not ADAPTER_NAME_RE.fullmatch(name):
         raise ValueError(prefix + f"expected letters, digits, '_' or '-', got {name!r}"[:200])
     if len(name) > ADAPTER_NAME_MAX:
-        raise ValueError(prefix + f"expected at most {ADAPTER_NAME_MAX} characters (file names are derived from "
-                         f"it), got {len(name)}: {name[:40]!r}...")
+        raise ValueError(prefix + f"expected at most {ADAPTER_NAME_MAX} characters (file names are derived "
+                         f"from it), got {len(name)}: {name[:40]!r}...")
     return name
 
 
 class LoRASpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_default=False, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_default=False,
+                              allow_inf_nan=False)
 
     r: int = Field(gt=0, le=MAX_RANK)  # (the other bounds: lorafusion/config/bounds.py)
     lora_alpha: float = Field(gt=0, le=MAX_ALPHA)
@@ -68,8 +70,8 @@ class LoRASpec(BaseModel):
             for err in e.errors(include_url=False):
                 loc = ".".join(str(p) for p in err["loc"])
                 msg = str((err.get("ctx") or {}).get("error", err["msg"]))
-                lines.append((f"lora.{loc}: {msg}" if loc else f"lora.{msg}") + ("" if err["type"] == "value_error" else
-                                                      f", got {err.get('input')!r}"))
+                lines.append((f"lora.{loc}: {msg}" if loc else f"lora.{msg}")
+                             + ("" if err["type"] == "value_error" else f", got {err.get('input')!r}"))
             raise ValueError("\n".join(lines)) from None
 
     # Nested in a run config, pydantic validates the section itself (its errors then name file and field
@@ -93,8 +95,8 @@ class LoRASpec(BaseModel):
         if self.shared_fused_a and part:
             kind, got = next(iter(part.items()))
             raise ValueError(f"target_modules: {', '.join(got)} is part of the fused {kind}; one shared A "
-                             f"(shared_fused_a: true) has no exact LoRA for a subset: target the whole group or "
-                             f"set shared_fused_a: false")
+                             "(shared_fused_a: true) has no exact LoRA for a subset: target the whole group "
+                             f"or set shared_fused_a: false")
         return self
 
     @property
@@ -122,10 +124,10 @@ def projection_shapes(arch: Any) -> dict[str, tuple[int, int]]:
 def lora_layer_params(arch: Any, r: int, target_modules: tuple[str, ...], *, shared_a: bool = False,
                       tp: int = 1) -> int | float:
     """One adapter's LoRA parameters in one decoder layer on one TP rank — the one count of an adapter's size
-    (the memory model, the run's admission and ``submit``'s check all use it). Per targeted projection (normalised
-    ``target_modules``: Megatron names for whole linears, PEFT names for a subset) a B (out x r) and an A (r x in);
-    with ``shared_a`` one A for the projections of a fused linear. Column-parallel linears (qkv, fc1) shard B over
-    ``tp``, row-parallel ones (proj, fc2) shard A."""
+    (the memory model, the run's admission and ``submit``'s check all use it). Per targeted projection
+    (normalised ``target_modules``: Megatron names for whole linears, PEFT names for a subset) a B (out x r)
+    and an A (r x in); with ``shared_a`` one A for the projections of a fused linear. Column-parallel linears
+    (qkv, fc1) shard B over ``tp``, row-parallel ones (proj, fc2) shard A."""
     shapes, n = projection_shapes(arch), 0
     for kind in megatron_targets(target_modules):
         projs = projections(target_modules, kind)
@@ -141,13 +143,13 @@ def lora_s_width(r: int, target_modules: tuple[str, ...], *, shared_a: bool = Fa
                for kind in megatron_targets(target_modules))
 
 
-def lora_memory_bytes(spec: LoRASpec, arch: Any, token_capacity: int, *, layers: int | None = None, tp: int = 1,
-                      bytes_per_param: int = 16) -> int:
+def lora_memory_bytes(spec: LoRASpec, arch: Any, token_capacity: int, *, layers: int | None = None,
+                      tp: int = 1, bytes_per_param: int = 16) -> int:
     """Bytes an adapter of ``spec`` on ``arch`` (a :class:`lorafusion.core.arch.ModelArch`) needs to train on
-    ``layers`` decoder layers (default all: over all ranks) sharded over ``tp``, from the shapes alone (nothing is
-    allocated; exact integers, whatever ``r``): fp32 weights, gradients and two AdamW moments (16 bytes a
-    parameter; 12 once the weights exist) and its LoRA activations (S: :func:`lora_s_width` fp32 values per token
-    and layer) at ``token_capacity``."""
+    ``layers`` decoder layers (default all: over all ranks) sharded over ``tp``, from the shapes alone
+    (nothing is allocated; exact integers, whatever ``r``): fp32 weights, gradients and two AdamW moments (16
+    bytes a parameter; 12 once the weights exist) and its LoRA activations (S: :func:`lora_s_width` fp32
+    values per token and layer) at ``token_capacity``."""
     layers = arch.num_layers if layers is None else layers
     params = lora_layer_params(arch, spec.r, spec.target_modules, shared_a=spec.shared_fused_a, tp=tp)
     width = lora_s_width(spec.r, spec.target_modules, shared_a=spec.shared_fused_a)
@@ -156,14 +158,15 @@ def lora_memory_bytes(spec: LoRASpec, arch: Any, token_capacity: int, *, layers:
 
 def check_adapter_memory(job: str, spec: LoRASpec, arch: Any, token_capacity: int, memory_bytes: int,
                          model_parallel: int) -> None:
-    """ConfigError when job's adapter could never fit one rank: its :func:`lora_memory_bytes` (at the run's token
-    capacity) shared by ``model_parallel`` ranks, above a rank's whole ``memory_bytes``. The run checks it before
-    allocating anything, ``lorafusion submit`` before it answers."""
+    """ConfigError when job's adapter could never fit one rank: its :func:`lora_memory_bytes` (at the run's
+    token capacity) shared by ``model_parallel`` ranks, above a rank's whole ``memory_bytes``. The run checks
+    it before allocating anything, ``lorafusion submit`` before it answers."""
     from lorafusion.core.errors import ConfigError
 
     cap = int(token_capacity)
     need = lora_memory_bytes(spec, arch, cap) // model_parallel
     if need > memory_bytes:
-        raise ConfigError(f"job {job!r}: lora.r = {spec.r}: its adapter needs about {need / 2**30:,.1f} GiB a rank "
-                          f"to train (weights, gradients, AdamW moments, activations at the token capacity {cap}), "
-                          f"more than the {memory_bytes / 2**30:,.1f} GiB a rank of this run has; lower lora.r")
+        raise ConfigError(f"job {job!r}: lora.r = {spec.r}: its adapter needs about {need / 2**30:,.1f} GiB "
+                          "a rank to train (weights, gradients, AdamW moments, activations at the token "
+                          f"capacity {cap}), more than the {memory_bytes / 2**30:,.1f} GiB a rank of this "
+                          "run has; lower lora.r")

@@ -17,7 +17,8 @@ COMPARED = ("r", "lora_alpha", "use_rslora", "target_modules")
 
 
 def read_peft_config(path: str | Path) -> tuple[dict, LoRASpec]:
-    """(the raw config, its spec) of the PEFT adapter directory ``path``; one error naming the file otherwise."""
+    """(the raw config, its spec) of the PEFT adapter directory ``path``; one error naming the file
+    otherwise."""
     cfg_file = Path(path) / "adapter_config.json"
     if not cfg_file.is_file():
         raise MissingFileError(f"{cfg_file}: missing (expected a PEFT adapter directory)")
@@ -39,21 +40,23 @@ def spec_from_peft_config(cfg: dict, where: str) -> LoRASpec:
             raise ConfigError(f"{where}: {field}: expected {ok!r}, got {cfg.get(field)!r}")
     for field in ("rank_pattern", "alpha_pattern"):
         if cfg.get(field):
-            raise ConfigError(f"{where}: {field}: per-module ranks/alphas cannot be imported (expected empty)")
+            raise ConfigError(
+                f"{where}: {field}: per-module ranks/alphas cannot be imported (expected empty)")
     for field in ("modules_to_save", "layers_to_transform", "layers_pattern", "layer_replication",
                   "trainable_token_indices", "exclude_modules", "target_parameters"):
         if cfg.get(field):
             raise ConfigError(f"{where}: {field}: expected null, got {cfg.get(field)!r}")
     targets = cfg.get("target_modules")
     if isinstance(targets, str) and targets != "all-linear":
-        raise ConfigError(f"{where}: target_modules: a regex string cannot be mapped exactly; expected a list")
+        raise ConfigError(
+            f"{where}: target_modules: a regex string cannot be mapped exactly; expected a list")
     if isinstance(targets, list | tuple):  # PEFT matches a name or a module path ending in it (it writes
         # all-linear out as paths: model.layers.0.self_attn.q_proj); layers missing from a list of paths
         # are reported by the import (a targeted layer's tensors missing)
         targets = sorted({t.rsplit(".", 1)[-1] if isinstance(t, str) else t for t in targets})
     try:
-        return LoRASpec(r=cfg.get("r"), lora_alpha=cfg.get("lora_alpha"), lora_dropout=cfg.get("lora_dropout", 0.0),
-                        target_modules=targets,
+        return LoRASpec(r=cfg.get("r"), lora_alpha=cfg.get("lora_alpha"),
+                        lora_dropout=cfg.get("lora_dropout", 0.0), target_modules=targets,
                         use_rslora=bool(cfg.get("use_rslora", False)))
     except ValueError as e:
         raise ConfigError(f"{where}: {e}") from None

@@ -1,5 +1,6 @@
 """The process environment every training process of lorafusion runs with — ``lorafusion train`` and the
-benchmarks that time what it runs — set in one place, before CUDA or OpenMP start. A user's own setting wins."""
+benchmarks that time what it runs — set in one place, before CUDA or OpenMP start. A user's own setting
+wins."""
 
 from __future__ import annotations
 

@@ -42,7 +42,8 @@ class Routing:
                 )
             end = start + length
         if end > self.num_rows:
-            raise ValueError(f"Routing.segments: segment ends at row {end} but the batch has {self.num_rows} rows")
+            raise ValueError(
+                f"Routing.segments: segment ends at row {end} but the batch has {self.num_rows} rows")
         if self.row_ids is not None and len(self.row_ids) != self.num_rows:
             raise ValueError(f"Routing.row_ids: expected {self.num_rows} ids, got {len(self.row_ids)}")
 

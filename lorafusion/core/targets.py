@@ -17,7 +17,8 @@ COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
 ROW_PARALLEL = ("linear_proj", "linear_fc2")
 
 
-def resolve_target_modules(target_modules: str | Iterable[str], field: str = "lora.target_modules") -> tuple[str, ...]:
+def resolve_target_modules(target_modules: str | Iterable[str],
+                           field: str = "lora.target_modules") -> tuple[str, ...]:
     """The normal form of Megatron names, PEFT names or ``"all-linear"``, in layer order: a Megatron linear
     targeted whole is its Megatron name (``linear_qkv``); a subset of a fused linear's projections is those
     PEFT names (``q_proj``, ``v_proj``: each has its own A and B, PEFT's semantics)."""

@@ -35,8 +35,9 @@ from lorafusion.dist import is_rank0
 
 RECORD = "base_model.json"
 # tokenizer and generation files of a HF model directory, copied with it when present
-_HF_SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                  "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+_HF_SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                  "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
+                  "added_tokens.json", "chat_template.jinja")
 
 
 def base_reference(cfg, run_dir: Path, arch: ModelArch, device) -> str:
@@ -67,8 +68,8 @@ def read_record(run_dir: Path) -> dict:
         raise MissingFileError(f"{run_dir}: no such run directory (expected a lorafusion train output_dir)")
     f = run_dir / RECORD
     if not f.is_file():
-        raise MissingFileError(f"{f}: missing (expected a lorafusion train output_dir; runs written before base "
-                               f"export was added have no record of their base)")
+        raise MissingFileError(f"{f}: missing (expected a lorafusion train output_dir; runs written before "
+                               f"base export was added have no record of their base)")
     try:
         record = json.loads(f.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -90,7 +91,8 @@ def _hf_config(record: dict, arch: ModelArch) -> dict:
     if record["tokenizer"]["type"] == "byte":
         from lorafusion.data.tokenizer import ByteTokenizer
 
-        cfg.update(bos_token_id=ByteTokenizer.BOS, eos_token_id=ByteTokenizer.EOS, pad_token_id=ByteTokenizer.PAD)
+        cfg.update(bos_token_id=ByteTokenizer.BOS, eos_token_id=ByteTokenizer.EOS,
+                   pad_token_id=ByteTokenizer.PAD)
     return cfg
 
 
@@ -104,8 +106,8 @@ def _preset_base_state(record: dict, arch: ModelArch) -> Iterator[tuple[str, tor
 
     device = record.get("init_device", "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"{record['preset']}: the run drew its random base weights on CUDA; export it on a machine "
-                          f"with a GPU (a CPU generator draws other numbers)")
+        raise ConfigError(f"{record['preset']}: the run drew its random base weights on CUDA; export it on a "
+                          f"machine with a GPU (a CPU generator draws other numbers)")
     if not (parallel_state.model_parallel_is_initialized()
             and parallel_state.get_tensor_model_parallel_world_size() == 1
             and parallel_state.get_pipeline_model_parallel_world_size() == 1):
@@ -189,8 +191,8 @@ def match_training(record: dict, out: Path) -> None:
     tc_file.write_text(json.dumps(tc, indent=2) + "\n")
     if not (out / "generation_config.json").is_file():
         gen = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
-        (out / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if v is not None},
-                                                               indent=2) + "\n")
+        (out / "generation_config.json").write_text(
+            json.dumps({k: v for k, v in gen.items() if v is not None}, indent=2) + "\n")
 
 
 def _prepend_bos(tok_json: Path, bos_token: str, bos_id: int) -> None:
@@ -212,7 +214,8 @@ def write_byte_tokenizer(out: Path) -> None:
 
     from lorafusion.data.tokenizer import ByteTokenizer
 
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
     chars, extra = {}, 0
     for b in range(256):  # GPT-2's byte → unicode map, which the ByteLevel pre-tokenizer applies
         if b in printable:
@@ -227,8 +230,9 @@ def write_byte_tokenizer(out: Path) -> None:
     assert [tok.token_to_id(t) for t in specials] == [ByteTokenizer.BOS, ByteTokenizer.EOS, ByteTokenizer.PAD]
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
-        "add_bos_token": False, "add_eos_token": False, "model_max_length": 1000000000000000019884624838656,
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "pad_token": "<pad>", "add_bos_token": False, "add_eos_token": False,
+        "model_max_length": 1000000000000000019884624838656,
     }, indent=2) + "\n")
 
 

@@ -50,7 +50,8 @@ def _gather_tp(t: torch.Tensor, split: TPSplit) -> torch.Tensor:
     return split.unshard(parts)
 
 
-def adapter_peft_state(model, name: str, arch: ModelArch, grad: bool = False) -> dict[str, torch.Tensor] | None:
+def adapter_peft_state(model, name: str, arch: ModelArch,
+                       grad: bool = False) -> dict[str, torch.Tensor] | None:
     """PEFT-keyed fp32 tensors of adapter ``name`` (its weights, or with ``grad`` their gradients mapped
     the same way; a fused linear's dA then stands for each projection's share summed); the full dict on
     global rank 0, None elsewhere."""
@@ -121,14 +122,14 @@ def export_peft_adapter(model, name: str, out_dir: str | Path, arch: ModelArch |
 def peft_adapter_snapshot(model, name: str, arch: ModelArch | None = None,
                           base_model: str | None = None) -> tuple[dict[str, torch.Tensor], dict] | None:
     """Adapter ``name`` in host memory, ready for :func:`write_peft_adapter`: (PEFT-keyed fp32 tensors, its
-    ``adapter_config.json``) on global rank 0, None elsewhere (collective). ``base_model``: what the config names
-    as its base (default: the directory a model built by ``build_model_from_hf`` came from)."""
+    ``adapter_config.json``) on global rank 0, None elsewhere (collective). ``base_model``: what the config
+    names as its base (default: the directory a model built by ``build_model_from_hf`` came from)."""
     from lorafusion.layers.inject import _chunks, _unwrap
 
     base_model = base_model or getattr(_unwrap(_chunks(model)[0]).config, "base_model", None)
     if base_model is None:
-        raise ConfigError("export_peft_adapter: base_model: expected the base model's HF name or directory, which "
-                          "the adapter config names for transformers (the model was not built by "
+        raise ConfigError("export_peft_adapter: base_model: expected the base model's HF name or directory, "
+                          "which the adapter config names for transformers (the model was not built by "
                           "build_model_from_hf, which records it)")
     state = adapter_peft_state(model, name, arch or model_arch(model))
     if state is None:
@@ -140,8 +141,8 @@ def write_peft_adapter(out_dir: str | Path, state: dict[str, torch.Tensor], conf
     """Write a snapshot as a PEFT adapter directory, complete or absent (no collectives: any thread), with the
     sha256 of its files beside them (export and generate check them: rundir/integrity.py)."""
     files = {"adapter_config.json": (json.dumps(config, indent=2) + "\n").encode(),
-             # serialised here, written by Python: a full disk or a file size limit is then an OSError naming the
-             # file (safetensors' own writer raises SafetensorError, which the CLI cannot tell from a bug)
+             # serialised here, written by Python: a full disk or a file size limit is then an OSError naming
+             # the file (safetensors' own writer raises SafetensorError, which the CLI cannot tell from a bug)
              "adapter_model.safetensors": safetensors_bytes(state, metadata={"format": "pt"})}
     files[ADAPTER_HASHES] = adapter_hashes(files).encode()
     return write_dir_atomically(out_dir, {n: (lambda p, b=b: write_bytes(p, b)) for n, b in files.items()})
@@ -152,7 +153,8 @@ def model_arch(model) -> ModelArch:
 
     arch = getattr(_unwrap(_chunks(model)[0]).config, "arch", None)
     if arch is None:
-        raise ValueError("model has no architecture record: build it with lorafusion.models.provider.build_model")
+        raise ValueError("model has no architecture record: build it with "
+                         "lorafusion.models.provider.build_model")
     return arch
 
 
@@ -183,7 +185,8 @@ def job_spec_for_adapter(file_spec: LoRASpec, job_spec: LoRASpec | None, where: 
         if getattr(job_spec, f) != getattr(file_spec, f):
             got = getattr(file_spec, f)
             raise ConfigError(f"{where}.lora.{f}: the adapter in init_from has {got!r}, the job "
-                              f"{getattr(job_spec, f)!r} (leave it out of lora or set it as the adapter has it)")
+                              f"{getattr(job_spec, f)!r} (leave it out of lora or set it as the adapter has "
+                              "it)")
     try:
         return LoRASpec(**{**file_spec.model_dump(), "lora_dropout": job_spec.lora_dropout,
                            "shared_fused_a": job_spec.shared_fused_a})
@@ -192,7 +195,8 @@ def job_spec_for_adapter(file_spec: LoRASpec, job_spec: LoRASpec | None, where: 
 
 
 def _stage_layer(mod, spec: LoRASpec, tensors: dict, layer: int, st_file: Path, arch: ModelArch, used: set):
-    """(A, B) of one targeted linear for this rank from PEFT tensors, checked; PEFT keys read go into ``used``."""
+    """(A, B) of one targeted linear for this rank from PEFT tensors, checked; PEFT keys read go into
+    ``used``."""
     kind = mod.lora_kind
     tp, rank = tp_rank()
     projs = spec.projections(kind)
@@ -216,8 +220,8 @@ def _stage_layer(mod, spec: LoRASpec, tensors: dict, layer: int, st_file: Path, 
         for b, p, peft_module in zip(b_parts, chosen, projs, strict=True):
             rows = int((index == p).sum()) * tp
             if b.shape != (rows, spec.r):
-                raise ConfigError(f"{st_file}: layer {layer} {peft_module}.lora_B has shape {tuple(b.shape)}, "
-                                  f"expected {(rows, spec.r)}")
+                raise ConfigError(f"{st_file}: layer {layer} {peft_module}.lora_B has shape "
+                                  f"{tuple(b.shape)}, expected {(rows, spec.r)}")
         b_split = mod.tp_split("lora_B_proj")
         return torch.cat(a_parts), merge_rows([b_split.shard(b, tp, rank) for b in b_parts], index, chosen)
     a = a_parts[0]
@@ -225,11 +229,12 @@ def _stage_layer(mod, spec: LoRASpec, tensors: dict, layer: int, st_file: Path, 
         if not torch.equal(other, a):
             raise ConfigError(
                 f"{st_file}: layer {layer} {peft_module}.lora_A differs from {projs[0]}.lora_A; with "
-                f"lora.shared_fused_a: true {'/'.join(projs)} share one A in the fused {kind}, so this adapter "
-                f"has no exact representation (set shared_fused_a: false)")
+                f"lora.shared_fused_a: true {'/'.join(projs)} share one A in the fused {kind}, so this "
+                f"adapter has no exact representation (set shared_fused_a: false)")
     b = qkv_merge(*b_parts, arch) if kind == "linear_qkv" else torch.cat(b_parts, 0)
     if b.shape != (fout, spec.r):
-        raise ConfigError(f"{st_file}: layer {layer} {kind} lora_B has shape {tuple(b.shape)}, expected {(fout, spec.r)}")
+        raise ConfigError(f"{st_file}: layer {layer} {kind} lora_B has shape {tuple(b.shape)}, expected "
+                          f"{(fout, spec.r)}")
     return mod.tp_split("lora_A").shard(a, tp, rank), mod.tp_split("lora_B").shard(b, tp, rank)
 
 
@@ -244,9 +249,10 @@ def import_peft_adapter(model, name: str, path: str | Path, arch: ModelArch | No
     st_file = Path(path) / "adapter_model.safetensors"
     bad = [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad:  # it would decode NUL characters (generate) or train from garbage (init_from)
-        raise ConfigError(f"{st_file}: tensor {bad[0]!r} holds non-finite values (NaN or inf; {len(bad)} tensor(s) "
-                          f"in all); the adapter is unusable")
-    tensors = {k.replace(".lora_A.default.weight", ".lora_A.weight").replace(".lora_B.default.weight", ".lora_B.weight"): v
+        raise ConfigError(f"{st_file}: tensor {bad[0]!r} holds non-finite values (NaN or inf; {len(bad)} "
+                          f"tensor(s) in all); the adapter is unusable")
+    tensors = {k.replace(".lora_A.default.weight", ".lora_A.weight")
+               .replace(".lora_B.default.weight", ".lora_B.weight"): v
                for k, v in tensors.items()}
     # Validate and map everything before touching the model.
     staged: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -60,14 +60,16 @@ class RunInfo:
     tokenizer: dict  # {"type": ..., "path": ...}
     adapters: dict[str, Path]  # job -> PEFT adapter directory (final, else the latest checkpoint's)
     init_device: str | None = None  # device type the preset's weights were drawn on (None: as training would)
-    base_precision: str = "bf16"  # model.base_precision of the run: generate quantizes the base as training did
+    # model.base_precision of the run: generate quantizes the base as training did
+    base_precision: str = "bf16"
 
 
 def _read_json(path: Path) -> dict:
     try:
         value = read_json_file(path)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: not readable JSON ({e.strerror if isinstance(e, OSError) else e})") from None
+        raise ConfigError(f"{path}: not readable JSON "
+                          f"({e.strerror if isinstance(e, OSError) else e})") from None
     if not isinstance(value, dict):
         raise ConfigError(f"{path}: expected a JSON object, got {type(value).__name__}")
     return value
@@ -78,7 +80,8 @@ def _latest_checkpoint_dir(job_dir: Path) -> Path | None:
 
 
 def load_run(run_dir: str | Path) -> RunInfo:
-    """What :func:`build_run_model` and :func:`run_tokenizer` need, from a ``lorafusion train`` output directory."""
+    """What :func:`build_run_model` and :func:`run_tokenizer` need, from a ``lorafusion train`` output
+    directory."""
     run = Path(run_dir)
     if not run.is_dir():
         raise MissingFileError(f"{run}: no such run directory (expected the output_dir of lorafusion train)")
@@ -91,7 +94,8 @@ def load_run(run_dir: str | Path) -> RunInfo:
         ckpt = _latest_checkpoint_dir(run / "checkpoints" / name)
         if ckpt is not None and (ckpt / "state.json").is_file():
             states.append(_read_json(ckpt / "state.json"))
-        try:  # as `lorafusion export` picks: the final adapter of a job that ended, else its latest checkpoint
+        # as `lorafusion export` picks: the final adapter of a job that ended, else its latest checkpoint
+        try:
             adapters[name] = find_adapter(run, name)[0]
         except DamagedFileError:  # (never passed over)
             raise
@@ -100,20 +104,21 @@ def load_run(run_dir: str | Path) -> RunInfo:
                 check_adapter(final)
                 adapters[name] = final
     if not adapters:
-        raise MissingFileError(f"{run}: no adapter under adapters/ or checkpoints/ (expected the output_dir of "
-                               f"lorafusion train)")
+        raise MissingFileError(f"{run}: no adapter under adapters/ or checkpoints/ (expected the output_dir "
+                               f"of lorafusion train)")
     record = run / "base_model.json"
     if record.is_file():  # the run's own record of its base
         r = _read_json(record)
-        check_base_record(run, r)  # (an edited record would rebuild another base than the adapters trained on)
+        # (an edited record would rebuild another base than the adapters trained on)
+        check_base_record(run, r)
         if not isinstance(r.get("seed"), int) or (r.get("preset") is None) == (r.get("path") is None):
             raise ConfigError(f"{record}: expected an integer 'seed' and exactly one of 'preset' or 'path'")
         tok = r.get("tokenizer") or {"type": "byte", "path": None}
-        return RunInfo(run, r.get("preset"), r.get("path"), r["seed"], r.get("dtype", "float32"), tok, adapters,
-                       r.get("init_device"), r.get("base_precision", "bf16"))
+        return RunInfo(run, r.get("preset"), r.get("path"), r["seed"], r.get("dtype", "float32"), tok,
+                       adapters, r.get("init_device"), r.get("base_precision", "bf16"))
     if not states:
-        raise MissingFileError(f"{run}: no checkpoint state.json (it records the run's seed, which rebuilds the "
-                               f"base); expected checkpoints/<job>/step_N/state.json")
+        raise MissingFileError(f"{run}: no checkpoint state.json (it records the run's seed, which rebuilds "
+                               f"the base); expected checkpoints/<job>/step_N/state.json")
     state = states[0]
     settings = state.get("settings") or {}
     base = _read_json(next(iter(adapters.values())) / "adapter_config.json").get("base_model_name_or_path")
@@ -123,8 +128,9 @@ def load_run(run_dir: str | Path) -> RunInfo:
     elif base and Path(base).is_dir():
         path = base
     else:
-        raise MissingFileError(f"{next(iter(adapters.values())) / 'adapter_config.json'}: base_model_name_or_path "
-                               f"{base!r} is neither a preset nor a HF model directory on this machine")
+        raise MissingFileError(f"{next(iter(adapters.values())) / 'adapter_config.json'}: "
+                               f"base_model_name_or_path {base!r} is neither a preset nor a HF model "
+                               "directory on this machine")
     tok_type = settings.get("(run) tokenizer.type", "byte")
     return RunInfo(run, preset, path, int(state["seed"]), settings.get("(run) model.dtype", "float32"),
                    {"type": tok_type, "path": None}, adapters)
@@ -146,8 +152,10 @@ def build_run_model(info: RunInfo, jobs: Sequence[str], device=None):
 
     if not parallel_state.model_parallel_is_initialized():
         init_distributed(1, 1, seed=info.seed)
-    elif (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size()) != (1, 1):
-        raise ConfigError("generate: runs with tp = pp = 1 (one device); the parallel state here has another layout")
+    elif (parallel_state.get_tensor_model_parallel_world_size(),
+          parallel_state.get_pipeline_model_parallel_world_size()) != (1, 1):
+        raise ConfigError(
+            "generate: runs with tp = pp = 1 (one device); the parallel state here has another layout")
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     drawn = torch.device(device).type if device is not None else "cpu"
@@ -201,11 +209,14 @@ def encode_prompt(row: dict, tokenizer, where: str) -> list[int]:
     return ids
 
 
-def read_prompts(path: str | Path, tokenizer, jobs: Sequence[str], context: int, run_dir: Path) -> list[Request]:
+def read_prompts(path: str | Path, tokenizer, jobs: Sequence[str], context: int,
+                 run_dir: Path) -> list[Request]:
     """Validate and encode every row of a prompts JSONL (one error naming the file and line)."""
     path = Path(path)
     if not path.is_file():
-        raise MissingFileError(f"{path}: --prompts {'is a directory, expected a file' if path.is_dir() else 'is not a regular file' if path.exists() else 'file not found'}")
+        what = ("is a directory, expected a file" if path.is_dir()
+                else "is not a regular file" if path.exists() else "file not found")
+        raise MissingFileError(f"{path}: --prompts {what}")
     out = []
     try:
         lines = path.read_bytes().splitlines()
@@ -216,24 +227,26 @@ def read_prompts(path: str | Path, tokenizer, jobs: Sequence[str], context: int,
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ConfigError(f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
-                              f"save the file as UTF-8") from None
+            raise ConfigError(f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                              f"{e.start + 1}); save the file as UTF-8") from None
         if not line.strip():
             continue
         try:
-            json.dumps(row := json.loads(line), ensure_ascii=False).encode("utf-8")  # "\ud800": half a UTF-16 pair
+            # "\ud800": half a UTF-16 pair
+            json.dumps(row := json.loads(line), ensure_ascii=False).encode("utf-8")
         except json.JSONDecodeError as e:
             raise ConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
         except UnicodeEncodeError as e:
-            raise ConfigError(f"{where}: \\u{ord(e.object[e.start]):04x} is a lone surrogate, not text") from None
+            raise ConfigError(f"{where}: \\u{ord(e.object[e.start]):04x} is a lone surrogate, not "
+                              "text") from None
         except RecursionError:
             raise ConfigError(f"{where}: nested too deep to be a prompt row") from None
         if not isinstance(row, dict):
             raise ConfigError(f"{where}: expected a JSON object with 'prompt' and optionally 'job'")
         job = row.get("job")
         if job is not None and job not in jobs:
-            raise ConfigError(f"{where}: job {job!r} is not a job of {run_dir} (jobs: {', '.join(sorted(jobs))}; "
-                              f"null or no 'job' decodes with the base)")
+            raise ConfigError(f"{where}: job {job!r} is not a job of {run_dir} (jobs: "
+                              f"{', '.join(sorted(jobs))}; null or no 'job' decodes with the base)")
         ids = encode_prompt(row, tokenizer, where)
         if len(ids) >= context:
             raise ConfigError(f"{where}: the prompt has {len(ids)} tokens; the model's context is {context} "
@@ -285,9 +298,10 @@ def generate_ids(model, requests: Sequence[Request], *, eos_id: int, max_new_tok
                  first_row: int = 0, decode: str = "auto") -> None:
     """Decode ``requests`` together (fills each one's ``output_ids``). Sequences are ordered by adapter so
     that each adapter's rows form one routing segment; ``first_row`` numbers the rows for their seeds.
-    ``decode`` (with the cache): "graph" — after the prefill, every step is one static step replayed from a CUDA
-    graph (:mod:`lorafusion.inference.static_decode`; eager off CUDA); "static" — the same step, eager; "dynamic"
-    — one packed row per live sequence per step; "auto" — graph on CUDA if ``GRAPH_BY_DEFAULT``, else dynamic."""
+    ``decode`` (with the cache): "graph" — after the prefill, every step is one static step replayed from a
+    CUDA graph (:mod:`lorafusion.inference.static_decode`; eager off CUDA); "static" — the same step, eager;
+    "dynamic" — one packed row per live sequence per step; "auto" — graph on CUDA if ``GRAPH_BY_DEFAULT``,
+    else dynamic."""
     from lorafusion.inference.kv_cache import KVCache, decoding
     from lorafusion.inference.static_decode import GRAPH_BY_DEFAULT, decode_static
 
@@ -333,14 +347,16 @@ def generate_ids(model, requests: Sequence[Request], *, eos_id: int, max_new_tok
 
 
 # ------------------------------------------------------------------------------------------------- CLI
-def generate_file(run_dir, prompts, out, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-                  seed: int = 0, batch_size: int = 64, force: bool = False, use_cache: bool = True,
+def generate_file(run_dir, prompts, out, *, max_new_tokens: int = 128, temperature: float = 0.0,
+                  top_p: float = 1.0, seed: int = 0, batch_size: int = 64, force: bool = False,
+                  use_cache: bool = True,
                   decode: str = "auto") -> dict:
     """Everything ``lorafusion generate`` does; returns a summary. One writer of ``out`` at a time: a second
     generate to the same --out fails at once (both reported success, one's rows lost)."""
     if decode == "graph" and not torch.cuda.is_available():  # (generate_ids would run the same step eagerly)
-        raise ConfigError("--decode graph: a CUDA graph needs a CUDA GPU and this machine has none; use --decode "
-                          "static (the graph's step, run eagerly: the same tokens) or auto (dynamic on a CPU)")
+        raise ConfigError("--decode graph: a CUDA graph needs a CUDA GPU and this machine has none; use "
+                          "--decode static (the graph's step, run eagerly: the same tokens) or auto (dynamic "
+                          "on a CPU)")
     check_generate_out(out := Path(out), Path(prompts), force)  # --force: an earlier output only
     with exclusive_out(out):
         return _generate_file(run_dir, prompts, out, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -348,8 +364,8 @@ def generate_file(run_dir, prompts, out, *, max_new_tokens: int = 128, temperatu
                               decode=decode)
 
 
-def _generate_file(run_dir, prompts, out: Path, *, max_new_tokens, temperature, top_p, seed, batch_size, force,
-                   use_cache, decode) -> dict:
+def _generate_file(run_dir, prompts, out: Path, *, max_new_tokens, temperature, top_p, seed, batch_size,
+                   force, use_cache, decode) -> dict:
     if not (0 <= temperature < float("inf")) or not (0 < top_p <= 1):  # (NaN fails both)
         raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1], got {temperature} and {top_p}")
     if not 0 <= seed < 1 << 63:
@@ -363,18 +379,20 @@ def _generate_file(run_dir, prompts, out: Path, *, max_new_tokens, temperature, 
     model = build_run_model(info, jobs)
     t1 = time.perf_counter()
     for start in range(0, len(requests), batch_size):
-        generate_ids(model, requests[start:start + batch_size], eos_id=tokenizer.eos_id, max_new_tokens=max_new_tokens,
-                     context=context, temperature=temperature, top_p=top_p, seed=seed, use_cache=use_cache,
+        generate_ids(model, requests[start:start + batch_size], eos_id=tokenizer.eos_id,
+                     max_new_tokens=max_new_tokens, context=context, temperature=temperature, top_p=top_p,
+                     seed=seed, use_cache=use_cache,
                      first_row=start, decode=decode)
     t2 = time.perf_counter()
     rows = [{**r.row, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
-             "output": tokenizer.decode([t for t in r.output_ids if t != tokenizer.eos_id])} for r in requests]
+             "output": tokenizer.decode([t for t in r.output_ids if t != tokenizer.eos_id])}
+            for r in requests]
     write_text_atomic(out, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), mkdir=True,
                       replace=force)  # (without --force never over a file written meanwhile)
     new = sum(len(r.output_ids) for r in requests)
     return {"rows": len(requests), "jobs": jobs, "new_tokens": new, "load_s": round(t1 - t0, 3),
-            "generate_s": round(t2 - t1, 3), "tokens_per_s": round(new / max(t2 - t1, 1e-9), 1), "out": str(out),
-            "expected": expected_matches(rows)}
+            "generate_s": round(t2 - t1, 3), "tokens_per_s": round(new / max(t2 - t1, 1e-9), 1),
+            "out": str(out), "expected": expected_matches(rows)}
 
 
 def expected_matches(rows: Sequence[dict]) -> dict[str, list[int]]:
@@ -396,5 +414,5 @@ def _context(info: RunInfo) -> int:
     return preset_arch(info.preset).max_position_embeddings
 
 
-__all__ = ["Request", "RunInfo", "build_run_model", "encode_prompt", "expected_matches", "generate_file", "generate_ids",
-           "load_run", "read_prompts", "run_tokenizer"]
+__all__ = ["Request", "RunInfo", "build_run_model", "encode_prompt", "expected_matches", "generate_file",
+           "generate_ids", "load_run", "read_prompts", "run_tokenizer"]

@@ -67,7 +67,8 @@ class StaticStep:
     """One decode forward of every slot of ``cache`` (row ``i`` = slot ``i``, adapter ``jobs[i]``), called
     as ``step(tokens, positions)`` → logits [slots, vocab] (fp32). With ``graph`` on CUDA the first call
     captures it and later calls replay it; the logits tensor is then the graph's and is overwritten by the
-    next call. Run it inside ``lora_batch(model, step.routing, step.names)`` and ``decoding(model, cache)``."""
+    next call. Run it inside ``lora_batch(model, step.routing, step.names)`` and
+    ``decoding(model, cache)``."""
 
     def __init__(self, model, cache, jobs: Sequence[str | None], graph: bool = True):
         n, dev = cache.num_slots, cache.device
@@ -78,8 +79,8 @@ class StaticStep:
         self.tokens = torch.zeros(1, n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
         cu = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=cache.max_len,
-                                   max_seqlen_kv=cache.max_len)
+        self.psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                   max_seqlen_q=cache.max_len, max_seqlen_kv=cache.max_len)
         self.cuda = dev.type == "cuda"
         self.host = torch.zeros(2, n, dtype=torch.long, pin_memory=self.cuda)
         self.copied = torch.cuda.Event() if self.cuda else None  # the last copy out of ``host`` is done
@@ -129,8 +130,8 @@ class StaticStep:
         self.captured, self.logits = graph, logits
 
 
-def decode_static(model, cache, reqs, live: list[int], limit: Sequence[int], *, eos_id: int, temperature: float,
-                  top_p: float, gens, graph: bool = True) -> None:
+def decode_static(model, cache, reqs, live: list[int], limit: Sequence[int], *, eos_id: int,
+                  temperature: float, top_p: float, gens, graph: bool = True) -> None:
     """Decode ``reqs`` (each with its first token picked by the prefill) to the end with :class:`StaticStep`;
     the same tokens as the dynamic step, which runs only the live rows (see ``generate_ids``)."""
     step = StaticStep(model, cache, [r.job for r in reqs], graph)
@@ -147,4 +148,5 @@ def decode_static(model, cache, reqs, live: list[int], limit: Sequence[int], *, 
             live = commit_tokens(reqs, live, picked, eos_id, limit)
 
 
-__all__ = ["GRAPH_BY_DEFAULT", "GraphCaptureWarning", "StaticStep", "WARMUP_STEPS", "adapter_routing", "decode_static"]
+__all__ = ["GRAPH_BY_DEFAULT", "GraphCaptureWarning", "StaticStep", "WARMUP_STEPS", "adapter_routing",
+           "decode_static"]

@@ -76,6 +76,6 @@ def keep_mask_triton(seed: int, row_ids, k: int, p: float, k_offset: int = 0, k_
     m = row_ids.numel()
     out = torch.empty(m, k, dtype=torch.int8, device=row_ids.device)
     grid = (triton.cdiv(m, 16), triton.cdiv(k, 32))
-    _mask_kernel[grid](out, row_ids.to(torch.int64).contiguous(), seed, keep_threshold(p), m, k, k_total, k_offset,
-                       BM=16, BK=32, ALIGNED=k_offset % 8 == 0)
+    _mask_kernel[grid](out, row_ids.to(torch.int64).contiguous(), seed, keep_threshold(p), m, k, k_total,
+                       k_offset, BM=16, BK=32, ALIGNED=k_offset % 8 == 0)
     return out.bool()

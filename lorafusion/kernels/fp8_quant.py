@@ -1,14 +1,15 @@
-"""FP8 helpers of the FP8 base linear on CUDA (:mod:`lorafusion.ops.fp8_linear`): row-wise quantization and the
-transpose of an FP8 weight.
+"""FP8 helpers of the FP8 base linear on CUDA (:mod:`lorafusion.ops.fp8_linear`): row-wise quantization and
+the transpose of an FP8 weight.
 
 Row-wise quantization, for each row ``i`` of ``x`` [m, n] (times ``col_scale`` [n] when given):
 
     v = x[i, :] (· col_scale) ;  scale[i] = max(max|v|, eps) / fp8_max ;  q[i, :] = clamp(v / scale[i]) → fp8
 
-One program per row (4 rows for 2k-4k-column rows without a column scale: ``SHORT_ROWS``). A row of up to ``MAX_SINGLE`` elements is held in registers: one read of x. Longer rows
-take two loops (max|v|, then q), reading the row twice: on an H100 that was faster for 14k- and 28k-column
-rows than one 16k/32k-wide block (0.61 vs 0.93 ms for fc1's dY at 12,288 rows), slower for 4k-column ones. Division is IEEE (``div_rn``) so that q equals the torch
-path's bit for bit.
+One program per row (4 rows for 2k-4k-column rows without a column scale: ``SHORT_ROWS``). A row of up to
+``MAX_SINGLE`` elements is held in registers: one read of x. Longer rows take two loops (max|v|, then q),
+reading the row twice: on an H100 that was faster for 14k- and 28k-column rows than one 16k/32k-wide block
+(0.61 vs 0.93 ms for fc1's dY at 12,288 rows), slower for 4k-column ones. Division is IEEE (``div_rn``) so
+that q equals the torch path's bit for bit.
 
 Transpose: [M, N] → [N, M] of one-byte elements in 64×64 tiles (``W_q`` → ``W_qᵀ``, the K-major operand of the
 input-gradient GEMM); ``Tensor.t().contiguous()`` on FP8 ran at ~0.2 TB/s on an H100.
@@ -24,13 +25,15 @@ import triton.language as tl
 # MAX_SINGLE: the longest row quantized from registers (one read); measured on an H100
 # (docs/results/fp8-probe-h100.json, "quant")
 MAX_SINGLE = 8192
-# two-loop rows of LONG_ROWS_FROM columns or more (fc1's dY, 28,672): 8k blocks and 16 warps, 0.51 ms against 0.60 with
-# 4k blocks and 8 warps at 12,288 rows on an H100; rows of 8k-16k columns (fc2's X) keep 4k / 8 (0.21 vs 0.23 ms)
+# two-loop rows of LONG_ROWS_FROM columns or more (fc1's dY, 28,672): 8k blocks and 16 warps, 0.51 ms against
+# 0.60 with 4k blocks and 8 warps at 12,288 rows on an H100; rows of 8k-16k columns (fc2's X) keep 4k / 8
+# (0.21 vs 0.23 ms)
 LONG_ROWS_FROM, LONG_ROWS = 16384, (8192, 16)
 ROWS_PER_PROGRAM = 1  # rows a program quantizes when they fit MAX_SINGLE (quant_variants_ms in check_fp8.py)
-# rows of 2k-4k columns without a column scale (X of qkv, proj and fc1 on the 8B: 4096): 4 rows a program and 16 warps,
-# 0.070 ms against 0.088 (one row, 8 warps) at 12,288 rows on an H100, same bits (quant_variants_ms, 2026-11-25); dY,
-# with its column scale, keeps one row a program (4 rows were slower at 6,144 columns: 0.28 / 0.19 vs 0.14 ms)
+# rows of 2k-4k columns without a column scale (X of qkv, proj and fc1 on the 8B: 4096): 4 rows a program and
+# 16 warps, 0.070 ms against 0.088 (one row, 8 warps) at 12,288 rows on an H100, same bits (quant_variants_ms,
+# 2026-11-25); dY, with its column scale, keeps one row a program (4 rows were slower at 6,144 columns:
+# 0.28 / 0.19 vs 0.14 ms)
 SHORT_ROWS_FROM, SHORT_ROWS_UP_TO, SHORT_ROWS = 2049, 4096, (4, 16)
 _QMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
@@ -88,7 +91,8 @@ def _quant_rows_kernel(x_ptr, cs_ptr, q_ptr, s_ptr, M, N, stride_x, stride_q,
 
 def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, col_scale: torch.Tensor | None = None,
                          eps: float = 1e-12, max_single: int = MAX_SINGLE, num_warps: int | None = None,
-                         block: int | None = None, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         block: int | None = None,
+                         rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [m, n] ``dtype``, scale [m, 1] float32) for a 2-D CUDA tensor ``x`` whose last dim is contiguous
     (``num_warps`` / ``block`` / ``rows`` (rows per program, single-read rows only): override the launch,
     for benchmarks)."""

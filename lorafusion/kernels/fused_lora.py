@@ -139,7 +139,8 @@ def _shrink_kernel(
     K, R_OUT,
     stride_xm, stride_xk, stride_ar, stride_ak, stride_sm, stride_sr,
     k_total, k_offset,
-    DROPOUT: tl.constexpr, ALIGNED: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr,
+    DROPOUT: tl.constexpr, ALIGNED: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     c = tl.program_id(0)
     slot = tl.load(chunk_ptr + 3 * c)
@@ -171,8 +172,8 @@ def _shrink_kernel(
         x_ptrs += BK * stride_xk
         a_ptrs += BK * stride_ak
     acc = acc * tl.load(inv_ptr + sc)
-    tl.store(s_ptr + offs_m[:, None] * stride_sm + offs_r[None, :] * stride_sr, acc.to(s_ptr.dtype.element_ty),
-             mask=rowm[:, None] & (offs_r < R_OUT)[None, :])
+    tl.store(s_ptr + offs_m[:, None] * stride_sm + offs_r[None, :] * stride_sr,
+             acc.to(s_ptr.dtype.element_ty), mask=rowm[:, None] & (offs_r < R_OUT)[None, :])
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -219,7 +220,8 @@ def _da_kernel(
     K,
     stride_xm, stride_xk, stride_dsm, stride_dsr,
     k_total, k_offset,
-    DROPOUT: tl.constexpr, ALIGNED: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr,
+    DROPOUT: tl.constexpr, ALIGNED: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """Grid (k-blocks, chunks). dap: fp32 [chunks, RB, K]."""
     kb = tl.program_id(0)
@@ -264,8 +266,8 @@ def _da_dx_kernel(
     ACC: tl.constexpr, DROPOUT: tl.constexpr, ALIGNED: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr,
 ):
-    """One pass over (X, dX) tiles with one mask per tile: dA partial = dSᵀ·keep⊙X/(1-p) (fp32 [chunks, RB, K])
-    and dX (+)= keep⊙(dS·A)/(1-p). ``ACC``: add into dX (it holds dY·W from cuBLAS); else write dX."""
+    """One pass over (X, dX) tiles with one mask per tile: dA partial = dSᵀ·keep⊙X/(1-p) (fp32 [chunks, RB,
+    K]) and dX (+)= keep⊙(dS·A)/(1-p). ``ACC``: add into dX (it holds dY·W from cuBLAS); else write dX."""
     kb = tl.program_id(0)
     c = tl.program_id(1)
     slot = tl.load(chunk_ptr + 3 * c)

@@ -1,9 +1,10 @@
 """FusedMultiLoRA launchers: shapes, block configs and grids around the kernels of :mod:`.fused_lora`.
 
 Every launcher takes the call's :class:`~lorafusion.ops.tables.SlotTables` (``st``) and a
-:class:`~lorafusion.ops.tables.TableCache` (``cache``) that holds the microbatch's routing tables (built on the
-first call of a microbatch and reused by every layer; a fresh cache builds them for this call). Both come from
-:mod:`lorafusion.ops` (host-side tables, no Triton), which calls these launchers: they are handed in, not imported.
+:class:`~lorafusion.ops.tables.TableCache` (``cache``) that holds the microbatch's routing tables (built on
+the first call of a microbatch and reused by every layer; a fresh cache builds them for this call). Both come
+from :mod:`lorafusion.ops` (host-side tables, no Triton), which calls these launchers: they are handed in, not
+imported.
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ def dot_precision(dtype: torch.dtype) -> str:
 def lora_gemm(x: torch.Tensor | None, w_kn: torch.Tensor | None, bias: torch.Tensor | None, S: torch.Tensor,
               L_rn: torch.Tensor, coef: torch.Tensor, st, routing, *, n: int, dropout: bool = False,
               row_ids: torch.Tensor | None = None, k_total: int = 0, k_offset: int = 0,
-              out: torch.Tensor | None = None, out_dtype=None, accumulate: bool = False, cache) -> torch.Tensor:
+              out: torch.Tensor | None = None, out_dtype=None, accumulate: bool = False,
+              cache) -> torch.Tensor:
     """``out[m, n] = x·w_kn (+bias) + Σ_seg coef[a]·keep⊙(S[:, :r_a]·L_rn[roff_a:roff_a+r_a, :])``.
 
     ``w_kn`` and ``L_rn`` are any strided views with shapes [K, n] and [R_tot, n]; ``x`` None → low-rank only.
-    ``accumulate``: ``out`` (given) is added to, in place (``out +=`` the above, one read and one write of it).
+    ``accumulate``: ``out`` (given) is added to, in place (``out +=`` the above, one read and one write of
+    it).
     """
     if accumulate and out is None:
         raise ValueError("lora_gemm: accumulate needs out")
@@ -52,8 +55,8 @@ def lora_gemm(x: torch.Tensor | None, w_kn: torch.Tensor | None, bias: torch.Ten
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     dummy = S
     _lora_gemm_kernel[grid](
-        x if has_main else dummy, w_kn if has_main else dummy, bias if bias is not None else dummy, S, L_rn, out,
-        row_ids if dropout else dummy, segs, mb,
+        x if has_main else dummy, w_kn if has_main else dummy, bias if bias is not None else dummy, S, L_rn,
+        out, row_ids if dropout else dummy, segs, mb,
         st.seed, st.thr, coef, st.r, st.roff,
         m, n, kdim,
         x.stride(0) if has_main else 0, x.stride(1) if has_main else 0,
@@ -61,7 +64,8 @@ def lora_gemm(x: torch.Tensor | None, w_kn: torch.Tensor | None, bias: torch.Ten
         S.stride(0), S.stride(1), L_rn.stride(0), L_rn.stride(1), out.stride(0), out.stride(1),
         k_total, k_offset,
         HAS_MAIN=has_main, HAS_BIAS=bias is not None, DROPOUT=bool(dropout), ALIGNED=k_offset % 8 == 0,
-        BM=bm, BN=bn, BK=cfg.get("BK", 16), RK=min(st.rb, 64), GROUP_M=cfg["GROUP_M"], PREC=dot_precision(S.dtype),
+        BM=bm, BN=bn, BK=cfg.get("BK", 16), RK=min(st.rb, 64), GROUP_M=cfg["GROUP_M"],
+        PREC=dot_precision(S.dtype),
         ACCUM=accumulate, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
@@ -79,8 +83,8 @@ def lora_shrink(x: torch.Tensor, A_cat: torch.Tensor, st, routing, row_ids: torc
         x, A_cat, S, row_ids, chunks, st.seed, st.thr, st.inv_keep, st.r, st.roff,
         kdim, st.r_max, x.stride(0), x.stride(1), A_cat.stride(0), A_cat.stride(1), S.stride(0), S.stride(1),
         k_total, k_offset,
-        DROPOUT=st.dropout, ALIGNED=k_offset % 8 == 0, BM=cfg["BM"], BK=max(16, min(cfg["BK"], 16384 // st.rb)),
-        RB=st.rb, PREC=dot_precision(x.dtype),
+        DROPOUT=st.dropout, ALIGNED=k_offset % 8 == 0, BM=cfg["BM"],
+        BK=max(16, min(cfg["BK"], 16384 // st.rb)), RB=st.rb, PREC=dot_precision(x.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return S
@@ -100,7 +104,8 @@ def _reduce_by_slot(partial: torch.Tensor, ranges: dict, n_slots: int) -> list[t
 
 def lora_ds_db(dy: torch.Tensor, B_cat: torch.Tensor, S: torch.Tensor, st, routing,
                need_db: bool = True, *, cache) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """One pass over dY [m, n]: dS [m, r_max] (dtype of S) and dB per slot (fp32 [n, r_a], None if no rows)."""
+    """One pass over dY [m, n]: dS [m, r_max] (dtype of S) and dB per slot (fp32 [n, r_a], None if no
+    rows)."""
     m, n = dy.shape
     cfg = get_config("ds_db", m, n, st.r_max, dy.element_size())
     # keep the [BN, RB] fp32 accumulator in registers and the [BM|BN, RB] operand tiles in shared memory
@@ -114,7 +119,8 @@ def lora_ds_db(dy: torch.Tensor, B_cat: torch.Tensor, S: torch.Tensor, st, routi
     _ds_db_kernel[(nblk, n_chunks)](
         dy, B_cat, S, dsp, dbp, chunks, st.scale, st.r, st.roff, m, n,
         dy.stride(0), dy.stride(1), B_cat.stride(0), B_cat.stride(1), S.stride(0), S.stride(1),
-        BM=cfg["BM"], BN=bn, RB=st.rb, PREC=dot_precision(dy.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BM=cfg["BM"], BN=bn, RB=st.rb, PREC=dot_precision(dy.dtype), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     dS = (dsp[0] if nblk == 1 else dsp.sum(0))[:, : st.r_max].to(S.dtype)
     dB = []
@@ -135,8 +141,8 @@ def lora_da(x: torch.Tensor, dS: torch.Tensor, st, routing, row_ids: torch.Tenso
     _da_kernel[(triton.cdiv(kdim, bk), n_chunks)](
         x, dS, dap, row_ids, chunks, st.seed, st.thr, st.inv_keep, st.r, st.roff,
         kdim, x.stride(0), x.stride(1), dS.stride(0), dS.stride(1), k_total, k_offset,
-        DROPOUT=st.dropout, ALIGNED=k_offset % 8 == 0, BM=cfg["BM"], BK=bk, RB=st.rb, PREC=dot_precision(x.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        DROPOUT=st.dropout, ALIGNED=k_offset % 8 == 0, BM=cfg["BM"], BK=bk, RB=st.rb,
+        PREC=dot_precision(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return [None if part is None else part[: st.ranks[a]]
             for a, part in enumerate(_reduce_by_slot(dap, ranges, len(st.ranks)))]

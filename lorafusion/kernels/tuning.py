@@ -32,28 +32,33 @@ INTERPRET: dict[str, dict] = {
 
 # (kernel, bucket) -> config; bucket = (m rounded up to a power of two, n, k) as the kernel sees them.
 # Written from scripts/tune_kernels.py output on one H200 (2026-11-22; docs/BENCHMARKS.md, "LoRA kernels");
-# the comment is the tuned kernel's median time there. That tuner built the routing tables afresh for every timed
-# call, so these times include host-side table building, which favours larger row blocks
+# the comment is the tuned kernel's median time there. That tuner built the routing tables afresh for every
+# timed call, so these times include host-side table building, which favours larger row blocks
 # (docs/results/e2e-8b-auto-tuned-h100.json);
 # it now reuses them as training does.
 TUNED: dict[tuple[str, tuple[int, int, int]], dict] = {
-    ("gemm", (8192, 4096, 4096)): dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3),  # 426.1 us
+    ("gemm", (8192, 4096, 4096)): dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8,
+                                       num_stages=3),  # 426.1 us
     ("lowrank", (8192, 4096, 0)): dict(BM=64, BN=128, GROUP_M=8, num_warps=4, num_stages=1),  # 32.2 us
     ("shrink", (8192, 16, 4096)): dict(BM=32, BK=128, num_warps=4, num_stages=3),  # 42.6 us
     ("ds_db", (8192, 4096, 16)): dict(BM=64, BN=256, CH=1024, num_warps=8, num_stages=3),  # 52.1 us
     ("da", (8192, 16, 4096)): dict(BM=32, BK=256, CH=512, num_warps=4, num_stages=3),  # 53.1 us
-    ("gemm", (8192, 14336, 4096)): dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3),  # 1545.6 us
-    ("gemm", (8192, 4096, 14336)): dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4),  # 1295.0 us
+    ("gemm", (8192, 14336, 4096)): dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8,
+                                        num_stages=3),  # 1545.6 us
+    ("gemm", (8192, 4096, 14336)): dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8,
+                                        num_stages=4),  # 1295.0 us
     ("lowrank", (8192, 14336, 0)): dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=1),  # 101.4 us
     ("ds_db", (8192, 14336, 16)): dict(BM=64, BN=256, CH=1024, num_warps=8, num_stages=3),  # 113.1 us
     ("shrink", (8192, 16, 14336)): dict(BM=32, BK=128, num_warps=4, num_stages=3),  # 126.2 us
     ("da", (8192, 16, 14336)): dict(BM=32, BK=256, CH=512, num_warps=4, num_stages=3),  # 138.1 us
-    ("gemm", (16384, 4096, 4096)): dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3),  # 892.7 us
+    ("gemm", (16384, 4096, 4096)): dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8,
+                                        num_stages=3),  # 892.7 us
     ("lowrank", (16384, 4096, 0)): dict(BM=64, BN=256, GROUP_M=8, num_warps=4, num_stages=1),  # 59.3 us
     ("shrink", (16384, 16, 4096)): dict(BM=32, BK=128, num_warps=4, num_stages=3),  # 72.0 us
     ("ds_db", (16384, 4096, 16)): dict(BM=64, BN=256, CH=1024, num_warps=8, num_stages=3),  # 98.4 us
     ("da", (16384, 16, 4096)): dict(BM=32, BK=256, CH=512, num_warps=4, num_stages=3),  # 87.5 us
-    ("gemm", (4096, 8192, 8192)): dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3),  # 877.5 us
+    ("gemm", (4096, 8192, 8192)): dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8,
+                                       num_stages=3),  # 877.5 us
     ("lowrank", (4096, 8192, 0)): dict(BM=64, BN=256, GROUP_M=8, num_warps=4, num_stages=1),  # 32.9 us
     ("shrink", (4096, 16, 8192)): dict(BM=16, BK=128, num_warps=4, num_stages=4),  # 52.3 us
     ("ds_db", (4096, 8192, 16)): dict(BM=64, BN=128, CH=1024, num_warps=4, num_stages=3),  # 52.7 us
@@ -70,10 +75,10 @@ TUNED: dict[tuple[str, tuple[int, int, int]], dict] = {
 
 # Main GEMM of multi_lora_linear: "triton" (one Triton GEMM with the low-rank term in its accumulator) or
 # "cublas" (low-rank term by a Triton kernel, then torch.addmm adds X·Wᵀ through cuBLAS). Callers pass
-# ``main_gemm`` (the LoRA layers take it from the run config); :func:`default_main_gemm` is the default when they
-# pass None: LORAFUSION_MAIN_GEMM (benchmark runs), read when asked so importing this module reads no environment.
-# Measured (docs/BENCHMARKS.md): cuBLAS is ~15-20% faster than this Triton GEMM on Hopper, which outweighs the
-# extra write/read of the low-rank term, so "cublas" is the default.
+# ``main_gemm`` (the LoRA layers take it from the run config); :func:`default_main_gemm` is the default when
+# they pass None: LORAFUSION_MAIN_GEMM (benchmark runs), read when asked so importing this module reads no
+# environment. Measured (docs/BENCHMARKS.md): cuBLAS is ~15-20% faster than this Triton GEMM on Hopper, which
+# outweighs the extra write/read of the low-rank term, so "cublas" is the default.
 # "cublas_fold" is "cublas" with the dX order reversed (low-rank term first, cuBLAS adds dY·W into it); on one
 # H100 at the 8B's linears it was -6% to +9% per linear with no consistent sign
 # (docs/results/linears-attention-8b-h100.json),

@@ -4,7 +4,8 @@
 head) and ``linear_fc1`` fuses gate/up ([gate; up], under TP this rank's [gate shard; up shard]). For the
 targeted projections T (any subset, in group order) an adapter holds
 
-- A: the projections' A stacked, [|T|·r, in] (replicated under TP) — one shrink S = dropout(X)·Aᵀ of rank |T|·r;
+- A: the projections' A stacked, [|T|·r, in] (replicated under TP) — one shrink S = dropout(X)·Aᵀ of rank
+  |T|·r;
 - B: the rows of the targeted projections only, [rows of T on this rank, r], in the fused layout with the
   other rows left out (sharded like W under TP: a rank holds a contiguous 1/tp chunk of each projection).
 
@@ -35,7 +36,8 @@ def fused_projection_index(kind: str, rows: int, groups: int = 1, heads_per_grou
         raise ValueError(f"{kind} is not a fused linear")
     one = torch.tensor([0] * (heads_per_group * kv_channels) + [1] * kv_channels + [2] * kv_channels)
     if one.numel() * groups != rows:
-        raise ValueError(f"linear_qkv: {rows} rows are not {groups} groups of ({heads_per_group}+2)x{kv_channels}")
+        raise ValueError(f"linear_qkv: {rows} rows are not {groups} groups of "
+                         f"({heads_per_group}+2)x{kv_channels}")
     return one.repeat(groups)
 
 
@@ -77,8 +79,8 @@ class BlockIndex:
 
 
 def block_b(b: torch.Tensor, index: BlockIndex) -> torch.Tensor:
-    """Compact B [rows of T, r] → the block B [rows, |T|·r] (row i non-zero only in its projection's r columns);
-    differentiable in ``b``."""
+    """Compact B [rows of T, r] → the block B [rows, |T|·r] (row i non-zero only in its projection's r
+    columns); differentiable in ``b``."""
     r = b.shape[1]
     if index.n_proj == 1 and index.whole:
         return b

@@ -101,7 +101,8 @@ class LoRAContext:
         if routing is not None and routing.segments:
             top = max(slot for slot, _, _ in routing.segments)
             if top >= len(batch_adapters):
-                raise ValueError(f"routing uses slot {top} but only {len(batch_adapters)} adapters were named")
+                raise ValueError(
+                    f"routing uses slot {top} but only {len(batch_adapters)} adapters were named")
         self.routing = routing
         self.batch_adapters = batch_adapters
         self.seeds = tuple(seeds) if seeds is not None else tuple(0 for _ in batch_adapters)
@@ -133,7 +134,8 @@ class LoRAContext:
             keys = list(self.layer_keys)
             rows = [[mix_seed(sd, self.layer_keys[k]) for sd in base] for k in keys]
             dev = seed_tensor(rows, device) if torch.device(device).type == "cuda" else None
-            hit = self._local[ck] = {k: (rows[i], None if dev is None else dev[i]) for i, k in enumerate(keys)}
+            hit = self._local[ck] = {k: (rows[i], None if dev is None else dev[i])
+                                     for i, k in enumerate(keys)}
         if layer_key not in hit:  # a layer registered after this microbatch began
             base = self.local_plan(present)[2]
             return [mix_seed(sd, name_key(layer_key)) for sd in base], None
@@ -198,7 +200,8 @@ class LoRALinear:
 
     # -- adapters ---------------------------------------------------------------------------------------
     def projection_index(self) -> torch.Tensor:
-        """The projection of each of this rank's output rows of a fused linear (see fused_projection_index)."""
+        """The projection of each of this rank's output rows of a fused linear (see
+        fused_projection_index)."""
         if "proj" not in self._block_index:
             tp, c = self._tp()[0], self.config
             groups = c.num_query_groups or c.num_attention_heads
@@ -226,7 +229,8 @@ class LoRALinear:
             split_a, split_b = self.tp_split("lora_A"), self.tp_split("lora_B_proj")
         else:
             split_a, split_b = self.tp_split("lora_A"), self.tp_split("lora_B")
-            a_full = kaiming_uniform_full((spec.r, fin), mix_seed(seed, name_key(name), name_key(self.lora_key)))
+            a_full = kaiming_uniform_full((spec.r, fin),
+                                          mix_seed(seed, name_key(name), name_key(self.lora_key)))
             a = split_a.shard(a_full, tp, rank).clone()
             b = torch.zeros(split_b.local_shape((fout, spec.r), tp))
         dev = (self.weight if self.weight is not None else self.weight_fp8).device  # FP8 base: weight is None
@@ -291,15 +295,17 @@ class LoRALinear:
         largs = self._lora_args(input_)
         if largs is None:
             return self._base_forward(input_, *args, **kwargs)
-        one_op = self._tp()[0] == 1 and not args and not kwargs and ops.resolve_impl(input_, self.lora_ctx.impl) == "triton"
+        one_op = (self._tp()[0] == 1 and not args and not kwargs
+                  and ops.resolve_impl(input_, self.lora_ctx.impl) == "triton")
         if one_op and is_fp8(self):  # the FP8 base GEMM with the LoRA term added into its output in place
             return fp8_fused_forward(self, input_, largs)
         if self.weight is not None and one_op:
             routing, a, b, scaling, p, seeds, seed_table = largs
             bias = None if self.skip_bias_add or self.bias is None else self.bias
             ctx = self.lora_ctx
-            y = ops.multi_lora_linear(input_, self.weight, bias, a, b, scaling, p, seeds, routing, impl="triton",
-                                      cache=ctx.tables, seed_table=seed_table, main_gemm=ctx.main_gemm)
+            y = ops.multi_lora_linear(input_, self.weight, bias, a, b, scaling, p, seeds, routing,
+                                      impl="triton", cache=ctx.tables, seed_table=seed_table,
+                                      main_gemm=ctx.main_gemm)
             return y, (self.bias if self.skip_bias_add else None)
         out, bias = self._base_forward(input_, *args, **kwargs)
         if self.sequence_parallel:
@@ -380,7 +386,8 @@ class LoRAColumnParallelLinear(LoRALinear, ColumnParallelLinear):
 
     def tp_split(self, tensor: str) -> TPSplit:
         rows = ROW_HALVES if self.lora_kind == "linear_fc1" else ROWS
-        return {"weight": rows, "bias": rows, "lora_A": REPLICATED, "lora_B": rows, "lora_B_proj": ROWS}[tensor]
+        return {"weight": rows, "bias": rows, "lora_A": REPLICATED, "lora_B": rows,
+                "lora_B_proj": ROWS}[tensor]
 
 
 class LoRARowParallelLinear(LoRALinear, RowParallelLinear):

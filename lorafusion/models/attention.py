@@ -22,7 +22,8 @@ def expand_kv(k: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
     return k if groups == heads else k.repeat_interleave(heads // groups, dim=dim)
 
 
-def causal_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               scale: float) -> torch.Tensor:
     """q [L, H, D], k/v [L, G, D] → [L, H, D]; causal, GQA by repeating kv heads."""
     h = q.shape[1]
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, expand_kv(k, h, 1), expand_kv(v, h, 1)))
@@ -76,10 +77,11 @@ def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
 
 
 def _varlen_or_fallback(fn, q, k, v, cu, cu_seqlens, max_seqlen, scale, kw):
-    """``fn`` (torch's varlen_attn); if it fails for a reason other than memory, the per-sample path from now on.
-    Out of memory is raised: the fallback saves one more q-width tensor per token and layer (the per-sample
-    outputs beside their concatenation; scheduler.memory.attention_elems), so switching to it for good made
-    every later step of the process bigger than planned (it did so in the memory calibration grids)."""
+    """``fn`` (torch's varlen_attn); if it fails for a reason other than memory, the per-sample path from now
+    on. Out of memory is raised: the fallback saves one more q-width tensor per token and layer (the
+    per-sample outputs beside their concatenation; scheduler.memory.attention_elems), so switching to it for
+    good made every later step of the process bigger than planned (it did so in the memory calibration
+    grids)."""
     global _VARLEN_FAILED
     if _VARLEN_FAILED:
         return varlen_attention_reference(q, k, v, cu_seqlens, scale)
@@ -88,7 +90,8 @@ def _varlen_or_fallback(fn, q, k, v, cu, cu_seqlens, max_seqlen, scale, kw):
     except torch.OutOfMemoryError:
         raise
     except (RuntimeError, TypeError, NotImplementedError) as e:  # e.g. a head dim or GPU the kernel lacks
-        warnings.warn(f"torch varlen_attn failed ({e}); using the per-sample SDPA path from now on", stacklevel=3)
+        warnings.warn(f"torch varlen_attn failed ({e}); using the per-sample SDPA path from now on",
+                      stacklevel=3)
         _VARLEN_FAILED = True
         return varlen_attention_reference(q, k, v, cu_seqlens, scale)
 

@@ -1,4 +1,5 @@
-"""lorafusion model → HF LLaMA / Qwen2 checkpoint directory (the inverse of :mod:`lorafusion.models.hf_import`).
+"""lorafusion model → HF LLaMA / Qwen2 checkpoint directory (the inverse of
+:mod:`lorafusion.models.hf_import`).
 
 :func:`hf_state_from_model` maps a whole model (TP = 1, PP = 1) to HF tensor names: ``linear_qkv`` is split
 back into q/k/v with :func:`~lorafusion.models.hf_layout.qkv_split`, ``linear_fc1`` into gate/up.
@@ -67,8 +68,8 @@ def _new_file_mode(d: Path) -> int:
 
 def write_hf_weights(directory: str | Path, tensors: Iterable[tuple[str, torch.Tensor]],
                      max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
-    """Write ``tensors`` into ``directory`` as HF safetensors (sharded with an index past ``max_shard_bytes``);
-    returns the file names written."""
+    """Write ``tensors`` into ``directory`` as HF safetensors (sharded with an index past
+    ``max_shard_bytes``); returns the file names written."""
     d = Path(directory)
     mode = _new_file_mode(d)
     shards: list[list[str]] = []

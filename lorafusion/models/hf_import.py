@@ -26,7 +26,8 @@ class HFCheckpoint:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not self.path.is_dir():
-            raise MissingFileError(f"model.path: {self.path} is not a directory (expected a HF model directory)")
+            raise MissingFileError(
+                f"model.path: {self.path} is not a directory (expected a HF model directory)")
         cfg_file = self.path / "config.json"
         if not cfg_file.is_file():
             raise MissingFileError(f"{cfg_file}: missing (expected the HF config.json)")
@@ -74,10 +75,12 @@ class HFCheckpoint:
         except Exception as e:
             raise ConfigError(f"{file}: cannot read tensor {key!r} ({e})") from e
         if shape is not None and tuple(t.shape) != tuple(shape):
-            raise ConfigError(f"{file}: tensor {key!r} has shape {tuple(t.shape)}, but config.json implies {tuple(shape)}")
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):  # every job would "diverge" from step 1
-            raise ConfigError(f"{file}: tensor {key!r} holds non-finite values (NaN or inf); the base model is "
-                              f"damaged")
+            raise ConfigError(f"{file}: tensor {key!r} has shape {tuple(t.shape)}, but config.json implies "
+                              f"{tuple(shape)}")
+        # every job would "diverge" from step 1
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ConfigError(f"{file}: tensor {key!r} holds non-finite values (NaN or inf); the base model "
+                              f"is damaged")
         return t
 
 
@@ -86,7 +89,8 @@ def hf_state_for_rank(ckpt: HFCheckpoint, model: torch.nn.Module) -> dict[str, t
     tensor cut to this rank by the split its module names (:func:`lorafusion.layers.sharding.param_split`)."""
     a = ckpt.arch
     tp, rank = tp_rank()
-    h, hn, nq, ng, f = a.hidden_size, a.kv_channels, a.num_attention_heads, a.num_query_groups, a.ffn_hidden_size
+    h, hn, f = a.hidden_size, a.kv_channels, a.ffn_hidden_size
+    nq, ng = a.num_attention_heads, a.num_query_groups
     out: dict[str, torch.Tensor] = {}
 
     def put(key: str, module: torch.nn.Module, attr: str, full: torch.Tensor) -> None:
@@ -115,7 +119,8 @@ def hf_state_for_rank(ckpt: HFCheckpoint, model: torch.nn.Module) -> dict[str, t
         gate = ckpt.get(p + "mlp.gate_proj.weight", (f, h))
         up = ckpt.get(p + "mlp.up_proj.weight", (f, h))
         put(m + "mlp.linear_fc1.weight", mlp.linear_fc1, "weight", torch.cat([gate, up], 0))
-        put(m + "mlp.linear_fc2.weight", mlp.linear_fc2, "weight", ckpt.get(p + "mlp.down_proj.weight", (h, f)))
+        put(m + "mlp.linear_fc2.weight", mlp.linear_fc2, "weight",
+            ckpt.get(p + "mlp.down_proj.weight", (h, f)))
     if getattr(model, "post_process", True):
         out["decoder.final_layernorm.weight"] = ckpt.get("model.norm.weight", (h,))
         if a.tie_word_embeddings:
@@ -123,7 +128,8 @@ def hf_state_for_rank(ckpt: HFCheckpoint, model: torch.nn.Module) -> dict[str, t
                 put("output_layer.weight", model.output_layer, "weight",
                     ckpt.get("model.embed_tokens.weight", (a.vocab_size, h)))
         else:
-            put("output_layer.weight", model.output_layer, "weight", ckpt.get("lm_head.weight", (a.vocab_size, h)))
+            put("output_layer.weight", model.output_layer, "weight",
+                ckpt.get("lm_head.weight", (a.vocab_size, h)))
     return out
 
 
@@ -132,7 +138,8 @@ def load_hf_weights(model: torch.nn.Module, path: str | Path | HFCheckpoint) -> 
     ckpt = path if isinstance(path, HFCheckpoint) else HFCheckpoint(path)
     arch = getattr(getattr(model, "config", None), "arch", None)
     if arch is not None and arch != ckpt.arch:
-        raise ConfigError(f"{ckpt.path / 'config.json'}: architecture {ckpt.arch} does not match the model's {arch}")
+        raise ConfigError(
+            f"{ckpt.path / 'config.json'}: architecture {ckpt.arch} does not match the model's {arch}")
     state = hf_state_for_rank(ckpt, model)
     with torch.no_grad():
         for key, value in state.items():
@@ -157,6 +164,7 @@ def build_model_from_hf(path: str | Path | HFCheckpoint, *, params_dtype: torch.
     ckpt = path if isinstance(path, HFCheckpoint) else HFCheckpoint(path)
     # base_model: what exported adapters name as their base
     model = build_model(ckpt.arch, params_dtype=params_dtype, base_model=str(ckpt.path.resolve()), **kw)
-    for chunk in (model if isinstance(model, torch.nn.ModuleList) else [model]):  # virtual pipeline: each chunk
+    # virtual pipeline: each chunk
+    for chunk in (model if isinstance(model, torch.nn.ModuleList) else [model]):
         load_hf_weights(chunk, ckpt)
     return model

@@ -1,4 +1,5 @@
-"""``ModelArch`` (:mod:`lorafusion.core.arch`) → Megatron ``TransformerConfig`` (our subclass, :mod:`.config`)."""
+"""``ModelArch`` (:mod:`lorafusion.core.arch`) → Megatron ``TransformerConfig`` (our subclass,
+:mod:`.config`)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from lorafusion.core.errors import ConfigError
 from lorafusion.models.config import LoRAFusionConfig
 
 
-# the settings every model of ours shares: LLaMA/Qwen2 blocks (RMSNorm, SwiGLU, no linear biases but qkv's), no
-# dropout in the frozen base (LoRA dropout is per adapter), no fusions of Apex/TE, weights initialised by us
-# (models.provider.init_random_weights or HF import), packed variable-length microbatches, per-token loss
+# the settings every model of ours shares: LLaMA/Qwen2 blocks (RMSNorm, SwiGLU, no linear biases but qkv's),
+# no dropout in the frozen base (LoRA dropout is per adapter), no fusions of Apex/TE, weights initialised by
+# us (models.provider.init_random_weights or HF import), packed variable-length microbatches, per-token loss
 _FIXED = dict(
     normalization="RMSNorm",
     gated_linear_unit=True,
@@ -45,15 +46,17 @@ def _recompute(recompute: bool, recompute_layers: int | None, stage_max: int, vi
             raise ConfigError(f"model.recompute_layers: {recompute_layers} is more than the "
                               f"{stage_max} decoder layers of a pipeline stage"
                               f"{'' if virtual_stages == 1 else ' (model chunk)'}")
-        return dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=recompute_layers)
+        return dict(recompute_granularity="full", recompute_method="block",
+                    recompute_num_layers=recompute_layers)
     if recompute:
         return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return {}
 
 
-def transformer_config(arch: ModelArch, params_dtype: torch.dtype = torch.float32, *, tp: int = 1, pp: int = 1,
-                       recompute: bool = False, recompute_layers: int | None = None, sequence_parallel: bool = False,
-                       stage_layers: Sequence[int] | None = None, virtual_stages: int = 1, **overrides):
+def transformer_config(arch: ModelArch, params_dtype: torch.dtype = torch.float32, *, tp: int = 1,
+                       pp: int = 1, recompute: bool = False, recompute_layers: int | None = None,
+                       sequence_parallel: bool = False, stage_layers: Sequence[int] | None = None,
+                       virtual_stages: int = 1, **overrides):
     """The Megatron ``TransformerConfig`` for ``arch`` (no dropout in the frozen base; LoRA dropout is
     per adapter). ``recompute``: full activation recomputation of every decoder layer, or with
     ``recompute_layers`` of the first N of each pipeline stage (each model chunk with ``virtual_stages``).
@@ -91,7 +94,8 @@ def transformer_config(arch: ModelArch, params_dtype: torch.dtype = torch.float3
     return LoRAFusionConfig(arch=arch, **kw)
 
 
-def _split(num_layers: int, pp: int, virtual_stages: int, stage_layers: Sequence[int] | None) -> tuple[dict, int]:
+def _split(num_layers: int, pp: int, virtual_stages: int,
+           stage_layers: Sequence[int] | None) -> tuple[dict, int]:
     """Megatron's split arguments for ``stage_layers`` (per virtual stage, layer order) and the largest count:
     even → Megatron's default; V = 1 with equal middle stages → first/last-stage counts; otherwise
     ``pipeline_model_parallel_layout`` (embedding on the first virtual stage, loss on the last)."""

@@ -61,7 +61,8 @@ def multi_lora_delta(x: torch.Tensor, lora_A: Sequence[torch.Tensor], lora_B: Se
 
 
 def multi_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      lora_A: Sequence[torch.Tensor], lora_B: Sequence[torch.Tensor], scaling: Sequence[float],
+                      lora_A: Sequence[torch.Tensor], lora_B: Sequence[torch.Tensor],
+                      scaling: Sequence[float],
                       dropout_p: Sequence[float], seeds: Sequence[int], routing: Routing, *,
                       impl: str | None = None, cache=None, seed_table: torch.Tensor | None = None,
                       main_gemm: str | None = None) -> torch.Tensor:

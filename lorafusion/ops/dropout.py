@@ -72,6 +72,7 @@ def keep_mask(seed, row_ids: torch.Tensor, k: int, p: float, k_offset: int = 0,
     groups = torch.arange(first, last + 1, device=row_ids.device, dtype=torch.int64)
     counters = (row_ids.to(torch.int64)[:, None] * ((k_total + 7) // 8) + groups[None, :]) & _MASK32
     w = philox4_uint32(seed, counters)  # 4 × [rows, groups]
-    u16 = torch.stack([half for word in w for half in (word & 0xFFFF, word >> 16)], dim=-1)  # [rows, groups, 8]
+    u16 = torch.stack([half for word in w for half in (word & 0xFFFF, word >> 16)],
+                      dim=-1)  # [rows, groups, 8]
     lo = k_offset % 8
     return u16.reshape(u16.shape[0], -1)[:, lo:lo + k] >= thr

@@ -30,8 +30,8 @@ import torch
 from lorafusion.core.errors import ConfigError
 
 __all__ = ["E4M3", "E5M2", "GRAD_DTYPE", "Fp8BaseLinear", "fp8_linear", "fp8_linear_reference",
-           "quantize_rows", "quantize_rows_torch", "quantize_weight", "dequantize", "scaled_gemm", "transpose",
-           "check_fp8_device", "unit_scale"]
+           "quantize_rows", "quantize_rows_torch", "quantize_weight", "dequantize", "scaled_gemm",
+           "transpose", "check_fp8_device", "unit_scale"]
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -81,7 +81,8 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype = E4M3, col_scale: torch.T
 
 
 def transpose(w_q: torch.Tensor) -> torch.Tensor:
-    """``w_q.t().contiguous()``: one Triton kernel on CUDA (torch's copy of FP8 is slow there), torch elsewhere."""
+    """``w_q.t().contiguous()``: one Triton kernel on CUDA (torch's copy of FP8 is slow there), torch
+    elsewhere."""
     if w_q.is_cuda and w_q.stride(1) == 1:
         fn = _triton("transpose_triton")
         if fn is not None:
@@ -115,7 +116,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
 def scaled_gemm(a_q: torch.Tensor, s_a: torch.Tensor, b_q: torch.Tensor, s_b: torch.Tensor,
                 out_dtype: torch.dtype, use_fast_accum: bool = False) -> torch.Tensor:
     """``diag(s_a)·(a_q·b_qᵀ)·diag(s_b)`` for row-major a_q [m, K], b_q [N, K] (both K-major), s_a [m, 1],
-    s_b [1, N] float32. ``torch._scaled_mm`` when K and N are multiples of 16, else the same math in float32."""
+    s_b [1, N] float32. ``torch._scaled_mm`` when K and N are multiples of 16, else the same math in
+    float32."""
     K, N = a_q.shape[1], b_q.shape[0]
     if K % ALIGN == 0 and N % ALIGN == 0:
         return torch._scaled_mm(a_q, b_q.t(), scale_a=s_a, scale_b=s_b, out_dtype=out_dtype,
@@ -131,7 +133,8 @@ def fp8_matmul(x2d: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> t
     return scaled_gemm(x_q, s_x, w_q, w_scale.view(1, -1), x2d.dtype, x2d.shape[1] <= FWD_FAST_ACCUM_MAX_K)
 
 
-def fp8_input_grad(dy: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, grad_dtype: torch.dtype) -> torch.Tensor:
+def fp8_input_grad(dy: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                   grad_dtype: torch.dtype) -> torch.Tensor:
     """``dX = dY·W`` in dy's dtype: ``dY·diag(s_w)`` quantized per row to ``grad_dtype``, times W_q."""
     g_q, s_g = quantize_rows(dy, grad_dtype, col_scale=w_scale)  # dY·diag(s_w), per row
     w_t = transpose(w_q)  # [k, n]: N-major, as the FP8 GEMM needs for dY·W_q; freed after the call
@@ -184,5 +187,5 @@ def check_fp8_device(device: torch.device | str | None, where: str = "model.base
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
         name = torch.cuda.get_device_name(device)
-        raise ConfigError(f"{where}: fp8 needs a GPU with FP8 tensor cores (compute capability 8.9+: Ada, Hopper "
-                          f"or newer); {name} is sm_{major}{minor} — use base_precision: bf16")
+        raise ConfigError(f"{where}: fp8 needs a GPU with FP8 tensor cores (compute capability 8.9+: Ada, "
+                          f"Hopper or newer); {name} is sm_{major}{minor} — use base_precision: bf16")

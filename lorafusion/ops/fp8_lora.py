@@ -73,7 +73,8 @@ class _Fp8MultiLoRALinear(torch.autograd.Function):
         return (dx, None, None, dbias, None, None, *_grads(dA, params[:ns]), *_grads(dB, params[ns:]))
 
 
-def fp8_multi_lora_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+def fp8_multi_lora_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                          bias: torch.Tensor | None,
                           lora_A: Sequence[torch.Tensor], lora_B: Sequence[torch.Tensor],
                           scaling: Sequence[float], dropout_p: Sequence[float], seeds: Sequence[int],
                           routing: Routing, *, cache=None, seed_table: torch.Tensor | None = None,
@@ -85,7 +86,8 @@ def fp8_multi_lora_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Ten
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
     if w_q.shape[1] != x2d.shape[1] or lora_B[0].shape[0] != w_q.shape[0]:
-        raise ValueError(f"weight {tuple(w_q.shape)} / lora_B {tuple(lora_B[0].shape)} do not fit x {tuple(x.shape)}")
+        raise ValueError(f"weight {tuple(w_q.shape)} / lora_B {tuple(lora_B[0].shape)} do not fit x "
+                         f"{tuple(x.shape)}")
     if x2d.is_cuda and x2d.dtype != torch.bfloat16:
         raise ValueError(f"fp8_multi_lora_linear: CUDA row-wise FP8 GEMMs write bfloat16; got {x.dtype}")
     plan = _Plan(x2d, lora_A, lora_B, scaling, dropout_p, seeds, routing, cache=cache, seed_table=seed_table)

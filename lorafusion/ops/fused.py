@@ -99,7 +99,8 @@ class _FusedMultiLoRALinear(torch.autograd.Function):
         Bt = B_cat.t().contiguous()  # [R_tot, n]: coalesced loads of the low-rank operand
         if plan.main_gemm != "triton":
             y = K.lora_gemm(None, None, bias, S, Bt, st.scale, st, plan.routing, n=plan.n, cache=plan.cache)
-            y.addmm_(x2d, w.t())  # in place: out-of-place addmm first copies the low-rank term into a new tensor
+            # in place: out-of-place addmm first copies the low-rank term into a new tensor
+            y.addmm_(x2d, w.t())
         else:
             y = K.lora_gemm(x2d, w.t(), bias, S, Bt, st.scale, st, plan.routing, n=plan.n, cache=plan.cache)
         ctx.plan = plan
@@ -134,9 +135,11 @@ class _FusedMultiLoRALinear(torch.autograd.Function):
         else:
             if need_x:
                 dx = K.lora_gemm(dy, w, None, dS, A_cat, st.inv_keep, st, plan.routing, n=plan.k,
-                                 dropout=st.dropout, row_ids=plan.row_ids, k_total=plan.k_total, cache=plan.cache)
+                                 dropout=st.dropout, row_ids=plan.row_ids, k_total=plan.k_total,
+                                 cache=plan.cache)
             if need_da:
-                dA = K.lora_da(x2d, dS, st, plan.routing, plan.row_ids, k_total=plan.k_total, cache=plan.cache)
+                dA = K.lora_da(x2d, dS, st, plan.routing, plan.row_ids, k_total=plan.k_total,
+                               cache=plan.cache)
         dw = (dy.t() @ x2d).to(weight.dtype) if need_w else None
         dbias = dy.sum(0) if (need_b and ctx.has_bias) else None
         if not need_db:
@@ -166,8 +169,8 @@ class _Shrink(torch.autograd.Function):
             dx, dA = K.lora_da_dx(x2d, dS, A_cat, None, st, plan.routing, plan.row_ids, k_total=plan.k_total,
                                   k_offset=plan.k_offset, need_da=need_da, cache=plan.cache)
         elif need_da:
-            dA = K.lora_da(x2d, dS, st, plan.routing, plan.row_ids, k_total=plan.k_total, k_offset=plan.k_offset,
-                           cache=plan.cache)
+            dA = K.lora_da(x2d, dS, st, plan.routing, plan.row_ids, k_total=plan.k_total,
+                           k_offset=plan.k_offset, cache=plan.cache)
         return (dx, None, *_grads(dA, lora_A))
 
 
@@ -186,7 +189,8 @@ class _Expand(torch.autograd.Function):
         plan: _Plan = ctx.plan
         S, B_cat, *lora_B = ctx.saved_tensors
         need_db = any(ctx.needs_input_grad[2:])
-        dS, dB = K.lora_ds_db(dout.to(S.dtype), B_cat, S, plan.st, plan.routing, need_db=need_db, cache=plan.cache)
+        dS, dB = K.lora_ds_db(dout.to(S.dtype), B_cat, S, plan.st, plan.routing, need_db=need_db,
+                              cache=plan.cache)
         if not need_db:
             dB = [None] * plan.n_slots
         return (dS, None, *_grads(dB, lora_B))
@@ -212,12 +216,14 @@ def multi_lora_linear_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
                             lora_A: Sequence[torch.Tensor], lora_B: Sequence[torch.Tensor],
                             scaling: Sequence[float], dropout_p: Sequence[float], seeds: Sequence[int],
                             routing: Routing, *, cache: TableCache | None = None,
-                            seed_table: torch.Tensor | None = None, main_gemm: str | None = None) -> torch.Tensor:
+                            seed_table: torch.Tensor | None = None,
+                            main_gemm: str | None = None) -> torch.Tensor:
     """Frozen base plus LoRA, one GEMM (see :func:`lorafusion.ops.multi_lora_linear`)."""
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
     if weight.shape[1] != x2d.shape[1] or lora_B[0].shape[0] != weight.shape[0]:
-        raise ValueError(f"weight {tuple(weight.shape)} / lora_B {tuple(lora_B[0].shape)} do not fit x {tuple(x.shape)}")
+        raise ValueError(f"weight {tuple(weight.shape)} / lora_B {tuple(lora_B[0].shape)} do not fit x "
+                         f"{tuple(x.shape)}")
     plan = _Plan(x2d, lora_A, lora_B, scaling, dropout_p, seeds, routing, cache=cache, seed_table=seed_table,
                  main_gemm=main_gemm)
     y = _FusedMultiLoRALinear.apply(x2d, weight, bias, plan, *lora_A, *lora_B)

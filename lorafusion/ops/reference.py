@@ -80,7 +80,8 @@ def lora_expand_reference(S: torch.Tensor, lora_B: Sequence[torch.Tensor], scali
     return torch.cat(pieces, dim=0)
 
 
-def multi_lora_delta_reference(x: torch.Tensor, lora_A: Sequence[torch.Tensor], lora_B: Sequence[torch.Tensor],
+def multi_lora_delta_reference(x: torch.Tensor, lora_A: Sequence[torch.Tensor],
+                               lora_B: Sequence[torch.Tensor],
                                scaling: Sequence[float], dropout_p: Sequence[float], seeds: Sequence[int],
                                routing: Routing, *, k_offset: int = 0, k_total: int | None = None,
                                s_comm: str | None = None, tp_group=None, cache=None,
@@ -161,7 +162,8 @@ class _TorchShrink(torch.autograd.Function):
 
 def _empty_but_gaps(shape, like: torch.Tensor, routing: Routing) -> torch.Tensor:
     """An uninitialised tensor of ``shape`` (``like``'s dtype and device) whose rows outside every segment of
-    ``routing`` are zero: the caller writes each segment's rows (one pass over the output fewer than zeros)."""
+    ``routing`` are zero: the caller writes each segment's rows (one pass over the output fewer than
+    zeros)."""
     out = like.new_empty(shape)
     pos = 0
     for _, start, length in routing.segments:
@@ -174,19 +176,22 @@ def _empty_but_gaps(shape, like: torch.Tensor, routing: Routing) -> torch.Tensor
 
 
 class _TorchExpand(torch.autograd.Function):
-    """Δ = s_a·S[:, :r_a]·B_aᵀ per segment, written into one [m, n] output: each segment's rows by its own matmul
-    (``out=`` a row range), the scaling folded into B (an [n, r] copy, not a pass over [m, n]), only rows outside
-    every segment zeroed — no per-segment pieces, no concatenation, no scaling pass over the output in forward
-    or backward. Saves S and the scaled B's."""
+    """Δ = s_a·S[:, :r_a]·B_aᵀ per segment, written into one [m, n] output: each segment's rows by its own
+    matmul (``out=`` a row range), the scaling folded into B (an [n, r] copy, not a pass over [m, n]), only
+    rows outside every segment zeroed — no per-segment pieces, no concatenation, no scaling pass over the
+    output in forward or backward. Saves S and the scaled B's."""
 
     @staticmethod
     def forward(ctx, S, routing, scaling, *lora_B):
         m, n = S.shape[0], lora_B[0].shape[0]
-        bs = [(b * float(sc)).to(S.dtype) for b, sc in zip(lora_B, scaling, strict=True)]  # one rounding, as b.to()
+        bs = [(b * float(sc)).to(S.dtype)
+              for b, sc in zip(lora_B, scaling, strict=True)]  # one rounding, as b.to()
         out = _empty_but_gaps((m, n), S, routing)
         for slot, start, length in routing.segments:
-            torch.mm(S[start:start + length, : bs[slot].shape[1]], bs[slot].t(), out=out[start:start + length])
-        ctx.routing, ctx.scaling, ctx.b_dtypes = routing, [float(sc) for sc in scaling], [b.dtype for b in lora_B]
+            torch.mm(S[start:start + length, : bs[slot].shape[1]], bs[slot].t(),
+                     out=out[start:start + length])
+        ctx.routing = routing
+        ctx.scaling, ctx.b_dtypes = [float(sc) for sc in scaling], [b.dtype for b in lora_B]
         ctx.save_for_backward(S, *bs)
         return out
 
@@ -205,7 +210,8 @@ class _TorchExpand(torch.autograd.Function):
             if ctx.needs_input_grad[3 + slot]:
                 g = (dout[sl].t() @ S[sl, :r]).float() * ctx.scaling[slot]
                 dB[slot] = g if dB[slot] is None else dB[slot] + g
-        return (dS, None, None, *(g if g is None else g.to(dt) for g, dt in zip(dB, ctx.b_dtypes, strict=True)))
+        return (dS, None, None,
+                *(g if g is None else g.to(dt) for g, dt in zip(dB, ctx.b_dtypes, strict=True)))
 
 
 def lora_expand_torch(S: torch.Tensor, lora_B: Sequence[torch.Tensor], scaling: Sequence[float],

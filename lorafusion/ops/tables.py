@@ -77,7 +77,8 @@ def _static_tables(ranks, scaling, dropout_p, device):
         roffs.append(acc)
         acc += int(r)
     ints = [int(r) for r in ranks] + roffs + [keep_threshold(p) for p in dropout_p] + [0] * (n % 2)
-    raw = (struct.pack(f"<{2 * n}f", *(float(s) for s in scaling), *(1.0 / (1.0 - float(p)) for p in dropout_p))
+    raw = (struct.pack(f"<{2 * n}f", *(float(s) for s in scaling),
+                       *(1.0 / (1.0 - float(p)) for p in dropout_p))
            + struct.pack(f"<{len(ints)}i", *ints))
     buf = to_device(torch.frombuffer(bytearray(raw), dtype=torch.int32), device)
     fl = buf[: 2 * n].view(torch.float32)
@@ -112,7 +113,8 @@ class TableCache:
     # -- per adapter set ---------------------------------------------------------------------------------
     def slot_tables(self, ranks: Sequence[int], scaling: Sequence[float], dropout_p: Sequence[float],
                     seeds: Sequence[int] | torch.Tensor, device) -> SlotTables:
-        """Tables of one call. ``seeds``: Python ints (copied now) or an int64 tensor already on ``device``."""
+        """Tables of one call. ``seeds``: Python ints (copied now) or an int64 tensor already on
+        ``device``."""
         ranks = tuple(int(r) for r in ranks)
         key = (str(device), ranks, tuple(float(s) for s in scaling), tuple(float(p) for p in dropout_p))
         static = self._static.get(key)

@@ -7,11 +7,13 @@ from lorafusion.core.lora import LoRASpec, lora_layer_params, lora_memory_bytes,
 def test_peft_parameter_counts():
     arch = preset("llama3.1-8b")
     # PEFT on Llama-3-8B, r=16: all-linear 41,943,040 trainable parameters; q_proj + v_proj 6,815,744
-    assert 32 * lora_layer_params(arch, 16, ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")) == 41_943_040
+    targets = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    assert 32 * lora_layer_params(arch, 16, targets) == 41_943_040
     assert 32 * lora_layer_params(arch, 16, ("q_proj", "v_proj")) == 6_815_744
     # one A shared by q, k, v: 16 x 4096 for the three, B unchanged
     assert lora_layer_params(arch, 16, ("linear_qkv",), shared_a=True) == 16 * 4096 + 16 * (4096 + 2 * 1024)
-    assert lora_s_width(16, ("q_proj", "v_proj")) == 32 and lora_s_width(16, ("linear_qkv",), shared_a=True) == 16
+    assert lora_s_width(16, ("q_proj", "v_proj")) == 32
+    assert lora_s_width(16, ("linear_qkv",), shared_a=True) == 16
 
 
 def test_tensor_parallel_shards_b_of_column_and_a_of_row_linears():

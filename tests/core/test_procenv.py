@@ -1,4 +1,5 @@
-"""The process environment is set in one place, and the benchmarks that time training set it as `train` does."""
+"""The process environment is set in one place, and the benchmarks that time training set it as `train`
+does."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def test_set_process_env_fills_what_is_unset_and_keeps_the_users(monkeypatch):
 
 def _calls_set_process_env(path: Path) -> bool:
     tree = ast.parse(path.read_text())
-    return any(isinstance(n, ast.Call) and getattr(n.func, "id", None) == "set_process_env" for n in ast.walk(tree))
+    return any(isinstance(n, ast.Call) and getattr(n.func, "id", None) == "set_process_env"
+               for n in ast.walk(tree))
 
 
 def test_train_and_the_training_benchmarks_set_the_same_environment():

@@ -52,7 +52,8 @@ def test_base_export_is_the_trained_base_and_adapters_load_in_peft(run):
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= \
         {p.name for p in base.iterdir()}
     # the weights get the mode of every other file written there (safetensors itself creates 0600)
-    assert (base / "model.safetensors").stat().st_mode & 0o777 == (base / "config.json").stat().st_mode & 0o777
+    assert ((base / "model.safetensors").stat().st_mode & 0o777
+            == (base / "config.json").stat().st_mode & 0o777)
     for job in ("a", "b"):
         cfg = json.loads((out / "adapters" / job / "adapter_config.json").read_text())
         assert cfg["base_model_name_or_path"] == str(base.resolve())
@@ -62,12 +63,14 @@ def test_base_export_is_the_trained_base_and_adapters_load_in_peft(run):
     assert tok(text, add_special_tokens=False).input_ids == ByteTokenizer().encode(text)
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (256, 257, 258)
     assert tok.decode(ByteTokenizer().encode(text)) == text
-    # base + PEFT adapter in transformers == the run's own model (rebuilt from the seed on the device type the run
-    # drew it on, as its record says: CPU and CUDA draw different numbers) with that adapter, in plain torch ops,
-    # on the GPU when there is one (Megatron moves a CPU model's RoPE there at its first forward)
+    # base + PEFT adapter in transformers == the run's own model (rebuilt from the seed on the device type the
+    # run drew it on, as its record says: CPU and CUDA draw different numbers) with that adapter, in plain
+    # torch ops, on the GPU when there is one (Megatron moves a CPU model's RoPE there at its first forward)
     drawn = json.loads((out / "base_model.json").read_text())["init_device"]
-    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    ours = build_model(preset("tiny-llama"), seed=1234, device=dev if drawn == "cuda" else None, fused_ops="off")
+    dev = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+           else torch.device("cpu"))
+    ours = build_model(preset("tiny-llama"), seed=1234, device=dev if drawn == "cuda" else None,
+                       fused_ops="off")
     ours = ours.to(dev).eval()
     ids = _ids()
     for job in ("a", "b"):
@@ -84,7 +87,8 @@ def test_merged_equals_base_plus_peft_adapter(run):
     ids = _ids()
 
     def peft_logits(job, dtype):  # a fresh base each time: PeftModel injects its layers into the one it gets
-        return peft.PeftModel.from_pretrained(_hf(out / "base", dtype), out / "adapters" / job).eval()(ids).logits
+        return peft.PeftModel.from_pretrained(_hf(out / "base", dtype),
+                                              out / "adapters" / job).eval()(ids).logits
 
     for job in ("a", "b"):
         assert _export(out, "--job", job, "--merged", "--out", tmp / f"merged_{job}") == 0
@@ -92,7 +96,8 @@ def test_merged_equals_base_plus_peft_adapter(run):
         ref64 = peft_logits(job, torch.float64)  # the higher-precision reference
         peft32 = peft_logits(job, torch.float32)
         # the merged fp32 model is as close to it as base + adapter in fp32 (one more rounding of W + s·BA)
-        err, err_peft = (got.double() - ref64).abs().max().item(), (peft32.double() - ref64).abs().max().item()
+        err = (got.double() - ref64).abs().max().item()
+        err_peft = (peft32.double() - ref64).abs().max().item()
         assert err <= 4 * err_peft + 1e-5, (err, err_peft)
         torch.testing.assert_close(got, peft32, atol=1e-4, rtol=0)
 
@@ -117,15 +122,19 @@ def test_export_never_deletes_and_bad_input_is_one_line(run, capfd):
         assert len(err) == 1 and msg in err[0], (args, err)
     assert (tmp / "taken" / "keep").read_text() == "x"
     assert not any((tmp / f"n{i}").exists() for i in range(1, 6))
-    assert _export(out, "--base", "--out", tmp / "taken", "--force") == 2  # a user's own directory: never replaced
-    assert "not an earlier lorafusion export" in capfd.readouterr().err and (tmp / "taken" / "keep").read_text() == "x"
+    # a user's own directory: never replaced
+    assert _export(out, "--base", "--out", tmp / "taken", "--force") == 2
+    assert ("not an earlier lorafusion export" in capfd.readouterr().err
+            and (tmp / "taken" / "keep").read_text() == "x")
     assert _export(out, "--base", "--out", tmp / "b1") == 0
-    assert _export(out, "--job", "a", "--merged", "--out", tmp / "b1", "--force") == 0  # an earlier export: replaced
+    assert _export(out, "--job", "a", "--merged", "--out", tmp / "b1",
+                   "--force") == 0  # an earlier export: replaced
     assert (tmp / "b1" / "model.safetensors").is_file() and (tmp / "b1" / ".lorafusion-export.json").is_file()
 
 
 def test_model_path_base_is_copied_and_merged_sharded(tmp_path, megatron_single):
-    """A ``model.path`` run: adapters point at model.path, --base copies it, merging reads and writes shards."""
+    """A ``model.path`` run: adapters point at model.path, --base copies it, merging reads and writes
+    shards."""
     from hf_utils import write_hf_checkpoint
     from lorafusion.core.arch import preset
     from lorafusion.core.lora import LoRASpec

@@ -20,11 +20,13 @@ from lorafusion.models.hf_import import build_model_from_hf
 peft = pytest.importorskip("peft")
 
 ARCHS = {
-    "llama-odd-gqa": ModelArch(family="llama", vocab_size=97, hidden_size=72, num_layers=2, num_attention_heads=6,
-                               num_query_groups=3, ffn_hidden_size=100, max_position_embeddings=128),
-    "qwen2-tied-bias": ModelArch(family="qwen2", vocab_size=89, hidden_size=56, num_layers=2, num_attention_heads=4,
-                                 num_query_groups=2, ffn_hidden_size=76, qkv_bias=True, tie_word_embeddings=True,
-                                 rope_theta=1e6, norm_eps=1e-6, max_position_embeddings=128),
+    "llama-odd-gqa": ModelArch(family="llama", vocab_size=97, hidden_size=72, num_layers=2,
+                               num_attention_heads=6, num_query_groups=3, ffn_hidden_size=100,
+                               max_position_embeddings=128),
+    "qwen2-tied-bias": ModelArch(family="qwen2", vocab_size=89, hidden_size=56, num_layers=2,
+                                 num_attention_heads=4, num_query_groups=2, ffn_hidden_size=76, qkv_bias=True,
+                                 tie_word_embeddings=True, rope_theta=1e6, norm_eps=1e-6,
+                                 max_position_embeddings=128),
 }
 TARGETS = {"all-linear": "all-linear", "q-v": ["q_proj", "v_proj"], "gate-down": ["gate_proj", "down_proj"]}
 LOGITS_TOL = 1e-5
@@ -89,13 +91,15 @@ def test_peft_made_adapter_imports_with_equal_logits_and_exports_back_bitwise(ba
         # the export loads in PEFT (the import's own reader) and names its base
         reloaded = peft.PeftModel.from_pretrained(copy.deepcopy(hf), d / f"{targets}-again").eval()
         torch.testing.assert_close(reloaded(ids).logits, ref, rtol=0, atol=0)
-        assert spec.target_modules == LoRASpec(r=8, lora_alpha=16, target_modules=TARGETS[targets]).target_modules
+        assert spec.target_modules == LoRASpec(r=8, lora_alpha=16,
+                                               target_modules=TARGETS[targets]).target_modules
     finally:
         remove_adapter(model, "x")
 
 
 def test_q_v_r8_trains_step_by_step_like_peft(base):
-    """Three AdamW steps on the same batches: each step's loss and every A/B gradient equal PEFT's (fp32, 1e-5)."""
+    """Three AdamW steps on the same batches: each step's loss and every A/B gradient equal PEFT's (fp32,
+    1e-5)."""
     arch, hf, model, d = base
     _peft_trained(hf, arch, ["q_proj", "v_proj"], d / "qv-train")
     pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), d / "qv-train", is_trainable=True)
@@ -133,15 +137,16 @@ def test_shared_a_import_of_an_adapter_with_its_own_a_per_projection_is_one_clea
     arch, hf, model, d = base
     _peft_trained(hf, arch, "all-linear", d / "own-a", r=2)
     shared = LoRASpec(r=2, lora_alpha=4, target_modules="all-linear", shared_fused_a=True)
-    with pytest.raises(ConfigError, match=r"k_proj.lora_A differs from q_proj.lora_A; with lora.shared_fused_a"):
+    with pytest.raises(ConfigError, match=r"k_proj.lora_A differs from q_proj.lora_A; with "
+                                          r"lora.shared_fused_a"):
         import_peft_adapter(model, "y", d / "own-a", spec=shared)
     with pytest.raises(ConfigError, match=r"job.lora.r: the adapter in init_from has 2, the job 4"):
         import_peft_adapter(model, "y", d / "own-a", spec=LoRASpec(r=4, lora_alpha=4), where="job")
 
 
 def test_export_names_its_base_or_says_what_to_pass(base, tmp_path):
-    """An adapter of a model built from a HF directory names that directory (AutoPeftModel can load it); one of
-    a model with no recorded base is one error naming base_model."""
+    """An adapter of a model built from a HF directory names that directory (AutoPeftModel can load it); one
+    of a model with no recorded base is one error naming base_model."""
     import json
 
     from lorafusion.layers import add_adapter
@@ -152,11 +157,13 @@ def test_export_names_its_base_or_says_what_to_pass(base, tmp_path):
     try:
         export_peft_adapter(model, "z", tmp_path / "z")
         cfg = json.loads((tmp_path / "z" / "adapter_config.json").read_text())
-        assert cfg["base_model_name_or_path"] == str((d / "base").resolve()) and cfg["target_modules"] == ["v_proj"]
+        assert (cfg["base_model_name_or_path"] == str((d / "base").resolve())
+                and cfg["target_modules"] == ["v_proj"])
     finally:
         remove_adapter(model, "z")
     bare = build_model(arch, seed=0)
     add_adapter(bare, "z", LoRASpec(r=2, lora_alpha=2))
-    with pytest.raises(ConfigError, match="export_peft_adapter: base_model: expected the base model's HF name"):
+    with pytest.raises(ConfigError,
+                       match="export_peft_adapter: base_model: expected the base model's HF name"):
         export_peft_adapter(bare, "z", tmp_path / "bare")
     assert not (tmp_path / "bare").exists()

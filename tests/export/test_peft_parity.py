@@ -90,7 +90,8 @@ def test_loss_and_grads_match_peft(setup):
     for name in ADAPTERS:
         pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), d / "adapters" / name, is_trainable=True)
         logits = pm(ids).logits
-        ref_loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, arch.vocab_size), ids[:, 1:].reshape(-1))
+        ref_loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, arch.vocab_size),
+                                                     ids[:, 1:].reshape(-1))
         ref_loss.backward()
         grads = _peft_grads(pm)
 
@@ -99,7 +100,8 @@ def test_loss_and_grads_match_peft(setup):
             for p in list(mod.lora_A.values()) + list(mod.lora_B.values()):
                 p.requires_grad_(True)
         out = ours_logits(model, ids, name)
-        loss = torch.nn.functional.cross_entropy(out[:, :-1].reshape(-1, arch.vocab_size), ids[:, 1:].reshape(-1))
+        loss = torch.nn.functional.cross_entropy(out[:, :-1].reshape(-1, arch.vocab_size),
+                                                 ids[:, 1:].reshape(-1))
         loss.backward()
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
 
@@ -112,7 +114,8 @@ def test_loss_and_grads_match_peft(setup):
             if name == "shared" and ".lora_A." in kk and any(
                     m in kk for m in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
                 # fused linear: our dA is the sum of PEFT's per-projection dA
-                group = ("q_proj", "k_proj", "v_proj") if "_proj" in kk and "self_attn" in kk else ("gate_proj", "up_proj")
+                group = (("q_proj", "k_proj", "v_proj") if "_proj" in kk and "self_attn" in kk
+                         else ("gate_proj", "up_proj"))
                 here = next(m for m in group if m in kk)
                 g_ref = sum(grads[k.replace(here, m)] for m in group)
             scale = g_ref.abs().max().clamp_min(1e-12)

@@ -57,20 +57,23 @@ def test_greedy_generate_in_transformers_equals_lorafusion_generate(run):
     gen_cfg = json.loads((out / "base" / "generation_config.json").read_text())
     assert gen_cfg["eos_token_id"] == 257 and gen_cfg["bos_token_id"] == 256
     for row, g in zip(rows, got, strict=True):
-        pm = peft.AutoPeftModelForCausalLM.from_pretrained(out / "adapters" / row["job"], dtype=torch.float32).eval()
+        pm = peft.AutoPeftModelForCausalLM.from_pretrained(out / "adapters" / row["job"],
+                                                           dtype=torch.float32).eval()
         if "prompt" in row:
             ids = _ids(tok(row["prompt"], return_tensors="pt"))
         else:
-            ids = _ids(tok.apply_chat_template(row["messages"], add_generation_prompt=True, return_tensors="pt"))
+            ids = _ids(
+                tok.apply_chat_template(row["messages"], add_generation_prompt=True, return_tensors="pt"))
         assert ids[0].tolist() == g["prompt_ids"], row  # bos and chat rendering as training built them
-        ref = pm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)
+        ref = pm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                          do_sample=False)
         assert ref[0, ids.shape[1]:].tolist() == g["output_ids"], row
         assert tok.decode(ref[0, ids.shape[1]:], skip_special_tokens=True) == g["output"]
 
 
 def test_chat_template_renders_training_samples(run):
-    """A whole conversation rendered by the exported chat template is training's sample: bos, prompt, response,
-    eos; the history with the generation prompt is its prompt."""
+    """A whole conversation rendered by the exported chat template is training's sample: bos, prompt,
+    response, eos; the history with the generation prompt is its prompt."""
     from lorafusion.data.dataset import build_sample
     from lorafusion.data.tokenizer import ByteTokenizer
 
@@ -115,4 +118,5 @@ def test_hf_tokenizer_export_encodes_as_training(tmp_path, case):
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == trained.eos_id == 257
     msgs = [{"role": "user", "content": "hi"}]
     rendered = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    assert rendered == ("<user>hi" if case == "own_template" else ("" if case == "no_bos" else "<s>") + "user: hi\nassistant: ")
+    assert rendered == ("<user>hi" if case == "own_template" else ("" if case == "no_bos" else "<s>")
+                        + "user: hi\nassistant: ")

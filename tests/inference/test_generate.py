@@ -28,8 +28,8 @@ ARCH = preset("tiny-llama")
 SPECS = {"alpha": LoRASpec(r=4, lora_alpha=8, target_modules=("all-linear",)),
          "beta": LoRASpec(r=8, lora_alpha=8, target_modules=("q_proj", "k_proj", "v_proj", "down_proj"))}
 EOS = 257  # the byte tokenizer's
-# where `lorafusion generate` builds its model (the GPU when there is one): a preset base drawn there is the one a
-# run drawn there trained against (CPU and CUDA draw different numbers from one seed)
+# where `lorafusion generate` builds its model (the GPU when there is one): a preset base drawn there is the
+# one a run drawn there trained against (CPU and CUDA draw different numbers from one seed)
 DEV = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
@@ -55,12 +55,14 @@ def _write_run(model, run, base_ref: str, seed: int):
     """A run directory as the trainer writes it: final adapters + one checkpoint per job."""
     for name in SPECS:
         export_peft_adapter(model, name, run / "adapters" / name, base_model=base_ref)
-        state = {"job": name, "step": 3, "seed": seed, "settings": {"(run) seed": seed, "(run) model.dtype": "float32",
-                                                                    "(run) tokenizer.type": "byte"}}
+        state = {"job": name, "step": 3, "seed": seed,
+                 "settings": {"(run) seed": seed, "(run) model.dtype": "float32",
+                              "(run) tokenizer.type": "byte"}}
         save_job_checkpoint(run / "checkpoints" / name, 3, adapter_params=adapter_parameters(model, name),
                             optimizer_state={}, state=state,
                             adapter=peft_adapter_snapshot(model, name, base_model=base_ref))
-    (run / "summary.json").write_text(json.dumps({"status": "done", "jobs": {n: {"status": "done"} for n in SPECS}}))
+    (run / "summary.json").write_text(
+        json.dumps({"status": "done", "jobs": {n: {"status": "done"} for n in SPECS}}))
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +107,8 @@ def test_greedy_equals_transformers_peft_for_two_adapters_and_the_base_in_one_ba
                  "--out", str(out), "--max-new-tokens", "10"]) == 0
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert [{k: g[k] for k in r} for g, r in zip(got, rows)] == rows  # input fields kept, in order
-    pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), d / "run" / "adapters" / "alpha", adapter_name="alpha")
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(hf), d / "run" / "adapters" / "alpha",
+                                        adapter_name="alpha")
     pm.load_adapter(d / "run" / "adapters" / "beta", adapter_name="beta")
     pm.eval()
     for g in got:
@@ -181,21 +184,25 @@ def test_run_record_and_adapter_choice(preset_run, tmp_path):
     record = {"preset": "tiny-llama", "path": None, "seed": 1234, "dtype": "float32", "init_device": "cpu",
               "base_precision": "fp8", "tokenizer": {"type": "byte", "path": None}}
     (run / "base_model.json").write_text(json.dumps(record))
-    (run / "summary.json").write_text(json.dumps({"jobs": {"alpha": {"status": "stopped"}, "beta": {"status": "done"}}}))
+    (run / "summary.json").write_text(
+        json.dumps({"jobs": {"alpha": {"status": "stopped"}, "beta": {"status": "done"}}}))
     info = load_run(run)
-    assert (info.preset, info.seed, info.base_precision, info.init_device) == ("tiny-llama", 1234, "fp8", "cpu")
-    # a record that says another seed or dtype than the run's checkpoints recorded (edited, or of another run) would
-    # rebuild another base than the adapters were trained on: refused
+    assert ((info.preset, info.seed, info.base_precision, info.init_device)
+            == ("tiny-llama", 1234, "fp8", "cpu"))
+    # a record that says another seed or dtype than the run's checkpoints recorded (edited, or of another run)
+    # would rebuild another base than the adapters were trained on: refused
     from lorafusion.rundir.integrity import DamagedFileError
 
     for key, value in (("seed", 99), ("dtype", "bfloat16")):
         (run / "base_model.json").write_text(json.dumps({**record, key: value}))
-        with pytest.raises(DamagedFileError, match=f"base_model.json: (model.)?{key} is {value!r}, but the run trained"):
+        with pytest.raises(DamagedFileError, match=f"base_model.json: (model.)?{key} is {value!r}, but the "
+                                                   "run trained"):
             load_run(run)
     (run / "base_model.json").write_text(json.dumps(record))
     assert info.adapters == {"alpha": run / "checkpoints" / "alpha" / "step_000003" / "adapter",
                              "beta": run / "adapters" / "beta"}
-    # every job that ended early decodes with the adapter it ended with, as export picks it (one rule for both)
+    # every job that ended early decodes with the adapter it ended with, as export picks it (one rule for
+    # both)
     from lorafusion.rundir.adapters import find_adapter
 
     if not (run / "adapters" / "alpha").is_dir():  # the adapter it ended with (any adapter files serve here)
@@ -205,7 +212,9 @@ def test_run_record_and_adapter_choice(preset_run, tmp_path):
         assert load_run(run).adapters["alpha"] == find_adapter(run, "alpha")[0] == run / "adapters" / "alpha"
 
 
-@pytest.mark.parametrize("case", ["unknown_job", "empty_prompt", "too_long", "missing_run", "malformed", "out_exists"])
+@pytest.mark.parametrize("case",
+                         ["unknown_job", "empty_prompt", "too_long", "missing_run",
+                          "malformed", "out_exists"])
 def test_bad_input_is_one_error_line_and_exit_2(preset_run, tmp_path, capsys, case):
     _, d = preset_run
     run, out = d / "run", tmp_path / "out.jsonl"
@@ -213,8 +222,8 @@ def test_bad_input_is_one_error_line_and_exit_2(preset_run, tmp_path, capsys, ca
     rows, expect = {
         "unknown_job": ([good, {"prompt": "hi", "job": "gamma"}], "p.jsonl:2: job 'gamma' is not a job of"),
         "empty_prompt": ([{"prompt": "", "job": "beta"}], "p.jsonl:1: the prompt is empty"),
-        "too_long": ([good, good, {"prompt": "x" * 1100}], "p.jsonl:3: the prompt has 1101 tokens; the model's "
-                                                            "context is 1024"),
+        "too_long": ([good, good, {"prompt": "x" * 1100}], "p.jsonl:3: the prompt has 1101 tokens; the "
+                                                            "model's context is 1024"),
         "missing_run": ([good], "no such run directory"),
         "malformed": ([good, '{"prompt": "hi", "job": '], "p.jsonl:2: not valid JSON"),
         "out_exists": ([good], "--out already exists"),
@@ -223,7 +232,8 @@ def test_bad_input_is_one_error_line_and_exit_2(preset_run, tmp_path, capsys, ca
         run = tmp_path / "nope"
     if case == "out_exists":
         out.write_text("keep me\n")
-    code = main(["generate", str(run), "--prompts", str(_jsonl(tmp_path / "p.jsonl", rows)), "--out", str(out)])
+    code = main(
+        ["generate", str(run), "--prompts", str(_jsonl(tmp_path / "p.jsonl", rows)), "--out", str(out)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("lorafusion generate: error: "), err
     assert expect in err[0], err[0]
@@ -233,16 +243,17 @@ def test_bad_input_is_one_error_line_and_exit_2(preset_run, tmp_path, capsys, ca
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU takes --decode graph")
 def test_decode_graph_without_a_gpu_is_an_error_not_something_else(tmp_path, capsys):
     out = tmp_path / "out.jsonl"
-    code = main(["generate", str(tmp_path / "run"), "--prompts", str(_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])),
-                 "--out", str(out), "--decode", "graph"])
+    code = main(
+        ["generate", str(tmp_path / "run"), "--prompts",
+         str(_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])), "--out", str(out), "--decode", "graph"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--decode graph: a CUDA graph needs a CUDA GPU" in err[0], err
     assert "--decode static" in err[0] and not out.exists()
 
 
 def test_a_checkpoint_pruned_between_lookup_and_load_is_looked_up_again(preset_run, tmp_path):
-    """On a live run, generate failed ("step_…/adapter_config.json: missing") when the checkpoint it had picked was
-    pruned before it was loaded: it now looks the adapter up again and takes the newer one."""
+    """On a live run, generate failed ("step_…/adapter_config.json: missing") when the checkpoint it had
+    picked was pruned before it was loaded: it now looks the adapter up again and takes the newer one."""
     import shutil
 
     from lorafusion.inference.generate import build_run_model, load_run
@@ -251,6 +262,7 @@ def test_a_checkpoint_pruned_between_lookup_and_load_is_looked_up_again(preset_r
     run = tmp_path / "run"
     shutil.copytree(d / "run", run)
     info = load_run(run)
-    info.adapters["alpha"] = run / "checkpoints" / "alpha" / "step_000001" / "adapter"  # (picked, then pruned)
+    # (picked, then pruned)
+    info.adapters["alpha"] = run / "checkpoints" / "alpha" / "step_000001" / "adapter"
     build_run_model(info, ["alpha"])
     assert info.adapters["alpha"] == run / "adapters" / "alpha"

@@ -16,8 +16,8 @@ from lorafusion.layers import add_adapter, lora_modules
 ARCH = preset("tiny-llama")
 SPECS = {"alpha": LoRASpec(r=4, lora_alpha=8, target_modules=("all-linear",)),
          "beta": LoRASpec(r=8, lora_alpha=8, target_modules=("q_proj", "k_proj", "v_proj", "down_proj"))}
-PROMPTS = [[256, *b"abc"], [256, *b"a much longer prompt here"], [256, *b"q"], [256, *b"hello"], [256, *b"zz"],
-           [256, *b"seven!!"], [256, *b"an even longer prompt than the others"], [256, *b"xy"]]
+PROMPTS = [[256, *b"abc"], [256, *b"a much longer prompt here"], [256, *b"q"], [256, *b"hello"],
+           [256, *b"zz"], [256, *b"seven!!"], [256, *b"an even longer prompt than the others"], [256, *b"xy"]]
 JOBS = ["beta", "alpha", None, "alpha", "beta", None, "alpha", "beta"]
 NEW = 10
 
@@ -132,28 +132,31 @@ def test_static_decode_leaves_the_model_as_it_was(cpu_model):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graph_replay_equals_the_eager_static_step(megatron_single, monkeypatch, dtype):
     model = _model(torch.device("cuda", torch.cuda.current_device()), dtype)
-    tol = 1e-5 if dtype == torch.float32 else 0.05  # (the same kernels: equal in practice; a margin for cuBLAS' choice)
+    # (the same kernels: equal in practice; a margin for cuBLAS' choice)
+    tol = 1e-5 if dtype == torch.float32 else 0.05
     for batch, kw in ((8, {}), (3, dict(temperature=0.8, top_p=0.95, seed=2))):
         eager = _run(model, batch, "static", monkeypatch, **kw)
         graph = _run(model, batch, "graph", monkeypatch, **kw)  # a capture failure fails the test (warning)
         _same(graph, eager, atol=tol)
     eos = eager[0][0][2]
-    _same(_run(model, 8, "graph", monkeypatch, eos=eos), _run(model, 8, "static", monkeypatch, eos=eos), atol=tol)
+    _same(_run(model, 8, "graph", monkeypatch, eos=eos),
+          _run(model, 8, "static", monkeypatch, eos=eos), atol=tol)
     if dtype == torch.float32:  # the graph's greedy tokens and logits against the dynamic step's
         _same(_run(model, 8, "graph", monkeypatch), _run(model, 8, "dynamic", monkeypatch), atol=1e-4)
 
 
 def test_the_static_step_reads_nothing_back_and_builds_no_host_tensor(cpu_model, monkeypatch):
-    """What a CUDA graph capture of the step needs, checked on CPU at the dispatcher: after the first step (the
-    warm-up before capture builds the LoRA tables), no op of the step reads a tensor value on the host
-    (``.item()``, ``bool(t)``, ``.tolist()``, nonzero: each waits for the GPU, and capture refuses it) or makes
-    a tensor from host data (``torch.tensor``: a copy from host memory, which capture would bake in)."""
+    """What a CUDA graph capture of the step needs, checked on CPU at the dispatcher: after the first step
+    (the warm-up before capture builds the LoRA tables), no op of the step reads a tensor value on the host
+    (``.item()``, ``bool(t)``, ``.tolist()``, nonzero: each waits for the GPU, and capture refuses it) or
+    makes a tensor from host data (``torch.tensor``: a copy from host memory, which capture would bake in)."""
     from dispatch_utils import HOST_READS, OpWatch
 
     from lorafusion.inference.generate import Request, generate_ids
     from lorafusion.inference.static_decode import StaticStep
 
-    flagged = HOST_READS | {"aten.lift_fresh.default", "aten._pin_memory.default"}  # (+ tensors from host data)
+    flagged = HOST_READS | {"aten.lift_fresh.default",
+                            "aten._pin_memory.default"}  # (+ tensors from host data)
     seen: list[str] = []
 
     steps = []

@@ -33,8 +33,10 @@ def random_routing(m: int, n_slots: int, rng: random.Random, gaps: bool = True):
 
 
 def make_adapters(k, n, ranks, dtype, device, requires_grad=True, scale_b=1.0):
-    A = [(torch.randn(r, k, dtype=dtype, device=device) / k**0.5).requires_grad_(requires_grad) for r in ranks]
-    B = [(torch.randn(n, r, dtype=dtype, device=device) * scale_b).requires_grad_(requires_grad) for r in ranks]
+    A = [(torch.randn(r, k, dtype=dtype, device=device) / k**0.5).requires_grad_(requires_grad)
+         for r in ranks]
+    B = [(torch.randn(n, r, dtype=dtype, device=device) * scale_b).requires_grad_(requires_grad)
+         for r in ranks]
     return A, B
 
 
@@ -50,4 +52,5 @@ def run_linear(fn, x, W, bias, A, B, sc, ps, seeds, routing, g):
 
 
 def reference_linear(x, W, bias, A, B, sc, ps, seeds, routing):
-    return torch.nn.functional.linear(x, W, bias) + multi_lora_delta_reference(x, A, B, sc, ps, seeds, routing)
+    return (torch.nn.functional.linear(x, W, bias)
+            + multi_lora_delta_reference(x, A, B, sc, ps, seeds, routing))

@@ -1,4 +1,5 @@
-"""In-kernel Philox dropout: the same mask as the torch reference, the right keep rate, forward == backward."""
+"""In-kernel Philox dropout: the same mask as the torch reference, the right keep rate, forward ==
+backward."""
 
 import math
 

@@ -1,4 +1,5 @@
-"""Single-adapter FusedLoRA vs the torch reference (interpreter on CPU: fp32/fp16; the GPU file covers bf16)."""
+"""Single-adapter FusedLoRA vs the torch reference (interpreter on CPU: fp32/fp16; the GPU file covers
+bf16)."""
 
 import pytest
 import torch
@@ -64,7 +65,8 @@ def test_fp32_dot_precision_follows_torch():
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("highest")
-        assert [dot_precision(t) for t in (torch.float32, torch.bfloat16, torch.float16)] == ["ieee", "tf32", "tf32"]
+        assert [dot_precision(t)
+                for t in (torch.float32, torch.bfloat16, torch.float16)] == ["ieee", "tf32", "tf32"]
         torch.set_float32_matmul_precision("high")
         assert dot_precision(torch.float32) == "tf32"
     finally:

@@ -33,7 +33,8 @@ def test_multi_lora_linear_random_layouts(case):
     # every main-GEMM variant: Triton GEMM with the low-rank term inside, cuBLAS + Triton low-rank passes, or
     # the same with dX folded (cases 3, 4: the low-rank dX term first, cuBLAS adds dY·W into it)
     fused = functools.partial(multi_lora_linear_fused,
-                              main_gemm="cublas_fold" if case in (3, 4) else "triton" if case % 2 == 0 else "cublas")
+                              main_gemm="cublas_fold" if case in (3, 4)
+                              else "triton" if case % 2 == 0 else "cublas")
     torch.manual_seed(7)
     rng, ranks, sc, ps, seeds = _adapters(case)
     if case == 256:  # largest and smallest rank: padded rank block 256, epilogue loops over rank chunks

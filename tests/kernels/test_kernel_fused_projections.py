@@ -1,6 +1,7 @@
-"""PEFT's LoRA on fused linears (an A and B per targeted projection, lorafusion.layers.fused_proj): the stacked A
-and the block B run through the LoRA ops equal the per-projection formula Σ_p s·X·A_pᵀ·B_pᵀ in p's rows (float64,
-every gradient), and the fused kernels equal the torch reference on it (fp32, fp16; Triton's interpreter on CPU)."""
+"""PEFT's LoRA on fused linears (an A and B per targeted projection, lorafusion.layers.fused_proj): the
+stacked A and the block B run through the LoRA ops equal the per-projection formula Σ_p s·X·A_pᵀ·B_pᵀ in p's
+rows (float64, every gradient), and the fused kernels equal the torch reference on it (fp32, fp16; Triton's
+interpreter on CPU)."""
 
 import random
 
@@ -63,8 +64,8 @@ def test_block_b_through_the_reference_equals_per_projection_lora_float64(geom):
             x = torch.randn(m, k, generator=gen, dtype=torch.float64).to(DEV).requires_grad_()
             a, b = _adapter(index, chosen, r, k, torch.float64, gen)
             g = torch.randn(m, index.numel(), generator=gen, dtype=torch.float64).to(DEV)
-            got = multi_lora_delta_reference(x, [a], [block_b(b, BlockIndex(index, chosen, DEV))], [0.7], [0.0], [5],
-                                             Routing.single(m))
+            got = multi_lora_delta_reference(x, [a], [block_b(b, BlockIndex(index, chosen, DEV))], [0.7],
+                                             [0.0], [5], Routing.single(m))
             grads = torch.autograd.grad(got, (x, a, b), g)
             want = _direct(x, a, b, index, chosen, 0.7)
             want_grads = torch.autograd.grad(want, (x, a, b), g)

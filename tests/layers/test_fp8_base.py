@@ -1,6 +1,7 @@
 """FP8 frozen base in the model (model.base_precision: fp8, lorafusion.layers.fp8_base): which linears are
 built with an FP8 base (and hold no bf16 copy), the LoRA linear's output and gradients = FP8 base + the
-unchanged LoRA term, recompute, HF import, and the whole model against its bf16 twin. On CPU through torch._scaled_mm."""
+unchanged LoRA term, recompute, HF import, and the whole model against its bf16 twin. On CPU through
+torch._scaled_mm."""
 
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ SPEC = LoRASpec(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=("all-linear
 
 
 def _model(precision, arch=None, **kw):
-    model = build_model(arch or preset("tiny-llama"), params_dtype=torch.bfloat16, seed=11, base_precision=precision,
-                        **kw)
+    model = build_model(arch or preset("tiny-llama"), params_dtype=torch.bfloat16, seed=11,
+                        base_precision=precision, **kw)
     add_adapter(model, "a", SPEC, seed=3)
-    add_adapter(model, "b", LoRASpec(r=8, lora_alpha=8, target_modules=("q_proj", "k_proj", "v_proj", "down_proj")), seed=3)
+    add_adapter(model, "b",
+                LoRASpec(r=8, lora_alpha=8,
+                         target_modules=("q_proj", "k_proj", "v_proj", "down_proj")), seed=3)
     randomize_b(model, seed=5)
     return model.train()
 
@@ -52,19 +55,22 @@ def test_every_decoder_linear_but_the_first_layers_is_fp8_and_its_bf16_copy_is_g
         assert mod.weight is None, key
         assert mod.weight_fp8.dtype == torch.float8_e4m3fn and mod.weight_scale.dtype == torch.float32
         assert mod.weight_fp8.shape == dict(lora_modules(bf16))[key].weight.shape
-    # one byte per weight plus a float32 scale per output channel: about half the bf16 bytes (FP8 layers), and the
-    # kept layer's bf16 bytes
+    # one byte per weight plus a float32 scale per output channel: about half the bf16 bytes (FP8 layers), and
+    # the kept layer's bf16 bytes
     ref = dict(lora_modules(bf16))
     fp8_bytes = sum(m.weight_fp8.numel() + 4 * m.weight_scale.numel() for m in mods.values() if is_fp8(m))
     bf16_bytes = sum(2 * ref[k].weight.numel() for k, m in mods.items() if is_fp8(m))
     assert 0.5 < fp8_bytes / bf16_bytes < 0.55, fp8_bytes / bf16_bytes
     kept = sum(2 * m.weight.numel() for m in mods.values() if not is_fp8(m))
     assert base_weight_bytes(fp8) == fp8_bytes + kept
-    state = fp8.state_dict()  # the FP8 base is never checkpointed (the kept bf16 layer's weights are parameters)
+    # the FP8 base is never checkpointed (the kept bf16 layer's weights are parameters)
+    state = fp8.state_dict()
     assert not any(k.endswith(("weight_fp8", "weight_scale")) for k in state)
-    assert not any(k.endswith(("linear_qkv.weight", "linear_fc2.weight")) and not k.startswith("decoder.layers.0.")
+    assert not any(k.endswith(("linear_qkv.weight", "linear_fc2.weight"))
+                   and not k.startswith("decoder.layers.0.")
                    for k in state), [k for k in state if k.endswith("linear_qkv.weight")]
-    assert fp8.output_layer.weight.dtype == torch.bfloat16 and fp8.embedding.word_embeddings.weight.dtype == torch.bfloat16
+    assert (fp8.output_layer.weight.dtype == torch.bfloat16
+            and fp8.embedding.word_embeddings.weight.dtype == torch.bfloat16)
     assert fp8.config.base_precision == "fp8" and bf16.config.base_precision == "bf16"
     # the quantized weights are the bf16 ones to e4m3's precision
     for key, mod in mods.items():
@@ -105,7 +111,8 @@ def test_lora_linear_is_the_fp8_base_plus_the_unchanged_lora_term(megatron_singl
     T = batch.tokens.numel()
     with lora_batch(model, batch.routing, batch.adapters, [7, 9]):
         for key, mod in [kv for kv in lora_modules(model) if is_fp8(kv[1])]:
-            x = torch.randn(T, 1, mod.input_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+            x = torch.randn(T, 1, mod.input_size,
+                            generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
             x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
             out, _ = mod(x1)
             base = F.fp8_linear(x2, mod.weight_fp8, mod.weight_scale)
@@ -113,8 +120,12 @@ def test_lora_linear_is_the_fp8_base_plus_the_unchanged_lora_term(megatron_singl
             assert torch.equal(out, want), key
             dy = torch.randn_like(out)
             names = sorted(mod.lora_A)
-            got = torch.autograd.grad(out, [x1, *[mod.lora_A[n] for n in names], *[mod.lora_B[n] for n in names]], dy)
-            ref = torch.autograd.grad(want, [x2, *[mod.lora_A[n] for n in names], *[mod.lora_B[n] for n in names]], dy)
+            got = torch.autograd.grad(out,
+                                      [x1, *[mod.lora_A[n] for n in names],
+                                       *[mod.lora_B[n] for n in names]], dy)
+            ref = torch.autograd.grad(want,
+                                      [x2, *[mod.lora_A[n] for n in names],
+                                       *[mod.lora_B[n] for n in names]], dy)
             for g, r in zip(got, ref):
                 assert torch.equal(g, r), key
 
@@ -126,12 +137,14 @@ def test_fp8_model_trains_like_its_bf16_twin(megatron_single):
         model = _model(precision)
         losses = adapter_losses(model, batch)
         sum(losses.values()).backward()
-        out[precision] = ({k: v.item() for k, v in losses.items()}, {n: lora_grads(model, n) for n in ("a", "b")})
+        out[precision] = ({k: v.item() for k, v in losses.items()},
+                          {n: lora_grads(model, n) for n in ("a", "b")})
     (l16, g16), (l8, g8) = out["bf16"], out["fp8"]
     for n in l16:
         assert l8[n] == pytest.approx(l16[n], rel=0.02)
         for k in g16[n]:
-            cos = torch.nn.functional.cosine_similarity(g8[n][k].flatten().double(), g16[n][k].flatten().double(), dim=0)
+            cos = torch.nn.functional.cosine_similarity(g8[n][k].flatten().double(),
+                                                        g16[n][k].flatten().double(), dim=0)
             assert cos > 0.85, (n, k, cos)  # a tiny random model: see docs/BENCHMARKS.md for the 8B shape
 
 
@@ -189,15 +202,18 @@ def test_odd_hidden_sizes_take_the_fallback(megatron_single):
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
                     reason="needs an sm_89+ GPU")
 def test_cuda_fp8_base_with_the_fused_lora_kernels_equals_the_torch_lora_path(megatron_single):
-    """Per LoRA linear (the FP8 base term is the same op in both): output and every gradient with the Triton LoRA
-    kernels equal the torch LoRA path to bf16 precision. (Through a whole FP8 model the two differ by FP8 rounding
-    flips, which a bf16-sized change of an input can cause: the whole-model comparison is the bench's losses.)"""
+    """Per LoRA linear (the FP8 base term is the same op in both): output and every gradient with the Triton
+    LoRA kernels equal the torch LoRA path to bf16 precision. (Through a whole FP8 model the two differ by FP8
+    rounding flips, which a bf16-sized change of an input can cause: the whole-model comparison is the bench's
+    losses.)"""
     from lorafusion.layers import get_lora_context
 
     dev = torch.device("cuda")
-    model = build_model(preset("tiny-llama"), params_dtype=torch.bfloat16, seed=11, base_precision="fp8", device=dev)
+    model = build_model(preset("tiny-llama"), params_dtype=torch.bfloat16, seed=11,
+                        base_precision="fp8", device=dev)
     add_adapter(model, "a", SPEC, seed=3)
-    add_adapter(model, "b", LoRASpec(r=8, lora_alpha=8, target_modules=("q_proj", "k_proj", "v_proj", "down_proj")),
+    add_adapter(model, "b",
+                LoRASpec(r=8, lora_alpha=8, target_modules=("q_proj", "k_proj", "v_proj", "down_proj")),
                 seed=3)
     randomize_b(model, seed=5)
     model.train()
@@ -206,7 +222,8 @@ def test_cuda_fp8_base_with_the_fused_lora_kernels_equals_the_torch_lora_path(me
     with lora_batch(model, batch.routing, batch.adapters, [7, 9]):
         for key, mod in [kv for kv in lora_modules(model) if is_fp8(kv[1])]:
             x = torch.randn(T, 1, mod.input_size, device=dev, generator=torch.Generator(dev).manual_seed(1))
-            dy = torch.randn(T, 1, mod.weight_fp8.shape[0], device=dev, generator=torch.Generator(dev).manual_seed(2))
+            dy = torch.randn(T, 1, mod.weight_fp8.shape[0], device=dev,
+                             generator=torch.Generator(dev).manual_seed(2))
             names = sorted(mod.lora_A)
             res = {}
             for impl in ("fused", "reference"):
@@ -233,7 +250,8 @@ def test_fused_kernels_take_the_one_op_fp8_path_and_equal_the_torch_lora_path(me
     monkeypatch.setattr(fp8_lora, "fp8_multi_lora_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = build_model(preset("tiny-llama"), params_dtype=dtype, seed=11, base_precision="fp8")
     add_adapter(model, "a", SPEC, seed=3)
-    add_adapter(model, "b", LoRASpec(r=8, lora_alpha=8, target_modules=("q_proj", "k_proj", "v_proj", "down_proj")),
+    add_adapter(model, "b",
+                LoRASpec(r=8, lora_alpha=8, target_modules=("q_proj", "k_proj", "v_proj", "down_proj")),
                 seed=3)
     randomize_b(model, seed=5)
     model.train()
@@ -244,7 +262,8 @@ def test_fused_kernels_take_the_one_op_fp8_path_and_equal_the_torch_lora_path(me
     with lora_batch(model, batch.routing, batch.adapters, [7, 9]):
         for key, mod in [kv for kv in lora_modules(model) if kv[0] in ("2.linear_qkv", "2.linear_fc2")]:
             x = torch.randn(T, 1, mod.input_size, generator=torch.Generator().manual_seed(1)).to(dtype)
-            dy = torch.randn(T, 1, mod.weight_fp8.shape[0], generator=torch.Generator().manual_seed(2)).to(dtype)
+            dy = torch.randn(T, 1, mod.weight_fp8.shape[0],
+                             generator=torch.Generator().manual_seed(2)).to(dtype)
             names = sorted(mod.lora_A)
             res = {}
             for impl in ("triton", "torch"):

@@ -14,7 +14,8 @@ from model_utils import adapter_losses, lora_grads, randomize_b
 SPECS = {
     "a": LoRASpec(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=("all-linear",)),
     "b": LoRASpec(r=8, lora_alpha=16, target_modules=("q_proj", "k_proj", "v_proj", "o_proj")),
-    "c": LoRASpec(r=16, lora_alpha=8, lora_dropout=0.2, target_modules=("linear_fc1", "linear_fc2"), use_rslora=True),
+    "c": LoRASpec(r=16, lora_alpha=8, lora_dropout=0.2, target_modules=("linear_fc1", "linear_fc2"),
+                  use_rslora=True),
 }
 
 
@@ -31,7 +32,8 @@ def sample(seed, n):
     return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-SAMPLES = [("a", sample(1, 9)), ("a", sample(2, 5)), ("b", sample(3, 12)), ("c", sample(4, 7)), ("c", sample(5, 6))]
+SAMPLES = [("a", sample(1, 9)), ("a", sample(2, 5)), ("b", sample(3, 12)), ("c", sample(4, 7)),
+           ("c", sample(5, 6))]
 
 
 def test_packed_batch_gives_each_adapter_what_it_gets_alone(megatron_single):
@@ -145,7 +147,8 @@ def test_target_mapping_is_exact():
     assert resolve_target_modules(["gate_proj", "up_proj", "linear_proj"]) == ("linear_proj", "linear_fc1")
     # a subset of a fused linear's projections keeps its PEFT names (each its own A and B)
     assert resolve_target_modules(["v_proj", "q_proj"]) == ("q_proj", "v_proj")
-    assert resolve_target_modules(["down_proj", "gate_proj", "q_proj"]) == ("q_proj", "gate_proj", "linear_fc2")
+    assert resolve_target_modules(["down_proj", "gate_proj", "q_proj"]) == (
+        "q_proj", "gate_proj", "linear_fc2")
     spec = LoRASpec(r=2, lora_alpha=2, target_modules=["v_proj", "up_proj", "o_proj"])
     assert spec.megatron_targets == ("linear_qkv", "linear_proj", "linear_fc1")
     assert spec.projections("linear_qkv") == ("v_proj",) and spec.projections("linear_fc2") == ()
@@ -177,8 +180,8 @@ arch = ModelArch(family="llama", vocab_size=64, hidden_size=32, num_layers=2, nu
 model = build_model(arch, seed=1)
 add_adapter(model, "a", LoRASpec(r=4, lora_alpha=8, lora_dropout=0.1), seed=0)
 add_adapter(model, "b", LoRASpec(r=16, lora_alpha=8, target_modules=("q_proj", "k_proj", "v_proj")), seed=0)
-add_adapter(model, "c", LoRASpec(r=3, lora_alpha=6, lora_dropout=0.2, target_modules=("q_proj", "v_proj", "up_proj")),
-            seed=0)
+add_adapter(model, "c", LoRASpec(r=3, lora_alpha=6, lora_dropout=0.2,
+                                 target_modules=("q_proj", "v_proj", "up_proj")), seed=0)
 add_adapter(model, "d", LoRASpec(r=5, lora_alpha=8, shared_fused_a=True), seed=0)
 randomize_b(model, seed=2)
 model.train()
@@ -215,6 +218,6 @@ def test_fused_kernels_in_the_layers_match_reference_under_interpreter(tmp_path)
     pytest.importorskip("triton")
     tests = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{tests}:{tests.parent}")
-    res = subprocess.run([sys.executable, "-c", FUSED_SCRIPT, str(tests)], env=env, capture_output=True, text=True,
-                         timeout=600)
+    res = subprocess.run([sys.executable, "-c", FUSED_SCRIPT, str(tests)], env=env, capture_output=True,
+                         text=True, timeout=600)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]

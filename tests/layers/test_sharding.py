@@ -36,7 +36,8 @@ def test_each_linear_names_the_split_of_its_tensors(megatron_single):
     layer = model.decoder.layers[0]
     qkv, proj = layer.self_attention.linear_qkv, layer.self_attention.linear_proj
     fc1, fc2 = layer.mlp.linear_fc1, layer.mlp.linear_fc2
-    assert [m.lora_kind for m in (qkv, proj, fc1, fc2)] == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    assert [m.lora_kind for m in (qkv, proj, fc1, fc2)] == ["linear_qkv", "linear_proj",
+                                                            "linear_fc1", "linear_fc2"]
     column = {"weight": ROWS, "bias": ROWS, "lora_A": REPLICATED, "lora_B": ROWS, "lora_B_proj": ROWS}
     assert {t: param_split(qkv, t) for t in column} == column
     assert {t: param_split(fc1, t) for t in column} == {**column, "weight": ROW_HALVES, "bias": ROW_HALVES,

@@ -58,7 +58,8 @@ def test_state_dicts_match_and_norms_in_params_dtype(megatron_single):
     off = build_model(arch, params_dtype=torch.bfloat16, fused_ops="off")
     on = build_model(arch, params_dtype=torch.bfloat16, fused_ops="torch")
     sd_off, sd_on = off.state_dict(), on.state_dict()
-    assert [k for k in sd_off if not k.endswith("_extra_state")] == [k for k in sd_on if not k.endswith("_extra_state")]
+    assert ([k for k in sd_off if not k.endswith("_extra_state")]
+            == [k for k in sd_on if not k.endswith("_extra_state")])
     for k, v in sd_on.items():
         if k.endswith("layernorm.weight"):
             assert v.dtype == torch.bfloat16 and torch.all(v == 1), k
@@ -98,7 +99,8 @@ def test_recompute_with_fused_ops(megatron_single):
 
 def test_automatic_choice(megatron_single):
     assert resolve_fused_ops(None, None) == "off" and resolve_fused_ops(None, "cpu") == "off"
-    assert resolve_fused_ops(None, "cuda") == "triton" and resolve_fused_ops(None, torch.device("cuda", 0)) == "triton"
+    assert (resolve_fused_ops(None, "cuda") == "triton"
+            and resolve_fused_ops(None, torch.device("cuda", 0)) == "triton")
     assert resolve_fused_ops("torch", "cuda") == "torch"
     with pytest.raises(ValueError, match="fused_ops"):
         resolve_fused_ops("liger", None)

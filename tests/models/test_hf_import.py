@@ -1,4 +1,5 @@
-"""HF LLaMA/Qwen2 checkpoints → our Megatron model: logits equal transformers'; bad input is one clear error."""
+"""HF LLaMA/Qwen2 checkpoints → our Megatron model: logits equal transformers'; bad input is one clear
+error."""
 
 import json
 
@@ -11,17 +12,21 @@ from lorafusion.models.provider import build_model
 from lorafusion.core.arch import ModelArch, RopeScaling, arch_from_hf_config, preset
 
 ARCHS = {
-    "llama-gqa-8x2": ModelArch(family="llama", vocab_size=300, hidden_size=64, num_layers=2, num_attention_heads=8,
-                               num_query_groups=2, ffn_hidden_size=96, max_position_embeddings=256),
+    "llama-gqa-8x2": ModelArch(family="llama", vocab_size=300, hidden_size=64, num_layers=2,
+                               num_attention_heads=8, num_query_groups=2, ffn_hidden_size=96,
+                               max_position_embeddings=256),
     "llama-untied-odd": ModelArch(family="llama", vocab_size=101, hidden_size=90, num_layers=3,
                                   num_attention_heads=5, num_query_groups=5, ffn_hidden_size=130,
                                   max_position_embeddings=128, rope_theta=500000.0,
-                                  rope_scaling=RopeScaling(factor=4.0, low_freq_factor=1.0, high_freq_factor=2.0,
+                                  rope_scaling=RopeScaling(factor=4.0, low_freq_factor=1.0,
+                                                           high_freq_factor=2.0,
                                                            original_max_position_embeddings=64)),
-    "llama-tied": ModelArch(family="llama", vocab_size=200, hidden_size=32, num_layers=2, num_attention_heads=4,
-                            num_query_groups=1, ffn_hidden_size=64, tie_word_embeddings=True),
-    "qwen2-gqa": ModelArch(family="qwen2", vocab_size=150, hidden_size=56, num_layers=2, num_attention_heads=4,
-                           num_query_groups=2, ffn_hidden_size=120, qkv_bias=True, rope_theta=1e6, norm_eps=1e-6),
+    "llama-tied": ModelArch(family="llama", vocab_size=200, hidden_size=32, num_layers=2,
+                            num_attention_heads=4, num_query_groups=1, ffn_hidden_size=64,
+                            tie_word_embeddings=True),
+    "qwen2-gqa": ModelArch(family="qwen2", vocab_size=150, hidden_size=56, num_layers=2,
+                           num_attention_heads=4, num_query_groups=2, ffn_hidden_size=120, qkv_bias=True,
+                           rope_theta=1e6, norm_eps=1e-6),
 }
 
 
@@ -102,7 +107,8 @@ def test_shape_mismatch_between_config_and_weights(tmp_path, megatron_single):
     cfg = json.loads((d / "config.json").read_text())
     cfg["intermediate_size"] = 200
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"gate_proj.weight' has shape \(160, 64\), but config.json implies \(200, 64\)"):
+    with pytest.raises(ValueError, match=r"gate_proj.weight' has shape \(160, 64\), but config.json implies "
+                                         r"\(200, 64\)"):
         build_model_from_hf(d)
 
 
@@ -122,13 +128,15 @@ def test_sharded_index_pointing_to_missing_file(tmp_path, megatron_single):
         build_model_from_hf(tmp_path / "m")
 
 
-@pytest.mark.parametrize("key, value", [("hidden_size", "64"), ("num_hidden_layers", 2.5), ("vocab_size", True),
-                                        ("intermediate_size", -3), ("rms_norm_eps", "1e-6")])
+@pytest.mark.parametrize("key, value",
+                         [("hidden_size", "64"), ("num_hidden_layers", 2.5), ("vocab_size", True),
+                          ("intermediate_size", -3), ("rms_norm_eps", "1e-6")])
 def test_bad_number_in_config_json_is_one_error_naming_the_field(key, value):
     from lorafusion.core.arch import arch_to_hf_config
     from lorafusion.core.errors import ConfigError
 
     cfg = arch_to_hf_config(preset("tiny-llama"))
     cfg[key] = value
-    with pytest.raises(ConfigError, match=rf"^m/config.json: {key}: expected a (positive integer|finite number)"):
+    with pytest.raises(ConfigError,
+                       match=rf"^m/config.json: {key}: expected a (positive integer|finite number)"):
         arch_from_hf_config(cfg, source="m/config.json")

@@ -73,7 +73,8 @@ def test_tied_embedding_weight(impl):
     loss = linear_cross_entropy(emb(ids) @ proj, emb.weight, labels, impl=impl, chunk_tokens=7)
     (loss * grad_out).sum().backward()
     p64 = proj.detach().double().requires_grad_(True)
-    ref = linear_cross_entropy_reference(F.embedding(ids, emb.weight.double()) @ p64, emb.weight.double(), labels)
+    ref = linear_cross_entropy_reference(F.embedding(ids, emb.weight.double()) @ p64,
+                                         emb.weight.double(), labels)
     (ref * grad_out.double()).sum().backward()
     assert rel(loss, ref) <= 1e-5 and rel(proj.grad, p64.grad) <= 1e-5
 

@@ -48,7 +48,8 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("lengths,h,g", [([5, 1, 3], 4, 2), ([7, 2], 2, 2), ([1], 4, 1), ([4, 9, 1, 6], 6, 3)])
+@pytest.mark.parametrize("lengths,h,g",
+                         [([5, 1, 3], 4, 2), ([7, 2], 2, 2), ([1], 4, 1), ([4, 9, 1, 6], 6, 3)])
 def test_reference_matches_explicit_softmax_with_gradients(lengths, h, g):
     d = 8
     q, k, v, dout, cu = _inputs(lengths, h, g, d, torch.float64, "cpu")
@@ -84,9 +85,10 @@ def test_gpu_varlen_vs_float64(h, g, d, dtype):
 
 
 def test_out_of_memory_in_varlen_is_raised_and_does_not_switch_to_the_fallback(monkeypatch):
-    """An out-of-memory error inside varlen_attn is the caller's (the runtime reports it); only a kernel failure
-    switches the process to the per-sample path, which saves one more q-width tensor per token and layer (it
-    used to switch on out of memory too, and the memory calibration grids ran on it from their first one)."""
+    """An out-of-memory error inside varlen_attn is the caller's (the runtime reports it); only a kernel
+    failure switches the process to the per-sample path, which saves one more q-width tensor per token and
+    layer (it used to switch on out of memory too, and the memory calibration grids ran on it from their first
+    one)."""
     monkeypatch.setattr(att, "_VARLEN_FAILED", False)
     q, k, v, _, cu = _inputs([3, 5], 4, 2, 8, torch.float32, "cpu")
     args = (q, k, v, cu, cu, 5, 0.3, {})

@@ -5,7 +5,8 @@ and the megatron_patches dispatcher."""
 import pytest
 import torch
 
-from lorafusion.models.fused.rope import PackedRope, packed_positions, packed_rope, rope, rope_cos_sin, rope_reference
+from lorafusion.models.fused.rope import (PackedRope, packed_positions, packed_rope, rope, rope_cos_sin,
+                                          rope_reference)
 
 from ._util import CPU_DTYPES, IMPLS, TOL, device, needs_cuda, rel
 

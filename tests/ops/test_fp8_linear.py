@@ -1,7 +1,7 @@
-"""FP8 base linear (lorafusion.ops.fp8_linear): quantization round trip, the forward against a float64 reference of
-the quantized GEMM, the input gradient against the dequantized reference, no weight gradient, odd shapes (the
-float32 fallback), the device check. On CPU through torch._scaled_mm (torch >= 2.13); the CUDA path in the
-gpu-marked tests at the end."""
+"""FP8 base linear (lorafusion.ops.fp8_linear): quantization round trip, the forward against a float64
+reference of the quantized GEMM, the input gradient against the dequantized reference, no weight gradient, odd
+shapes (the float32 fallback), the device check. On CPU through torch._scaled_mm (torch >= 2.13); the CUDA
+path in the gpu-marked tests at the end."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 from lorafusion.core.errors import ConfigError
 from lorafusion.ops import fp8_linear as F
 
-SHAPES = [(32, 64, 48), (7, 128, 96), (1, 32, 16), (33, 20, 7), (5, 48, 30)]  # (m, k, n); the last two: fallback
+# (m, k, n); the last two: fallback
+SHAPES = [(32, 64, 48), (7, 128, 96), (1, 32, 16), (33, 20, 7), (5, 48, 30)]
 FP8 = [F.E4M3, F.E5M2]
 
 
@@ -48,7 +49,8 @@ def test_quantize_rows_round_trip(m, k, n, src, dtype):
     top = q.double().abs().amax(1)
     assert torch.allclose(top[rows], torch.full_like(top[rows], torch.finfo(dtype).max), rtol=2 ** -4)
     deq = F.dequantize(q, s)
-    torch.testing.assert_close(deq, x.double(), rtol=2 ** -(3 if dtype == F.E4M3 else 2), atol=float(s.max()) * 2 ** -9)
+    torch.testing.assert_close(deq, x.double(), rtol=2 ** -(3 if dtype == F.E4M3 else 2),
+                               atol=float(s.max()) * 2 ** -9)
 
 
 def test_column_scale_is_folded_before_the_row_scale():
@@ -133,7 +135,7 @@ def test_device_check_names_the_field_and_the_gpu(monkeypatch):
     F.check_fp8_device(torch.device("cuda", 0))
 
 
-# ------------------------------------------------------------------------------------------------ CUDA (Hopper)
+# ----------------------------------------------------------------------------------------- CUDA (Hopper)
 def _cuda_fp8():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
@@ -173,8 +175,8 @@ def test_cuda_forward_and_input_gradient_against_float64(m, k, n):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_fp8(), reason="needs an sm_89+ GPU")
-@pytest.mark.parametrize("m,n", [(1, 16), (70, 130), (1001, 4096), (4096, 14336), (256, 28672)])  # 4096: 4 rows a
-# program by default (the 1001st row alone in its program); 28672: 8k blocks
+# 4096: 4 rows a program by default (the 1001st row alone in its program); 28672: 8k blocks
+@pytest.mark.parametrize("m,n", [(1, 16), (70, 130), (1001, 4096), (4096, 14336), (256, 28672)])
 def test_triton_transpose_and_two_pass_quantization(m, n):
     from lorafusion.kernels.fp8_quant import quantize_rows_triton
 
@@ -184,7 +186,8 @@ def test_triton_transpose_and_two_pass_quantization(m, n):
     one, s1 = quantize_rows_triton(x, F.E4M3)
     two, s2 = quantize_rows_triton(x, F.E4M3, max_single=64)  # the two-loop path
     assert torch.equal(s1, s2) and torch.equal(one.view(torch.uint8), two.view(torch.uint8))
-    wide, s3 = quantize_rows_triton(x, F.E4M3, max_single=1 << 16, num_warps=32)  # the whole row from registers
+    # the whole row from registers
+    wide, s3 = quantize_rows_triton(x, F.E4M3, max_single=1 << 16, num_warps=32)
     assert torch.equal(s1, s3) and torch.equal(one.view(torch.uint8), wide.view(torch.uint8))
     if n <= 8192:  # several rows a program
         four, s4 = quantize_rows_triton(x, F.E4M3, rows=4)
@@ -194,8 +197,8 @@ def test_triton_transpose_and_two_pass_quantization(m, n):
 @pytest.mark.parametrize("m,k,n", [(32, 64, 48), (33, 20, 7)])
 def test_forward_and_input_gradient_against_the_original_weight_with_channels_over_six_decades(m, k, n):
     """Against float64 products of the ORIGINAL weight (not its dequantized copy), with output channels whose
-    magnitudes span 1e-3..1e3: a scale applied on the wrong axis (or not at all) in Y or dX is off by orders of
-    magnitude here, while a reference that reuses the op's own quantization convention would not see it."""
+    magnitudes span 1e-3..1e3: a scale applied on the wrong axis (or not at all) in Y or dX is off by orders
+    of magnitude here, while a reference that reuses the op's own quantization convention would not see it."""
     g = torch.Generator().manual_seed(7)
     chan = torch.logspace(-3, 3, n, dtype=torch.float64)[torch.randperm(n, generator=g)]
     w = (torch.randn(n, k, generator=g, dtype=torch.float64) * chan.view(-1, 1)).float()
@@ -212,8 +215,9 @@ def test_forward_and_input_gradient_against_the_original_weight_with_channels_ov
 
 
 def test_row_kernel_launch_choice():
-    """The measured launch per row length (kernels/fp8_quant.py): 4 rows a program for 4096-column rows without a
-    column scale, one row with it; two loops of 8k blocks from 16k columns; explicit arguments override."""
+    """The measured launch per row length (kernels/fp8_quant.py): 4 rows a program for 4096-column rows
+    without a column scale, one row with it; two loops of 8k blocks from 16k columns; explicit arguments
+    override."""
     from lorafusion.kernels.fp8_quant import launch
 
     assert launch(4096, False) == (True, 4096, 4, 16)
@@ -225,13 +229,16 @@ def test_row_kernel_launch_choice():
     assert launch(28672, True) == (False, 8192, 1, 16)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU: Triton's interpreter (the GPU test above checks q)")
-@pytest.mark.parametrize("max_single,rows", [(8192, 1), (8192, 4), (32, 1)])  # one read: a row / 4 rows a
-@pytest.mark.parametrize("col_scale", [False, True])  # program (6 rows: the last program half empty); two loops
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="CPU: Triton's interpreter (the GPU test above checks q)")
+# max_single, rows: one read: a row / 4 rows a program (6 rows: the last program half empty); two loops
+@pytest.mark.parametrize("max_single,rows", [(8192, 1), (8192, 4), (32, 1)])
+@pytest.mark.parametrize("col_scale", [False, True])
 @pytest.mark.parametrize("src", [torch.float32, torch.float16])
 def test_triton_row_kernel_scales_on_cpu(src, col_scale, max_single, rows):
     """The row kernel's loads (times the column scale) and max|v| in the interpreter: scales equal the torch
-    path's bit for bit. (q is not compared here: the interpreter's float→fp8 cast does not round to nearest.)"""
+    path's bit for bit. (q is not compared here: the interpreter's float→fp8 cast does not round to
+    nearest.)"""
     from lorafusion.kernels.fp8_quant import quantize_rows_triton
 
     x, _ = _data(6, 70, 8, src)
@@ -242,7 +249,8 @@ def test_triton_row_kernel_scales_on_cpu(src, col_scale, max_single, rows):
     assert q.shape == x.shape and q.dtype == F.E4M3 and torch.equal(s, s_ref)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU: Triton's interpreter (the GPU test above checks q)")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="CPU: Triton's interpreter (the GPU test above checks q)")
 def test_triton_row_kernel_default_launch_of_4096_columns_on_cpu():
     """The default launch of 4096-column rows (4 rows a program; 6 rows: the second program half empty) in the
     interpreter: scales equal the torch path's bit for bit."""

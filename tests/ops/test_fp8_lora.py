@@ -42,7 +42,8 @@ def _case(m, k, n, dtype, seed):
 
 def _run(fn, x, w_q, w_s, bias, A, B, sc, ps, seeds, routing, dy):
     leaves = [x.detach().clone().requires_grad_(True), bias.detach().clone().requires_grad_(True),
-              *[a.detach().clone().requires_grad_(True) for a in A], *[b.detach().clone().requires_grad_(True) for b in B]]
+              *[a.detach().clone().requires_grad_(True) for a in A],
+              *[b.detach().clone().requires_grad_(True) for b in B]]
     ns = len(A)
     y = fn(leaves[0], w_q, w_s, leaves[1], leaves[2:2 + ns], leaves[2 + ns:], sc, ps, seeds, routing)
     y.backward(dy)
@@ -91,18 +92,20 @@ def test_expand_accumulates_into_out_in_place():
     base = torch.randn(29, 40, device=DEV, dtype=x.dtype)
     out = base.clone()
     ptr = out.data_ptr()
-    res = K.lora_gemm(None, None, bias, S, Bt, plan.st.scale, plan.st, routing, n=40, out=out, accumulate=True,
-                      cache=plan.cache)
+    res = K.lora_gemm(None, None, bias, S, Bt, plan.st.scale, plan.st, routing, n=40, out=out,
+                      accumulate=True, cache=plan.cache)
     assert res.data_ptr() == ptr
     assert rel(res, base + fresh) < TOL[DTYPES[0]]
     with pytest.raises(ValueError, match="accumulate needs out"):
-        K.lora_gemm(None, None, None, S, Bt, plan.st.scale, plan.st, routing, n=40, accumulate=True, cache=plan.cache)
+        K.lora_gemm(None, None, None, S, Bt, plan.st.scale, plan.st, routing, n=40, accumulate=True,
+                    cache=plan.cache)
 
 
 def test_forward_and_backward_read_nothing_back_to_the_host():
     """No op of the FP8 one-op linear's forward+backward reads a tensor value on the host (``.item()``,
-    ``bool(t)``, ``.tolist()``, nonzero...): on CUDA each of those waits for the GPU. Counted at the dispatcher
-    (on CPU the same Python code runs; the seeds already on the device, as the LoRA layers pass them)."""
+    ``bool(t)``, ``.tolist()``, nonzero...): on CUDA each of those waits for the GPU. Counted at the
+    dispatcher (on CPU the same Python code runs; the seeds already on the device, as the LoRA layers pass
+    them)."""
     from dispatch_utils import OpWatch
 
     from lorafusion.ops.tables import TableCache
@@ -114,8 +117,9 @@ def test_forward_and_backward_read_nothing_back_to_the_host():
     B = [b.detach().requires_grad_(True) for b in B]
     x = x.detach().requires_grad_(True)
     cache, seed_table = TableCache(), torch.tensor(seeds, dtype=torch.int64, device=DEV)
+    # the routing's tables built (once a microbatch)
     fp8_multi_lora_linear(x, w_q, w_s, bias, A, B, sc, ps, seeds, routing, cache=cache,
-                          seed_table=seed_table).backward(dy)  # the routing's tables built (once a microbatch)
+                          seed_table=seed_table).backward(dy)
     with OpWatch(seen=seen):
         fp8_multi_lora_linear(x, w_q, w_s, bias, A, B, sc, ps, seeds, routing, cache=cache,
                               seed_table=seed_table).backward(dy)

@@ -54,7 +54,8 @@ def test_layer_seeds_are_built_once_per_microbatch_and_match_the_per_layer_rule(
 
     model = build_model(preset("tiny-llama"), seed=1)
     add_adapter(model, "a", SPEC, seed=0)
-    add_adapter(model, "b", LoRASpec(r=8, lora_alpha=8, target_modules=("q_proj", "k_proj", "v_proj")), seed=0)
+    add_adapter(model, "b",
+                LoRASpec(r=8, lora_alpha=8, target_modules=("q_proj", "k_proj", "v_proj")), seed=0)
     ctx = get_lora_context(model)
     mb, _ = _two_microbatches()
     ctx.set_batch(mb.routing, mb.adapters, [101, 202])
@@ -68,7 +69,8 @@ def test_layer_seeds_are_built_once_per_microbatch_and_match_the_per_layer_rule(
     first = ctx.layer_seeds(frozenset({"a"}), "1.linear_fc1", "cpu")
     assert ctx.layer_seeds(frozenset({"a"}), "1.linear_fc1", "cpu") is first  # memoised for the microbatch
     ctx.set_batch(mb.routing, mb.adapters, [7, 8])
-    assert ctx.layer_seeds(frozenset({"a"}), "1.linear_fc1", "cpu")[0] == [mix_seed(7, name_key("1.linear_fc1"))]
+    assert (ctx.layer_seeds(frozenset({"a"}), "1.linear_fc1", "cpu")[0]
+            == [mix_seed(7, name_key("1.linear_fc1"))])
 
 
 def test_table_cache_shares_tables_per_routing_and_adapter_set():
@@ -133,7 +135,8 @@ def _fwd_bwd(fn, x, A, B, sc, ps, seeds, routing, k_offset, k_total, dy):
 @pytest.mark.parametrize("seed", range(6))
 def test_fast_torch_path_equals_reference(seed):
     """Same function, same masks, every gradient (fp32 on CPU: the graph split changes only the order of
-    a few sums, and the expand folds the scaling into B — s·(S·Bᵀ) and S·(s·B)ᵀ round apart by an ulp or two)."""
+    a few sums, and the expand folds the scaling into B — s·(S·Bᵀ) and S·(s·B)ᵀ round apart by an ulp or
+    two)."""
     case = _case(seed, "cpu", torch.float32)
     ref = _fwd_bwd(multi_lora_delta_reference, *case)
     fast = _fwd_bwd(multi_lora_delta_torch, *case)
@@ -149,11 +152,12 @@ def test_fast_torch_path_on_gpu_bf16_against_fp64(seed):
     case = _case(seed, "cuda", torch.bfloat16)
     fast = _fwd_bwd(multi_lora_delta_torch, *case)
     x, A, B, *rest = case
-    cpu = [x.detach().cpu().double().requires_grad_(), [a.detach().cpu().double().requires_grad_() for a in A],
+    cpu = [x.detach().cpu().double().requires_grad_(),
+           [a.detach().cpu().double().requires_grad_() for a in A],
            [b.detach().cpu().double().requires_grad_() for b in B]]
     sc, ps, seeds, routing, k_offset, k_total, dy = rest
-    ref = _fwd_bwd(multi_lora_delta_reference, cpu[0], cpu[1], cpu[2], sc, ps, seeds, routing, k_offset, k_total,
-                   dy.cpu().double())
+    ref = _fwd_bwd(multi_lora_delta_reference, cpu[0], cpu[1], cpu[2], sc, ps, seeds, routing, k_offset,
+                   k_total, dy.cpu().double())
     for a, b in zip(fast, ref, strict=True):
         a = a.cpu()
         err = ((a - b).norm() / b.norm().clamp_min(1e-12)).item()

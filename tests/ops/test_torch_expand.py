@@ -1,7 +1,7 @@
-"""The fast torch LoRA path's expand (``kernels: reference`` on CUDA): Δ = s_a·S[:, :r_a]·B_aᵀ per segment in one
-autograd op, against the plain-torch reference (autograd of per-segment matmuls, scaling and concatenation) in
-float64, over odd shapes, gaps (rows of no adapter), a slot owning two segments, ranks under r_max, and dtypes;
-every gradient (S and each B)."""
+"""The fast torch LoRA path's expand (``kernels: reference`` on CUDA): Δ = s_a·S[:, :r_a]·B_aᵀ per segment in
+one autograd op, against the plain-torch reference (autograd of per-segment matmuls, scaling and
+concatenation) in float64, over odd shapes, gaps (rows of no adapter), a slot owning two segments, ranks under
+r_max, and dtypes; every gradient (S and each B)."""
 
 import pytest
 import torch
@@ -41,8 +41,8 @@ def test_expand_matches_reference_every_gradient(case, dtype):
     Sr = S0.to(dtype).double().detach().requires_grad_()
     Br = [b.double().requires_grad_() for b in B0]
     ref = _run(lora_expand_reference, Sr, Br, scaling, routing, dy0.to(dtype).double())
-    assert got[0].dtype == dtype and got[1].dtype == dtype and all(b.grad is None or b.grad.dtype == torch.float32
-                                                                    for b in B)
+    assert got[0].dtype == dtype and got[1].dtype == dtype and all(
+        b.grad is None or b.grad.dtype == torch.float32 for b in B)
     for name, a, b in zip(["out", "dS"] + [f"dB{i}" for i in range(len(B))], got, ref, strict=True):
         if b is None or not b.abs().sum():  # a slot with no rows: no gradient (or zeros), as the reference
             assert a is None or not a.abs().sum(), name

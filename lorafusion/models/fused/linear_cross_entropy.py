@@ -75,7 +75,8 @@ def _ce_chunk_triton(logits: torch.Tensor, labels: torch.Tensor, loss_out: torch
     liger_cross_entropy_kernel[(n,)](
         X_ptr=logits, X_stride=logits.stride(-2), Y_ptr=labels, Y_stride=labels.stride(-1),
         weight_ptr=None, loss_ptr=loss_out, z_loss_ptr=None, loss_stride=loss_out.stride(-1),
-        token_accuracy_ptr=None, token_accuracy_stride=0, predicted_tokens_ptr=None, predicted_tokens_stride=0,
+        token_accuracy_ptr=None, token_accuracy_stride=0, predicted_tokens_ptr=None,
+        predicted_tokens_stride=0,
         n_cols=v, n_non_ignore=1, sum_non_ignore_weight=1, weight_sum=0.0, ignore_index=ignore_index,
         lse_square_scale=0.0, label_smoothing=0.0, reduction="none", softcap=None,
         RETURN_Z_LOSS=False, RETURN_TOKEN_ACCURACY=False, RETURN_PREDICTED_TOKENS=False,
@@ -123,11 +124,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         raise ValueError("linear_cross_entropy: the output weight must be frozen (requires_grad=False); "
                          "no weight gradient is computed")
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"linear_cross_entropy: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} "
-                         "do not match (expected hidden [..., H], weight [V, H])")
+        raise ValueError(f"linear_cross_entropy: hidden {tuple(hidden.shape)} and weight "
+                         f"{tuple(weight.shape)} do not match (expected hidden [..., H], weight [V, H])")
     if hidden.shape[:-1] != labels.shape:
-        raise ValueError(f"linear_cross_entropy: labels {tuple(labels.shape)} must have hidden's leading shape "
-                         f"{tuple(hidden.shape[:-1])}")
+        raise ValueError(f"linear_cross_entropy: labels {tuple(labels.shape)} must have hidden's leading "
+                         f"shape {tuple(hidden.shape[:-1])}")
     if weight.dtype != hidden.dtype:
         weight = weight.to(hidden.dtype)
     h2 = hidden.reshape(-1, hidden.shape[-1]).contiguous()
@@ -137,4 +138,5 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     return loss.view(labels.shape)
 
 
-__all__ = ["linear_cross_entropy", "linear_cross_entropy_reference", "default_chunk_tokens", "LOGITS_CHUNK_BYTES"]
+__all__ = ["linear_cross_entropy", "linear_cross_entropy_reference", "default_chunk_tokens",
+           "LOGITS_CHUNK_BYTES"]

@@ -6,9 +6,10 @@ dtypes match and no fp32 copies of the activations are saved.
 
 ``impl="triton"``: a row-per-program Triton kernel pair with Liger-Kernel's "llama" casting (Liger's own
 ``LigerRMSNormFunction`` calls ``eps.to(...)`` on a scalar argument, which Triton's CPU interpreter cannot
-run, so it could not be tested here); no dW (the weight is frozen). ``impl="torch"``: ``torch.nn.functional.rms_norm`` with the weight in the input's dtype (torch's
-fused kernel on CUDA; for fp32 exactly what ``torch.nn.RMSNorm`` computes). :func:`rms_norm_reference` is
-the HF formula (tests and float64 ground truth). :class:`RMSNorm` is the Megatron norm module.
+run, so it could not be tested here); no dW (the weight is frozen). ``impl="torch"``:
+``torch.nn.functional.rms_norm`` with the weight in the input's dtype (torch's fused kernel on CUDA; for fp32
+exactly what ``torch.nn.RMSNorm`` computes). :func:`rms_norm_reference` is the HF formula (tests and float64
+ground truth). :class:`RMSNorm` is the Megatron norm module.
 """
 
 from __future__ import annotations

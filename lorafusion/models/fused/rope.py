@@ -131,9 +131,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, impl: str = "
     """Rotate ``x`` [T, H, D] by per-token ``cos``/``sin`` halves [T, D/2] (cast to x's dtype first, as
     Megatron does)."""
     check_impl(impl)
-    if x.dim() != 3 or x.shape[-1] % 2 or cos.shape != (x.shape[0], x.shape[-1] // 2) or sin.shape != cos.shape:
-        raise ValueError(f"rope: expected x [T, H, D] with even D and cos/sin [T, D/2], got x {tuple(x.shape)}, "
-                         f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
+    if (x.dim() != 3 or x.shape[-1] % 2 or cos.shape != (x.shape[0], x.shape[-1] // 2)
+            or sin.shape != cos.shape):
+        raise ValueError("rope: expected x [T, H, D] with even D and cos/sin [T, D/2], got x "
+                         f"{tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
     cos, sin = cos.to(x.dtype).contiguous(), sin.to(x.dtype).contiguous()
     return (_RopeTriton if impl == "triton" else _RopeTorch).apply(x, cos, sin)
 

@@ -60,7 +60,8 @@ class SwiGLU(torch.nn.Module):
         super().__init__()
         if config is not None and (config.activation_func is not F.silu or not config.gated_linear_unit):
             raise ValueError("lorafusion SwiGLU: needs activation_func=silu with gated_linear_unit=True")
-        if config is not None and (config.activation_func_clamp_value is not None or config.glu_linear_offset):
+        if config is not None and (config.activation_func_clamp_value is not None
+                                   or config.glu_linear_offset):
             raise ValueError("lorafusion SwiGLU: activation clamping / glu_linear_offset are not supported")
         self.impl = check_impl(impl)
 
