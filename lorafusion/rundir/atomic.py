@@ -46,6 +46,11 @@ def write_text_atomic(path: Path, text: str, *, mkdir: bool = False, replace: bo
                 raise ConfigError(f"{path}: written meanwhile by another process (a second writer of the same "
                                   f"path?); left as it is") from None
             tmp.unlink()
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.filename == str(tmp):  # (a full disk: the file being written is path)
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -130,6 +130,10 @@ def check_cancel(run_dir: Path, job_name: str) -> None:
     rows = _status_jobs(run_dir)
     names = known_job_names(run_dir, rows)
     if job_name not in names:
+        try:  # (a status.json that cannot be read is named, not taken for a run without jobs)
+            read_json_file(RunDir(run_dir).status) if RunDir(run_dir).status.exists() else None
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{RunDir(run_dir).status}: not readable ({e}); the run's jobs are not known") from None
         raise ConfigError(f"{run_dir}: --job: no job {job_name!r} in this run (jobs: {', '.join(sorted(names)) or 'none'})")
     row = rows.get(job_name)
     state = row.get("state") if isinstance(row, dict) else None  # (None: only submitted so far)

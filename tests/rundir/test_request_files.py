@@ -103,3 +103,40 @@ def test_status_with_non_finite_numbers(tmp_path, capsys):
     os.mkfifo(run / "status.json")
     with pytest.raises(MissingFileError, match="a FIFO"):
         _in_time(lambda: read_status(run))
+
+
+def test_cancel_names_a_status_it_cannot_read(tmp_path):
+    """A FIFO (or any unreadable file) as status.json made cancel say "no job 'countdown' in this run (jobs: none)"."""
+    from lorafusion.core.errors import ConfigError
+    from lorafusion.rundir.requests import check_cancel
+
+    run = _run_dir(tmp_path)
+    os.unlink(run / "status.json")
+    os.mkfifo(run / "status.json")
+    with pytest.raises(ConfigError, match=r"status.json: not readable \(not a regular file \(a FIFO\)\)"):
+        _in_time(lambda: check_cancel(run, "a"))
+
+
+def test_a_metrics_file_that_is_no_regular_file_is_named_not_waited_on(tmp_path):
+    """A FIFO as metrics.jsonl made --resume wait forever (opened for appending)."""
+    from lorafusion.runtime.telemetry.metrics import MetricsWriter
+
+    os.mkfifo(tmp_path / "metrics.jsonl")
+    with pytest.raises(MissingFileError, match="metrics.jsonl: not a regular file"):
+        _in_time(lambda: MetricsWriter(tmp_path, tensorboard=False))
+
+
+def test_a_full_disk_names_the_file_being_written(tmp_path, monkeypatch):
+    """generate's output on a full disk: the error named no file (or the temporary one)."""
+    import errno
+
+    import lorafusion.rundir.atomic as atomic
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(atomic, "write_bytes", full)
+    with pytest.raises(OSError) as e:
+        atomic.write_text_atomic(tmp_path / "answers.jsonl", "x\n")
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / "answers.jsonl")
+    assert list(tmp_path.iterdir()) == []

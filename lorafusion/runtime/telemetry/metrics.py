@@ -46,6 +46,10 @@ class MetricsWriter:
     def __init__(self, output_dir: Path, tensorboard: bool = True, wandb=None, config: dict | None = None,
                  mlflow=None):
         self.path = RunDir(output_dir).metrics
+        if self.path.exists() and not self.path.is_file():  # (a FIFO would block the run's start for good)
+            from lorafusion.core.errors import MissingFileError
+
+            raise MissingFileError(f"{self.path}: not a regular file; expected the run's metrics (JSON lines)")
         self._f = self.path.open("a", buffering=1)
         self._tb = self._wandb = self._mlflow = None
         self._rows = 0  # rows logged by this writer: the x axis of the run-wide scalars
