@@ -68,6 +68,7 @@ spec() {
     # the plumbing on CPU (tests/runtime/test_bench_scale.py: NGPU=2, gloo)
     tiny-pp2)         echo "2 configs/quickstart.yaml 4 2 1 parallelism.pp=2" ;;
     tiny-pp2-v2)      echo "2 configs/quickstart.yaml 4 2 0 parallelism.pp=2 parallelism.virtual_stages=2" ;;
+    8b-pp2-v2)        echo "2 configs/llama3.1-8b-4adapters.yaml 8 4 0 parallelism.pp=2 parallelism.virtual_stages=2 scheduler.token_capacity=4096 scheduler.lookahead_batches=4" ;;
     *) return 1 ;;
   esac
 }
