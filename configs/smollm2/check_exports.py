@@ -1,12 +1,12 @@
 """The SmolLM2 example's exports in transformers + PEFT: do they give what ``lorafusion generate`` gave?
 
-    python configs/smollm2/check_exports.py RUN_DIR [--result FILE]      # RUN_DIR: a configs/smollm2/run.py run
+    python configs/smollm2/check_exports.py RUN_DIR [--result FILE]     # RUN_DIR: a run of run.py here
 
 For every job of the run:
-- ``lorafusion export RUN_DIR --job J`` (the PEFT adapter), loaded with ``PeftModel.from_pretrained`` on the base
-  model directory: greedy ``generate()`` on each held-out prompt of the job, rendered with the base tokenizer's
-  ``apply_chat_template`` (the model's own chat template), in one left-padded batch; its answers are compared with
-  the adapter rows of RUN_DIR/answers.jsonl, and the base alone with the base rows;
+- ``lorafusion export RUN_DIR --job J`` (the PEFT adapter), loaded with ``PeftModel.from_pretrained`` on the
+  base model directory: greedy ``generate()`` on each held-out prompt of the job, rendered with the base
+  tokenizer's ``apply_chat_template`` (the model's own chat template), in one left-padded batch; its answers
+  are compared with the adapter rows of RUN_DIR/answers.jsonl, and the base alone with the base rows;
 - ``lorafusion export RUN_DIR --job J --merged``: its logits on the job's held-out prompts against base + PEFT
   adapter (the largest difference over the largest logit), and its own greedy answers, with the merged
   directory's exported tokenizer, against the adapter rows.
@@ -31,8 +31,10 @@ ROOT = HERE.parents[1]
 
 
 def export(run: Path, job: str, out: Path, merged: bool) -> Path:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "lorafusion.cli", "export", str(run), "--job", job, "--out", str(out), "--force"]
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path)
+    cmd = [sys.executable, "-m", "lorafusion.cli", "export", str(run), "--job", job, "--out", str(out),
+           "--force"]
     subprocess.run(cmd + (["--merged"] if merged else []), check=True, env=env, cwd=ROOT)
     return out
 
@@ -64,7 +66,8 @@ def same_answers(model, tok, rows: list[dict], max_new_tokens: int) -> list[int]
     for row in rows:
         ids = prompt_ids(tok, row["messages"])[0]
         if ids.tolist() != row["prompt_ids"]:
-            raise SystemExit(f"apply_chat_template encodes {row['messages']!r:.80} differently from lorafusion")
+            raise SystemExit(f"apply_chat_template encodes {row['messages']!r:.80} differently from "
+                             f"lorafusion")
         prompts.append(ids)
     got = greedy(model, tok, prompts, max_new_tokens)
     same = 0
@@ -110,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         diff = scale = 0.0
         for row in job_rows[:8]:
             ids = prompt_ids(tok, row["messages"])
-            assert torch.equal(prompt_ids(mtok, row["messages"]), ids), "the merged export's tokenizer encodes " \
-                                                                        "the chat prompt differently"
+            if not torch.equal(prompt_ids(mtok, row["messages"]), ids):
+                raise SystemExit(f"{merged_dir}: its tokenizer encodes the chat prompt differently")
             with torch.no_grad():
                 ref, got = peft_model(ids).logits, merged(ids).logits
             diff, scale = max(diff, float((got - ref).abs().max())), max(scale, float(ref.abs().max()))
@@ -120,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         base = peft_model.unload()  # the plain base again for the next job
         report["jobs"][job] = res
         same, merged_same = res["peft_answers_equal"], res["merged_answers_equal"]
-        print(f"{job}: PEFT adapter answers = lorafusion generate on {same[0]}/{same[1]}; merged: logits within "
-              f"{diff:.2e} of base + adapter (largest {scale:.1f}), answers equal on {merged_same[0]}/"
+        print(f"{job}: PEFT adapter answers = lorafusion generate on {same[0]}/{same[1]}; merged: logits "
+              f"within {diff:.2e} of base + adapter (largest {scale:.1f}), answers equal on {merged_same[0]}/"
               f"{merged_same[1]}", flush=True)
     text = json.dumps(report, indent=1) + "\n"
     (run / "exports_check.json").write_text(text)

@@ -1,5 +1,5 @@
-"""The SmolLM2 example end to end: train the three adapters, then held-out accuracy of the base alone and of each
-adapter, as a table and a JSON file.
+"""The SmolLM2 example end to end: train the three adapters, then held-out accuracy of the base alone and of
+each adapter, as a table and a JSON file.
 
     python configs/smollm2/run.py [--out DIR] [--result FILE] [key=value ...]        # or: make real-example
 
@@ -7,10 +7,10 @@ Needs the model directory first (``make real-model``, scripts/get_smollm2.py). T
 
 1. ``lorafusion train configs/smollm2.yaml output_dir=DIR [key=value ...]`` (on a GPU with
    ``model.dtype=bfloat16`` unless an override sets the dtype);
-2. ``lorafusion generate DIR`` on every prompt of configs/smollm2/heldout.jsonl twice, with its job's adapter and
-   without a job (the base alone), all in one batch (greedy);
-3. per job: the answers equal to ``expected`` before (base) and after (adapter) training, printed as a table and
-   written with the times, the device and the commit to ``DIR/result.json`` (and ``--result FILE``).
+2. ``lorafusion generate DIR`` on every prompt of configs/smollm2/heldout.jsonl twice, with its job's adapter
+   and without a job (the base alone), all in one batch (greedy);
+3. per job: the answers equal to ``expected`` before (base) and after (adapter) training, printed as a table
+   and written with the times, the device and the commit to ``DIR/result.json`` (and ``--result FILE``).
 
 Exits 1 when a job's adapter is not at least 30 points above the base.
 """
@@ -37,7 +37,8 @@ MIN_GAIN = 30.0  # points of held-out accuracy each adapter must gain over the b
 
 def lorafusion(*args: str) -> float:
     """Run the CLI in a child process (this checkout first on the path); returns its wall time in seconds."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path)
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "lorafusion.cli", *args], check=True, env=env, cwd=ROOT)
     return time.perf_counter() - t0
@@ -96,15 +97,22 @@ def commit() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, help="the run directory (default: outputs/smollm2/<time>)")
+    ap.add_argument("--out", type=Path, help="the run directory (default: outputs/smollm2/<time>, linked "
+                    "from outputs/smollm2/latest)")
     ap.add_argument("--result", type=Path, help="also write the result JSON here")
     ap.add_argument("--max-new-tokens", type=int, default=28)
     ap.add_argument("overrides", nargs="*", help="key=value overrides of configs/smollm2.yaml")
     args = ap.parse_args(argv)
-    if not (MODEL / "model.safetensors").is_file() and not any(o.startswith("model.path=") for o in args.overrides):
+    own_model = any(o.startswith("model.path=") for o in args.overrides)
+    if not (MODEL / "model.safetensors").is_file() and not own_model:
         print(f"{MODEL}: no model; write it first with: make real-model", file=sys.stderr)
         return 2
     out = (args.out or ROOT / "outputs" / "smollm2" / datetime.now().strftime("%Y%m%d-%H%M%S")).resolve()
+    if args.out is None:  # outputs/smollm2/latest -> this run, as make demo does for the quickstart
+        latest = out.parent / "latest"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        latest.unlink(missing_ok=True)
+        latest.symlink_to(out.name)
     overrides = list(args.overrides)
     import torch
 
@@ -118,15 +126,18 @@ def main(argv: list[str] | None = None) -> int:
                             "--max-new-tokens", str(args.max_new_tokens))
     acc = accuracy(answers)
     summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
-    result = {"device": device(), "commit": commit(), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-              "overrides": overrides, "max_new_tokens": args.max_new_tokens, "train_s": round(train_s, 1), "generate_s": round(generate_s, 1),
+    command = " ".join(["python", str(Path(sys.argv[0]).resolve().relative_to(ROOT)), *sys.argv[1:]])
+    result = {"device": device(), "commit": commit(), "command": command, "overrides": overrides,
+              "max_new_tokens": args.max_new_tokens, "train_s": round(train_s, 1),
+              "generate_s": round(generate_s, 1),
               "total_s": round(time.perf_counter() - t0, 1), "accuracy": acc, "summary": summary}
     text = json.dumps(result, indent=1) + "\n"
     (out / "result.json").write_text(text, encoding="utf-8")
     if args.result:
         args.result.parent.mkdir(parents=True, exist_ok=True)
         args.result.write_text(text, encoding="utf-8")
-    print(f"\nheld-out answers equal to 'expected' ({HELDOUT.relative_to(ROOT)}, greedy), on {result['device']}:")
+    print(f"\nheld-out answers equal to 'expected' ({HELDOUT.relative_to(ROOT)}, greedy), on "
+          f"{result['device']}:")
     print(table(acc))
     print(f"train {train_s:.0f} s, generate {generate_s:.0f} s (both include start-up); written to "
           f"{out / 'result.json'}")

