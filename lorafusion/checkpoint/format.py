@@ -3,8 +3,11 @@
 Layout: ``OUTPUT_DIR/checkpoints/<job>/step_<NNNNNN>/`` with
 ``adapter/`` (PEFT export of the adapter at that step), ``rank_tp<T>_pp<P>.pt`` (this model-parallel
 rank's adapter tensors, optimizer and lr-scheduler state) and ``state.json`` (step, data position,
-seed, parallel layout), and ``manifest.json`` (the sha256 of every other file, written last: a resume
-checks the files it reads against it, so a damaged or edited one is never believed).
+seed, parallel layout; ``together``: the steps of the jobs checkpointed at the same boundary, which a resume
+checks agree, checkpoint/consistent.py), and ``manifest.json`` (the sha256 of every other file, written last: a
+resume, export and generate check the files they read against it, so a damaged or edited one is never believed;
+a checkpoint without one is not used). ``adapter/`` also holds ``.lorafusion-sha256.json`` (its files' sha256:
+``adapters/<job>/``, a copy, is checked against it; rundir/integrity.py).
 ``OUTPUT_DIR/checkpoints/<job>/latest`` names the newest complete one, ``best`` (jobs
 with an eval set) the one of the best eval loss so far; pruning never removes either.
 """

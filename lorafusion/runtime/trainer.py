@@ -115,7 +115,6 @@ class Trainer:
         self.evaluator = Evaluator(self.model, self.jobs, self.checkpoints, self.device, self.tokenizer.eos_id)
         if self.resume:  # jobs added by `lorafusion submit` are not in the YAML: they come back from the run dir
             from lorafusion.runtime.admission import ended_without_data, resume_submitted
-
             resume_submitted(self.out, self.jobs, self._new_job, is_logger=self.is_logger,  # into the registry
                              ended=lambda j, e: ended_without_data(self.out, j, cfg.seed, self._attach, e))
             self.checkpoints.load()

@@ -22,7 +22,8 @@ def test_diverging_job_is_skipped_paused_and_harms_no_other(tmp_path, megatron_s
         j["max_steps"] = 8
     ref_sum, ref = train_inprocess(write_run(tmp_path, jobs, out="ref", name="ref.yaml"))
     bad = [dict(j) for j in jobs]
-    bad[1] = dict(bad[1], optimizer=dict(bad[1]["optimizer"], lr=1e30, max_grad_norm=None, warmup_steps=0))
+    bad[1] = dict(bad[1], optimizer=dict(bad[1]["optimizer"], lr=10.0, max_grad_norm=None, warmup_steps=0),
+                  lora=dict(bad[1]["lora"], lora_alpha=1e6))  # (the largest lr and alpha the config takes)
     summary, out = train_inprocess(write_run(tmp_path, bad, out="bad", name="bad.yaml"))
     text = capsys.readouterr().err
     assert summary["jobs"]["up"]["status"] == "diverged"

@@ -50,14 +50,14 @@ def test_requests_the_run_cannot_apply_are_refused_and_it_goes_on(tmp_path, monk
     assert set(summary["jobs"]) == {"rev"}
     answers = _answers(out)
     assert answers["x"].startswith("refused: request ") and "job: dataset: required field is missing" in answers["x"]
-    assert answers["huge"].startswith("refused: job 'huge': lora.r = 1000000000000: its adapter needs"), answers
+    assert answers["huge"].startswith("refused: request ") and "lora.r: expected an integer <= 65536" in answers["huge"]
     assert answers["bad"].startswith("refused: request ") and "expected a job mapping, got list" in answers["bad"]
     assert answers["nobody"].startswith("refused: --job: no job None")
     assert not list((out / "requests").glob("*.json"))  # nothing left to retry
     capsys.readouterr()
     assert main(["status", str(out)]) == 0
     shown = capsys.readouterr().err
-    assert "submit huge): refused: job 'huge': lora.r = 1000000000000" in shown, shown
+    assert "submit huge): refused: request " in shown and "lora.r: expected an integer <= 65536" in shown, shown
     assert len([ln for ln in shown.splitlines() if ln.startswith("  request ")]) == 4
 
 
@@ -85,7 +85,7 @@ def test_an_adapter_that_can_never_fit_is_refused_before_allocation(tmp_path, ca
     run = write_run(tmp_path, jobs, out="never")
     assert main(["train", str(run), "jobs.0.lora.r=1000000000000"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("lorafusion train: error: job 'rev': lora.r = 1000000000000: its adapter needs about")
+    assert err.startswith("lorafusion train: error: ") and "jobs.0.lora.r: expected an integer <= 65536" in err, err
     assert err.count("\n") == 1 and not (tmp_path / "never").exists()
 
 
@@ -141,7 +141,7 @@ def test_submit_refuses_what_the_run_would_refuse(tmp_path, capsys, three_jobs, 
         overrides = ["max_steps=null", "num_epochs=1", "optimizer.warmup_steps=1000"]
         words = ["job 'extra': optimizer.warmup_steps: expected at most the job's"]
     else:
-        overrides, words = ["lora.r=1000000000000"], ["job 'extra': lora.r = 1000000000000: its adapter needs"]
+        overrides, words = ["lora.r=1000000000000"], ["lora.r: expected an integer <= 65536"]
     before = sorted(str(p) for p in out.rglob("*"))
     assert main(["submit", str(out), str(path), *overrides]) == 2
     err = capsys.readouterr().err
@@ -186,7 +186,7 @@ def test_export_refuses_a_job_path_and_a_truncated_adapter(tmp_path, capsys, thr
     weights.write_bytes(weights.read_bytes()[:-10])
     assert main(["export", str(out), "--job", "rev", "--out", str(tmp_path / "e")]) == 2
     err = capsys.readouterr().err
-    assert f"{weights}: truncated or damaged" in err and err.count("\n") == 1, err
+    assert f"{weights}: does not match the sha256 the run recorded" in err and err.count("\n") == 1, err
     assert not (tmp_path / "e").exists()
 
 
