@@ -3,23 +3,25 @@
 ``resolve(cfg, world, gpu) -> RunPlan`` is the one place where the run's open settings are decided:
 
 - ``parallelism.dp`` (``auto``: the launch's processes over tp*pp) and the check that tp*pp*dp is the launch;
-- ``parallelism.stage_layers`` (None: even; ``auto``: the loss-aware split of :mod:`.scheduler.stages`) and the
-  virtual stages;
+- ``parallelism.stage_layers`` (None: even; ``auto``: the loss-aware split of :mod:`.scheduler.stages`) and
+  the virtual stages;
 - ``scheduler.token_capacity`` and ``model.recompute_layers`` per pipeline stage: with a GPU, the memory plan
-  (:func:`lorafusion.scheduler.sizing.choose` on :mod:`lorafusion.scheduler.memory`: the fastest candidate that
-  fits ``gpu.free``); without one, the cost model's capacity (:func:`.scheduler.costmodel.auto_token_capacity` at
-  the longest ``dataset.max_seq_len``) and every layer recomputed for ``recompute_layers: auto``;
+  (:func:`lorafusion.scheduler.sizing.choose` on :mod:`lorafusion.scheduler.memory`: the fastest candidate
+  that fits ``gpu.free``); without one, the cost model's capacity
+  (:func:`.scheduler.costmodel.auto_token_capacity` at the longest ``dataset.max_seq_len``) and every layer
+  recomputed for ``recompute_layers: auto``;
 - ``kernels`` (``auto``: fused with a GPU, reference without), the attention path the memory model counts, the
   base precision;
-- the scheduler's settings (:class:`lorafusion.scheduler.SchedulerConfig`: the run YAML's ``scheduler`` section
-  with the layout and the capacity filled in).
+- the scheduler's settings (:class:`lorafusion.scheduler.SchedulerConfig`: the run YAML's ``scheduler``
+  section with the layout and the capacity filled in).
 
-Inputs: ``cfg`` the loaded run config (never written), ``world`` the launch (:class:`World`: processes), ``gpu``
-the memory of one GPU (:class:`GpuMemory`: free and total bytes, the free part the smallest over the ranks) or
-None on a machine without one. The runtime reads ``gpu`` with torch and passes it in; ``lorafusion plan`` passes
-``--gpu-memory`` sizes (or None). Both print :meth:`RunPlan.lines`; ``summary.json`` records
-:meth:`RunPlan.to_dict`. Only the jobs in the YAML are planned for (their samples taken at ``dataset.max_seq_len``:
-no data is read); jobs submitted later are checked against the plan's capacity and memory when they arrive.
+Inputs: ``cfg`` the loaded run config (never written), ``world`` the launch (:class:`World`: processes),
+``gpu`` the memory of one GPU (:class:`GpuMemory`: free and total bytes, the free part the smallest over the
+ranks) or None on a machine without one. The runtime reads ``gpu`` with torch and passes it in;
+``lorafusion plan`` passes ``--gpu-memory`` sizes (or None). Both print :meth:`RunPlan.lines`;
+``summary.json`` records :meth:`RunPlan.to_dict`. Only the jobs in the YAML are planned for (their samples
+taken at ``dataset.max_seq_len``: no data is read); jobs submitted later are checked against the plan's
+capacity and memory when they arrive.
 """
 
 from __future__ import annotations
@@ -47,9 +49,9 @@ __all__ = ["GpuMemory", "MemoryFitError", "RunPlan", "World", "check_run_on_host
 
 @dataclass(frozen=True)
 class World:
-    """The launch: how many processes run the training (torchrun's / Slurm's ``WORLD_SIZE``); for a run without
-    GPUs also how many of them share this host (``LOCAL_WORLD_SIZE``; None: all) and the host memory available to
-    them (bytes; None: not checked)."""
+    """The launch: how many processes run the training (torchrun's / Slurm's ``WORLD_SIZE``); for a run
+    without GPUs also how many of them share this host (``LOCAL_WORLD_SIZE``; None: all) and the host memory
+    available to them (bytes; None: not checked)."""
 
     processes: int = 1
     local_processes: int | None = None
@@ -62,15 +64,16 @@ class World:
 
     @classmethod
     def for_plan(cls, cfg: RunConfig, gpus: int | None = None) -> "World":
-        """The launch ``lorafusion plan`` plans for (it launches nothing): ``gpus`` processes when given, else the
-        config's own layout, tp*pp*dp (``dp: auto``: one replica, tp*pp)."""
+        """The launch ``lorafusion plan`` plans for (it launches nothing): ``gpus`` processes when given, else
+        the config's own layout, tp*pp*dp (``dp: auto``: one replica, tp*pp)."""
         p = cfg.parallelism
         return cls(gpus if gpus is not None else p.tp * p.pp * (p.dp if isinstance(p.dp, int) else 1))
 
 
 @dataclass(frozen=True)
 class GpuMemory:
-    """One GPU's memory in bytes: ``free`` (what a plan may use: the smallest over the ranks) and ``total``."""
+    """One GPU's memory in bytes: ``free`` (what a plan may use: the smallest over the ranks) and
+    ``total``."""
 
     free: float
     total: float
@@ -92,7 +95,8 @@ class RunPlan:
     stage_layers: tuple[int, ...]  # decoder layers per virtual stage, in layer order
     even_split: bool  # stage_layers was not given: the model builder's own even split
     token_capacity: int
-    recompute: tuple[tuple[bool, int | None], ...]  # per pipeline rank: the model builder's (recompute, layers)
+    # per pipeline rank: the model builder's (recompute, layers)
+    recompute: tuple[tuple[bool, int | None], ...]
     recompute_layers: tuple[int, ...]  # per pipeline rank: how many of its decoder layers are recomputed
     kernels: str  # "fused" | "reference"
     attention: str  # the attention path the memory model counts (scheduler.memory.ATTENTION_PATHS)
@@ -102,10 +106,13 @@ class RunPlan:
     memory: MemoryPlan | None  # None without a GPU
     gpu: GpuMemory | None
     auto: tuple[str, ...]
-    no_fit: str | None = None  # why the run does not fit the GPU's (or without one the host's) memory; None: it does
+    # why the run does not fit the GPU's (or without one the host's) memory; None: it does
+    no_fit: str | None = None
     host: HostNeed | None = None  # without a GPU: what the ranks on this host need
-    setup: MemorySetup | None = None  # the run's shape for the memory model (advice after an out-of-memory error)
-    why: tuple[str, ...] = ()  # why the memory plan is what it is: without recompute, the alternatives it beat
+    # the run's shape for the memory model (advice after an out-of-memory error)
+    setup: MemorySetup | None = None
+    # why the memory plan is what it is: without recompute, the alternatives it beat
+    why: tuple[str, ...] = ()
     longest: int = 1  # the longest sample a job may have (its dataset.max_seq_len)
 
     # ------------------------------------------------------------------------------------- for the runtime
@@ -115,7 +122,8 @@ class RunPlan:
         return None if self.even_split else list(self.stage_layers)
 
     def recompute_kwargs(self, stage: int) -> dict:
-        """``recompute`` / ``recompute_layers`` for pipeline rank ``stage``'s model (Megatron counts per chunk)."""
+        """``recompute`` / ``recompute_layers`` for pipeline rank ``stage``'s model (Megatron counts per
+        chunk)."""
         on, layers = self.recompute[stage]
         return {"recompute": on, "recompute_layers": layers}
 
@@ -131,7 +139,8 @@ class RunPlan:
     @property
     def parallelism(self) -> dict:
         """The layout as the config spells it, dp resolved (summary.json, checkpoints)."""
-        split = None if self.even_split else "auto" if "stage_layers" in self.auto else list(self.stage_layers)
+        split = (None if self.even_split else "auto" if "stage_layers" in self.auto
+                 else list(self.stage_layers))
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "sequence_parallel": self.sequence_parallel,
                 "stage_layers": split, "virtual_stages": self.virtual_stages}
 
@@ -140,21 +149,23 @@ class RunPlan:
         return f"{name} {value}{' (auto)' if name in self.auto else ''}"
 
     def lines(self) -> list[str]:
-        """What ``train`` and ``plan`` print: a head line, the memory table (with a GPU), the other settings, and
-        whether it fits."""
-        where = (f"memory plan for {self.gpu.free / GIB:.1f} GiB free of {self.gpu.total / GIB:.1f} GiB per GPU"
-                 if self.gpu is not None else "run plan without a GPU (no memory limit)")
+        """What ``train`` and ``plan`` print: a head line, the memory table (with a GPU), the other settings,
+        and whether it fits."""
+        where = (f"memory plan for {self.gpu.free / GIB:.1f} GiB free of {self.gpu.total / GIB:.1f} GiB "
+                 "per GPU" if self.gpu is not None else "run plan without a GPU (no memory limit)")
         head = (f"{where} ({self.model}, tp={self.tp} pp={self.pp} dp={self.dp}, {self.adapters} adapters): "
                 f"{self._said('token_capacity', self.token_capacity)}, "
                 f"recompute_layers per stage {list(self.recompute_layers)}"
                 f"{' (auto)' if 'recompute_layers' in self.auto else ''}")
-        out = [head] + (["  " + x for x in [*self.memory.lines(), *self.why]] if self.memory is not None else [])
+        out = [head] + (["  " + x for x in [*self.memory.lines(), *self.why]]
+                        if self.memory is not None else [])
         out.append(f"  {self._said('stage_layers', list(self.stage_layers))}, "
-                   f"{self._said('virtual_stages', self.virtual_stages)}, {self._said('kernels', self.kernels)}, "
-                   f"attention {self.attention}, base_precision {self.base_precision}")
+                   f"{self._said('virtual_stages', self.virtual_stages)}, "
+                   f"{self._said('kernels', self.kernels)}, attention {self.attention}, base_precision "
+                   f"{self.base_precision}")
         if self.host is not None:
-            out.append(f"  host memory: {self.host.total / GIB:.1f} GiB for {self.host.processes} process(es) "
-                       f"({self.host.describe()})")
+            out.append(f"  host memory: {self.host.total / GIB:.1f} GiB for {self.host.processes} "
+                       f"process(es) ({self.host.describe()})")
         if self.memory is not None or not self.fits:
             out.append("  fits" if self.fits else "  does NOT fit: " + (self.no_fit or ""))
         return out
@@ -169,7 +180,8 @@ class RunPlan:
 
 
 def run_arch(cfg: RunConfig) -> ModelArch:
-    """The ``ModelArch`` of a run config without loading weights (preset, or the HF directory's config.json)."""
+    """The ``ModelArch`` of a run config without loading weights (preset, or the HF directory's
+    config.json)."""
     if cfg.model.path is None:
         return preset(cfg.model.preset)
     src = Path(cfg.model.path) / "config.json"
@@ -201,7 +213,8 @@ def memory_setup(cfg: RunConfig, arch: ModelArch, dp: int = 1, split: list[int] 
                                   independent_a=not j.lora.shared_fused_a) for j in cfg.jobs)
     fp8 = m.base_precision == "fp8"
     return MemorySetup(arch, adapters, dtype=m.dtype, base_bytes_per_param=1.0 if fp8 else None,
-                       row_scale_bytes=4 if fp8 else 0, bf16_base_layers=FP8_BF16_LEADING_LAYERS if fp8 else 0,
+                       row_scale_bytes=4 if fp8 else 0,
+                       bf16_base_layers=FP8_BF16_LEADING_LAYERS if fp8 else 0,
                        tp=p.tp, pp=p.pp, dp=dp, sequence_parallel=p.sequence_parallel, stage_layers=per_rank,
                        virtual_stages=p.virtual_stages, fused_ops=True)
 
@@ -216,8 +229,9 @@ def _recompute_setting(cfg: RunConfig, per_rank: list[int]) -> int | list[int] |
 
 
 def _model_recompute(cfg: RunConfig, counts: list[int], per_rank: list[int]) -> tuple:
-    """Per rank, the model builder's (recompute, recompute_layers): the config's own, or for ``auto`` the plan's
-    counts (none: no recompute; all: every layer; else rounded up to Megatron's count per model chunk)."""
+    """Per rank, the model builder's (recompute, recompute_layers): the config's own, or for ``auto`` the
+    plan's counts (none: no recompute; all: every layer; else rounded up to Megatron's count per model
+    chunk)."""
     m, v = cfg.model, cfg.parallelism.virtual_stages
     if m.recompute_layers != "auto":
         return tuple((m.recompute, m.recompute_layers) for _ in per_rank)
@@ -228,34 +242,37 @@ def _model_recompute(cfg: RunConfig, counts: list[int], per_rank: list[int]) -> 
 
 
 def _chunk_tokens(cfg: RunConfig) -> float:
-    """Tokens of one planned chunk, estimated from the config: every job's ``lookahead_batches`` global batches
-    at half its ``dataset.max_seq_len``."""
+    """Tokens of one planned chunk, estimated from the config: every job's ``lookahead_batches`` global
+    batches at half its ``dataset.max_seq_len``."""
     look = cfg.scheduler.lookahead_batches
     return sum(j.global_batch_size * look * j.dataset.max_seq_len / 2 for j in cfg.jobs)
 
 
 def _why(cfg: RunConfig, setup: MemorySetup, memory: MemoryPlan, longest: int, coeffs: Coefficients,
          recompute) -> tuple[str, ...]:
-    """Why the memory plan is what it is: what the plan without recompute would cost (or that nothing fits without
-    it), then the alternatives that fit with their predicted time per token."""
+    """Why the memory plan is what it is: what the plan without recompute would cost (or that nothing fits
+    without it), then the alternatives that fit with their predicted time per token."""
     out = []
     if memory.fits and recompute == "auto" and any(memory.recompute_layers):
         bare = choose(setup, memory.gpu_bytes, longest, capacity=cfg.scheduler.token_capacity, recompute=0,
                       coeffs=coeffs, chunk_tokens=_chunk_tokens(cfg))
         out.append("without recompute: " + (
-            f"token_capacity {bare.capacity} fits, predicted {bare.cost / memory.cost:.3f}x the time per token"
+            f"token_capacity {bare.capacity} fits, predicted {bare.cost / memory.cost:.3f}x the time "
+            "per token"
             if bare.fits and bare.cost and memory.cost else
-            f"nothing fits (at {bare.capacity} tokens a stage needs {max(m.need for m in bare.stages) / GIB:.1f} GiB)"))
+            f"nothing fits (at {bare.capacity} tokens a stage needs "
+            f"{max(m.need for m in bare.stages) / GIB:.1f} GiB)"))
     if memory.why():
-        out += ["why: alternatives that fit, by the cost model's time per token (larger microbatches amortise their "
-                "fixed cost; recomputed layers cost time)", *("  " + x for x in memory.why())]
+        out += ["why: alternatives that fit, by the cost model's time per token (larger microbatches "
+                "amortise their fixed cost; recomputed layers cost time)", *("  " + x for x in memory.why())]
     return tuple(out)
 
 
-def resolve(cfg: RunConfig, world: World, gpu: GpuMemory | None, *, coeffs: Coefficients | None = None) -> RunPlan:
-    """The :class:`RunPlan` of ``cfg`` for ``world`` on ``gpu`` (None: no GPU). Raises ConfigError for a layout
-    that does not match the launch or a split that does not exist; never for memory (a plan that does not fit
-    says so: ``fits``, ``no_fit``; the runtime refuses it when it chose the settings)."""
+def resolve(cfg: RunConfig, world: World, gpu: GpuMemory | None, *,
+            coeffs: Coefficients | None = None) -> RunPlan:
+    """The :class:`RunPlan` of ``cfg`` for ``world`` on ``gpu`` (None: no GPU). Raises ConfigError for a
+    layout that does not match the launch or a split that does not exist; never for memory (a plan that does
+    not fit says so: ``fits``, ``no_fit``; the runtime refuses it when it chose the settings)."""
     dp = cfg.check_world_size(world.processes)
     arch, p, m, sched = run_arch(cfg), cfg.parallelism, cfg.model, cfg.scheduler
     split = _split(cfg, arch)
@@ -269,14 +286,15 @@ def resolve(cfg: RunConfig, world: World, gpu: GpuMemory | None, *, coeffs: Coef
     if gpu is not None:
         coeffs = coeffs or load_coefficients()
         memory = choose(setup, gpu.free, max(longest.values(), default=1), capacity=sched.token_capacity,
-                        recompute=_recompute_setting(cfg, per_rank), coeffs=coeffs, chunk_tokens=_chunk_tokens(cfg),
-                        split=p.stage_layers)
+                        recompute=_recompute_setting(cfg, per_rank), coeffs=coeffs,
+                        chunk_tokens=_chunk_tokens(cfg), split=p.stage_layers)
         capacity, counts = memory.capacity, list(memory.recompute_layers)
         if memory.stage_layers is not None:  # the memory-balanced split (one model chunk per rank)
             split = per_rank = list(memory.stage_layers)
         if not memory.fits:
             no_fit = no_fit_message(setup, memory, longest, cfg.source, coeffs)
-        why = _why(cfg, setup, memory, max(longest.values(), default=1), coeffs, _recompute_setting(cfg, per_rank))
+        why = _why(cfg, setup, memory, max(longest.values(), default=1), coeffs,
+                   _recompute_setting(cfg, per_rank))
     else:
         capacity = sched.token_capacity if sched.token_capacity != "auto" else \
             auto_token_capacity(CostModel(), max(longest.values(), default=1))
@@ -292,19 +310,21 @@ def resolve(cfg: RunConfig, world: World, gpu: GpuMemory | None, *, coeffs: Coef
                    p.virtual_stages, tuple(split), p.stage_layers is None, capacity,
                    _model_recompute(cfg, counts, per_rank), tuple(counts), kernels,
                    ATTENTION_DEFAULT if gpu is not None else "per-sample", m.base_precision, len(cfg.jobs),
-                   scheduler, memory, gpu, tuple(auto), no_fit, host, setup, why, max(longest.values(), default=1))
+                   scheduler, memory, gpu, tuple(auto), no_fit, host, setup, why,
+                   max(longest.values(), default=1))
 
 
 def run_need(cfg: RunConfig, processes: int) -> HostNeed:
-    """What ``processes`` ranks of ``cfg`` on one host need without GPUs, at the capacity and recompute its CPU
-    run resolves to."""
+    """What ``processes`` ranks of ``cfg`` on one host need without GPUs, at the capacity and recompute its
+    CPU run resolves to."""
     return resolve(cfg, dataclasses.replace(World.for_plan(cfg), local_processes=processes), None).host
 
 
-def check_run_on_host(cfg: RunConfig, available: float | None = None, processes: int | None = None) -> RunPlan:
-    """The run's plan without a GPU, refused (:class:`MemoryFitError`, one line) when its ranks on this host need
-    more memory than it has (``available``: default what the system says; ``processes``: the launch's ranks on
-    this host, default ``LOCAL_WORLD_SIZE``)."""
+def check_run_on_host(cfg: RunConfig, available: float | None = None,
+                      processes: int | None = None) -> RunPlan:
+    """The run's plan without a GPU, refused (:class:`MemoryFitError`, one line) when its ranks on this host
+    need more memory than it has (``available``: default what the system says; ``processes``: the launch's
+    ranks on this host, default ``LOCAL_WORLD_SIZE``)."""
     world = World.from_env(available_bytes() if available is None else available)
     if processes is not None:
         world = dataclasses.replace(world, local_processes=processes)

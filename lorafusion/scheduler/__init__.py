@@ -40,11 +40,11 @@ Output: ``plan(jobs, config) -> Plan``
 
 Pieces: ``AdapterGrouper`` (grouper), ``DataBatcher`` (batcher: PuLP MILP, greedy FFD warm start and
 fallback), ``merge_tails`` (merge), ``sequence``/``verify_plan`` (verify), ``simulate_1f1b`` /
-``simulate_plan`` (simulate), ``render_gantt`` / ``render_packing`` / ``render_chunks`` (charts), ``CostModel`` /
-``fit_cost_model`` / ``auto_token_capacity`` (costmodel), ``OnlineScheduler`` (online), ``stage_order`` /
-``start_slot`` (pipeorder: Megatron's 1F1B and interleaved op orders, the dependency rule they imply),
-``stages`` (stage splits: the output layer and loss as work, ``stage_layers: auto``, a FLOP cost model); for
-evaluation,
+``simulate_plan`` (simulate), ``render_gantt`` / ``render_packing`` / ``render_chunks`` (charts),
+``CostModel`` / ``fit_cost_model`` / ``auto_token_capacity`` (costmodel), ``OnlineScheduler`` (online),
+``stage_order`` / ``start_slot`` (pipeorder: Megatron's 1F1B and interleaved op orders, the dependency rule
+they imply), ``stages`` (stage splits: the output layer and loss as work, ``stage_layers: auto``, a FLOP cost
+model); for evaluation,
 ``lorafusion.scheduler.trace`` (arrival traces of jobs: read, validate, generate) and
 ``lorafusion.scheduler.replay`` (a trace under sequential FIFO, static batching and online policies).
 """

@@ -1,8 +1,9 @@
 """Charts of a plan (matplotlib, imported lazily): the simulated 1F1B Gantt and the packing of microbatches.
 
-Both are read without the code: every microbatch is drawn stacked by job (each job's share of its tokens), so a job
-present in nearly every microbatch shows in every bar; one panel per DP rank (a rank's own microbatches) and per
-chunk when several are given; axes, the capacity line, forward/backward shading and no-op slots are labelled.
+Both are read without the code: every microbatch is drawn stacked by job (each job's share of its tokens), so
+a job present in nearly every microbatch shows in every bar; one panel per DP rank (a rank's own microbatches)
+and per chunk when several are given; axes, the capacity line, forward/backward shading and no-op slots are
+labelled.
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ def _rank_label(plan: Plan, dp_rank: int) -> str:
 
 def draw_gantt(ax, plan: Plan, timeline, dp_rank: int, colors: dict, title: str) -> None:
     """One rank's simulated 1F1B: a row per pipeline stage; each op's bar split by height into its jobs' token
-    shares; forwards light, backwards dark; the microbatch's slot number on it where it fits. Time is the share
-    of the chunk's simulated makespan (%): the FLOP cost model ranks and balances ops, it does not time a device
-    (a tiny model's chunk at a GPU's FLOP rate is microseconds)."""
+    shares; forwards light, backwards dark; the microbatch's slot number on it where it fits. Time is the
+    share of the chunk's simulated makespan (%): the FLOP cost model ranks and balances ops, it does not time
+    a device (a tiny model's chunk at a GPU's FLOP rate is microseconds)."""
     import matplotlib.colors as mcolors
 
     mbs = plan.for_rank(dp_rank)
@@ -73,17 +74,20 @@ def draw_gantt(ax, plan: Plan, timeline, dp_rank: int, colors: dict, title: str)
         if (o.end - o.start) / span > 0.02:
             label = f"{o.kind}{o.slot}" + (f".{o.chunk}" if interleaved else "")
             ax.text(start + width / 2, o.stage, label, ha="center", va="center", fontsize=6)
-    if fill["y"]:  # one call per layer of bars: thousands of single-bar calls took a minute for the 70B chunks
+    # one call per layer of bars: thousands of single-bar calls took a minute for the 70B chunks
+    if fill["y"]:
         ax.barh(fill.pop("y"), fill.pop("width"), linewidth=0, **fill)
-        ax.barh(edge.pop("y"), edge.pop("width"), height=0.8, fill=False, edgecolor="black", linewidth=0.4, **edge)
+        ax.barh(edge.pop("y"), edge.pop("width"), height=0.8, fill=False, edgecolor="black",
+                linewidth=0.4, **edge)
     ax.set_yticks(range(timeline.num_stages), [f"PP stage {s}" for s in range(timeline.num_stages)])
     ax.set_ylim(timeline.num_stages - 0.5, -0.5)
     ax.set_xlim(0, 100)
-    ax.set_xlabel("simulated time, % of the chunk (the plan's FLOP cost model: relative, not a device's time)")
+    ax.set_xlabel(
+        "simulated time, % of the chunk (the plan's FLOP cost model: relative, not a device's time)")
     noops = sum(mb.is_noop for mb in mbs)
     slots = f" + {noops} no-op slot{'s' if noops > 1 else ''} (nothing runs)" if noops else ""
-    ax.set_title(f"{title}{_rank_label(plan, dp_rank)}, simulated 1F1B: {len(mbs) - noops} microbatches{slots}, "
-                 f"bubble {timeline.bubble_ratio:.1%}", fontsize=9)
+    ax.set_title(f"{title}{_rank_label(plan, dp_rank)}, simulated 1F1B: {len(mbs) - noops} "
+                 f"microbatches{slots}, bubble {timeline.bubble_ratio:.1%}", fontsize=9)
 
 
 def draw_packing(ax, plan: Plan, dp_rank: int, colors: dict, title: str) -> None:
@@ -99,7 +103,8 @@ def draw_packing(ax, plan: Plan, dp_rank: int, colors: dict, title: str) -> None
             bars["color"].append(colors[job])
             bottom += length
         if mb.is_noop:
-            ax.text(mb.slot, plan.token_capacity * 0.02, "no-op", rotation=90, ha="center", va="bottom", fontsize=6)
+            ax.text(mb.slot, plan.token_capacity * 0.02, "no-op", rotation=90, ha="center",
+                    va="bottom", fontsize=6)
     if bars["x"]:
         ax.bar(bars.pop("x"), bars.pop("height"), width=0.8, edgecolor="white", linewidth=0.3, **bars)
     ax.axhline(plan.token_capacity, color="black", linestyle="--", linewidth=0.8,
@@ -114,7 +119,8 @@ def draw_packing(ax, plan: Plan, dp_rank: int, colors: dict, title: str) -> None
     ax.set_ylabel("tokens")
     toks = [mb.num_tokens for mb in mbs if not mb.is_noop]
     fill = sum(toks) / (plan.token_capacity * max(1, len(toks)))
-    ax.set_title(f"{title}{_rank_label(plan, dp_rank)}: {len(toks)} microbatches, mean fill {fill:.0%}", fontsize=9)
+    ax.set_title(f"{title}{_rank_label(plan, dp_rank)}: {len(toks)} microbatches, mean fill "
+                 f"{fill:.0%}", fontsize=9)
 
 
 def _legend(fig, jobs: Sequence[str], colors: dict, gantt: bool, capacities: Sequence[int] = ()) -> None:
@@ -122,12 +128,14 @@ def _legend(fig, jobs: Sequence[str], colors: dict, gantt: bool, capacities: Seq
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[j]) for j in jobs]
     labels = list(jobs)
     if gantt:
-        handles += [plt.Rectangle((0, 0), 1, 1, color="grey", alpha=0.45), plt.Rectangle((0, 0), 1, 1, color="grey")]
+        handles += [plt.Rectangle((0, 0), 1, 1, color="grey", alpha=0.45),
+                    plt.Rectangle((0, 0), 1, 1, color="grey")]
         labels += ["forward (light; F<slot>[.<model chunk>])", "backward (dark; B<slot>[.<model chunk>])"]
     else:
         handles.append(plt.Line2D([0], [0], color="black", linestyle="--", linewidth=0.8))
         caps = sorted(set(capacities))
-        labels.append(f"token capacity ({caps[0]:,} tokens)" if len(caps) == 1 else "token capacity (per panel)")
+        labels.append(f"token capacity ({caps[0]:,} tokens)" if len(caps) == 1
+                      else "token capacity (per panel)")
     fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 6), fontsize=8, frameon=False,
                title="each bar split by job: its share of the microbatch's tokens" if gantt else
                "each bar stacked by job: its tokens in the microbatch", title_fontsize=8)
@@ -155,8 +163,8 @@ def _render(panels: Sequence[tuple], path: str, gantt: bool) -> None:
 
 def render_chunks(chunks: Sequence[tuple[Plan, Sequence]], gantt_path: str | None, packing_path: str | None,
                   titles: Sequence[str] | None = None) -> None:
-    """Gantt and packing PNGs of several chunks: one panel per (chunk, DP rank). ``chunks``: (plan, one simulated
-    timeline per DP rank); ``titles``: a prefix per chunk (default "chunk i")."""
+    """Gantt and packing PNGs of several chunks: one panel per (chunk, DP rank). ``chunks``: (plan, one
+    simulated timeline per DP rank); ``titles``: a prefix per chunk (default "chunk i")."""
     titles = list(titles) if titles is not None else [f"chunk {i}" for i in range(len(chunks))]
     panels = [(p, tls[r], r, f"{titles[i]}, ") for i, (p, tls) in enumerate(chunks) for r in range(p.dp_size)]
     if panels and gantt_path:
@@ -166,7 +174,8 @@ def render_chunks(chunks: Sequence[tuple[Plan, Sequence]], gantt_path: str | Non
 
 
 def render_gantt(plan: Plan, timeline, path: str, dp_rank: int = 0, title: str = "") -> None:
-    """Gantt PNG of one rank's simulated 1F1B (``timeline``); a list of one timeline per rank draws every rank."""
+    """Gantt PNG of one rank's simulated 1F1B (``timeline``); a list of one timeline per rank draws every
+    rank."""
     prefix = f"{title}, " if title else ""
     if isinstance(timeline, list | tuple):
         _render([(plan, tl, r, prefix) for r, tl in enumerate(timeline)], path, gantt=True)

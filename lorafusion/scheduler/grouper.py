@@ -7,10 +7,10 @@ the dependency rule (see :mod:`.verify`) needs, per group k:
     Σ_{other groups} microbatches per round  >=  (S - 1) · dp_size
 
 (the paper's rule "the other jobs supply at least S−1 microbatches", in DP slots). Loads are
-estimated as tokens / capacity per job and ceil(Σ) per group. We take the fewest groups (>= 2, so jobs in one group share packing)
-for which a longest-processing-time (LPT) balanced partition meets the rule for every group; if no
-partition does, every job gets its own group (the largest stagger possible) and the sequencer inserts
-the no-ops that remain unavoidable. With S == 1, or grouping off, all jobs form one group.
+estimated as tokens / capacity per job and ceil(Σ) per group. We take the fewest groups (>= 2, so jobs in one
+group share packing) for which a longest-processing-time (LPT) balanced partition meets the rule for every
+group; if no partition does, every job gets its own group (the largest stagger possible) and the sequencer
+inserts the no-ops that remain unavoidable. With S == 1, or grouping off, all jobs form one group.
 """
 
 from __future__ import annotations

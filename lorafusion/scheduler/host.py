@@ -1,6 +1,6 @@
-"""Host memory of a run trained without GPUs, torch-free: what a CPU launch needs, what the machine has, and the
-one-line refusal of a run that cannot fit (an 8B base on a laptop), given before the model is built (a run's need
-at its resolved capacity and recompute: :func:`lorafusion.resolve.check_run_on_host`).
+"""Host memory of a run trained without GPUs, torch-free: what a CPU launch needs, what the machine has, and
+the one-line refusal of a run that cannot fit (an 8B base on a laptop), given before the model is built (a
+run's need at its resolved capacity and recompute: :func:`lorafusion.resolve.check_run_on_host`).
 
 The need counts the tensors the ranks on this host hold, per pipeline stage (:mod:`.memory`'s counts, taken on
 the CPU's paths: Megatron's local ops, per-sample attention, no GPU calibration):
@@ -25,10 +25,11 @@ from .memory import GIB, Coefficients, MemorySetup, stage_memory
 
 __all__ = ["HostNeed", "PROCESS_BYTES", "available_bytes", "gpu_device_seen", "host_need", "no_fit_on_host"]
 
-# one training process beside its tensors: the interpreter with torch, Megatron and gloo imported measured 435 MiB
-# resident on the 2-core CPU machine; the data, the plans and the allocator's slack take the rest
+# one training process beside its tensors: the interpreter with torch, Megatron and gloo imported measured 435
+# MiB resident on the 2-core CPU machine; the data, the plans and the allocator's slack take the rest
 PROCESS_BYTES = 0.75 * GIB
-# counts only: the GPU calibration's constant, margins and activation scale do not describe the CPU's allocator
+# counts only: the GPU calibration's constant, margins and activation scale do not describe the CPU's
+# allocator
 CPU_COUNTS = Coefficients(act_scale=1.0, workspace=1.0, constant_bytes=0.0, margin_frac=0.0, margin_bytes=0.0,
                           source="counted tensors (host memory)")
 
@@ -45,7 +46,8 @@ class HostNeed:
         return " + ".join(f"{k} {v / GIB:.1f}" for k, v in self.parts.items() if v >= 0.05 * GIB) + " GiB"
 
 
-def host_need(s: MemorySetup, capacity: int, recompute_layers: int | Sequence[int], processes: int) -> HostNeed:
+def host_need(s: MemorySetup, capacity: int, recompute_layers: int | Sequence[int],
+              processes: int) -> HostNeed:
     """What ``processes`` ranks of the run ``s`` on one host hold at their peak, without GPUs. The ranks are
     taken as an even share of the launch's ``tp·pp·dp``: each stage's tensors ``processes / pp`` times."""
     setup = replace(s, fused_ops=False, attention="per-sample")
@@ -87,7 +89,8 @@ def _cgroup_room(root: Path) -> float | None:
     return None
 
 
-def available_bytes(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")) -> float | None:
+def available_bytes(meminfo: Path = Path("/proc/meminfo"),
+                    cgroup: Path = Path("/sys/fs/cgroup")) -> float | None:
     """Host memory a new run may take: MemAvailable (or free pages by ``os.sysconf``), at most the room under
     the cgroup's limit; None when the system does not say."""
     avail = _meminfo_available(meminfo)
@@ -101,8 +104,8 @@ def available_bytes(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("
 
 
 def gpu_device_seen(dev: Path = Path("/dev")) -> bool:
-    """Whether this process may see a CUDA GPU, known before torch is imported (seconds): an NVIDIA device node
-    and ``CUDA_VISIBLE_DEVICES`` not set to none. False means the CPU will train the run."""
+    """Whether this process may see a CUDA GPU, known before torch is imported (seconds): an NVIDIA device
+    node and ``CUDA_VISIBLE_DEVICES`` not set to none. False means the CPU will train the run."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return False
@@ -113,10 +116,12 @@ def gpu_device_seen(dev: Path = Path("/dev")) -> bool:
 
 
 def no_fit_on_host(need: HostNeed, available: float | None, source: str) -> str | None:
-    """The one-line refusal when ``need`` exceeds ``available`` bytes (None when it fits or nothing is known)."""
+    """The one-line refusal when ``need`` exceeds ``available`` bytes (None when it fits or nothing is
+    known)."""
     if available is None or need.total <= available:
         return None
     procs = f"{need.processes} processes" if need.processes > 1 else "one process"
-    return (f"{source}: the run needs about {need.total / GIB:.1f} GiB of host memory to train on this machine's "
-            f"CPU (no CUDA GPU; {procs}: {need.describe()}) and {available / GIB:.1f} GiB is available — launch "
-            f"it on GPUs (scripts/train.sh on a GPU machine), or lower model.preset / scheduler.token_capacity")
+    return (f"{source}: the run needs about {need.total / GIB:.1f} GiB of host memory to train on this "
+            f"machine's CPU (no CUDA GPU; {procs}: {need.describe()}) and {available / GIB:.1f} GiB is "
+            "available — launch it on GPUs (scripts/train.sh on a GPU machine), or lower model.preset / "
+            "scheduler.token_capacity")

@@ -43,8 +43,8 @@ from lorafusion.core.arch import ModelArch
 from lorafusion.core.lora import lora_layer_params, lora_s_width
 from lorafusion.core.targets import MEGATRON_TARGETS, resolve_target_modules
 
-__all__ = ["ATTENTION_PATHS", "GIB", "AdapterShape", "Coefficients", "MemorySetup", "StageMemory", "in_flight", "load_coefficients",
-           "plan_memory", "stage_memory"]
+__all__ = ["ATTENTION_PATHS", "GIB", "AdapterShape", "Coefficients", "MemorySetup", "StageMemory",
+           "in_flight", "load_coefficients", "plan_memory", "stage_memory"]
 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -97,10 +97,12 @@ class MemorySetup:
     arch: ModelArch
     adapters: tuple[AdapterShape, ...]
     dtype: str = "bfloat16"
-    # bytes per frozen parameter of the decoder's linears; None: the dtype's. FP8 base: 1 (scales: row_scale_bytes)
+    # bytes per frozen parameter of the decoder's linears; None: the dtype's. FP8 base: 1 (scales:
+    # row_scale_bytes)
     base_bytes_per_param: float | None = None
     row_scale_bytes: int = 0  # per output row of each base linear (fp8: one fp32 scale per channel = 4)
-    bf16_base_layers: int = 0  # fp8 base: the model's first decoder layers whose linears keep the dtype (stage 0)
+    # fp8 base: the model's first decoder layers whose linears keep the dtype (stage 0)
+    bf16_base_layers: int = 0
     tp: int = 1
     pp: int = 1
     dp: int = 1
@@ -169,7 +171,8 @@ def lora_params_per_layer(arch: ModelArch, a: AdapterShape, tp: int = 1) -> floa
 
 
 def base_bytes_per_layer(s: MemorySetup) -> float:
-    """Frozen bytes of one decoder layer on one TP rank (linears at the base precision, norms at the dtype)."""
+    """Frozen bytes of one decoder layer on one TP rank (linears at the base precision, norms at the
+    dtype)."""
     per = s.dtype_bytes if s.base_bytes_per_param is None else s.base_bytes_per_param
     total = 0.0
     for fin, fout in _linear_shapes(s.arch).values():
@@ -222,11 +225,11 @@ def saved_elems(s: MemorySetup) -> float:
 
 
 def lora_elems(s: MemorySetup) -> float:
-    """LoRA's saved elements per token per layer: S = drop(X)·Aᵀ of each targeted linear (width = projections x
-    the largest rank: one row's adapter decides). The same for the reference kernels on a GPU: their torch path
-    (ops.reference.multi_lora_delta_torch) saves X and S like the fused one and regenerates the dropout mask in
-    backward; it keeps no dropped input (counting one over-predicted its H100 run at 7,680 tokens by 13.5 GiB:
-    68.3 predicted, 54.8 measured: docs/results/e2e-8b-auto-tuned-h100.json)."""
+    """LoRA's saved elements per token per layer: S = drop(X)·Aᵀ of each targeted linear (width = projections
+    x the largest rank: one row's adapter decides). The same for the reference kernels on a GPU: their torch
+    path (ops.reference.multi_lora_delta_torch) saves X and S like the fused one and regenerates the dropout
+    mask in backward; it keeps no dropped input (counting one over-predicted its H100 run at 7,680 tokens by
+    13.5 GiB: 68.3 predicted, 54.8 measured: docs/results/e2e-8b-auto-tuned-h100.json)."""
     if not s.adapters:
         return 0.0
     r = max(a.r for a in s.adapters)
@@ -245,7 +248,8 @@ def stage_weights(s: MemorySetup, stage: int) -> float:
     first, last = stage == 0, stage == s.pp - 1
     emb = a.vocab_size * a.hidden_size / s.tp * b
     weights = s.layers(stage) * base_bytes_per_layer(s) + (emb if first else 0.0)
-    if first and s.bf16_base_layers and s.base_bytes_per_param is not None:  # fp8 base, leading layers in dtype
+    # fp8 base, leading layers in dtype
+    if first and s.bf16_base_layers and s.base_bytes_per_param is not None:
         kept = min(s.bf16_base_layers, s.layers(0))
         full = replace(s, base_bytes_per_param=None, row_scale_bytes=0)
         weights += kept * (base_bytes_per_layer(full) - base_bytes_per_layer(s))
@@ -262,7 +266,8 @@ def stage_memory(s: MemorySetup, stage: int, capacity: int, recompute_layers: in
     the start of its backward (every saved activation), the backward of its recomputed layers (their
     checkpoints, one recomputed layer, the gradients) and an optimizer step. ``grads_before_backward``: the
     adapters' gradients already exist when a backward starts (microbatches of a global batch accumulate them;
-    the calibration measured them held at a lone microbatch's peak too, and predicts its points with True). ``n_in_flight``: instead of the schedule's count."""
+    the calibration measured them held at a lone microbatch's peak too, and predicts its points with True).
+    ``n_in_flight``: instead of the schedule's count."""
     c = coeffs or Coefficients()
     a, b = s.arch, s.dtype_bytes
     L, last = s.layers(stage), stage == s.pp - 1

@@ -42,8 +42,9 @@ _BANNER_DONE = False
 
 def _quiet_highs_banner() -> None:
     """HiGHS prints its banner ("Running HiGHS 1.16.0 ...") on the process's stdout in the C++ constructor of
-    the first ``Highs()`` of a process, before ``output_flag`` (PuLP's ``msg=False``) can be set; later ones are
-    silent. Make that first one here with file descriptor 1 on /dev/null for the constructor's duration."""
+    the first ``Highs()`` of a process, before ``output_flag`` (PuLP's ``msg=False``) can be set; later ones
+    are silent. Make that first one here with file descriptor 1 on /dev/null for the constructor's
+    duration."""
     global _BANNER_DONE
     with _BANNER_LOCK:
         if _BANNER_DONE:

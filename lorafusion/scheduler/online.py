@@ -33,7 +33,8 @@ def concat_plans(plans: list[Plan]) -> Plan:
         if (p.pipeline_depth, p.dp_size, p.token_capacity, p.virtual_stages) != (
             first.pipeline_depth, first.dp_size, first.token_capacity, first.virtual_stages
         ):
-            raise PlanError("concat_plans: plans differ in pipeline depth, dp size, capacity or virtual stages")
+            raise PlanError(
+                "concat_plans: plans differ in pipeline depth, dp size, capacity or virtual stages")
         base = len(mbs)
         for mb in p.microbatches:
             mbs.append(replace(mb, index=base + mb.index, slot=slot0 + mb.slot))
@@ -41,7 +42,8 @@ def concat_plans(plans: list[Plan]) -> Plan:
             last[key] = base + idx
         slot0 += p.num_slots
     return Plan(mbs, first.pipeline_depth, first.dp_size, first.token_capacity, last,
-                dict(first.initial_ready), PlanStats(num_noops=sum(m.is_noop for m in mbs)), first.virtual_stages)
+                dict(first.initial_ready), PlanStats(num_noops=sum(m.is_noop for m in mbs)),
+                first.virtual_stages)
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,8 @@ class OnlineScheduler:
         """Plan the next chunk (None when nothing is left): the jobs :func:`policy.chunk_jobs` names under
         ``config.policy`` get ``rounds`` global batches each, its fill jobs the idle slots."""
         works = [policy.JobWork(n, self.specs[n].priority, self.remaining_tokens(n)) for n in self.active]
-        names, fill_order = policy.chunk_jobs(self.config.policy, [w for w in works if w.remaining_tokens > 0])
+        names, fill_order = policy.chunk_jobs(self.config.policy,
+                                              [w for w in works if w.remaining_tokens > 0])
         main = [j for n in names if (j := self._chunk_part(n, rounds)) is not None]
         seen = dict.fromkeys(fill_order, 0)
 
@@ -114,7 +117,8 @@ class OnlineScheduler:
 
         room = policy.idle_slots(dependency_distance(self.config.pipeline_depth, self.config.virtual_stages),
                                  self.config.dp_size, rounds)
-        taken = policy.take_fill(fill_order, next_batch, self.config.token_capacity, room) if fill_order else {}
+        taken = (policy.take_fill(fill_order, next_batch, self.config.token_capacity, room)
+                 if fill_order else {})
         fill = [j for n, k in taken.items() if (j := self._chunk_part(n, k)) is not None]
         if not main:
             return None

@@ -75,7 +75,8 @@ def spread_over_ranks(chunk: list[PackedMicrobatch], dp_size: int) -> list[Packe
             cut = i
             if acc >= half:
                 break
-        out[k:k + 1] = [PackedMicrobatch(mb.entries[:cut], mb.group), PackedMicrobatch(mb.entries[cut:], mb.group)]
+        out[k:k + 1] = [PackedMicrobatch(mb.entries[:cut], mb.group),
+                        PackedMicrobatch(mb.entries[cut:], mb.group)]
     return out
 
 
@@ -129,14 +130,16 @@ def plan(
     mbs += _padding(mbs, config)
     stats.num_noops = sum(mb.is_noop for mb in mbs)
     stats.plan_s = time.perf_counter() - t0
-    return Plan(mbs, config.pipeline_depth, config.dp_size, capacity, last, ready, stats, config.virtual_stages)
+    return Plan(mbs, config.pipeline_depth, config.dp_size, capacity, last, ready, stats,
+                config.virtual_stages)
 
 
 def _padding(mbs: list[Microbatch], config: SchedulerConfig) -> list[Microbatch]:
     """No-op slots at the end so interleaved 1F1B takes the plan (a multiple of S microbatches per rank)."""
     slots = 0 if not mbs else mbs[-1].slot + 1
     extra = interleave_padding(slots, config.pipeline_depth, config.virtual_stages)
-    return [Microbatch(len(mbs) + k, slots + k // config.dp_size, k % config.dp_size, (), is_noop=True, group=-1)
+    return [Microbatch(len(mbs) + k, slots + k // config.dp_size, k % config.dp_size, (), is_noop=True,
+                       group=-1)
             for k in range(extra * config.dp_size)]
 
 

@@ -1,4 +1,5 @@
-"""Which jobs a planned chunk trains: every active job alike, the shortest first, or the first come (torch-free).
+"""Which jobs a planned chunk trains: every active job alike, the shortest first, or the first come
+(torch-free).
 
 A chunk is ``rounds`` global batches; :data:`Policy` says whose.
 

@@ -48,10 +48,12 @@ class SimCost:
             raise PlanError("replay simulates dp_size 1 only")
         times, noop = [], []
         for mb in plan.microbatches:
-            t = self.model.microbatch_time([e.num_tokens for e in mb.entries], [ranks[e.job] for e in mb.entries])
+            t = self.model.microbatch_time([e.num_tokens for e in mb.entries],
+                                           [ranks[e.job] for e in mb.entries])
             times.append(t * (self.mixed_penalty if len(mb.jobs) > 1 else 1.0))
             noop.append(mb.is_noop)
-        return simulate_1f1b(times, plan.pipeline_depth, self.backward_ratio, self.p2p_s, noop, plan.virtual_stages)
+        return simulate_1f1b(times, plan.pipeline_depth, self.backward_ratio, self.p2p_s, noop,
+                             plan.virtual_stages)
 
 
 @dataclass
@@ -122,7 +124,8 @@ def alone_times(jobs: Sequence[JobSpec], config: SchedulerConfig, cost: SimCost)
 def sequential(jobs: Sequence[JobSpec], arrival: Mapping[str, float], config: SchedulerConfig,
                cost: SimCost, setup_s: float = 0.0) -> PolicyResult:
     """FIFO in arrival order (ties: list order), each job alone, a flush per global batch. ``setup_s``: each
-    job is its own run and first pays that long with the GPU idle (process start, model build, compilation)."""
+    job is its own run and first pays that long with the GPU idle (process start, model build,
+    compilation)."""
     order = sorted(range(len(jobs)), key=lambda k: (arrival[jobs[k].name], k))
     t, busy, finish = 0.0, 0.0, {}
     for k in order:

@@ -1,4 +1,5 @@
-"""Pipeline simulator (1F1B and interleaved 1F1B): per-stage timeline, bubble ratio (charts of a plan: :mod:`.charts`).
+"""Pipeline simulator (1F1B and interleaved 1F1B): per-stage timeline, bubble ratio (charts of a plan:
+:mod:`.charts`).
 
 Model: S pipeline ranks, each holding V model chunks (V = 1: plain 1F1B); virtual stage ``k = c·S + r`` is
 chunk c of rank r. A microbatch whose whole-model forward takes f seconds (from a
@@ -54,7 +55,8 @@ class Timeline:
 
     @property
     def stage_bubbles(self) -> list[float]:
-        """Per pipeline rank: the share of the makespan it is idle (what the runtime's stage timers measure)."""
+        """Per pipeline rank: the share of the makespan it is idle (what the runtime's stage timers
+        measure)."""
         return [0.0 if self.makespan <= 0 else 1.0 - b / self.makespan for b in self.busy]
 
     def op(self, stage: int, slot: int, kind: str, chunk: int = 0) -> Op:
@@ -69,7 +71,8 @@ def one_f_one_b_order(num_stages: int, stage: int, num_microbatches: int) -> lis
     return [(kind, i) for kind, i, _ in stage_order(num_stages, stage, num_microbatches)]
 
 
-def equal_stage_costs(num_stages: int, virtual_stages: int = 1, backward_ratio: float = 2.0) -> list[tuple[float, float]]:
+def equal_stage_costs(num_stages: int, virtual_stages: int = 1,
+                      backward_ratio: float = 2.0) -> list[tuple[float, float]]:
     n = num_stages * virtual_stages
     return [(1.0 / n, backward_ratio / n)] * n
 

@@ -1,18 +1,19 @@
 """Token capacity, recompute and the stage split for a GPU's memory: ``token_capacity: auto``,
 ``recompute_layers: auto`` and, with both pipeline stages and ``stage_layers: auto``, the layers per stage.
 
-:func:`choose` walks capacities (multiples of ``multiple`` from the longest sample up to ``max_capacity``) and,
-for each, the fewest recomputed layers per stage that make every stage fit (:mod:`.memory`), and keeps the
-plan with the most tokens/s by the cost model: time per token ``(a + b·C·B) / C`` with ``B`` the bottleneck
-factor — the busiest pipeline rank's work over a perfectly balanced rank's, a rank's work being its decoder layers
-plus ``α`` (``RECOMPUTE_COST``) per recomputed layer plus, on the last rank, the output layer and loss — and,
-with pipeline stages, the 1F1B fill and drain ``(pp - 1) / M`` of ``M`` = chunk tokens / C microbatches.
+:func:`choose` walks capacities (multiples of ``multiple`` from the longest sample up to ``max_capacity``)
+and, for each, the fewest recomputed layers per stage that make every stage fit (:mod:`.memory`), and keeps
+the plan with the most tokens/s by the cost model: time per token ``(a + b·C·B) / C`` with ``B`` the
+bottleneck factor — the busiest pipeline rank's work over a perfectly balanced rank's, a rank's work being its
+decoder layers plus ``α`` (``RECOMPUTE_COST``) per recomputed layer plus, on the last rank, the output layer
+and loss — and, with pipeline stages, the 1F1B fill and drain ``(pp - 1) / M`` of ``M`` = chunk tokens / C
+microbatches.
 
 With ``stage_layers: auto`` and ``recompute_layers: auto`` on a pipeline, the split is chosen with the
-recompute: 1F1B holds ``pp - k`` microbatches in flight on stage ``k``, so an early stage runs out of memory first
-and must recompute, which makes it the slowest; giving it fewer layers and a later stage more balances the
-ranks' work, recompute included (:func:`_balanced_split`). A fixed capacity, recompute or split is kept and only
-checked. The plan keeps the alternatives it beat with their predicted time.
+recompute: 1F1B holds ``pp - k`` microbatches in flight on stage ``k``, so an early stage runs out of memory
+first and must recompute, which makes it the slowest; giving it fewer layers and a later stage more balances
+the ranks' work, recompute included (:func:`_balanced_split`). A fixed capacity, recompute or split is kept
+and only checked. The plan keeps the alternatives it beat with their predicted time.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from lorafusion.core.errors import UserError
 from .costmodel import CostModel
 from .memory import GIB, Coefficients, MemorySetup, StageMemory, plan_memory, stage_memory
 
-__all__ = ["MemoryFitError", "MemoryPlan", "RECOMPUTE_COST", "choose", "no_fit_message", "oom_advice", "parse_bytes",
-           "what_fits"]
+__all__ = ["MemoryFitError", "MemoryPlan", "RECOMPUTE_COST", "choose", "no_fit_message", "oom_advice",
+           "parse_bytes", "what_fits"]
 
-# a step with every decoder layer recomputed over one with none (Qwen2.5-32B PP=2 on 2x H200, recompute of 16 of
-# 32 layers per stage was 17.3% faster than of all 32: (1 + α) / (1 + α/2) = 1.173, docs/BENCHMARKS.md)
+# a step with every decoder layer recomputed over one with none (Qwen2.5-32B PP=2 on 2x H200, recompute of 16
+# of 32 layers per stage was 17.3% faster than of all 32: (1 + α) / (1 + α/2) = 1.173, docs/BENCHMARKS.md)
 RECOMPUTE_COST = 0.42
 
 
@@ -46,9 +47,11 @@ class MemoryPlan:
     stages: list[StageMemory]
     gpu_bytes: float
     chosen: dict  # which of capacity / recompute_layers / stage_layers were "auto"
-    stage_layers: list[int] | None = None  # decoder layers per pipeline rank (the chosen split; None: the run's)
+    # decoder layers per pipeline rank (the chosen split; None: the run's)
+    stage_layers: list[int] | None = None
     cost: float | None = None  # predicted seconds per token (the cost model's units: for comparing plans)
-    alternatives: list[dict] = field(default_factory=list)  # the best plan of each other capacity / split, beaten
+    # the best plan of each other capacity / split, beaten
+    alternatives: list[dict] = field(default_factory=list)
 
     def why(self) -> list[str]:
         """The alternatives this plan beat, with their predicted time relative to it."""
@@ -57,7 +60,8 @@ class MemoryPlan:
             split = f", stage_layers {a['stage_layers']}" if a.get("stage_layers") else ""
             rel = f"{a['cost'] / self.cost:.3f}x the time" if a.get("cost") and self.cost else "does not fit"
             what = f" ({a['what']})" if a.get("stage_layers") is not None else ""
-            out.append(f"token_capacity {a['token_capacity']}, recompute_layers {a['recompute_layers']}{split}{what}: {rel}")
+            out.append(f"token_capacity {a['token_capacity']}, recompute_layers "
+                       f"{a['recompute_layers']}{split}{what}: {rel}")
         return out
 
     @property
@@ -77,7 +81,8 @@ class MemoryPlan:
 
     def to_dict(self) -> dict:
         return {"token_capacity": self.capacity, "recompute_layers": self.recompute_layers,
-                "stage_layers": self.stage_layers, "predicted_cost": self.cost, "alternatives": self.alternatives,
+                "stage_layers": self.stage_layers, "predicted_cost": self.cost,
+                "alternatives": self.alternatives,
                 "gpu_memory_gib": round(self.gpu_bytes / GIB, 2), "auto": self.chosen, "fits": self.fits,
                 "stages": [{"stage": s.stage, "layers": s.layers, "recompute_layers": s.recompute_layers,
                             "in_flight": s.in_flight, "predicted_peak_gib": round(s.peak / GIB, 2),
@@ -87,7 +92,8 @@ class MemoryPlan:
 def parse_bytes(text: str) -> float:
     """``80GiB``, ``80GB`` (= GiB here: what GPUs are sold as), ``81920MiB`` or a plain number of GiB."""
     t = str(text).strip().lower().replace(" ", "")
-    for unit, mult in (("gib", GIB), ("gb", GIB), ("g", GIB), ("mib", 1 << 20), ("mb", 1 << 20), ("tib", 1 << 40)):
+    for unit, mult in (("gib", GIB), ("gb", GIB), ("g", GIB), ("mib", 1 << 20), ("mb", 1 << 20),
+                       ("tib", 1 << 40)):
         if t.endswith(unit):
             t, scale = t[: -len(unit)], mult
             break
@@ -103,8 +109,8 @@ def parse_bytes(text: str) -> float:
 
 
 def _fewest(s: MemorySetup, stage: int, capacity: int, gpu: float, c: Coefficients) -> int | None:
-    """The fewest recomputed layers of ``stage`` that fit ``gpu`` bytes at ``capacity`` (None: none fits; memory
-    falls as layers are recomputed, so a bisection finds it)."""
+    """The fewest recomputed layers of ``stage`` that fit ``gpu`` bytes at ``capacity`` (None: none fits;
+    memory falls as layers are recomputed, so a bisection finds it)."""
     L = s.layers(stage)
     if not stage_memory(s, stage, capacity, L, c).fits(gpu):
         return None
@@ -125,12 +131,13 @@ def _loss(s: MemorySetup) -> float:
 
 
 def _loads(s: MemorySetup, rc: Sequence[int]) -> list[float]:
-    """Each pipeline rank's work in decoder-layer units: its layers, ``RECOMPUTE_COST`` per recomputed one and,
-    on the last rank, the output layer and loss."""
+    """Each pipeline rank's work in decoder-layer units: its layers, ``RECOMPUTE_COST`` per recomputed one
+    and, on the last rank, the output layer and loss."""
     return [s.layers(k) + RECOMPUTE_COST * rc[k] + (_loss(s) if k == s.pp - 1 else 0.0) for k in range(s.pp)]
 
 
-def _score(s: MemorySetup, capacity: int, rc: Sequence[int], cost: CostModel, chunk_tokens: float | None) -> float:
+def _score(s: MemorySetup, capacity: int, rc: Sequence[int], cost: CostModel,
+           chunk_tokens: float | None) -> float:
     """Predicted seconds per token (lower is better): the busiest rank sets the pace of 1F1B."""
     loads = _loads(s, rc)
     balanced = (sum(s.layers(k) for k in range(s.pp)) + _loss(s)) / s.pp
@@ -142,11 +149,13 @@ def _score(s: MemorySetup, capacity: int, rc: Sequence[int], cost: CostModel, ch
 
 def _balanced_split(s: MemorySetup, capacity: int, gpu: float, c: Coefficients) -> list[int] | None:
     """Decoder layers per pipeline rank (one model chunk each) that make the busiest rank's work, recompute
-    included, the least while every stage fits: the smallest work bound ``T`` whose largest fitting layer counts
-    per rank add up to the model's layers, then layers taken off the busiest ranks down to that total."""
+    included, the least while every stage fits: the smallest work bound ``T`` whose largest fitting layer
+    counts per rank add up to the model's layers, then layers taken off the busiest ranks down to that
+    total."""
     n_layers, P = s.arch.num_layers, s.pp
     loss = _loss(s)
-    work: list[dict[int, float]] = []  # per rank: layer count -> work at its fewest recompute (only counts that fit)
+    # per rank: layer count -> work at its fewest recompute (only counts that fit)
+    work: list[dict[int, float]] = []
     for k in range(P):
         w = {}
         for L in range(1, n_layers - P + 2):
@@ -170,7 +179,8 @@ def _balanced_split(s: MemorySetup, capacity: int, gpu: float, c: Coefficients) 
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if sum(largest(bounds[mid])) >= n_layers else (mid + 1, hi)
     split = largest(bounds[lo])
-    while sum(split) > n_layers:  # the surplus off the busiest rank (ties: the earliest, which holds the most)
+    # the surplus off the busiest rank (ties: the earliest, which holds the most)
+    while sum(split) > n_layers:
         k = max((i for i in range(P) if split[i] > 1), key=lambda i: (work[i][split[i]], -i))
         split[k] -= 1
     return split
@@ -196,9 +206,9 @@ def choose(s: MemorySetup, gpu_bytes: float, longest: int, *, capacity: int | st
            max_capacity: int = 32768, split: str | None = None) -> MemoryPlan:
     """The plan for ``gpu_bytes`` of memory per GPU. ``capacity`` / ``recompute`` (a count for every stage, or
     one per stage): a value is kept, ``"auto"`` is chosen. ``split="auto"`` (the run's ``stage_layers: auto``)
-    with recompute ``"auto"`` on a pipeline of one model chunk per rank chooses the layers per stage too (else the
-    setup's split is kept). Never raises: a plan that does not fit has ``fits`` False (the smallest capacity
-    tried at the most recompute allowed)."""
+    with recompute ``"auto"`` on a pipeline of one model chunk per rank chooses the layers per stage too (else
+    the setup's split is kept). Never raises: a plan that does not fit has ``fits`` False (the smallest
+    capacity tried at the most recompute allowed)."""
     c, cost = coeffs or Coefficients(), cost_model or CostModel()
     split_auto = split == "auto" and recompute == "auto" and s.pp > 1 and s.virtual_stages == 1
     chosen = {"token_capacity": capacity == "auto", "recompute_layers": recompute == "auto",
@@ -232,7 +242,8 @@ def choose(s: MemorySetup, gpu_bytes: float, longest: int, *, capacity: int | st
     other_kind = [f for f in alts if f[4] != best[4]][:1]  # the best plan of the other split, if any
     alts = other_kind + [f for f in alts if f not in other_kind][:4 - len(other_kind)]
     alternatives = [{"what": f[4], "token_capacity": f[1], "recompute_layers": f[3],
-                     "stage_layers": [f[2].layers(k) for k in range(s.pp)] if s.pp > 1 else None, "cost": f[0]}
+                     "stage_layers": [f[2].layers(k) for k in range(s.pp)] if s.pp > 1 else None,
+                     "cost": f[0]}
                     for f in alts[:4]]
     layers = [bs.layers(k) for k in range(s.pp)]
     return MemoryPlan(cap, rc, plan_memory(bs, cap, rc, c), gpu_bytes, chosen,
@@ -245,7 +256,8 @@ def what_fits(s: MemorySetup, gpu_bytes: float, longest: int, capacity: int, rec
     out = []
     keep_rc = choose(s, gpu_bytes, longest, capacity="auto", recompute=list(recompute), coeffs=coeffs)
     if keep_rc.fits:
-        out.append(f"scheduler.token_capacity: {keep_rc.capacity} (the largest that fits with this recompute)")
+        out.append(
+            f"scheduler.token_capacity: {keep_rc.capacity} (the largest that fits with this recompute)")
     keep_cap = choose(s, gpu_bytes, longest, capacity=capacity, recompute="auto", coeffs=coeffs)
     if keep_cap.fits:
         out.append(f"model.recompute: true, model.recompute_layers: {max(keep_cap.recompute_layers)} "
@@ -260,11 +272,11 @@ def what_fits(s: MemorySetup, gpu_bytes: float, longest: int, capacity: int, rec
 
 def oom_advice(s: MemorySetup, plan: MemoryPlan, stage: int, actual_peak: float, longest: int,
                coeffs: Coefficients | None = None) -> list[str]:
-    """Settings the run's config accepts that fit once the memory model is corrected by what ``stage`` used beyond
-    its prediction (``actual_peak`` allocated bytes when it ran out of memory): a recompute count for every
-    stage (at the run's capacity and split), then full recompute at the largest capacity that fits, each checked
-    on every stage. Never a capacity below ``longest`` (the longest sample must fit one microbatch) nor the
-    setting the run already has."""
+    """Settings the run's config accepts that fit once the memory model is corrected by what ``stage`` used
+    beyond its prediction (``actual_peak`` allocated bytes when it ran out of memory): a recompute count for
+    every stage (at the run's capacity and split), then full recompute at the largest capacity that fits, each
+    checked on every stage. Never a capacity below ``longest`` (the longest sample must fit one microbatch)
+    nor the setting the run already has."""
     c = coeffs or Coefficients()
     over = actual_peak - plan.stages[stage].peak  # (nan: the peak is not known)
     miss = (over if over > 0 else 0.0) + 0.5 * GIB  # the model's miss, and room beside it
@@ -273,13 +285,15 @@ def oom_advice(s: MemorySetup, plan: MemoryPlan, stage: int, actual_peak: float,
     bs = replace(s, stage_layers=tuple(plan.stage_layers)) if plan.stage_layers else s
     out = []
     for n in range(max(plan.recompute_layers) + 1, max(bs.layers(k) for k in range(bs.pp))):
-        if all(m.fits(budget) for m in plan_memory(bs, plan.capacity, [min(n, bs.layers(k)) for k in range(bs.pp)], c)):
+        if all(m.fits(budget)
+               for m in plan_memory(bs, plan.capacity, [min(n, bs.layers(k)) for k in range(bs.pp)], c)):
             out.append(f"model.recompute_layers: {n} (the first {n} layers of every stage){split}, "
                        f"scheduler.token_capacity: {plan.capacity}")
             break
     full = [bs.layers(k) for k in range(bs.pp)]
     lo = -(-max(1, longest) // 512) * 512
-    caps = [cap for cap in range(lo, 65537, 512) if all(m.fits(budget) for m in plan_memory(bs, cap, full, c))]
+    caps = [cap for cap in range(lo, 65537, 512)
+            if all(m.fits(budget) for m in plan_memory(bs, cap, full, c))]
     if caps and (max(caps) != plan.capacity or plan.recompute_layers != full):
         out.append(f"model.recompute: true with model.recompute_layers unset (every layer){split}, "
                    f"scheduler.token_capacity: {max(caps)}")
@@ -295,11 +309,11 @@ def no_fit_message(s: MemorySetup, plan: MemoryPlan, longest: dict[str, int], so
     head = (f"{source}: the run does not fit {plan.gpu_bytes / GIB:.1f} GiB of GPU memory: at token_capacity "
             f"{plan.capacity} with {plan.recompute_layers[worst.stage]} of {worst.layers} decoder layers "
             f"recomputed, pipeline stage {worst.stage} needs {worst.need / GIB:.1f} GiB (predicted peak "
-            f"{max(worst.peak, 0.0) / GIB:.1f} GiB + margin)")  # (the fitted model can go below 0 far below its data)
+            f"{max(worst.peak, 0.0) / GIB:.1f} GiB + margin)")  # (the fitted model can go below 0 there)
     if job is not None and plan.chosen.get("token_capacity"):
         head += f"; job {job!r} has samples of up to {longest[job]} tokens (its dataset.max_seq_len)"
-    fixes = what_fits(s, plan.gpu_bytes, max(longest.values(), default=1), plan.capacity, plan.recompute_layers,
-                      coeffs) if not all(plan.chosen.values()) else []
+    fixes = what_fits(s, plan.gpu_bytes, max(longest.values(), default=1), plan.capacity,
+                      plan.recompute_layers, coeffs) if not all(plan.chosen.values()) else []
     if not fixes:
         full = [s.layers(k) for k in range(s.pp)]
         cap = max((c for c in range(512, plan.capacity + 1, 512)
@@ -307,10 +321,14 @@ def no_fit_message(s: MemorySetup, plan: MemoryPlan, longest: dict[str, int], so
         if cap is not None and cap < plan.capacity:
             fixes.append(f"dataset.max_seq_len: {cap} or less with truncate: true on the jobs over it "
                          f"(fits with every layer recomputed)")
-        low = -(-max(1, max(longest.values(), default=1)) // 512) * 512  # (advised only where the model fits it)
-        fixes += [f"more pipeline stages (parallelism.pp: {pp})" for pp in (2 * s.pp, 4 * s.pp) if s.arch.num_layers % pp
-                  == 0 and what_fits(replace(s, pp=pp, stage_layers=None), plan.gpu_bytes, low, low, [0] * pp, coeffs)][:1]
+        # (advised only where the model fits it)
+        low = -(-max(1, max(longest.values(), default=1)) // 512) * 512
+        fixes += [f"more pipeline stages (parallelism.pp: {pp})" for pp in (2 * s.pp, 4 * s.pp)
+                  if s.arch.num_layers % pp == 0
+                  and what_fits(replace(s, pp=pp, stage_layers=None), plan.gpu_bytes, low, low, [0] * pp,
+                                coeffs)][:1]
         fixes += ["tensor parallelism (parallelism.tp) or a GPU with more memory"] if fixes else []
-    return head + (". Would fit: " + "; or ".join(fixes) if fixes else ". Nothing within this run's settings fits: a "
-                   "GPU with more memory, or tensor parallelism (parallelism.tp)")
+    return head + (". Would fit: " + "; or ".join(fixes) if fixes else
+                   ". Nothing within this run's settings fits: a GPU with more memory, or tensor parallelism "
+                   "(parallelism.tp)")
 

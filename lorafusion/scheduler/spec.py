@@ -67,7 +67,8 @@ class SchedulerConfig:
 
     pipeline_depth: int = 1
     dp_size: int = 1
-    token_capacity: int = 4096  # tokens a microbatch ("auto" in the YAML is made a value by lorafusion.resolve)
+    # tokens a microbatch ("auto" in the YAML is made a value by lorafusion.resolve)
+    token_capacity: int = 4096
     milp_time_limit_s: float = 1.0
     grouping: bool = True
     lookahead_batches: int = 2
@@ -75,7 +76,8 @@ class SchedulerConfig:
     merge: bool = True
     balance: Literal["fill", "even"] = "fill"  # see batcher: full bins + tail, or equal bins
     solver: Literal["auto", "cbc", "highs", "greedy"] = "auto"
-    sequencer_window: int | None = None  # pending microbatches the no-op sequencer looks at; None -> 2*S*dp + 4
+    # pending microbatches the no-op sequencer looks at; None -> 2*S*dp + 4
+    sequencer_window: int | None = None
     max_milp_vars: int = 3000  # bigger instances are improved on a neighbourhood of the greedy plan
     milp_gap: float = 0.01  # relative optimality gap of the balance MILP (0: solve to optimality)
     virtual_stages: int = 1  # parallelism.virtual_stages: model chunks per pipeline rank (interleaved 1F1B)
@@ -85,7 +87,8 @@ class SchedulerConfig:
             raise PlanError("pipeline_depth and dp_size must be >= 1")
         if why := virtual_stages_problem(self.pipeline_depth, self.virtual_stages):
             raise PlanError(f"virtual_stages: {why} (pipeline_depth {self.pipeline_depth})")
-        if isinstance(self.token_capacity, bool) or not isinstance(self.token_capacity, int) or self.token_capacity < 1:
+        if isinstance(self.token_capacity, bool) or not isinstance(self.token_capacity,
+                                                                   int) or self.token_capacity < 1:
             raise PlanError(f"token_capacity must be a positive int, got {self.token_capacity!r}")
         if self.balance not in ("fill", "even"):
             raise PlanError(f"balance must be 'fill' or 'even', got {self.balance!r}")

@@ -34,8 +34,8 @@ LOSS_FLOP_FACTOR = 2.0
 # forward FLOPs per second per GPU at which the simulator (backward = 2x forward) reproduces the busy time of
 # that run (4x H200, bf16): 8.3e14; a frozen base's backward is nearer 1x, i.e. about 5.6e14 FLOP/s of GEMMs
 SIM_FLOPS_PER_S = 8.3e14
-CALIBRATION = ("cost model fitted on the 70B PP=4 run on 4x H200: simulated 0.125 vs measured 0.119, per-stage rms "
-               "error 0.015; docs/results/pipeline-interleaved-sim.json")
+CALIBRATION = ("cost model fitted on the 70B PP=4 run on 4x H200: simulated 0.125 vs measured 0.119, "
+               "per-stage rms error 0.015; docs/results/pipeline-interleaved-sim.json")
 
 
 def decoder_layer_params(arch: ModelArch) -> int:
@@ -67,9 +67,10 @@ def check_split(split: Sequence[int], num_layers: int, num_stages: int, virtual_
     n = num_stages * virtual_stages
     split = [int(x) for x in split]
     if len(split) != n or sum(split) != num_layers or min(split) < 1:
-        per = "pipeline stage" if virtual_stages == 1 else f"virtual stage (pp x virtual_stages = {n}, in layer order)"
-        raise PlanError(f"parallelism.stage_layers: expected one count >= 1 per {per}, {n} in all, summing to "
-                        f"num_layers={num_layers}, got {split}")
+        per = ("pipeline stage" if virtual_stages == 1
+               else f"virtual stage (pp x virtual_stages = {n}, in layer order)")
+        raise PlanError(f"parallelism.stage_layers: expected one count >= 1 per {per}, {n} in all, summing "
+                        f"to num_layers={num_layers}, got {split}")
     return split
 
 
@@ -86,7 +87,8 @@ def auto_split(num_layers: int, num_stages: int, virtual_stages: int = 1, loss: 
     split = [1] * n
     for _ in range(num_layers - n):
         rank_load = [sum(split[k] + extra[k] for k in range(r, n, S)) for r in range(S)]
-        r = min(range(S), key=lambda i: (rank_load[i], -i))  # ties: a later rank (fewer microbatches in flight)
+        # ties: a later rank (fewer microbatches in flight)
+        r = min(range(S), key=lambda i: (rank_load[i], -i))
         k = min(range(r, n, S), key=lambda i: (split[i] + extra[i], i))
         split[k] += 1
     return split

@@ -16,8 +16,8 @@ arrival time::
 
 Any bad field raises one :class:`TraceError` naming the file and the field (``f.yaml: jobs[3].max_steps:
 ...``). Profile datasets draw sample lengths from the bench data profiles (:data:`LENGTH_PROFILES`,
-in ``lorafusion.core.lengths``, shared with ``scripts/make_bench_data.py``); a path dataset reads its rows' lengths (byte tokenizer:
-bytes of prompt + response, or of text, + bos + eos; or a ``num_tokens`` field).
+in ``lorafusion.core.lengths``, shared with ``scripts/make_bench_data.py``); a path dataset reads its rows'
+lengths (byte tokenizer: bytes of prompt + response, or of text, + bos + eos; or a ``num_tokens`` field).
 """
 
 from __future__ import annotations
@@ -111,7 +111,8 @@ def parse_job(d, where: str) -> TraceJob:
         raise TraceError(f"{where}.dataset: expected {{profile: NAME}} or {{path: FILE}}, got {ds!r}")
     profile, path = ds.get("profile"), ds.get("path")
     if profile is not None and profile not in LENGTH_PROFILES:
-        raise TraceError(f"{where}.dataset.profile: expected one of {sorted(LENGTH_PROFILES)}, got {profile!r}")
+        raise TraceError(f"{where}.dataset.profile: expected one of {sorted(LENGTH_PROFILES)}, got "
+                         f"{profile!r}")
     if path is not None and (not isinstance(path, str) or not path):
         raise TraceError(f"{where}.dataset.path: expected a file path, got {path!r}")
     lora = d.get("lora", {})
@@ -150,7 +151,8 @@ def parse_trace(data, source: str = "<memory>") -> Trace:
     if seed is not None:
         _int(f"{source}: seed", seed, lo=0)
     order = sorted(range(len(jobs)), key=lambda i: (jobs[i].arrival_s, i))
-    return Trace(tuple(jobs[i] for i in order), source, seed, str(data.get("note", "")), dict(data.get("meta") or {}))
+    return Trace(tuple(jobs[i] for i in order), source, seed, str(data.get("note", "")),
+                 dict(data.get("meta") or {}))
 
 
 def load_trace(path: str | Path) -> Trace:
@@ -225,11 +227,13 @@ def dataset_lengths(job: TraceJob, base_dir: Path, n: int, trace_seed: int = 0) 
     return [lens[i % len(lens)] for i in range(n)]
 
 
-def job_spec(job: TraceJob, base_dir: Path = Path("."), trace_seed: int = 0, truncate: bool = True) -> JobSpec:
+def job_spec(job: TraceJob, base_dir: Path = Path("."), trace_seed: int = 0,
+             truncate: bool = True) -> JobSpec:
     """The scheduler's view of a trace job: ``max_steps`` global batches of ``global_batch_size`` samples."""
     n, g = job.max_steps * job.global_batch_size, job.global_batch_size
     lens = dataset_lengths(job, base_dir, n, trace_seed)
-    batches = [[(f"{job.name}:{k}", lens[k]) for k in range(s * g, (s + 1) * g)] for s in range(job.max_steps)]
+    batches = [[(f"{job.name}:{k}", lens[k]) for k in range(s * g, (s + 1) * g)]
+               for s in range(job.max_steps)]
     return JobSpec(job.name, batches, g, priority=job.priority, rank=job.r, truncate=truncate)
 
 

@@ -1,4 +1,5 @@
-"""The plan charts: every job of a microbatch drawn (stacked by its share), a panel per DP rank and chunk, labelled."""
+"""The plan charts: every job of a microbatch drawn (stacked by its share), a panel per DP rank and chunk,
+labelled."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def test_every_job_of_a_microbatch_is_drawn_and_labelled(tmp_path):
     draw_gantt(a, p, tls[1], 1, colors, "chunk 0, ")
     draw_packing(b, p, 1, colors, "chunk 0, ")
     for ax in (a, b):
-        drawn = {tuple(round(c, 3) for c in patch.get_facecolor()[:3]) for patch in ax.patches if patch.get_fill()}
+        drawn = {tuple(round(c, 3) for c in patch.get_facecolor()[:3]) for patch in ax.patches
+                 if patch.get_fill()}
         want = {tuple(round(c, 3) for c in matplotlib.colors.to_rgb(colors[j]))
                 for mb in p.for_rank(1) for j in mb.jobs}
         assert want <= drawn  # every job present on that rank shows, not only each microbatch's first
@@ -37,7 +39,8 @@ def test_every_job_of_a_microbatch_is_drawn_and_labelled(tmp_path):
 
 def test_charts_have_a_panel_per_chunk_and_rank(tmp_path):
     p = _plan()
-    render_chunks([(p, simulate_plan(p)), (p, simulate_plan(p))], str(tmp_path / "g.png"), str(tmp_path / "p.png"))
+    render_chunks([(p, simulate_plan(p)), (p, simulate_plan(p))], str(tmp_path / "g.png"),
+                  str(tmp_path / "p.png"))
     for name in ("g.png", "p.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     _render([(p, None, r, "") for r in range(2)], str(tmp_path / "one.png"), gantt=False)
@@ -45,8 +48,8 @@ def test_charts_have_a_panel_per_chunk_and_rank(tmp_path):
 
 
 def test_the_gantt_axis_is_the_share_of_the_chunk_whatever_the_model_size():
-    """A tiny model's chunk at the FLOP cost model's GPU rate lasts microseconds: the axis read "µs" over 0-3.5
-    for steps of thousands of tokens. The axis is the share of the chunk's simulated time, 0-100 %."""
+    """A tiny model's chunk at the FLOP cost model's GPU rate lasts microseconds: the axis read "µs" over
+    0-3.5 for steps of thousands of tokens. The axis is the share of the chunk's simulated time, 0-100 %."""
     import matplotlib
 
     matplotlib.use("Agg")

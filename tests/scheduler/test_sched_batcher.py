@@ -69,7 +69,8 @@ def test_milp_beats_greedy_where_greedy_is_suboptimal():
     w, cap = [3, 3, 3, 3, 4, 4], 10  # FFD: [4,4] [3,3,3] [3] -> 3 bins; optimum [4,3,3] x 2
     greedy = greedy_pack(w, cap)
     assert len(greedy) == 3
-    res = DataBatcher(cap, time_limit_s=60.0).pack(w)  # generous: a loaded CI machine slows CBC, not the answer
+    # generous: a loaded CI machine slows CBC, not the answer
+    res = DataBatcher(cap, time_limit_s=60.0).pack(w)
     assert res.num_bins == 2 and res.source == "milp" and res.count_optimal
 
 
@@ -107,7 +108,8 @@ def test_solver_timeout_without_solution_returns_greedy(monkeypatch):
 
     monkeypatch.setattr(milp_mod, "_solve", no_solution)
     w, cap = [3, 3, 3, 3, 4, 4], 10
-    res = DataBatcher(cap, time_limit_s=60.0).pack(w)  # generous: a loaded CI machine slows CBC, not the answer
+    # generous: a loaded CI machine slows CBC, not the answer
+    res = DataBatcher(cap, time_limit_s=60.0).pack(w)
     assert calls, "the MILP path was not taken"
     assert res.source == "greedy" and res.timed_out
     assert _canon(res.bins) == _canon(greedy_pack(w, cap))

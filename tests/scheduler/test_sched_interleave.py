@@ -83,7 +83,8 @@ def _jobs(seed, n_jobs=4, batches=4):
 @pytest.mark.parametrize("seed", range(3))
 def test_interleaved_plans_verify_and_hold_in_simulation(S, V, dp, seed):
     """Planner output for V > 1 passes verify (padded to a multiple of S) and, independently of the formula,
-    the simulated timeline never starts a job's next batch on any rank before its last backward there ended."""
+    the simulated timeline never starts a job's next batch on any rank before its last backward there
+    ended."""
     jobs = _jobs(seed, n_jobs=1 + seed)
     cfg = SchedulerConfig(pipeline_depth=S, dp_size=dp, token_capacity=1024, milp_time_limit_s=0.05,
                           virtual_stages=V, solver="greedy")
@@ -113,7 +114,8 @@ def test_verify_refuses_a_1f1b_gap_under_interleaving():
     from lorafusion.scheduler import Entry
 
     def make(V):
-        mbs = [Microbatch(k, k, 0, tuple(Entry(*e, 10) for e in es), is_noop=not es) for k, es in enumerate(slots)]
+        mbs = [Microbatch(k, k, 0, tuple(Entry(*e, 10) for e in es), is_noop=not es)
+               for k, es in enumerate(slots)]
         return Plan(mbs, S, 1, 100, {("A", 0): 0, ("A", 1): 4}, virtual_stages=V)
 
     verify_plan(make(1), [job], S, 1)
@@ -130,7 +132,8 @@ def test_verify_refuses_a_1f1b_gap_under_interleaving():
 def test_bad_virtual_stages_one_clear_error():
     with pytest.raises(PlanError, match="virtual_stages: 2 needs a pipeline"):
         SchedulerConfig(pipeline_depth=1, virtual_stages=2)
-    assert interleave_padding(5, 4, 2) == 3 and interleave_padding(2, 4, 2) == 2 and interleave_padding(5, 4, 1) == 0
+    assert (interleave_padding(5, 4, 2) == 3 and interleave_padding(2, 4, 2) == 2
+            and interleave_padding(5, 4, 1) == 0)
 
 
 def test_interleaving_shrinks_fill_and_drain():

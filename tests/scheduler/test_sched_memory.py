@@ -45,13 +45,15 @@ def test_base_weights_count_the_models_parameters_exactly():
 
 def test_lora_parameters_match_peft_counts_and_shard_under_tp():
     a = AdapterShape(16, independent_a=True)
-    assert 32 * lora_params_per_layer(preset("llama3.1-8b"), a) == 41_943_040  # PEFT r=16 all-linear on Llama-3-8B
+    # PEFT r=16 all-linear on Llama-3-8B
+    assert 32 * lora_params_per_layer(preset("llama3.1-8b"), a) == 41_943_040
     attn = AdapterShape(8, ("linear_qkv",), independent_a=True)
     # q, k, v each an A (8 x 4096) and a B (out x 8)
     assert lora_params_per_layer(preset("llama3.1-8b"), attn) == 3 * 8 * 4096 + 8 * (4096 + 1024 + 1024)
     shared = AdapterShape(8, ("linear_qkv",))  # one A for the fused qkv
     assert lora_params_per_layer(preset("llama3.1-8b"), shared) == 8 * 4096 + 8 * (4096 + 1024 + 1024)
-    assert lora_params_per_layer(preset("llama3.1-8b"), a, tp=2) < lora_params_per_layer(preset("llama3.1-8b"), a)
+    assert (lora_params_per_layer(preset("llama3.1-8b"), a, tp=2)
+            < lora_params_per_layer(preset("llama3.1-8b"), a))
 
 
 def test_fp8_base_stores_one_byte_per_linear_parameter_plus_scales():
@@ -97,12 +99,13 @@ def test_committed_coefficients_predict_the_8b_runs_measured_on_an_h100(capacity
     assert abs(m.peak / GIB / measured_gib - 1) < 0.07
 
 
-@pytest.mark.parametrize("capacity, measured_gib", [(23040, 123.9), (24576, 131.1), (20480, 112.4), (16384, 93.7),
-                                                    (11264, 70.4)])
+@pytest.mark.parametrize("capacity, measured_gib",
+                         [(23040, 123.9), (24576, 131.1), (20480, 112.4), (16384, 93.7),
+                          (11264, 70.4)])
 def test_committed_coefficients_predict_the_shipped_8b_runs_measured_on_an_h200(capacity, measured_gib):
-    # docs/results/shipped-8b-auto-h200.json (commit f100dbe, one H200): the shipped 8B config, PEFT's LoRA layout,
-    # auto (23,040) and hand-picked capacities without recompute; peak allocated per run. 11,264: the same config's
-    # auto choice on one H100 (docs/results/e2e-8b-auto-tuned-h100.json, 70.4 GiB)
+    # docs/results/shipped-8b-auto-h200.json (commit f100dbe, one H200): the shipped 8B config, PEFT's LoRA
+    # layout, auto (23,040) and hand-picked capacities without recompute; peak allocated per run. 11,264: the
+    # same config's auto choice on one H100 (docs/results/e2e-8b-auto-tuned-h100.json, 70.4 GiB)
     from lorafusion.config import load_run_config
 
     cfg = load_run_config(ROOT / "configs/llama3.1-8b-4adapters.yaml", check_files=False)
@@ -113,17 +116,21 @@ def test_committed_coefficients_predict_the_shipped_8b_runs_measured_on_an_h200(
 
 
 def test_committed_coefficients_predict_the_70b_pp4_stages_measured_on_h200s():
-    # docs/BENCHMARKS.md: llama3.1-70b PP=4, 4,096-token microbatches, no recompute, 4x H200: 130/105/82/61 GiB
+    # docs/BENCHMARKS.md: llama3.1-70b PP=4, 4,096-token microbatches, no recompute, 4x H200:
+    # 130/105/82/61 GiB
     m = plan_memory(_setup("llama3.1-70b", pp=4), 4096, 0, load_coefficients())
     for stage, measured in zip(m, (130, 105, 82, 61), strict=True):
         assert abs(stage.peak / GIB / measured - 1) < 0.07, (stage.stage, stage.peak / GIB)
 
 
-@pytest.mark.parametrize("stage_layers, recompute, measured", [((33, 31), 16, (103, 64)), (None, 32, (42, 42))])
-def test_committed_coefficients_predict_the_32b_pp2_stages_measured_on_h200s(stage_layers, recompute, measured):
-    # docs/BENCHMARKS.md, Qwen2.5-32B PP=2 on 2x H200, 8,192 tokens: 103 / 64 GiB with 16 layers recomputed per
-    # stage (stages of 33/31 layers); 42 GiB per GPU with every layer recomputed (the larger stage)
-    m = plan_memory(_setup("qwen2.5-32b", pp=2, stage_layers=stage_layers), 8192, recompute, load_coefficients())
+@pytest.mark.parametrize("stage_layers, recompute, measured",
+                         [((33, 31), 16, (103, 64)), (None, 32, (42, 42))])
+def test_committed_coefficients_predict_the_32b_pp2_stages_measured_on_h200s(stage_layers, recompute,
+                                                                           measured):
+    # docs/BENCHMARKS.md, Qwen2.5-32B PP=2 on 2x H200, 8,192 tokens: 103 / 64 GiB with 16 layers recomputed
+    # per stage (stages of 33/31 layers); 42 GiB per GPU with every layer recomputed (the larger stage)
+    m = plan_memory(_setup("qwen2.5-32b", pp=2, stage_layers=stage_layers), 8192, recompute,
+                    load_coefficients())
     assert abs(m[0].peak / GIB / measured[0] - 1) < 0.07
     if stage_layers:
         assert abs(m[1].peak / GIB / measured[1] - 1) < 0.07
@@ -132,9 +139,10 @@ def test_committed_coefficients_predict_the_32b_pp2_stages_measured_on_h200s(sta
 @pytest.mark.parametrize("raw_file, n_points", [("memory-raw-h100-e953d53.json", 80),
                                                  ("memory-raw-h200-f100dbe.json", 27)])
 def test_every_calibration_point_is_predicted_within_7_percent(raw_file, n_points):
-    """docs/results/memory-raw-*.json (scripts/calibrate_memory.py on an H100 80GB and an H200, the current LoRA
-    layout): each point's peak allocated memory against the committed model (fitted on the H100's 2k/8k/16k
-    points; the H200's points all held out), and each point that ran out of memory predicted not to fit."""
+    """docs/results/memory-raw-*.json (scripts/calibrate_memory.py on an H100 80GB and an H200, the current
+    LoRA layout): each point's peak allocated memory against the committed model (fitted on the H100's
+    2k/8k/16k points; the H200's points all held out), and each point that ran out of memory predicted not to
+    fit."""
     import json
     import sys
 
@@ -151,7 +159,8 @@ def test_every_calibration_point_is_predicted_within_7_percent(raw_file, n_point
             assert pred * (1 + c.margin_frac) + c.margin_bytes > raw["gpu_total_bytes"], p
         else:
             assert abs(pred / p["peak_allocated"] - 1) < 0.07, p
-            assert pred * (1 + c.margin_frac) + c.margin_bytes >= p["peak_reserved"], p  # the margin covers it
+            # the margin covers it
+            assert pred * (1 + c.margin_frac) + c.margin_bytes >= p["peak_reserved"], p
 
 
 def test_attention_paths_save_what_the_probe_counted():
@@ -164,7 +173,8 @@ def test_attention_paths_save_what_the_probe_counted():
     assert attention_elems(s) == 4 * q  # the default: torch 2.11's varlen_attn has no enable_gqa
     assert attention_elems(replace(s, attention="varlen-gqa")) == 3 * q + 3 * g
     assert attention_elems(replace(s, attention="per-sample")) - attention_elems(s) == q
-    per_sample = stage_memory(replace(s, attention="per-sample"), 0, 8192)  # default coefficients: act_scale 1
+    # default coefficients: act_scale 1
+    per_sample = stage_memory(replace(s, attention="per-sample"), 0, 8192)
     assert per_sample.peak - stage_memory(s, 0, 8192).peak == pytest.approx(8192 * 32 * q * 2, rel=1e-9)
     with pytest.raises(ValueError, match="attention"):
         attention_elems(replace(s, attention="flash"))
@@ -185,7 +195,8 @@ def test_calibration_points_after_the_first_oom_are_labelled_per_sample():
 @pytest.mark.parametrize("capacity", [2048, 8192, 20480, 24576])
 @pytest.mark.parametrize("count", [1, 4, 12])
 def test_calibration_batches_give_every_adapter_a_sample(capacity, count):
-    # 4 adapters at 8,192 tokens (6 samples) used to leave one adapter without a sample, hence without gradients
+    # 4 adapters at 8,192 tokens (6 samples) used to leave one adapter without a sample, hence without
+    # gradients
     import sys
 
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -227,12 +238,14 @@ def test_nothing_fits_names_the_stage_and_the_job_and_what_would():
     msg = no_fit_message(s, p, {"short": 512, "long": 4096}, "run.yaml", load_coefficients())
     assert msg.startswith("run.yaml: the run does not fit 40.0 GiB") and "pipeline stage 0 needs" in msg
     assert "job 'long'" in msg and "parallelism.pp: 8" in msg
-    # advice is only what the model says fits: at 32 GiB not pp 8 (it would not fit either) but 16; at 24 nothing
+    # advice is only what the model says fits: at 32 GiB not pp 8 (it would not fit either) but 16; at 24
+    # nothing
     for gib, advice in ((32, "parallelism.pp: 16"), (24, "Nothing within this run's settings fits")):
         p = choose(s, gib * GIB, 4096, coeffs=load_coefficients())
         msg = no_fit_message(s, p, {"short": 512, "long": 4096}, "run.yaml", load_coefficients())
         assert advice in msg and "parallelism.pp: 8" not in msg, msg
-    # a model far below the fitted data (`plan --gpu-memory 1` of the quickstart): its peak is never shown below 0
+    # a model far below the fitted data (`plan --gpu-memory 1` of the quickstart): its peak is never shown
+    # below 0
     from lorafusion.config import load_run_config
 
     cfg = load_run_config(ROOT / "configs/quickstart.yaml", check_files=False)
@@ -250,7 +263,8 @@ def test_shipped_70b_config_plan_fits_h100_80gb(gpus):
     plan = resolve(cfg, World.for_plan(cfg), GpuMemory(H100, H100), coeffs=load_coefficients())
     assert plan.fits, "\n".join(plan.lines())
     assert plan.dp == gpus // 4 and {"token_capacity", "recompute_layers"} <= set(plan.auto)
-    assert cfg.scheduler.token_capacity == "auto" and cfg.model.recompute_layers == "auto"  # the config unchanged
+    # the config unchanged
+    assert cfg.scheduler.token_capacity == "auto" and cfg.model.recompute_layers == "auto"
 
 
 @pytest.mark.parametrize("config", ["llama3.1-8b-4adapters", "qwen2.5-32b-4adapters"])
@@ -263,16 +277,18 @@ def test_shipped_configs_fit_80_and_141_gb(config):
 
 
 def test_the_memory_plan_says_why_it_recomputes_and_what_the_alternatives_cost():
-    """8B at 24 GiB: full recompute at 6,144 tokens; at 48 GiB: none at 5,120. Each plan says why: nothing fits
-    without recompute at 24 GiB, and the alternatives' predicted time per token."""
+    """8B at 24 GiB: full recompute at 6,144 tokens; at 48 GiB: none at 5,120. Each plan says why: nothing
+    fits without recompute at 24 GiB, and the alternatives' predicted time per token."""
     from lorafusion.config import load_run_config
 
     cfg = load_run_config(ROOT / "configs/llama3.1-8b-4adapters.yaml", check_files=False)
-    small, large = ("\n".join(resolve(cfg, World(1), GpuMemory(gib * GIB, gib * GIB)).lines()) for gib in (24, 48))
+    small, large = ("\n".join(resolve(cfg, World(1), GpuMemory(gib * GIB, gib * GIB)).lines())
+                    for gib in (24, 48))
     assert "  without recompute: nothing fits (at 4096 tokens a stage needs" in small
     assert "without recompute" not in large  # its plan recomputes nothing
     for text in (small, large):
-        why = text.splitlines()[text.splitlines().index(next(x for x in text.splitlines() if "why:" in x)) + 1:]
+        lines = text.splitlines()
+        why = lines[lines.index(next(x for x in lines if "why:" in x)) + 1:]
         rows = [x for x in why if x.startswith("    token_capacity ")]
         assert rows and all(float(x.rsplit(": ", 1)[1].split("x")[0]) >= 1.0 for x in rows)
         assert "(the run's split)" not in text  # one stage: no split to name
@@ -300,7 +316,8 @@ def test_run_config_fp8_base_and_virtual_stages_reach_the_model():
                           check_files=False)
     s = memory_setup(cfg, preset("llama3.1-70b"))
     assert s.base_bytes_per_param == 1.0 and s.row_scale_bytes == 4 and s.virtual_stages == 2
-    assert s.stage_layers == (20, 21, 21, 18)  # stage_layers: auto, the loss-aware split (per rank, V chunks summed)
+    # stage_layers: auto, the loss-aware split (per rank, V chunks summed)
+    assert s.stage_layers == (20, 21, 21, 18)
     bf16 = memory_setup(load_run_config(ROOT / "configs/llama3.1-70b-4adapters.yaml", check_files=False),
                           preset("llama3.1-70b"))
     w8, w16 = stage_memory(s, 1, 4096).weights, stage_memory(bf16, 1, 4096).weights
@@ -320,14 +337,15 @@ def test_reference_kernels_save_what_the_fused_ones_save_and_predict_their_h100_
 def _70b_setup(**kw):
     from lorafusion.config import load_run_config
 
-    cfg = load_run_config(ROOT / "configs/llama3.1-70b-4adapters.yaml", ["parallelism.dp=1", *kw.get("ov", [])],
-                          check_files=False)
+    cfg = load_run_config(ROOT / "configs/llama3.1-70b-4adapters.yaml",
+                          ["parallelism.dp=1", *kw.get("ov", [])], check_files=False)
     return cfg, memory_setup(cfg, preset("llama3.1-70b"))
 
 
 def test_memory_balanced_split_beats_the_compute_split_on_an_80gb_pipeline():
-    """1F1B holds 4 microbatches on stage 0 and 1 on stage 3: the split chosen with the recompute gives the early
-    stages fewer layers, every stage fits, and the busiest rank's work (recompute included) is the least."""
+    """1F1B holds 4 microbatches on stage 0 and 1 on stage 3: the split chosen with the recompute gives the
+    early stages fewer layers, every stage fits, and the busiest rank's work (recompute included) is the
+    least."""
     from lorafusion.scheduler.sizing import _loads, choose
 
     cfg, s = _70b_setup()
@@ -339,13 +357,15 @@ def test_memory_balanced_split_beats_the_compute_split_on_an_80gb_pipeline():
     assert kept.stage_layers is None and kept.fits and kept.cost > plan.cost
     balanced = max(_loads(replace(s, stage_layers=tuple(plan.stage_layers)), plan.recompute_layers))
     assert balanced < max(_loads(s, kept.recompute_layers))
-    # no other split at this capacity does better: every 3-layer move off or onto a stage is worse or does not fit
+    # no other split at this capacity does better: every 3-layer move off or onto a stage is worse or does not
+    # fit
     assert any(a["what"] == "the run's split" for a in plan.alternatives)
     assert all(a["cost"] >= plan.cost for a in plan.alternatives) and plan.why()
 
 
 def test_memory_balanced_split_is_exhaustively_optimal_on_a_small_search():
-    """Against every split of the 70B's 80 layers within 3 layers of the chosen one (fewest recompute each)."""
+    """Against every split of the 70B's 80 layers within 3 layers of the chosen one (fewest recompute
+    each)."""
     from itertools import product
 
     from lorafusion.scheduler.sizing import _balanced_split, _fewest, _loads
@@ -393,6 +413,7 @@ def test_out_of_memory_advice_fits_the_corrected_model_and_the_config():
         cap = int(re.search(r"token_capacity: (\d+)", a).group(1))
         assert cap >= 4096
         m = re.search(r"recompute_layers: (\d+)", a)
-        rc = [min(int(m.group(1)), split.layers(k)) for k in range(4)] if m else [split.layers(k) for k in range(4)]
+        rc = ([min(int(m.group(1)), split.layers(k)) for k in range(4)] if m
+              else [split.layers(k) for k in range(4)])
         assert rc != plan.recompute_layers or cap != plan.capacity
         assert all(st.fits(budget) for st in plan_memory(split, cap, rc, load_coefficients()))

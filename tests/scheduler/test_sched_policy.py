@@ -27,8 +27,8 @@ from test_sched_online import make_job
 
 
 def test_order_is_priority_then_least_remaining_work_then_given_order():
-    jobs = [policy.JobWork("long", 0, 900), policy.JobWork("short", 0, 100), policy.JobWork("urgent", 1, 5000),
-            policy.JobWork("tie", 0, 100)]
+    jobs = [policy.JobWork("long", 0, 900), policy.JobWork("short", 0, 100),
+            policy.JobWork("urgent", 1, 5000), policy.JobWork("tie", 0, 100)]
     assert policy.order(jobs) == ["urgent", "short", "tie", "long"]
 
 
@@ -83,7 +83,8 @@ def test_plan_with_fill_verifies_and_the_main_jobs_keep_their_slots(S, dp, n_fil
     alone = plan(main, cfg)
     both = plan(main, cfg, fill=fill)
     verify_plan(both, main + fill, S, dp)
-    where = lambda p: [(mb.slot, mb.entries) for mb in p.microbatches if mb.entries and mb.entries[0].job == "main"]  # noqa: E731
+    where = lambda p: [(mb.slot, mb.entries) for mb in p.microbatches  # noqa: E731
+                       if mb.entries and mb.entries[0].job == "main"]
     assert where(both) == where(alone)
 
 
@@ -99,8 +100,10 @@ def test_shortest_first_trains_the_job_with_least_work_and_fills_its_idle_slots(
     assert batches_of(first, "vip") == {0, 1, 2}  # priority first, its whole chunk
     assert jobs_in(first) - {"vip"}  # others filled its idle slots
     fill_mbs = [mb for mb in first.microbatches if mb.entries and mb.entries[0].job != "vip"]
-    assert len(fill_mbs) >= policy.idle_slots(S, 1, rounds)  # the room is used up (the last batch may overshoot)
-    assert first.num_noops < plan([online.specs["vip"]], SchedulerConfig(S, 1, 1024, milp_time_limit_s=0.0)).num_noops
+    # the room is used up (the last batch may overshoot)
+    assert len(fill_mbs) >= policy.idle_slots(S, 1, rounds)
+    assert first.num_noops < plan([online.specs["vip"]],
+                                  SchedulerConfig(S, 1, 1024, milp_time_limit_s=0.0)).num_noops
     # "short" filled before "long" (less work left): it has batches in the first chunk, in order
     assert batches_of(first, "short") and min(batches_of(first, "short")) == 0
 
@@ -147,7 +150,8 @@ def test_online_fifo_replays_sequential_fifo(S):
     """``policy="fifo"`` inside one run is today's practice: on one stage it finishes every job exactly when
     sequential FIFO does; on four it is no slower (a chunk runs a job's batches back to back with S - 1 idle
     slots between them instead of a full fill and drain per batch)."""
-    jobs = [make_job("a", 4, 5, 200, 800, 0), make_job("b", 8, 2, 200, 800, 1), make_job("c", 4, 3, 200, 800, 2)]
+    jobs = [make_job("a", 4, 5, 200, 800, 0), make_job("b", 8, 2, 200, 800, 1),
+            make_job("c", 4, 3, 200, 800, 2)]
     arrival = {"a": 0.0, "b": 0.001, "c": 50.0}
     res = run_policies(jobs, arrival, SchedulerConfig(S, 1, 2048, milp_time_limit_s=0.0, lookahead_batches=2,
                                                       solver="greedy"), SimCost())
@@ -155,5 +159,6 @@ def test_online_fifo_replays_sequential_fifo(S):
     if S == 1:
         assert fifo == pytest.approx(seq, rel=1e-9)
     else:
-        assert all(fifo[n] <= seq[n] * (1 + 1e-9) for n in seq) and fifo["c"] == pytest.approx(seq["c"], rel=0.1)
+        assert all(fifo[n] <= seq[n] * (1 + 1e-9) for n in seq)
+        assert fifo["c"] == pytest.approx(seq["c"], rel=0.1)
     assert sorted(fifo, key=fifo.get) == ["a", "b", "c"]

@@ -102,5 +102,6 @@ def test_auto_capacity_rule():
     assert cm.a <= 0.05 * (cm.a + cm.b * cap)
     assert auto_token_capacity(cm, max_sample_len=9000) == 9216
     assert auto_token_capacity(cm, 100, max_capacity=2048) == 2048
-    with pytest.raises(PlanError, match="token_capacity must be a positive int"):  # a run's auto: lorafusion.resolve
+    # a run's auto: lorafusion.resolve
+    with pytest.raises(PlanError, match="token_capacity must be a positive int"):
         SchedulerConfig(token_capacity="auto")

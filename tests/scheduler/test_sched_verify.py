@@ -204,7 +204,8 @@ def test_planner_with_milp_verifies_and_grouping_avoids_noops():
 def test_plan_spreads_small_global_batches_over_dp_ranks(dp):
     """Each job's global batch fits one microbatch (the quickstart at dp>1): every DP rank still gets work
     in every slot that has any, instead of one rank taking everything and the others only no-ops."""
-    jobs = [JobSpec(f"j{j}", [[(f"{j}-{g}-{i}", 20 + i) for i in range(8)] for g in range(2)], 8) for j in range(3)]
+    jobs = [JobSpec(f"j{j}", [[(f"{j}-{g}-{i}", 20 + i) for i in range(8)] for g in range(2)], 8)
+            for j in range(3)]
     cfg = SchedulerConfig(pipeline_depth=1, dp_size=dp, token_capacity=1024, milp_time_limit_s=0.1)
     p = plan(jobs, cfg)
     verify_plan(p, jobs, 1, dp)

@@ -119,7 +119,8 @@ def test_poisson_generator_is_deterministic_by_seed():
     assert [replace(j, arrival_s=0) for j in fast.jobs] == [replace(j, arrival_s=0) for j in a.jobs]
     assert np.allclose([j.arrival_s * 4 for j in fast.jobs], arr, atol=2e-3)
     mixed = {(j.profile, j.r, j.global_batch_size, j.max_steps) for j in poisson_trace(16, seed=0).jobs}
-    assert len({m[0] for m in mixed}) > 1 and len({m[1] for m in mixed}) > 1 and len({m[3] for m in mixed}) > 1
+    assert (len({m[0] for m in mixed}) > 1 and len({m[1] for m in mixed}) > 1
+            and len({m[3] for m in mixed}) > 1)
 
 
 def test_profile_lengths_match_bench_data_draws():
@@ -190,7 +191,8 @@ def test_separate_runs_pay_their_setup_each_with_the_gpu_idle():
     both_now = {"job0": 0.0, "job1": 0.0}
     seq, sep = sequential(jobs, both_now, CFG[1], cost), sequential(jobs, both_now, CFG[1], cost, setup_s=5.0)
     assert sep.finish["job0"] == pytest.approx(5.0 + alone["job0"])
-    assert sep.finish["job1"] == pytest.approx(seq.finish["job1"] + 10.0)  # queued behind the first run's setup
+    # queued behind the first run's setup
+    assert sep.finish["job1"] == pytest.approx(seq.finish["job1"] + 10.0)
     assert sep.busy_s == pytest.approx(seq.busy_s)  # setup adds no compute
     late = {"job0": 0.0, "job1": alone["job0"] + 100.0}  # arrives to an idle machine: pays only its own
     assert sequential(jobs, late, CFG[1], cost, setup_s=5.0).jct["job1"] == pytest.approx(5.0 + alone["job1"])
@@ -201,13 +203,14 @@ def test_online_joins_at_chunk_boundary_not_before():
     cost = SimCost()
     starts = []
     arrival = {"job0": 0.0, "job1": 1e-6}  # arrives while job0's first chunk runs
-    shared(jobs, arrival, CFG[1], cost, on_chunk=lambda t, p, tl: starts.append((t, {e.job for m in p.microbatches
-                                                                                      for e in m.entries})))
+    shared(jobs, arrival, CFG[1], cost,
+           on_chunk=lambda t, p, tl: starts.append((t, {e.job for m in p.microbatches for e in m.entries})))
     assert starts[0] == (0.0, {"job0"}) and "job1" in starts[1][1] and starts[1][0] > 0
 
 
 def test_trace_specs_are_what_policies_get(tmp_path):
-    t = Trace((TraceJob("x", 0.0, 4, 2, profile="short", seed=1), TraceJob("y", 1.0, 2, 3, r=64, profile="long")))
+    t = Trace((TraceJob("x", 0.0, 4, 2, profile="short", seed=1),
+               TraceJob("y", 1.0, 2, 3, r=64, profile="long")))
     specs = trace_specs(t)
     assert [len(s.global_batches) for s in specs] == [2, 3] and specs[1].rank == 64
     assert all(s.truncate for s in specs)
@@ -219,7 +222,8 @@ def test_srpt_jct_by_hand_and_never_above_fifo():
     # a long job is pre-empted by a short arrival and resumes after it
     assert srpt_jct({"long": 10.0, "short": 2.0}, {"long": 0.0, "short": 3.0}) == {"short": 2.0, "long": 12.0}
     # idle gap before a later arrival; equal remaining work: the earlier arrival first
-    assert srpt_jct({"a": 1.0, "b": 1.0, "c": 1.0}, {"a": 0.0, "b": 5.0, "c": 5.0}) == {"a": 1.0, "b": 1.0, "c": 2.0}
+    assert srpt_jct({"a": 1.0, "b": 1.0, "c": 1.0},
+                    {"a": 0.0, "b": 5.0, "c": 5.0}) == {"a": 1.0, "b": 1.0, "c": 2.0}
     rng = __import__("random").Random(4)
     for _ in range(50):
         n = rng.randint(1, 8)
@@ -232,4 +236,5 @@ def test_srpt_jct_by_hand_and_never_above_fifo():
             fifo[j] = t - arrival[j]
         assert all(srpt[j] >= service[j] - 1e-9 for j in service)
         assert sum(srpt.values()) <= sum(fifo.values()) + 1e-9
-        assert abs(max(arrival[j] + srpt[j] for j in service) - t) < 1e-9  # the same makespan (work conserving)
+        # the same makespan (work conserving)
+        assert abs(max(arrival[j] + srpt[j] for j in service) - t) < 1e-9
