@@ -59,8 +59,8 @@ def gather(obj) -> list:
 
 
 class BubbleRecorder:
-    """A trainer callback: the stage timers' bubble ratio of every chunk of this rank (the trainer computes one
-    per chunk when pp > 1; its summary keeps only their mean over all chunks, warm-up included)."""
+    """A trainer callback: the stage timers' bubble ratio of every chunk of this rank (the trainer computes
+    one per chunk when pp > 1; its summary keeps only their mean over all chunks, warm-up included)."""
 
     def __init__(self):
         self.values = []
@@ -74,8 +74,9 @@ def ensure_data(rows: int) -> None:
         return
     import subprocess
 
-    subprocess.run([sys.executable, str(ROOT / "scripts/make_bench_data.py"), "--out", str(ROOT / "data/bench"),
-                    "--rows", str(rows)], check=True)
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts/make_bench_data.py"), "--out", str(ROOT / "data/bench"),
+         "--rows", str(rows)], check=True)
 
 
 def sync():
@@ -111,7 +112,8 @@ class ChunkProfiler:
 
 
 def summarise_profile(p, top: int = 20) -> dict:
-    kern = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0]
+    kern = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and e.time_range.elapsed_us() > 0]
     if not kern:
         return {}
     iv = sorted((e.time_range.start, e.time_range.end) for e in kern)
@@ -134,7 +136,8 @@ def summarise_profile(p, top: int = 20) -> dict:
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     big = [g for g in gaps if g >= 1000]
     return {"window_ms": (t1 - t0) / 1e3, "gpu_busy_frac": busy / max(1e-9, t1 - t0),
-            "idle_gaps_ge_1ms": {"count": len(big), "total_ms": sum(big) / 1e3, "max_ms": max(big, default=0) / 1e3},
+            "idle_gaps_ge_1ms": {"count": len(big), "total_ms": sum(big) / 1e3,
+                                 "max_ms": max(big, default=0) / 1e3},
             "idle_gaps_lt_1ms_total_ms": sum(g for g in gaps if g < 1000) / 1e3,
             "top_kernels": [{"name": n[:90], "ms": v[0] / 1e3, "calls": v[1], "frac": v[0] / total}
                             for n, v in rows]}
@@ -161,12 +164,14 @@ class ChunkClock:
         self._last_exit = time.perf_counter()
         self.inside.append(self._last_exit - self._t0)
         if RANK == 0:  # progress: a run cut by its time limit still says how far it got
-            print(f"bench: chunk {len(self.inside)} ran in {self.inside[-1]:.1f} s", file=sys.stderr, flush=True)
+            print(f"bench: chunk {len(self.inside)} ran in {self.inside[-1]:.1f} s",
+                  file=sys.stderr, flush=True)
 
 
 class RunStopped(RuntimeError):
     """A trainer run ended on a stop signal (SIGTERM from ``timeout``: the bench's time limit), not at its
-    last step: the trainer stops gracefully at the next chunk boundary, so the run returns with fewer steps."""
+    last step: the trainer stops gracefully at the next chunk boundary, so the run returns with fewer
+    steps."""
 
 
 def _device_memory() -> dict:
@@ -189,8 +194,10 @@ def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, o
     jobs = load_run_config(config).jobs  # (a warmup longer than the timed steps is refused: cut to them)
     composed = overrides + [f"output_dir={out}", "logging.progress=false", "logging.tensorboard=false"] \
         + [f"jobs.{i}.max_steps={steps}" for i in range(len(jobs))] \
-        + [f"jobs.{i}.optimizer.warmup_steps={min(j.optimizer.warmup_steps, steps)}" for i, j in enumerate(jobs)]
-    # each key once (the loader refuses a key given twice): the bench's own settings win over the command line's
+        + [f"jobs.{i}.optimizer.warmup_steps={min(j.optimizer.warmup_steps, steps)}"
+           for i, j in enumerate(jobs)]
+    # each key once (the loader refuses a key given twice): the bench's own settings win over the command
+    # line's
     cfg = load_run_config(config, list({o.partition("=")[0].strip(): o for o in composed}.values()))
     if only_job is not None:  # "scheduler off": this job alone through the same runtime
         cfg = cfg.model_copy(update={"jobs": [cfg.jobs[only_job]]})
@@ -199,8 +206,9 @@ def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, o
     clock, rec = ChunkClock(), BubbleRecorder()
     look = cfg.scheduler.lookahead_batches
     if warmup < 1 or warmup % look or steps <= warmup:
-        raise SystemExit(f"--warmup must be a positive multiple of scheduler.lookahead_batches ({look}) and less "
-                         f"than --steps: steps of one planned chunk finish together, so only whole chunks can be timed")
+        raise SystemExit(f"--warmup must be a positive multiple of scheduler.lookahead_batches ({look}) and "
+                         "less than --steps: steps of one planned chunk finish together, so only whole "
+                         "chunks can be timed")
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.reset_accumulated_memory_stats()
@@ -213,34 +221,38 @@ def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, o
         jit.close()
     first_timed = warmup // look  # chunks hold `look` global batches per job: chunks before this are warm-up
     steady = [b for b in rec.values[first_timed:] if b is not None]
-    per_rank = gather({"peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
-                       "bubble_steady": sum(steady) / len(steady) if steady else None,
-                       "bubble_per_chunk": rec.values, **_device_memory()})
+    per_rank = gather(
+        {"peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+         "bubble_steady": sum(steady) / len(steady) if steady else None,
+         "bubble_per_chunk": rec.values, **_device_memory()})
     if RANK != 0:  # metrics.jsonl and the report are rank 0's
         del trainer
         gc.collect()
         return {}, {}, {}
     if summary["status"] == "stopped":  # (every rank: the ranks agree on a stop)
         done = {n: j["steps"] for n, j in summary["jobs"].items()}
-        raise RunStopped(f"the run at {out} was stopped by {summary['stopped_by']} after {summary['windows']} chunk(s) "
-                         f"(a time limit's SIGTERM?): steps per job {done}")
+        raise RunStopped(f"the run at {out} was stopped by {summary['stopped_by']} after "
+                         f"{summary['windows']} chunk(s) (a time limit's SIGTERM?): steps per job {done}")
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     warm = [r for r in rows if r["step"] <= warmup]
     timed = [r for r in rows if r["step"] > warmup]
     if not warm or not timed:  # say what ran instead of max() of an empty list
         jobs = {n: {k: j.get(k) for k in ("status", "steps", "total_steps") if k in j}
                 for n, j in summary["jobs"].items()}
-        raise RuntimeError(f"no {'timed' if warm else 'warm-up'} steps to measure: {len(rows)} metrics rows, steps "
-                           f"{sorted({r['step'] for r in rows})}, --warmup {warmup}, --steps {steps}; jobs {jobs}")
+        raise RuntimeError(f"no {'timed' if warm else 'warm-up'} steps to measure: {len(rows)} metrics rows, "
+                           f"steps {sorted({r['step'] for r in rows})}, --warmup {warmup}, --steps {steps}; "
+                           f"jobs {jobs}")
     t0 = max(r["elapsed_s"] for r in warm)
     t1 = max(r["elapsed_s"] for r in timed)
-    res = {"tokens_per_s": sum(r["tokens"] for r in timed) / (t1 - t0), "timed_tokens": sum(r["tokens"] for r in timed),
+    res = {"tokens_per_s": sum(r["tokens"] for r in timed) / (t1 - t0),
+           "timed_tokens": sum(r["tokens"] for r in timed),
            "timed_s": t1 - t0, "kernels": summary["kernels"], "noops": summary["noop_microbatches"],
            "plan_s": summary["plan_s"], "plan_wait_s": summary.get("plan_wait_s"),
            "chunk_s": [round(x, 3) for x in clock.inside], "boundary_s": [round(x, 3) for x in clock.between],
            "bubble_ratio": summary["bubble_ratio"],
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
-           "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries") if torch.cuda.is_available() else None,
+           "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries")
+           if torch.cuda.is_available() else None,
            "reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else None,
            "final_loss": {n: j["final_loss"] for n, j in summary["jobs"].items()},
            "steps_per_job": {n: j["steps"] for n, j in summary["jobs"].items()},
@@ -288,7 +300,8 @@ def run_hf_peft(info: dict, batches: dict, warmup: int) -> dict:
     dtype = DTYPES[info["dtype"]]
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(dev):
-        model = (transformers.LlamaForCausalLM if arch.family == "llama" else transformers.Qwen2ForCausalLM)(hf_cfg)
+        model = (transformers.LlamaForCausalLM if arch.family == "llama"
+                 else transformers.Qwen2ForCausalLM)(hf_cfg)
     model = model.to(dtype)
     model.config.use_cache = False
     cap = info["capacity"]
@@ -364,7 +377,8 @@ def _reset_between_runs() -> None:
 
 
 def write_results(result: dict, args, out: Path) -> None:
-    """Rank 0: ``OUT/result.json`` and, with ``--scale-json``, the scale record (rewritten as results come)."""
+    """Rank 0: ``OUT/result.json`` and, with ``--scale-json``, the scale record (rewritten as results
+    come)."""
     if RANK != 0:
         return
     (out / "result.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
@@ -419,13 +433,14 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--ablate", action="store_true", help="also kernels=reference and one job at a time")
     ap.add_argument("--flush-per-batch", action="store_true",
-                    help="one-job-at-a-time baseline with scheduler.lookahead_batches=1 (a flush per global batch)")
+                    help="one-job-at-a-time baseline with scheduler.lookahead_batches=1 (a flush per global "
+                         "batch)")
     ap.add_argument("--profile", action="store_true", help="profile the first timed chunk of our run")
     ap.add_argument("--baselines", default="reference,scheduler_off",
                     help="with --ablate: which ones, in this order (comma-separated)")
     ap.add_argument("--baseline-timed-steps", type=int,
-                    help="with --ablate: timed steps per job of each baseline, after one untimed chunk (default: "
-                         "--steps and --warmup as ours)")
+                    help="with --ablate: timed steps per job of each baseline, after one untimed chunk "
+                         "(default: --steps and --warmup as ours)")
     ap.add_argument("--no-background", action="store_true", help="plan each chunk when it is needed")
     ap.add_argument("--scale-json", help="also write the docs/results scale record here (rank 0)")
     ap.add_argument("overrides", nargs="*")
@@ -435,7 +450,8 @@ def main() -> None:
             ensure_data(args.rows)
         if DIST:  # the other ranks wait for rank 0's files
             deadline = time.time() + 600
-            while not all((ROOT / "data/bench" / f"{n}.jsonl").is_file() for n in ("short", "medium", "long", "mixed")):
+            while not all((ROOT / "data/bench" / f"{n}.jsonl").is_file()
+                          for n in ("short", "medium", "long", "mixed")):
                 if time.time() > deadline:
                     raise SystemExit("data/bench was not written by rank 0")
                 time.sleep(1)
@@ -451,7 +467,8 @@ def main() -> None:
         import subprocess
 
         result["commit"] = os.environ.get("BENCH_COMMIT") or subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip() or None
     except OSError:
         result["commit"] = None
     ours = None
@@ -463,8 +480,8 @@ def main() -> None:
     profiler = ChunkProfiler(args.warmup // look) if args.profile else None
     for attempt, extra in enumerate(([], ["kernels=reference"])):
         try:
-            ours, batches, info = run_lorafusion(args.config, list(args.overrides) + extra, args.steps, args.warmup,
-                                                 out / f"ours{attempt}", profiler=profiler,
+            ours, batches, info = run_lorafusion(args.config, list(args.overrides) + extra, args.steps,
+                                                 args.warmup, out / f"ours{attempt}", profiler=profiler,
                                                  background=not args.no_background)
             result["lorafusion"] = ours
             if profiler is not None:
@@ -495,7 +512,8 @@ def main() -> None:
         for key in chosen:
             spec = known[key]
             b_steps, b_warm = args.steps, args.warmup
-            if args.baseline_timed_steps:  # one chunk (of this baseline's lookahead) of warm-up, then whole chunks
+            # one chunk (of this baseline's lookahead) of warm-up, then whole chunks
+            if args.baseline_timed_steps:
                 look_b = 1 if "scheduler.lookahead_batches=1" in spec["overrides"] else look
                 b_warm = look_b
                 b_steps = b_warm + -(-args.baseline_timed_steps // look_b) * look_b
@@ -513,11 +531,14 @@ def main() -> None:
                 toks, secs = sum(p["timed_tokens"] for p in parts), sum(p["timed_s"] for p in parts)
                 result[key] = {"tokens_per_s": toks / secs, "timed_tokens": toks, "timed_s": secs,
                                "peak_mem_gib": max((p["peak_mem_gib"] or 0) for p in parts),
-                               "kernels": parts[0]["kernels"], "runs": len(parts), "overrides": spec["overrides"]}
+                               "kernels": parts[0]["kernels"], "runs": len(parts),
+                               "overrides": spec["overrides"]}
                 if "peak_mem_gib_per_rank" in parts[0]:
-                    result[key]["peak_mem_gib_per_rank"] = [max(p["peak_mem_gib_per_rank"][r] or 0 for p in parts)
-                                                            for r in range(len(parts[0]["peak_mem_gib_per_rank"]))]
-                    steady = [p["bubble_ratio_steady"] for p in parts if p.get("bubble_ratio_steady") is not None]
+                    result[key]["peak_mem_gib_per_rank"] = [
+                        max(p["peak_mem_gib_per_rank"][r] or 0 for p in parts)
+                        for r in range(len(parts[0]["peak_mem_gib_per_rank"]))]
+                    steady = [p["bubble_ratio_steady"] for p in parts
+                              if p.get("bubble_ratio_steady") is not None]
                     result[key]["bubble_ratio"] = sum(steady) / len(steady) if steady else None
                 write_results(result, args, out)
             except Exception as e:

@@ -16,7 +16,8 @@ from lorafusion.core.procenv import set_process_env
 
 
 _ENVIRONMENT_ERRNOS = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM,
-                       errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP, errno.EBUSY}
+                       errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG,
+                       errno.ELOOP, errno.EBUSY}
 
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -113,10 +114,11 @@ def _say_summary(args, cfg, summary: dict) -> None:
              f"{where}")
     if cfg.model.preset:  # the adapters name RUN_DIR/base as their base model
         out = Path(cfg.output_dir)
-        _say(f"  base model (HF format, for peft/transformers): lorafusion export {out} --base --out {out / 'base'}")
+        _say(f"  base model (HF format, for peft/transformers): lorafusion export {out} --base --out "
+             f"{out / 'base'}")
     _say(f"try them: lorafusion generate {cfg.output_dir} --prompts FILE.jsonl --out OUT.jsonl  "
-         f"(one {{\"prompt\": ..., \"job\": NAME}} per line; a chat job: {{\"messages\": [{{\"role\": \"user\", "
-         f"\"content\": ...}}], \"job\": NAME}}; lorafusion generate -h)")
+         f"(one {{\"prompt\": ..., \"job\": NAME}} per line; a chat job: {{\"messages\": [{{\"role\": "
+         f"\"user\", \"content\": ...}}], \"job\": NAME}}; lorafusion generate -h)")
 
 
 def _holds_only_our_lock(out: Path) -> bool:
@@ -128,8 +130,8 @@ def _holds_only_our_lock(out: Path) -> bool:
 
 
 def _plan_memory(args) -> int:
-    """``lorafusion plan RUN.yaml --gpu-memory SIZES``: the run's plan (memory per stage) for each GPU size, as
-    ``train`` prints it on such a GPU (torch-free: no data, no model)."""
+    """``lorafusion plan RUN.yaml --gpu-memory SIZES``: the run's plan (memory per stage) for each GPU size,
+    as ``train`` prints it on such a GPU (torch-free: no data, no model)."""
     from lorafusion.config import load_run_config
     from lorafusion.core.errors import ConfigError
     from lorafusion.resolve import GpuMemory, World, resolve
@@ -143,8 +145,9 @@ def _plan_memory(args) -> int:
     world = World.for_plan(cfg, args.gpus)
     plans = [resolve(cfg, world, GpuMemory(size, size)) for size in sizes]
     _say("\n\n".join("\n".join(plan.lines()) for plan in plans))
-    _result(args, {"gpu_memory_gib": [round(x / (1 << 30), 2) for x in sizes], "fits": all(p.fits for p in plans),
-                   "plans": [p.to_dict() for p in plans]})
+    _result(args,
+            {"gpu_memory_gib": [round(x / (1 << 30), 2) for x in sizes], "fits": all(p.fits for p in plans),
+             "plans": [p.to_dict() for p in plans]})
     return 0
 
 
@@ -170,17 +173,20 @@ def cmd_plan(args) -> int:
     args.progress = Progress()
     res = write_plan_report(Feed(jobs, run_plan.scheduler, dp_rank=None), out,
                             max_chunks=args.chunks, stage=stage, progress=args.progress)
-    _say(f"{'window':>6} {'jobs':>4} {'mbs':>5} {'noops':>5} {'fill':>6} {'imbal':>6} {'bubble':>7} {'plan_s':>7}")
+    _say(f"{'window':>6} {'jobs':>4} {'mbs':>5} {'noops':>5} {'fill':>6} {'imbal':>6} {'bubble':>7} "
+         f"{'plan_s':>7}")
     for c in res["chunks"]:
         _say(f"{c['window']:>6} {len(c['jobs']):>4} {c['microbatches']:>5} {c['noops']:>5} {c['fill']:>6.3f} "
              f"{c['imbalance'] or 0:>6.3f} {c['simulated_bubble']:>7.3f} {c['plan_s']:>7.3f}")
     charts = "" if any(f.endswith(".png") for f in res["files"]) else " (no chunk planned: no charts)"
-    _say("  (window: a chunk; noops: empty slots keeping a job's next batch behind its optimizer step; fill: mean share "
-         "of the token capacity used;\n   imbal: largest microbatch / mean; bubble: simulated idle share of pipeline time)")
+    _say("  (window: a chunk; noops: empty slots keeping a job's next batch behind its optimizer step; fill: "
+         "mean share of the token capacity used;\n   imbal: largest microbatch / mean; bubble: simulated "
+         "idle share of pipeline time)")
     _say(f"written to {res['dir']}: {', '.join(res['files'])}{charts}")
     pipeline = _print_pipeline(cfg, world, stage, res, args, out)
-    _result(args, {"run_plan": run_plan.to_dict(), "dir": res["dir"], "files": res["files"], "windows": res["chunks"],
-                   **pipeline})
+    _result(args,
+            {"run_plan": run_plan.to_dict(), "dir": res["dir"], "files": res["files"],
+             "windows": res["chunks"], **pipeline})
     return 0
 
 
@@ -192,13 +198,17 @@ def _print_pipeline(cfg, world, stage, res, args, out: Path) -> dict:
 
     if cfg.parallelism.pp == 1 or (b := steady_bubble(res["chunks"])) is None:
         return {}
-    found = {"pipeline": {"pp": cfg.parallelism.pp, "virtual_stages": stage.virtual_stages, "stage_layers": stage.split,
-                          "steady_bubble": b[0], "steady_bubble_per_stage": b[1]}}
-    _say(f"pipeline: pp={cfg.parallelism.pp} virtual_stages={stage.virtual_stages} stage_layers={stage.split} "
-         f"(output layer + loss = {stage.loss_layers:.2f} layers of work on the last)")
-    _say(f"simulated steady bubble {b[0]:.3f}, per stage {' '.join(f'{x:.3f}' for x in b[1])}  [{CALIBRATION}]")
+    found = {
+        "pipeline": {"pp": cfg.parallelism.pp, "virtual_stages": stage.virtual_stages,
+                     "stage_layers": stage.split, "steady_bubble": b[0], "steady_bubble_per_stage": b[1]}}
+    _say(f"pipeline: pp={cfg.parallelism.pp} virtual_stages={stage.virtual_stages} "
+         f"stage_layers={stage.split} (output layer + loss = {stage.loss_layers:.2f} layers of work on the "
+         "last)")
+    _say(f"simulated steady bubble {b[0]:.3f}, per stage {' '.join(f'{x:.3f}' for x in b[1])}  "
+         f"[{CALIBRATION}]")
     if args.virtual_sweep:
-        rows = sweep_virtual(cfg, world, args.virtual_sweep, args.chunks, out / "sweep", progress=args.progress,
+        rows = sweep_virtual(cfg, world, args.virtual_sweep, args.chunks, out / "sweep",
+                             progress=args.progress,
                              planned={stage.virtual_stages: res["planned"]})  # the run's V: planned above
         _say(f"{'V':>3} {'split':>5} {'bubble':>7}  per stage / stage_layers")
         for r in rows:
@@ -236,7 +246,9 @@ def cmd_cancel(args) -> int:
     require_run_dir(run)
     check_cancel(run, args.job)
     path = write_request(run, "cancel", {"job": args.job})
-    _say(f"cancel of job {args.job!r} queued: it leaves {run} at the next chunk boundary, checkpointed and exported")
+    _say(
+        f"cancel of job {args.job!r} queued: it leaves {run} at the next chunk boundary, checkpointed and "
+        "exported")
     _result(args, {"cancel": args.job, "run": str(run), "request": str(path)})
     return 0
 
@@ -256,7 +268,8 @@ def _run_dir_of(src: Path) -> Path:
     """The run directory of ``src``: itself, or the run a checkpoints/<job>/step_N directory belongs to."""
     from lorafusion.export.hf import RECORD
 
-    if not (src / RECORD).is_file() and (src / "state.json").is_file() and (src.parents[2] / RECORD).is_file():
+    if (not (src / RECORD).is_file() and (src / "state.json").is_file()
+            and (src.parents[2] / RECORD).is_file()):
         return src.parents[2]
     return src
 
@@ -283,7 +296,8 @@ def cmd_export(args) -> int:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     check_export_out(src, out, base=args.base)
-    check_replace_out(out, args.force)  # --force: an earlier export only, never a user's own file or directory
+    # --force: an earlier export only, never a user's own file or directory
+    check_replace_out(out, args.force)
     note = ""
     if args.base:
         from lorafusion.export.hf import write_base
@@ -296,7 +310,8 @@ def cmd_export(args) -> int:
             from lorafusion.export.hf import fp8_note, read_record, write_merged
 
             fill, _ = write_merged(_run_dir_of(src), adapter)
-            note = fp8_note(read_record(_run_dir_of(src)))  # an FP8-trained base: merged into the original weights
+            # an FP8-trained base: merged into the original weights
+            note = fp8_note(read_record(_run_dir_of(src)))
             kind = "merged"
         else:
             fill = copier(adapter)
@@ -306,19 +321,23 @@ def cmd_export(args) -> int:
     job = f" of job {args.job!r}" if args.job else ""
     what = f"{what}{job}{' merged into the base' + note if kind == 'merged' else ''}"
     _say(f"exported {what} to {out}")
-    _result(args, {"job": args.job, "kind": kind, "exported": what, "from": str(adapter) if adapter else str(src),
-                   "to": str(out)})
+    _result(args,
+            {"job": args.job, "kind": kind, "exported": what, "from": str(adapter) if adapter else str(src),
+             "to": str(out)})
     return 0
 
 
 def cmd_generate(args) -> int:
     from lorafusion.inference.generate import generate_file
 
-    kw = {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "top_p", "seed", "batch_size", "force", "decode")}
+    kw = {k: getattr(args, k)
+          for k in ("max_new_tokens", "temperature", "top_p", "seed", "batch_size", "force", "decode")}
     res = generate_file(args.run_dir, args.prompts, args.out, **kw)
-    print(f"generated {res['new_tokens']:,} tokens for {res['rows']} prompts ({', '.join(res['jobs']) or 'base only'}) "
-          f"in {res['generate_s']:.1f}s ({res['tokens_per_s']:,.0f} tokens/s); written to {res['out']}", file=sys.stderr)
-    if hits := ", ".join(f"{job} {hit}/{n}" for job, (hit, n) in res["expected"].items()):  # rows with "expected"
+    print(f"generated {res['new_tokens']:,} tokens for {res['rows']} prompts "
+          f"({', '.join(res['jobs']) or 'base only'}) in {res['generate_s']:.1f}s "
+          f"({res['tokens_per_s']:,.0f} tokens/s); written to {res['out']}", file=sys.stderr)
+    # rows with "expected"
+    if hits := ", ".join(f"{job} {hit}/{n}" for job, (hit, n) in res["expected"].items()):
         print(f"outputs equal to 'expected': {hits}", file=sys.stderr)
     _result(args, res)
     return 0
@@ -342,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return handler(args)
-    except UserError as e:  # the user's input (config, data, files, launch): one line; bugs keep their traceback
+    # the user's input (config, data, files, launch): one line; bugs keep their traceback
+    except UserError as e:
         print(f"lorafusion {args.cmd}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
@@ -356,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         code = errno.errorcode.get(e.errno, e.errno)
         verb = "cannot write" if e.errno in _FULL + (errno.EROFS,) else "cannot access"
         print(f"lorafusion {args.cmd}: error: {verb}{where}: {e.strerror or e} ({code}); "
-              f"complete checkpoints and exports are intact — fix it and run again (train: --resume continues)",
+              "complete checkpoints and exports are intact — fix it and run again (train: --resume "
+              "continues)",
               file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a second Ctrl-C (the first one checkpoints and stops cleanly)

@@ -12,9 +12,10 @@ class TrainerCallback:
 
 
 class Boundary(TrainerCallback):
-    """The boundary's own work, first of the callbacks: the status of the chunk starting; after it, evaluations
-    (eval_loss rows, best checkpoint, early stop), the checkpoints due, ``lorafusion submit`` / ``cancel``
-    (collective; jobs that ended are handed over) and the background writes (one that failed fails the run)."""
+    """The boundary's own work, first of the callbacks: the status of the chunk starting; after it,
+    evaluations (eval_loss rows, best checkpoint, early stop), the checkpoints due, ``lorafusion submit`` /
+    ``cancel`` (collective; jobs that ended are handed over) and the background writes (one that failed fails
+    the run)."""
 
     def chunk_start(self, trainer, chunk) -> None:
         trainer.telemetry.chunk_start(chunk)

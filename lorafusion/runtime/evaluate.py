@@ -110,7 +110,8 @@ def eval_losses(model, sets: dict[str, list[tuple[list[int], int]]], capacity: i
         set_batch(model, None, ())
         model.train(was_training)
     stat = sum_from_last_stage(sums).tolist()
-    return {n: (stat[j] / max(1.0, stat[len(names) + j]), int(stat[len(names) + j])) for j, n in enumerate(names)}
+    return {n: (stat[j] / max(1.0, stat[len(names) + j]), int(stat[len(names) + j]))
+            for j, n in enumerate(names)}
 
 
 class Evaluator:
@@ -118,18 +119,22 @@ class Evaluator:
     boundary, on every rank, after the chunk's steps are counted; ``summary(js)`` the summary fields."""
 
     def __init__(self, model, jobs: dict, checkpoints, device=None, eos_id: int = 0):
-        self.model, self.jobs, self.checkpoints, self.device, self.eos_id = model, jobs, checkpoints, device, eos_id
+        self.model, self.jobs, self.checkpoints, self.device, self.eos_id = (model, jobs, checkpoints, device,
+                                                                             eos_id)
 
     def due(self, chunk) -> list[str]:
-        """Jobs of ``chunk`` to evaluate now: a multiple of eval_every passed in the chunk, or the job's end."""
+        """Jobs of ``chunk`` to evaluate now: a multiple of eval_every passed in the chunk, or the job's
+        end."""
         out = []
         for name, batches in chunk.batches.items():
             js = self.jobs[name]
-            if js.eval_samples is None or js.status not in (JobStatus.RUNNING, JobStatus.CANCELLING) or not batches:
+            if (js.eval_samples is None or js.status not in (JobStatus.RUNNING, JobStatus.CANCELLING)
+                    or not batches):
                 continue
             every = js.cfg.eval_every
             first = js.steps - len(batches) + 1
-            if js.steps >= js.stream.total_steps or (every and any(s % every == 0 for s in range(first, js.steps + 1))):
+            if js.steps >= js.stream.total_steps or (
+                    every and any(s % every == 0 for s in range(first, js.steps + 1))):
                 out.append(name)
         return out
 

@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from lorafusion.dist import multi_process
 from lorafusion.data.packing import PackedBatch, loss_token_count, noop_microbatch, pack_microbatch
-from lorafusion.scheduler import (JobSpec, Microbatch, Plan, SchedulerConfig, dependency_distance, plan, policy,
-                                  verify_plan)
+from lorafusion.scheduler import (JobSpec, Microbatch, Plan, SchedulerConfig, dependency_distance, plan,
+                                  policy, verify_plan)
 
 from lorafusion.runtime.jobs import TRANSITIONS, JobState, JobStatus
 
@@ -143,7 +143,8 @@ class Feed:
             return samples
 
         with TRANSITIONS:  # a status changed on another thread is seen whole
-            running = [n for n, js in self.jobs.items() if js.status == JobStatus.RUNNING and not js.stream.finished]
+            running = [n for n, js in self.jobs.items() if js.status == JobStatus.RUNNING
+                       and not js.stream.finished]
         main, fill_order = policy.chunk_jobs(self.sched.policy, [
             policy.JobWork(n, self.jobs[n].cfg.priority, self._remaining_tokens(n)) for n in running])
         for name in main:
@@ -151,10 +152,11 @@ class Feed:
                 if draw(name) is None:
                     break
         if fill_order:
-            room = policy.idle_slots(dependency_distance(self.sched.pipeline_depth, self.sched.virtual_stages),
-                                     self.sched.dp_size,
-                                     max((len(batches.get(n, ())) for n in main), default=0))
-            policy.take_fill(fill_order, lambda n: None if (got := draw(n)) is None else [len(s.tokens) for s in got],
+            room = policy.idle_slots(
+                dependency_distance(self.sched.pipeline_depth, self.sched.virtual_stages), self.sched.dp_size,
+                max((len(batches.get(n, ())) for n in main), default=0))
+            policy.take_fill(fill_order,
+                             lambda n: None if (got := draw(n)) is None else [len(s.tokens) for s in got],
                              self.sched.token_capacity, room)
         return batches, set(batches) - set(main)
 
@@ -171,8 +173,8 @@ class Feed:
             job = self.jobs[name].cfg
             specs.append(JobSpec(name=name, global_batches=[[(s.id, len(s.tokens)) for s in samples]
                                                             for _, samples in bs],
-                                 global_batch_size=job.global_batch_size, priority=job.priority, rank=job.lora.r,
-                                 truncate=job.dataset.truncate, first_batch_index=bs[0][0]))
+                                 global_batch_size=job.global_batch_size, priority=job.priority,
+                                 rank=job.lora.r, truncate=job.dataset.truncate, first_batch_index=bs[0][0]))
         return specs
 
     def _share(self, specs: list[JobSpec], fill: list[JobSpec]) -> Plan:
@@ -192,7 +194,8 @@ class Feed:
             raise result
         return result
 
-    def _pack(self, mb: Microbatch, by_key: dict[tuple[str, int], Sample]) -> tuple[PackedBatch, dict[str, int]]:
+    def _pack(self, mb: Microbatch,
+              by_key: dict[tuple[str, int], Sample]) -> tuple[PackedBatch, dict[str, int]]:
         if mb.is_noop or not mb.entries:
             return noop_microbatch(self.eos_id), {}
         samples, prompts, rows, batch_of = [], [], [], {}

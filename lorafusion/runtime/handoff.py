@@ -1,5 +1,6 @@
-"""A job's adapter leaving the model: its PEFT snapshot in host memory (collective), its export, and the hand-over
-of a job that ended while the run goes on (its final checkpoint and adapter written in the background)."""
+"""A job's adapter leaving the model: its PEFT snapshot in host memory (collective), its export, and the
+hand-over of a job that ended while the run goes on (its final checkpoint and adapter written in the
+background)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ class AdapterHandoff:
         self.jobs, self.handover = jobs, handover
 
     def snapshot(self, name: str) -> tuple | None:
-        """Adapter ``name`` in host memory as a PEFT adapter of this run's base (collective; rank 0 gets it)."""
+        """Adapter ``name`` in host memory as a PEFT adapter of this run's base (collective; rank 0 gets
+        it)."""
         from lorafusion.export.hf import base_reference
         from lorafusion.export.peft import peft_adapter_snapshot
 
@@ -33,9 +35,9 @@ class AdapterHandoff:
 
     def finish(self, name: str, release: bool, checkpoints) -> None:
         """Hand over a job that ended (done, cancelled, diverged, early-stopped; collective, quick): its final
-        checkpoint (its stream as of its last chunk) and its adapter are taken to host memory and written in the
-        background (``js.written`` once complete); with ``release`` its adapter and optimizer state leave the
-        model."""
+        checkpoint (its stream as of its last chunk) and its adapter are taken to host memory and written in
+        the background (``js.written`` once complete); with ``release`` its adapter and optimizer state leave
+        the model."""
         from lorafusion.export.peft import write_peft_adapter
         from lorafusion.layers import remove_adapter
         from lorafusion.rundir.atomic import copier, fill_dir_atomically

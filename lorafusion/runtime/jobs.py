@@ -53,8 +53,8 @@ class JobState:
     best_eval: float | None = None
     best_step: int | None = None
     evals_since_best: int = 0
-    # ended, and handed over at a chunk boundary (runtime/admission.py): its final checkpoint and PEFT adapter taken
-    # (``written`` once their files are complete; checkpoint/handover.py)
+    # ended, and handed over at a chunk boundary (runtime/admission.py): its final checkpoint and PEFT adapter
+    # taken (``written`` once their files are complete; checkpoint/handover.py)
     handed_over: bool = False
     written: bool = False
 
@@ -88,8 +88,8 @@ class JobState:
 
     def shown(self, *, run_stopped: bool = False, in_chunk: bool | None = None) -> JobStatus:
         """The job's state in ``status.json`` (see :func:`lorafusion.rundir.states.shown_state`)."""
-        return shown_state(self.status, finished=self.finished, handed_over=self.handed_over, written=self.written,
-                           run_stopped=run_stopped, in_chunk=in_chunk)
+        return shown_state(self.status, finished=self.finished, handed_over=self.handed_over,
+                           written=self.written, run_stopped=run_stopped, in_chunk=in_chunk)
 
     # ----------------------------------------------------------------------------------------- transitions
     def _move(self, transition: str, to: JobStatus) -> None:
@@ -127,7 +127,8 @@ class JobState:
         self.optimizer.paused = self.halted
 
     def hand_over(self) -> None:
-        """Ended, and its final checkpoint and adapter taken at a chunk boundary (written in the background)."""
+        """Ended, and its final checkpoint and adapter taken at a chunk boundary (written in the
+        background)."""
         self.handed_over = True
 
     def mark_written(self) -> None:

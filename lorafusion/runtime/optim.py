@@ -142,7 +142,8 @@ class AdapterOptimizer:
         return out
 
     def _flat_state(self) -> list[torch.Tensor | None]:
-        return [torch.cat([t.detach().reshape(-1) for t in ts]) if ts else None for ts in self._state_tensors()]
+        return [torch.cat([t.detach().reshape(-1) for t in ts]) if ts else None
+                for ts in self._state_tensors()]
 
     def _keep_unless(self, ok: torch.Tensor, before: list[torch.Tensor | None]) -> None:
         """Where ``ok`` is false (a device bool), put back the state captured in ``before`` (moments that did
@@ -169,5 +170,6 @@ class AdapterOptimizer:
         self.sched.load_state_dict(state["scheduler"])
         # the next step's lr from this schedule (a resume that changed max_steps: the new one from its first
         # step), not the one the checkpoint's schedule had set; for an unchanged schedule the same value
-        for group, base, f in zip(self.opt.param_groups, self.sched.base_lrs, self.sched.lr_lambdas, strict=True):
+        for group, base, f in zip(self.opt.param_groups, self.sched.base_lrs,
+                                  self.sched.lr_lambdas, strict=True):
             group["lr"] = base * f(self.sched.last_epoch)

@@ -114,8 +114,8 @@ class InterleavedStepTracker(StepTracker):
             return
         for job, g in batch_of.items():
             if (job, g - 1) in self._ends_at_key and (job, g - 1) not in self._begun:
-                raise RuntimeError(f"dependency rule broken: job {job!r} batch {g} reaches chunk 0 before batch "
-                                   f"{g - 1} finished its backward on this rank")
+                raise RuntimeError(f"dependency rule broken: job {job!r} batch {g} reaches chunk 0 before "
+                                   f"batch {g - 1} finished its backward on this rank")
         self._end(set(batch_of))
 
     def finish(self) -> dict[Key, tuple]:
@@ -136,7 +136,8 @@ def make_tracker(chunk: Chunk, optimizers: dict, virtual_stages: int) -> StepTra
     num_stages = parallel_state.get_pipeline_model_parallel_world_size()
     stage = parallel_state.get_pipeline_model_parallel_rank()
     if virtual_stages > 1:
-        return InterleavedStepTracker(chunk.plan, optimizers, stage, num_stages, virtual_stages, len(chunk.packed))
+        return InterleavedStepTracker(chunk.plan, optimizers, stage, num_stages, virtual_stages,
+                                      len(chunk.packed))
     return StepTracker(chunk.plan, optimizers, stage, num_stages)
 
 
@@ -169,8 +170,8 @@ def forward_packed(model_, batch, pad: int, dev, seeds=None):
 
 
 def segments(per_token, batch):
-    """(adapter name, its masked per-token losses, its loss mask) per routing segment of ``batch``: slices of the
-    device tensor, no host masks; and the masked losses of the whole microbatch."""
+    """(adapter name, its masked per-token losses, its loss mask) per routing segment of ``batch``: slices of
+    the device tensor, no host masks; and the masked losses of the whole microbatch."""
     counted = per_token.float().reshape(-1) * batch.loss_mask.reshape(-1)
     mask = batch.loss_mask.reshape(-1)
     parts = [(batch.adapters[slot], counted[start:start + length], mask[start:start + length])
@@ -178,9 +179,11 @@ def segments(per_token, batch):
     return parts, counted
 
 
-def run_schedule(chunks: list, forward_step, microbatches: list, num_tokens, pad: int, *, forward_only: bool) -> None:
-    """Megatron's schedule (1F1B when PP > 1, interleaved over the model's ``chunks`` when there are several: one
-    iterator per chunk over the same microbatches) over ``microbatches`` (``num_tokens(mb)``: its token count)."""
+def run_schedule(chunks: list, forward_step, microbatches: list, num_tokens, pad: int, *,
+                 forward_only: bool) -> None:
+    """Megatron's schedule (1F1B when PP > 1, interleaved over the model's ``chunks`` when there are several:
+    one iterator per chunk over the same microbatches) over ``microbatches`` (``num_tokens(mb)``: its token
+    count)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     data = [iter(microbatches) for _ in chunks] if len(chunks) > 1 else iter(microbatches)
@@ -191,7 +194,8 @@ def run_schedule(chunks: list, forward_step, microbatches: list, num_tokens, pad
 
 
 def sum_from_last_stage(t: torch.Tensor) -> torch.Tensor:
-    """``t`` of the last pipeline stage's TP rank 0 (losses live there; TP copies count once), on every rank."""
+    """``t`` of the last pipeline stage's TP rank 0 (losses live there; TP copies count once), on every
+    rank."""
     from megatron.core import parallel_state
 
     last = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
@@ -202,10 +206,10 @@ def sum_from_last_stage(t: torch.Tensor) -> torch.Tensor:
 
 
 def count_placeholder(dev: torch.device) -> torch.Tensor:
-    """The token count a loss function hands Megatron's schedule (a placeholder: see ``run_chunk``), made once per
-    chunk on the device by a fill kernel. ``torch.tensor(1, device=cuda)`` would copy from pageable host memory,
-    which synchronises the stream: once per microbatch the host would wait for the GPU to finish the forward,
-    and a microbatch whose host work outlasts its GPU work (a small one) would cost its host time."""
+    """The token count a loss function hands Megatron's schedule (a placeholder: see ``run_chunk``), made once
+    per chunk on the device by a fill kernel. ``torch.tensor(1, device=cuda)`` would copy from pageable host
+    memory, which synchronises the stream: once per microbatch the host would wait for the GPU to finish the
+    forward, and a microbatch whose host work outlasts its GPU work (a small one) would cost its host time."""
     return torch.ones((), dtype=torch.int, device=dev)
 
 

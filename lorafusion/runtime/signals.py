@@ -45,7 +45,8 @@ class StopSignals:
 
     def _handle(self, signum, frame) -> None:
         if not self.deferring:  # setting up (a model build takes minutes): nothing to checkpoint, stop now
-            print(f"lorafusion: stopped by {signal.Signals(signum).name} while starting (nothing trained yet)",
+            print(
+                f"lorafusion: stopped by {signal.Signals(signum).name} while starting (nothing trained yet)",
                   file=sys.stderr)
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
@@ -75,9 +76,9 @@ class StopSignals:
 
 
 def exit_on_stop_outside_run() -> None:
-    """SIGTERM and SIGUSR1 before a run's :class:`StopSignals` take over (start-up: nothing trained yet) and after
-    they are gone (the run has ended, its summary is written) end the process with status 0, like a stop during
-    the run (the default action would be 143). Main thread only."""
+    """SIGTERM and SIGUSR1 before a run's :class:`StopSignals` take over (start-up: nothing trained yet) and
+    after they are gone (the run has ended, its summary is written) end the process with status 0, like a stop
+    during the run (the default action would be 143). Main thread only."""
     if threading.current_thread() is not threading.main_thread():
         return
 
@@ -90,9 +91,10 @@ def exit_on_stop_outside_run() -> None:
 
 @contextlib.contextmanager
 def stops_held():
-    """SIGTERM and SIGUSR1 held back (blocked, kept pending) inside the block and delivered when it ends: a stop
-    that lands while torch is being imported would raise SystemExit inside its C++ initialisation, and the
-    half-initialised torch aborted the process at exit (status -6) instead of exiting 0. Main thread only."""
+    """SIGTERM and SIGUSR1 held back (blocked, kept pending) inside the block and delivered when it ends: a
+    stop that lands while torch is being imported would raise SystemExit inside its C++ initialisation, and
+    the half-initialised torch aborted the process at exit (status -6) instead of exiting 0. Main thread
+    only."""
     held = {signal.SIGTERM, signal.SIGUSR1}
     if threading.current_thread() is not threading.main_thread():
         yield

@@ -1,14 +1,11 @@
-"""Multi-adapter training: composes the jobs (:mod:`.jobs`), the feed (data, planned chunks), the pipeline (one
-chunk through Megatron's schedule with in-pipeline optimizer steps), telemetry, the output directory's lock
-(:mod:`lorafusion.rundir.lock`), per-job checkpoints (:mod:`lorafusion.checkpoint.policy`) and export. The loop
-is thin — next chunk → run → record → callbacks — and the boundary's own work is its first callback.
-
-Every ``auto`` is decided once by :func:`lorafusion.resolve.resolve` (``self.plan``, frozen); the config is never
-written; submitted jobs join the job registry (``self.jobs``).
-
-The feed prepares chunk k+1 on a background thread while chunk k trains (see :mod:`.feed`); a job's
-checkpoint after chunk k records its data stream as of the end of chunk k (``Chunk.stream_states``).
-"""
+"""Multi-adapter training: composes the jobs (:mod:`.jobs`), the feed (data, planned chunks), the pipeline
+(one chunk through Megatron's schedule with in-pipeline optimizer steps), telemetry, the output directory's
+lock (:mod:`lorafusion.rundir.lock`), per-job checkpoints (:mod:`lorafusion.checkpoint.policy`) and export.
+The loop is thin (next chunk → run → record → callbacks); the boundary's own work is its first callback. Every
+``auto`` is decided once by :func:`lorafusion.resolve.resolve` (``self.plan``, frozen); the config is never
+written; submitted jobs join the registry (``self.jobs``). The feed prepares chunk k+1 on a background thread
+while chunk k trains (:mod:`.feed`); a job's checkpoint after chunk k records its data stream as of chunk k's
+end (``Chunk.stream_states``)."""
 
 from __future__ import annotations
 
@@ -37,19 +34,20 @@ from lorafusion.runtime.jobs import JobState, JobStatus, job_state, load_jobs
 
 class Trainer:
     """``Trainer(cfg).run()`` checks the launch and output directory, loads the data, resolves the run's plan,
-    builds the model with one adapter and optimizer per job, trains every job to its end (taking ``lorafusion
-    submit`` / ``cancel`` requests at chunk boundaries, see :mod:`.admission`), exports the adapters and writes
-    ``summary.json``. ``resume=True`` continues each job from its latest checkpoint."""
+    builds the model with one adapter and optimizer per job, trains every job to its end (taking
+    ``lorafusion submit`` / ``cancel`` requests at chunk boundaries, see :mod:`.admission`), exports the
+    adapters and writes ``summary.json``. ``resume=True`` continues each job from its latest checkpoint."""
 
     SERVE_POLL_S = 2.0  # serving (no job left): how often the run looks for submissions
 
     def __init__(self, cfg: RunConfig, *, resume: bool = False, background_planning: bool = True,
-                 allow_different_result: bool = False, callbacks: Sequence = (), config_record: dict | None = None):
+                 allow_different_result: bool = False, callbacks: Sequence = (),
+                 config_record: dict | None = None):
         self.cfg = cfg  # read only
         self.config_record = config_record  # written to RUN_DIR/run_config.json at start (config/resume.py)
         self._user_callbacks = list(callbacks)  # see TrainerCallback
         self.resume = resume
-        self.allow_different_result = allow_different_result  # resume despite settings that change the numbers
+        self.allow_different_result = allow_different_result  # resume even if settings change the numbers
         self.background_planning = background_planning
         self.out = Path(cfg.output_dir)
         self._lock = OutputDirLock(self.out, cfg.source)
@@ -86,8 +84,8 @@ class Trainer:
         cfg = self.cfg
         cfg.check_world_size()  # the launch first: one clear error before the data is read
         if lora_impl(cfg.kernels) == "triton" and not torch.cuda.is_available():
-            raise ConfigError(f"{cfg.source}: kernels: fused needs a CUDA GPU (Triton kernels); this machine has "
-                              f"none — use auto (fused on CUDA, reference elsewhere) or reference")
+            raise ConfigError(f"{cfg.source}: kernels: fused needs a CUDA GPU (Triton kernels); this machine "
+                              f"has none — use auto (fused on CUDA, reference elsewhere) or reference")
         check_output_dir(self.out, cfg.source, resume=self.resume)
         self.tokenizer, self.jobs = load_jobs(cfg)
         info = init_distributed(cfg.parallelism.tp, cfg.parallelism.pp, seed=cfg.seed,
@@ -98,24 +96,29 @@ class Trainer:
         if self.tokenizer.vocab_size > self.arch.vocab_size:
             raise ConfigError(f"{cfg.source}: tokenizer: vocab_size {self.tokenizer.vocab_size} exceeds the "
                               f"model's vocab_size {self.arch.vocab_size}")
-        self.plan = resolve(cfg, World(info["world"]), gpu_memory())  # every auto, once, for this GPU's memory
-        check_fit(self.plan, is_logger=self.is_logger)  # printed; one clear error if auto found nothing that fits
-        self._lock.acquire(self.is_logger, share=share_from_rank0)  # (after the checks that may refuse the run)
+        self.plan = resolve(cfg, World(info["world"]), gpu_memory())  # each auto once, for this GPU's memory
+        check_fit(self.plan, is_logger=self.is_logger)  # printed; one clear error if nothing fits
+        self._lock.acquire(self.is_logger, share=share_from_rank0)  # after the checks that may refuse the run
         stage = parallel_state.get_pipeline_model_parallel_rank()
         self.timers = StageTimers()  # Megatron's schedules time their stages through config.timers
         self.model = build_base(self.arch, ckpt, dtype=cfg.model.dtype, device=self.device, seed=cfg.seed,
-                                **self.plan.recompute_kwargs(stage), sequence_parallel=self.plan.sequence_parallel,
-                                stage_layers=self.plan.model_stage_layers, base_precision=self.plan.base_precision,
-                                lora_impl=lora_impl(self.plan.kernels), timers=self.timers)
+                                **self.plan.recompute_kwargs(stage), base_precision=self.plan.base_precision,
+                                sequence_parallel=self.plan.sequence_parallel, timers=self.timers,
+                                stage_layers=self.plan.model_stage_layers,
+                                lora_impl=lora_impl(self.plan.kernels))
         for js in self.jobs.values():
             self._attach(js)
-        self.adapters = AdapterHandoff(cfg, self.out, self.model, self.arch, self.device, self.jobs, self.handover)
+        self.adapters = AdapterHandoff(cfg, self.out, self.model, self.arch, self.device, self.jobs,
+                                       self.handover)
         self.checkpoints = JobCheckpoints(cfg, self.plan, self.jobs, self.model, self.adapters.snapshot,
-                                          is_logger=self.is_logger, allow_different_result=self.allow_different_result)
-        self.evaluator = Evaluator(self.model, self.jobs, self.checkpoints, self.device, self.tokenizer.eos_id)
-        if self.resume:  # jobs added by `lorafusion submit` are not in the YAML: they come back from the run dir
+                                          is_logger=self.is_logger,
+                                          allow_different_result=self.allow_different_result)
+        self.evaluator = Evaluator(self.model, self.jobs, self.checkpoints, self.device,
+                                   self.tokenizer.eos_id)
+        if self.resume:  # jobs added by `lorafusion submit` are not in the YAML: they come from the run dir
             from lorafusion.runtime.admission import ended_without_data, resume_submitted
-            resume_submitted(self.out, self.jobs, self._new_job, is_logger=self.is_logger,  # into the registry
+
+            resume_submitted(self.out, self.jobs, self._new_job, is_logger=self.is_logger,  # into self.jobs
                              ended=lambda j, e: ended_without_data(self.out, j, cfg.seed, self._attach, e))
             self.checkpoints.load()
         # after resuming: the feed continues every job's stream where its checkpoint left it
@@ -123,13 +126,12 @@ class Trainer:
                          eos_id=self.tokenizer.eos_id, background=self.background_planning)
 
     def _train_chunk(self, chunk, number: int) -> dict:
-        """Chunk ``number`` through the pipeline with every job's current optimizer; a CUDA out-of-memory is one
-        clear error naming the stage, the predicted and the actual peak (:func:`.gpu_memory.oom_error`)."""
+        """Chunk ``number`` through the pipeline; out of memory: one error (:func:`.gpu_memory.oom_error`)."""
         from lorafusion.runtime.pipeline import run_chunk
 
         try:
-            return run_chunk(self.model, chunk, {n: js.optimizer for n, js in self.jobs.items()}, seed=self.cfg.seed,
-                             device=self.device)
+            return run_chunk(self.model, chunk, {n: js.optimizer for n, js in self.jobs.items()},
+                             seed=self.cfg.seed, device=self.device)
         except torch.OutOfMemoryError:
             from megatron.core import parallel_state
 
@@ -138,7 +140,7 @@ class Trainer:
             raise oom_error(self.plan, parallel_state.get_pipeline_model_parallel_rank(), number) from None
 
     def _new_job(self, job) -> JobState:
-        """A job joining the run (resumed submission or ``lorafusion submit``): data, stream, adapter, optimizer."""
+        """A job joining (a resumed submission or ``lorafusion submit``): data, stream, adapter, optimizer."""
         js = job_state(job, self.tokenizer, self.cfg.seed)
         self._attach(js)
         return js
@@ -148,8 +150,8 @@ class Trainer:
         from lorafusion.layers import adapter_parameters, add_adapter
         from lorafusion.runtime.optim import AdapterOptimizer
 
-        check_adapter_fits(self.plan, js.cfg, self.arch)  # before allocating: lora.r = 10**12 is one clear error
-        if js.cfg.init_from is not None:  # continued training of a PEFT adapter (a resume then loads its checkpoint)
+        check_adapter_fits(self.plan, js.cfg, self.arch)  # before allocating: lora.r=10**12: one clear error
+        if js.cfg.init_from is not None:  # a PEFT adapter trained on (a resume then loads its checkpoint)
             from lorafusion.export.peft import import_peft_adapter
 
             import_peft_adapter(self.model, js.cfg.name, js.cfg.init_from, spec=js.cfg.lora,
@@ -203,21 +205,20 @@ class Trainer:
 
         if self.is_logger:
             self.out.mkdir(parents=True, exist_ok=True)
-            base_reference(self.cfg, self.out, self.arch, self.device)  # base_model.json: export, submit's checks
+            base_reference(self.cfg, self.out, self.arch, self.device)  # base_model.json (export, submit)
             if self.config_record is not None:  # the config this session started with: --resume continues it
                 write_text_atomic(self.out / RECORD_NAME, json.dumps(self.config_record, indent=1) + "\n")
-        self.telemetry = Telemetry(self.cfg, self.out, self.jobs, is_logger=self.is_logger, resume=self.resume,
-                                   limits=run_limits(self.plan))
+        self.telemetry = Telemetry(self.cfg, self.out, self.jobs, is_logger=self.is_logger,
+                                   resume=self.resume, limits=run_limits(self.plan))
         self._stops, self.stopped, self._last_timed_save = stops, None, time.monotonic()
-        self.live = LiveJobs(self.cfg, self.plan, self.out, self.model, self.feed, self.jobs, is_logger=self.is_logger,
-                             add_job=self._new_job, log=self.telemetry.log,
-                             finish=lambda name, release: self.adapters.finish(name, release, self.checkpoints))
+        self.live = LiveJobs(self.cfg, self.plan, self.out, self.model, self.feed, self.jobs,
+                             is_logger=self.is_logger, add_job=self._new_job, log=self.telemetry.log,
+                             finish=lambda name, rel: self.adapters.finish(name, rel, self.checkpoints))
         self.callbacks = [Boundary(), *self._user_callbacks]
 
     def _next_chunk(self):
-        """The next chunk to train; None when the run is over: every job ended (serving: and no submission came
-        within serve_idle_minutes) or a stop signal came. The idle timeout is read on each rank's clock: the
-        ranks agree on it through the poll (a rank that ended alone would leave the others waiting)."""
+        """The next chunk; None when the run is over: every job ended (serving: and none was submitted within
+        serve_idle_minutes) or a stop came. The ranks agree on the idle timeout (rank clocks) via the poll."""
         idle_since = None
         while (chunk := self.feed.next()) is None:
             idle = idle_since is not None and time.monotonic() - idle_since > self.cfg.serve_idle_minutes * 60
@@ -236,8 +237,7 @@ class Trainer:
         return chunk
 
     def _record(self, chunk, result: dict) -> dict:
-        """Count the chunk's optimizer steps on their jobs (in global-batch order), log them, pause jobs that
-        diverged. Returns the chunk's record for the callbacks: result, bubble ratio, peak memory."""
+        """Count the chunk's steps on their jobs (global-batch order), log them, pause diverged jobs."""
         from lorafusion.runtime.telemetry.metrics import max_memory_gib
 
         order = list(self.jobs)
@@ -259,7 +259,8 @@ class Trainer:
 
     def _stop_or_save(self) -> bool:
         """The ranks agree (one tiny collective per chunk) on a stop signal and on a timed checkpoint."""
-        stop, timed = self._stops.poll(time.monotonic() - self._last_timed_save >= self.cfg.checkpoint.every_minutes * 60)
+        stop, timed = self._stops.poll(
+            time.monotonic() - self._last_timed_save >= self.cfg.checkpoint.every_minutes * 60)
         if stop or timed:
             self.checkpoints.save_all(only_default_policy=not stop)
             self._last_timed_save = time.monotonic()
@@ -291,10 +292,9 @@ class Trainer:
         return write_summary(self)
 
     def _pause_diverged(self, name: str) -> None:
-        """Stop a job whose last ``max_nonfinite_steps`` steps were all non-finite: no more batches (from the
-        next planned chunk on) and no more updates; its weights are those of its last finite step (skipped
-        steps change nothing), checkpointed now and exported at the end as its adapter."""
+        """Stop a job whose last ``max_nonfinite_steps`` steps were all non-finite: no batches (from the next
+        planned chunk) or updates; its last finite weights are checkpointed now and exported at the end."""
         js = self.jobs[name]
-        self.telemetry.log(f"job {name}: diverged ({js.nonfinite} non-finite steps in a row) — paused at step "
-                           f"{js.steps}; its adapter is its last finite state; the other jobs continue")
+        self.telemetry.log(f"job {name}: diverged ({js.nonfinite} non-finite steps in a row) — paused at "
+                           f"step {js.steps}; its adapter is its last finite state; the other jobs continue")
         self.checkpoints.halt(name, JobStatus.DIVERGED)

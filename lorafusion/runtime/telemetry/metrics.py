@@ -27,7 +27,8 @@ def cut_metrics(path: Path, steps: dict[str, int]) -> None:
         try:
             line = raw.decode("utf-8")
             row = json.loads(line)
-        except (UnicodeDecodeError, ValueError, RecursionError):  # a line cut short by a crash, damage: dropped
+        # a line cut short by a crash, damage: dropped
+        except (UnicodeDecodeError, ValueError, RecursionError):
             continue
         if not isinstance(row, dict):  # (no row of ours)
             continue
@@ -39,9 +40,10 @@ def cut_metrics(path: Path, steps: dict[str, int]) -> None:
 
 
 class MetricsWriter:
-    """Every step and eval row into ``metrics.jsonl``, and into the trackers the run asks for: tensorboard, and
-    Weights & Biases (``wandb``: a :class:`lorafusion.config.schema.WandbConfig`, offline unless it says online) and
-    MLflow (``mlflow``: a :class:`lorafusion.config.schema.MlflowConfig`, a file store in the run unless it says)."""
+    """Every step and eval row into ``metrics.jsonl``, and into the trackers the run asks for: tensorboard,
+    and Weights & Biases (``wandb``: a :class:`lorafusion.config.schema.WandbConfig`, offline unless it says
+    online) and MLflow (``mlflow``: a :class:`lorafusion.config.schema.MlflowConfig`, a file store in the run
+    unless it says)."""
 
     def __init__(self, output_dir: Path, tensorboard: bool = True, wandb=None, config: dict | None = None,
                  mlflow=None):
@@ -49,7 +51,8 @@ class MetricsWriter:
         if self.path.exists() and not self.path.is_file():  # (a FIFO would block the run's start for good)
             from lorafusion.core.errors import MissingFileError
 
-            raise MissingFileError(f"{self.path}: not a regular file; expected the run's metrics (JSON lines)")
+            raise MissingFileError(
+                f"{self.path}: not a regular file; expected the run's metrics (JSON lines)")
         self._f = self.path.open("a", buffering=1)
         self._tb = self._wandb = self._mlflow = None
         self._rows = 0  # rows logged by this writer: the x axis of the run-wide scalars
@@ -60,7 +63,8 @@ class MetricsWriter:
         if wandb is not None:
             import wandb as wb
 
-            self._wandb = wb.init(project=wandb.project, mode=wandb.mode, name=wandb.name or Path(output_dir).name,
+            self._wandb = wb.init(project=wandb.project, mode=wandb.mode,
+                                  name=wandb.name or Path(output_dir).name,
                                   dir=str(output_dir), config=config, reinit="finish_previous")
         if mlflow is not None:
             from lorafusion.runtime.telemetry.mlflow_tracker import MlflowTracker
@@ -75,8 +79,8 @@ class MetricsWriter:
             self._mlflow.log(record, keys)
 
     def log_step(self, record: dict) -> None:
-        """record: {"job", "step", "loss", "tokens", "lr", "grad_norm", "skipped", "tokens_per_s", "max_memory_gib",
-        "elapsed_s"}; non-finite numbers are written as null."""
+        """record: {"job", "step", "loss", "tokens", "lr", "grad_norm", "skipped", "tokens_per_s",
+        "max_memory_gib", "elapsed_s"}; non-finite numbers are written as null."""
         # strict JSON: a non-finite number is written as null, never as a bare NaN/Infinity
         self._f.write(json.dumps({k: _finite_or_none(v) for k, v in record.items()}, allow_nan=False) + "\n")
         if self._tb is not None:
@@ -87,14 +91,16 @@ class MetricsWriter:
             for key in ("tokens_per_s", "max_memory_gib"):  # run-wide: one point per logged row
                 if record.get(key) is not None:
                     self._tb.add_scalar(f"run/{key}", record[key], self._rows)
-        self._to_trackers({k: _finite_or_none(v) for k, v in record.items()}, ("loss", "lr", "grad_norm", "tokens"))
+        self._to_trackers({k: _finite_or_none(v) for k, v in record.items()},
+                          ("loss", "lr", "grad_norm", "tokens"))
         self._rows += 1
 
     def log_eval(self, record: dict) -> None:
-        """record: {"job", "step", "eval_loss", "eval_tokens", "best_eval_loss", "best_step"} (an ``eval_loss``
-        row; step rows have ``loss`` instead); tensorboard scalar ``<job>/eval_loss``."""
+        """record: {"job", "step", "eval_loss", "eval_tokens", "best_eval_loss", "best_step"} (an
+        ``eval_loss`` row; step rows have ``loss`` instead); tensorboard scalar ``<job>/eval_loss``."""
         self._f.write(json.dumps({k: _finite_or_none(v) for k, v in record.items()}, allow_nan=False) + "\n")
-        if self._tb is not None and record.get("eval_loss") is not None and math.isfinite(record["eval_loss"]):
+        if (self._tb is not None and record.get("eval_loss") is not None
+                and math.isfinite(record["eval_loss"])):
             self._tb.add_scalar(f"{record['job']}/eval_loss", record["eval_loss"], record["step"])
         self._to_trackers({k: _finite_or_none(v) for k, v in record.items()}, ("eval_loss", "best_eval_loss"))
 

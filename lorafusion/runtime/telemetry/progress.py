@@ -1,9 +1,10 @@
 """Training progress for people: one row per job — step/max, loss, eval loss, tokens/s, ETA.
 
-On a terminal a live table (``rich``), redrawn a few times a second in place. Elsewhere (a log file, a Slurm log,
-a pipe) plain lines: a job's line at its first step, then at most every ``log_every_s`` seconds (at steps that are
-multiples of ``log_every``), and at its last step — a few lines a minute, not one per job per step. Events (an
-evaluation, a job handed over, a diverging step) are printed as they happen, above the live table."""
+On a terminal a live table (``rich``), redrawn a few times a second in place. Elsewhere (a log file, a Slurm
+log, a pipe) plain lines: a job's line at its first step, then at most every ``log_every_s`` seconds (at steps
+that are multiples of ``log_every``), and at its last step — a few lines a minute, not one per job per step.
+Events (an evaluation, a job handed over, a diverging step) are printed as they happen, above the live
+table."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ class _Row:
     lr: float | None = None
     tokens: int = 0  # this session, after its first update
     steps: int = 0  # this session, after its first update
-    t0: float | None = None  # first update this session: rate and ETA are over the steps since (the first step's
-    # own time is not known here, so a rate over it would divide its tokens by ~0 s)
+    # first update this session: rate and ETA are over the steps since (the first step's own time is not
+    # known here, so a rate over it would divide its tokens by ~0 s)
+    t0: float | None = None
     printed: float = float("-inf")  # plain mode: when its last line was printed
 
     def rate(self, now: float) -> float | None:
@@ -52,10 +54,11 @@ def _duration(s: float | None) -> str:
 
 
 class Progress:
-    """``jobs``: name -> max steps. ``terminal``: None = whether stderr is a terminal (lines for people go there)."""
+    """``jobs``: name -> max steps. ``terminal``: None = whether stderr is a terminal (lines for people go
+    there)."""
 
-    def __init__(self, jobs: dict[str, int], enabled: bool = True, log_every: int = 1, log_every_s: float = 30.0,
-                 terminal: bool | None = None, memory=None):
+    def __init__(self, jobs: dict[str, int], enabled: bool = True, log_every: int = 1,
+                 log_every_s: float = 30.0, terminal: bool | None = None, memory=None):
         self.enabled = enabled
         self.rows = {j: _Row(total) for j, total in jobs.items()}
         self.log_every, self.log_every_s = log_every, log_every_s
@@ -76,8 +79,8 @@ class Progress:
     @classmethod
     def for_run(cls, logging, jobs: dict[str, int], memory=None) -> "Progress":
         """From a run's ``logging`` section (:class:`lorafusion.config.schema.LoggingConfig`)."""
-        return cls(jobs, enabled=logging.progress, log_every=logging.log_every, log_every_s=logging.log_every_s,
-                   memory=memory)
+        return cls(jobs, enabled=logging.progress, log_every=logging.log_every,
+                   log_every_s=logging.log_every_s, memory=memory)
 
     def _row(self, job: str, total: int | None) -> _Row:
         row = self.rows.setdefault(job, _Row(total))  # a job may join the run later
@@ -127,8 +130,10 @@ class Progress:
             table.add_column(name, **kw)
         for job, row in self.rows.items():
             total = "?" if row.total is None else row.total
-            table.add_row(job, f"{row.step}/{total}", _num(row.loss), _num(row.eval_loss), _rate(row.rate(now)),
-                          "done" if row.total is not None and row.step >= row.total else _duration(row.eta(now)))
+            table.add_row(job, f"{row.step}/{total}", _num(row.loss), _num(row.eval_loss),
+                          _rate(row.rate(now)),
+                          "done" if row.total is not None and row.step >= row.total
+                          else _duration(row.eta(now)))
         return table
 
     def log(self, line: str) -> None:

@@ -36,8 +36,8 @@ def stage_model(cfg, plan: RunPlan) -> StageModel:
 
 
 class Progress:
-    """``plan: ...`` lines on stderr while a plan runs: each pass's start and, every ``every_s`` seconds, how far
-    it got (a sweep of the 70B config plans for a minute)."""
+    """``plan: ...`` lines on stderr while a plan runs: each pass's start and, every ``every_s`` seconds, how
+    far it got (a sweep of the 70B config plans for a minute)."""
 
     def __init__(self, every_s: float = 2.0, stream=None):
         import sys
@@ -55,7 +55,9 @@ class Progress:
     def step(self, done: int) -> None:
         if self._clock() - self._last >= self.every_s:
             self._last = self._clock()
-            print(f"plan: {self.what}: {done}/{self.chunks} chunks planned ({self._last - self.t0:.0f}s so far)",
+            print(
+                f"plan: {self.what}: {done}/{self.chunks} chunks planned ({self._last - self.t0:.0f}s so "
+                "far)",
                   file=self.stream, flush=True)
 
 
@@ -74,11 +76,13 @@ def plan_chunks(feed: Feed, max_chunks: int, progress: Progress | None = None, w
 
 
 def write_plan_report(feed: Feed, out_dir: Path, max_chunks: int = 20, stage: StageModel | None = None,
-                      charts: bool = True, chunks: list | None = None, progress: Progress | None = None) -> dict:
+                      charts: bool = True, chunks: list | None = None,
+                      progress: Progress | None = None) -> dict:
     """Plan up to ``max_chunks`` chunks (or take the planned ``chunks``); write ``plan.jsonl`` (one row per
     microbatch), ``windows.json`` (one row per chunk: fill, imbalance, simulated bubble overall and per stage,
-    planning time), ``gantt.png`` and ``packing.png`` (the first ``CHART_CHUNKS`` chunks, a panel per chunk and
-    DP rank). ``stage``: the pipeline's split and costs (default: equal stages, the default cost model). Returns
+    planning time), ``gantt.png`` and ``packing.png`` (the first ``CHART_CHUNKS`` chunks, a panel per chunk
+    and DP rank). ``stage``: the pipeline's split and costs (default: equal stages, the default cost
+    model). Returns
     ``{"chunks": [the rows of windows.json], "dir": ..., "files": [names written], "planned": [the chunks]}``.
     (The files name a chunk's index "window", as they always have: one thing, a chunk.)"""
     from lorafusion.scheduler import render_chunks, simulate_plan
@@ -137,7 +141,8 @@ def sweep_virtual(cfg, world: World, virtuals: list[int], max_chunks: int, out_d
     for V in virtuals:
         for name, layers in (("even", None), ("auto", "auto")):
             layout = cfg.parallelism.model_copy(update={"virtual_stages": V, "stage_layers": layers})
-            cfg_v = cfg.model_copy(update={"parallelism": layout})  # (a copy: the loaded config stays as it is)
+            # (a copy: the loaded config stays as it is)
+            cfg_v = cfg.model_copy(update={"parallelism": layout})
             try:
                 plan_v = resolve(cfg_v, world, None)
             except ConfigError:  # no even split for this V

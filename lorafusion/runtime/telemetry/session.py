@@ -29,8 +29,8 @@ class Telemetry:
             cut_metrics(run.metrics, {n: js.steps for n, js in jobs.items()})
         else:  # a fresh run (the directory held at most a failed run's rows, see check_output_dir)
             run.metrics.unlink(missing_ok=True)
-        self.metrics = MetricsWriter(out, cfg.logging.tensorboard, cfg.logging.wandb, cfg.model_dump(mode="json"),
-                                     mlflow=cfg.logging.mlflow)
+        self.metrics = MetricsWriter(out, cfg.logging.tensorboard, cfg.logging.wandb,
+                                     cfg.model_dump(mode="json"), mlflow=cfg.logging.mlflow)
         self.progress = Progress.for_run(cfg.logging, {n: js.stream.total_steps for n, js in jobs.items()},
                                          max_memory_gib)
         self.status = StatusWriter(out, jobs, limits=limits)  # status.json (lorafusion status)

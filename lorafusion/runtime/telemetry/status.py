@@ -1,4 +1,5 @@
-"""Rank 0's writer of ``OUTPUT_DIR/status.json`` (the format: :mod:`lorafusion.rundir.status`, which reads it)."""
+"""Rank 0's writer of ``OUTPUT_DIR/status.json`` (the format: :mod:`lorafusion.rundir.status`, which reads
+it)."""
 
 from __future__ import annotations
 
@@ -32,13 +33,15 @@ class StatusWriter:
         elapsed = max(1e-9, now - self._t0)
         rows, session_tokens = {}, 0
         for n, js in self.jobs.items():
-            steps0, tokens0, t_join = self._start.setdefault(n, (js.steps, js.tokens, now))  # a job may join later
+            # a job may join later
+            steps0, tokens0, t_join = self._start.setdefault(n, (js.steps, js.tokens, now))
             job_elapsed = max(1e-9, now - t_join)
             done_steps, done_tokens = js.steps - steps0, js.tokens - tokens0
             session_tokens += done_tokens
             total = js.stream.total_steps
             state = (job_states or {}).get(n) or (
-                js.shown(run_stopped=run_state == "stopped", in_chunk=None if in_chunk is None else n in in_chunk))
+                js.shown(run_stopped=run_state == "stopped",
+                         in_chunk=None if in_chunk is None else n in in_chunk))
             remaining = max(0, total - js.steps)
             eta = (remaining * job_elapsed / done_steps) if done_steps and state == JobStatus.RUNNING else (
                 0.0 if state == JobStatus.DONE else None)
