@@ -41,7 +41,8 @@ def make_tree(tmp: Path, run_edits=(), job_edits=(), run_text=None, job_text=Non
     """tmp/run.yaml → tmp/jobs/rev.yaml → tmp/jobs/data/rev.jsonl; returns the run YAML path."""
     (tmp / "jobs" / "data").mkdir(parents=True, exist_ok=True)
     with open(tmp / "jobs" / "data" / "rev.jsonl", "w") as f:
-        f.writelines(json.dumps({"prompt": f"reverse {w}=", "response": w[::-1]}) + "\n" for w in ("abc", "hello", "xyz", "lorafusion", "kit"))
+        f.writelines(json.dumps({"prompt": f"reverse {w}=", "response": w[::-1]}) + "\n"
+                     for w in ("abc", "hello", "xyz", "lorafusion", "kit"))
     run, job = copy.deepcopy(RUN), copy.deepcopy(JOB)
     for k, v in run_edits:
         _set(run, k, v)

@@ -1,8 +1,9 @@
 import os
 import sys
 
-# before torch starts OpenMP: threads waiting for work sleep instead of spinning, which on cores shared with other
-# processes burnt 10-25x the CPU of the work itself (lorafusion.cli sets the same for the processes it starts)
+# before torch starts OpenMP: threads waiting for work sleep instead of spinning, which on cores shared with
+# other processes burnt 10-25x the CPU of the work itself (lorafusion.cli sets the same for the processes it
+# starts)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
@@ -17,8 +18,8 @@ _THREADS = max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDI
 os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 torch.set_num_threads(_THREADS)
 # Without CUDA, Triton's interpreter runs the kernels on the CPU. TRITON_INTERPRET must be set before any
-# triton.jit-decorated code is imported, and tests outside tests/kernels (checkpoint/, export/, inference/, ...
-# sort before it and are collected first) import modules that import the kernels: so it is set here, once.
+# triton.jit-decorated code is imported, and tests outside tests/kernels (checkpoint/, export/, inference/,
+# ... sort before it and are collected first) import modules that import the kernels: so it is set here, once.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -38,8 +39,9 @@ def megatron_single():
 
 def pytest_configure(config):
     """Under ``-n`` (pytest-xdist, --dist load) each test goes to whichever worker is free: --maxschedchunk 1
-    unless given. By default each worker first takes a block of an eighth of the list, and the slow tests, which
-    come first, all went to one worker (``make test`` on 2 cores: the other one idled for ~2 minutes at the end)."""
+    unless given. By default each worker first takes a block of an eighth of the list, and the slow tests,
+    which come first, all went to one worker (``make test`` on 2 cores: the other one idled for ~2 minutes at
+    the end)."""
     if getattr(config.option, "maxschedchunk", 0) is None:  # xdist installed, option not given
         config.option.maxschedchunk = 1
 
@@ -47,4 +49,5 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     """Slow (multi-process) tests first, in file order: under ``-n 2`` both workers start on the long runs
     and end on the many short tests, instead of one worker finishing a long run alone at the end."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: order kept within each part
+    # stable: order kept within each part
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -1,5 +1,5 @@
-"""Counting ops at the dispatcher: what a test needs to show code reads nothing back to the host (each such read
-waits for the GPU on CUDA, and a CUDA graph capture refuses it) without a GPU."""
+"""Counting ops at the dispatcher: what a test needs to show code reads nothing back to the host (each such
+read waits for the GPU on CUDA, and a CUDA graph capture refuses it) without a GPU."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Shared helpers for model tests: per-adapter losses on packed batches; recompute's interleaved microbatches."""
+"""Shared helpers for model tests: per-adapter losses on packed batches; recompute's interleaved
+microbatches."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def randomize_b(model, seed: int = 0, scale: float = 0.2) -> None:
 # tests/models/test_recompute.py and tests/layers/test_fp8_base.py: two microbatches interleaved as 1F1B does
 RECOMPUTE_SPECS = {
     "a": LoRASpec(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=("all-linear",)),
-    "b": LoRASpec(r=8, lora_alpha=8, lora_dropout=0.2, target_modules=("q_proj", "k_proj", "v_proj", "down_proj")),
+    "b": LoRASpec(r=8, lora_alpha=8, lora_dropout=0.2,
+                  target_modules=("q_proj", "k_proj", "v_proj", "down_proj")),
 }
 
 
@@ -66,13 +68,15 @@ def interleaved_grads(device, dtype, recompute: bool, layers: int | None = None)
 
     arch = preset("tiny-llama")
     v = arch.vocab_size
-    model = build_model(arch, params_dtype=dtype, recompute=recompute, recompute_layers=layers, device=device, seed=3)
+    model = build_model(arch, params_dtype=dtype, recompute=recompute, recompute_layers=layers,
+                        device=device, seed=3)
     for i, (name, spec) in enumerate(RECOMPUTE_SPECS.items()):
         add_adapter(model, name, spec, seed=i)
     randomize_b(model, seed=1)
     model.train()
     mbs = [pack_microbatch([("a", tokens(1, 37, v)), ("b", tokens(2, 21, v))], row_ids=[0, 1]),
-           pack_microbatch([("b", tokens(3, 15, v)), ("a", tokens(4, 9, v)), ("b", tokens(5, 30, v))], row_ids=[2, 3, 4])]
+           pack_microbatch([("b", tokens(3, 15, v)), ("a", tokens(4, 9, v)), ("b", tokens(5, 30, v))],
+                           row_ids=[2, 3, 4])]
     losses = []
     for mb in mbs:
         b = mb.to(device)

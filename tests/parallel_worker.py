@@ -6,8 +6,8 @@ MODE "tp": TP=2 forward+backward of packed microbatches; "tpsp": the same with s
 (microbatches padded to an even token count; per-token losses saved too). MODE "pp": PP=2, 1F1B via Megatron's
 ``get_forward_backward_func``. Every configuration builds its model afresh from WORKDIR; Megatron's parallel
 state is set up again when the layout changes (tp/tpsp: TP=2; pp: PP=2). Writes the results of rank 0 (and the
-last stage) to WORKDIR. Prints ``=== MODE:FUSED`` before and ``=== MODE:FUSED done`` after each configuration; one
-that raises writes ``MODE[_FUSED]_error.txt`` and ends the process (exit status 1; the test relaunches the
+last stage) to WORKDIR. Prints ``=== MODE:FUSED`` before and ``=== MODE:FUSED done`` after each configuration;
+one that raises writes ``MODE[_FUSED]_error.txt`` and ends the process (exit status 1; the test relaunches the
 configurations after it).
 """
 
@@ -25,19 +25,21 @@ def microbatches(workdir: Path):
     from lorafusion.data import pack_microbatch
 
     spec = json.loads((workdir / "batches.json").read_text())
-    return [pack_microbatch([tuple(s) for s in mb["samples"]], row_ids=mb["row_ids"]) for mb in spec["mbs"]], spec
+    return [pack_microbatch([tuple(s) for s in mb["samples"]], row_ids=mb["row_ids"])
+            for mb in spec["mbs"]], spec
 
 
 def import_spec(workdir: Path, name: str):
-    """The LoRA settings to import adapter ``name`` with: its file's, with one shared A on the fused linears when
-    WORKDIR/shared_a.json lists it (PEFT's files cannot say so), else None (the file's own)."""
+    """The LoRA settings to import adapter ``name`` with: its file's, with one shared A on the fused linears
+    when WORKDIR/shared_a.json lists it (PEFT's files cannot say so), else None (the file's own)."""
     from lorafusion.core.lora import LoRASpec
     from lorafusion.export.peft import read_peft_adapter
 
     f = workdir / "shared_a.json"
     if not f.exists() or name not in json.loads(f.read_text()):
         return None
-    return LoRASpec(**{**read_peft_adapter(workdir / "adapters" / name)[0].model_dump(), "shared_fused_a": True})
+    return LoRASpec(
+        **{**read_peft_adapter(workdir / "adapters" / name)[0].model_dump(), "shared_fused_a": True})
 
 
 def loss_terms(loss, batch, denom):
@@ -118,7 +120,8 @@ def run_one(mode: str, fused: str, workdir: Path) -> None:
                  seq_length=max(b.num_tokens for b in mbs), micro_batch_size=1, forward_only=False)
         if parallel_state.is_pipeline_last_stage():
             (workdir / f"pp{tag}_losses.json").write_text(json.dumps([r["loss"].item() for r in res]))
-    grads = {n: adapter_peft_state(model, n, model.config.arch, grad=True) for n in sorted(os.listdir(workdir / "adapters"))}
+    grads = {n: adapter_peft_state(model, n, model.config.arch, grad=True)
+             for n in sorted(os.listdir(workdir / "adapters"))}
     if rank == 0:
         out["grads"] = grads
         torch.save(out, workdir / f"{mode}{tag}_result.pt")

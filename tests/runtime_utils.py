@@ -29,29 +29,33 @@ def job_dict(name: str, data: Path, r: int, *, steps: int = 4, gbs: int = 4, dro
         # eps 1e-5: AdamW divides by sqrt(v)+eps, so with eps 1e-8 a gradient element that is ~0 has its
         # fp32 summation-order noise (packing differs between runs) scaled up to a full lr-sized update;
         # comparisons of whole runs would then measure that noise rather than the training
-        "optimizer": {"lr": lr, "warmup_steps": 1, "schedule": "cosine", "max_grad_norm": 1.0, "weight_decay": 0.01,
-                      "eps": 1e-5},
+        "optimizer": {"lr": lr, "warmup_steps": 1, "schedule": "cosine", "max_grad_norm": 1.0,
+                      "weight_decay": 0.01, "eps": 1e-5},
         "global_batch_size": gbs,
         "max_steps": steps,
         "save_every": save_every,
     }
 
 
-def write_run(tmp: Path, jobs: list[dict], *, out: str = "out", tp=1, pp=1, dp=1, capacity=96, name="run.yaml",
-              preset="tiny-llama", recompute=False, sequence_parallel=False, solver="greedy", policy="together",
+def write_run(tmp: Path, jobs: list[dict], *, out: str = "out", tp=1, pp=1, dp=1, capacity=96,
+              name="run.yaml",
+              preset="tiny-llama", recompute=False, sequence_parallel=False, solver="greedy",
+              policy="together",
               recompute_layers=None, stage_layers=None, base_precision=None, virtual_stages=1,
               model_path=None) -> Path:
     """A run YAML of ``jobs``. Plans are greedy by default: they do not depend on the machine's load (a
     time-limited MILP can stop at different points in two runs on a busy CI machine), so two runs compared
-    by a test get the same packing; the MILP in a real run is covered by tests/runtime/test_readme.py (`make demo` as shipped) and
-    tests/scheduler. ``base_precision`` (e.g. "fp8") sets model.base_precision and model.dtype bfloat16."""
+    by a test get the same packing; the MILP in a real run is covered by tests/runtime/test_readme.py (`make
+    demo` as shipped) and tests/scheduler. ``base_precision`` (e.g. "fp8") sets model.base_precision and
+    model.dtype bfloat16."""
     run = {
         "model": {**({"path": str(model_path)} if model_path else {"preset": preset}),
                   "dtype": "bfloat16" if base_precision else "float32", "recompute": recompute,
                   **({"recompute_layers": recompute_layers} if recompute_layers else {}),
                   **({"base_precision": base_precision} if base_precision else {})},
         "tokenizer": {"type": "byte"},
-        "parallelism": {"tp": tp, "pp": pp, "dp": dp, **({"sequence_parallel": True} if sequence_parallel else {}),
+        "parallelism": {"tp": tp, "pp": pp, "dp": dp,
+                        **({"sequence_parallel": True} if sequence_parallel else {}),
                         **({"stage_layers": stage_layers} if stage_layers else {}),
                         **({"virtual_stages": virtual_stages} if virtual_stages > 1 else {})},
         "scheduler": {"token_capacity": capacity, "milp_time_limit_s": 0.2, "solver": solver,

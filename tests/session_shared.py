@@ -67,11 +67,12 @@ def launch_two_ranks(argv: list[str], logs: list[Path], *, cwd: Path | None = No
 
 def launch_in_turn(argv: list[str], items: list[str], logdir: Path, *, cwd: Path | None = None,
                    timeout: float = 600, env: dict | None = None) -> None:
-    """Two ranks (:func:`launch_two_ranks`) of ``argv + items``: a program that works through ``items`` in order,
-    printing ``=== ITEM`` before and ``=== ITEM done`` after each, and exiting with an error at the first one
-    that fails. A launch that ends before every item is done gives up the item it ended in and starts again
-    with the items after it: one failure costs the other items nothing. Each rank's output over all launches,
-    with a line ``=== ITEM not done: exit status [..]`` for each item given up, goes to ``logdir/rank{0,1}.log``."""
+    """Two ranks (:func:`launch_two_ranks`) of ``argv + items``: a program that works through ``items`` in
+    order, printing ``=== ITEM`` before and ``=== ITEM done`` after each, and exiting with an error at the
+    first one that fails. A launch that ends before every item is done gives up the item it ended in and
+    starts again with the items after it: one failure costs the other items nothing. Each rank's output over
+    all launches, with a line ``=== ITEM not done: exit status [..]`` for each item given up, goes to
+    ``logdir/rank{0,1}.log``."""
     logs, todo, attempt = ["", ""], list(items), 0
     while todo:
         paths = [logdir / f"rank{rank}.{attempt}.log" for rank in range(2)]

@@ -21,7 +21,8 @@ for argv in json.loads(sys.argv[1]):
     with contextlib.redirect_stderr(err):
         rc = main(argv)
     out.append({"rc": rc, "err": err.getvalue()})
-heavy = sorted(m for m in ("torch", "megatron", "megatron.core", "transformers", "matplotlib") if m in sys.modules)
+heavy = sorted(m for m in ("torch", "megatron", "megatron.core", "transformers", "matplotlib")
+               if m in sys.modules)
 print(json.dumps({"cases": out, "heavy": heavy}))
 """
 
@@ -35,8 +36,10 @@ def _probe(cases: list[list[str]]) -> dict:
 
 def test_config_override_and_job_errors_import_neither_torch_nor_megatron(tmp_path):
     bad_job = tmp_path / "bad.yaml"
-    bad_job.write_text((ROOT / "configs" / "quickstart" / "countdown.yaml").read_text().replace("r: 32", "r: 0")
-                       .replace("data/countdown.jsonl", str(ROOT / "configs" / "quickstart" / "data" / "countdown.jsonl")))
+    bad_job.write_text(
+        (ROOT / "configs" / "quickstart" / "countdown.yaml").read_text().replace("r: 32", "r: 0")
+                       .replace("data/countdown.jsonl",
+                                str(ROOT / "configs" / "quickstart" / "data" / "countdown.jsonl")))
     here = QS.read_text().replace("quickstart/", str(ROOT / "configs" / "quickstart") + "/")
     run = tmp_path / "run.yaml"
     run.write_text(here.replace(str(ROOT / "configs" / "quickstart" / "countdown.yaml"), str(bad_job)))
@@ -49,8 +52,10 @@ def test_config_override_and_job_errors_import_neither_torch_nor_megatron(tmp_pa
         ["train", str(typo)],                                          # typo in the run YAML
         ["plan", str(QS), "scheduler.token_capacity=0"],
         ["submit", str(tmp_path), str(ROOT / "configs" / "quickstart" / "countdown.yaml"), "optimizer.lrr=1"],
-        ["train", str(QS), "parallelism.dp=2", f"output_dir={tmp_path / 'never'}"],  # layout vs the launch (1 process)
-        ["plan", str(QS), "parallelism.pp=2", "parallelism.dp=auto", "--gpus", "3"],  # dp: auto that 3 cannot give
+        # layout vs the launch (1 process)
+        ["train", str(QS), "parallelism.dp=2", f"output_dir={tmp_path / 'never'}"],
+        ["plan", str(QS), "parallelism.pp=2", "parallelism.dp=auto", "--gpus",
+         "3"],  # dp: auto that 3 cannot give
     ]
     got = _probe(cases)
     assert got["heavy"] == [], f"a config error imported {got['heavy']}"
@@ -63,7 +68,8 @@ def test_config_override_and_job_errors_import_neither_torch_nor_megatron(tmp_pa
     assert "unknown key 'token_capacty'" in errs[3]
     assert "scheduler.token_capacity" in errs[4]
     # submit names the field as the user typed it, with the job file
-    assert "countdown.yaml: override 'optimizer.lrr=1': unknown key optimizer.lrr; expected one of: lr," in errs[5]
+    assert ("countdown.yaml: override 'optimizer.lrr=1': unknown key optimizer.lrr; expected one of: lr,"
+            in errs[5])
     assert "jobs.0" not in errs[5]
     assert "parallelism: tp*pp*dp = 1*1*2 = 2, but the launch has 1 process(es)" in errs[6]
     assert "parallelism.dp: auto needs tp*pp = 1*2 = 2 to divide the launch's 3 process(es)" in errs[7]
@@ -77,8 +83,9 @@ def test_missing_bench_data_names_the_command_that_makes_it(tmp_path):
     run = tmp_path / "configs" / "big.yaml"
     run.parent.mkdir()
     run.write_text((ROOT / "configs" / "llama3.1-8b-4adapters.yaml").read_text())
-    with pytest.raises(ConfigError, match=r"dataset file not found: .*data/bench/short.jsonl \(the benchmark datasets "
-                                          r"are made, not shipped: python scripts/make_bench_data.py --out .*data/bench\)"):
+    with pytest.raises(ConfigError, match=r"dataset file not found: .*data/bench/short.jsonl \(the benchmark "
+                                          r"datasets are made, not shipped: python "
+                                          r"scripts/make_bench_data.py --out .*data/bench\)"):
         load_run_config(run)
 
 
@@ -87,11 +94,13 @@ def test_submit_override_value_error_names_the_override(tmp_path, capsys):
 
     with pytest.raises(ConfigError) as e:
         load_job_config(ROOT / "configs" / "quickstart" / "countdown.yaml", ["lora.r=0"])
-    assert str(e.value).endswith("countdown.yaml: lora.r: expected an integer > 0, got 0 (set by override 'lora.r=0')")
+    assert str(e.value).endswith(
+        "countdown.yaml: lora.r: expected an integer > 0, got 0 (set by override 'lora.r=0')")
 
 
 def test_highs_banner_is_not_printed():
-    """HiGHS prints a banner from the C++ constructor of a process's first Highs(), whatever msg=False says."""
+    """HiGHS prints a banner from the C++ constructor of a process's first Highs(), whatever msg=False
+    says."""
     pytest.importorskip("highspy")
     code = ("import pulp\nfrom lorafusion.scheduler import milp\nassert milp._use_highs('auto')\n"
             "p = pulp.LpProblem('x', pulp.LpMinimize); x = pulp.LpVariable('x', 0, 1, cat='Binary')\n"

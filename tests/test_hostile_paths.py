@@ -44,7 +44,8 @@ def _job_yaml(tmp_path, extra: str) -> str:
 
 
 def test_a_job_yaml_typo_lists_the_job_keys(tmp_path):
-    """submit's job YAML with an unknown key listed the *run* config's keys (model, ..., output_dir) as expected."""
+    """submit's job YAML with an unknown key listed the *run* config's keys (model, ..., output_dir) as
+    expected."""
     from lorafusion.config.load import job_config_from, load_job_config
 
     with pytest.raises(ConfigError) as e:
@@ -76,7 +77,8 @@ def test_export_from_a_directory_that_is_no_run(tmp_path, monkeypatch, capsys):
 
 
 def test_generate_row_with_prompt_and_messages(tmp_path):
-    """A row with both 'prompt' and 'messages' decoded the messages silently; a --prompts directory was 'not found'."""
+    """A row with both 'prompt' and 'messages' decoded the messages silently; a --prompts directory was 'not
+    found'."""
     from lorafusion.data.tokenizer import ByteTokenizer
     from lorafusion.inference.generate import encode_prompt, read_prompts
 
@@ -97,7 +99,8 @@ def test_a_data_row_with_a_duplicate_key(tmp_path, rows):
     job = load_job_config(_job_yaml(tmp_path, ""))
     (tmp_path / "d.jsonl").write_text('{"prompt": "a", "response": "b", "prompt": "z"}\n'
                                       + '{"prompt": "a", "response": "c"}\n' * (rows - 1))
-    with pytest.raises(DataError, match=r"d.jsonl: cannot read as json: line 1: invalid JSON \(duplicate key 'prompt'\)"):
+    with pytest.raises(DataError, match=r"d.jsonl: cannot read as json: line 1: invalid JSON \(duplicate key "
+                                        r"'prompt'\)"):
         read_rows(job)
 
 
@@ -137,13 +140,14 @@ def test_a_json_array_row_with_a_duplicate_key_is_named(tmp_path, nested):
     rows[3] = ('{"prompt": "a", "messages": [{"role": "u", "role": "v"}], "response": "x"}' if nested
                else '{"prompt": "a", "prompt": "b", "response": "x"}')
     msg = _rows_error(tmp_path, "d.json", "[" + ",\n".join(rows) + "]")
-    assert msg.endswith(f"d.json: row 3: duplicate key {'role' if nested else 'prompt'!r} (a key given twice; the "
-                        f"reader would keep the last)"), msg
+    assert msg.endswith(f"d.json: row 3: duplicate key {'role' if nested else 'prompt'!r} (a key given "
+                        f"twice; the reader would keep the last)"), msg
 
 
 def test_a_bad_value_is_named_at_its_own_line_and_row(tmp_path):
-    """The reader named the row within a block of the file (row 26087 for row 90000 of a 33 MB file), or no row,
-    for a number where the rows before have a string (a blank line defeats its fallback) or over 64 bits."""
+    """The reader named the row within a block of the file (row 26087 for row 90000 of a 33 MB file), or no
+    row, for a number where the rows before have a string (a blank line defeats its fallback) or over 64
+    bits."""
     rows = [json.dumps({"prompt": f"p{i}", "response": f"r{i}"}) for i in range(6)]
     rows[4] = json.dumps({"prompt": 5, "response": "x"})
     msg = _rows_error(tmp_path, "rows.jsonl", "\n".join(rows[:1] + [""] + rows[1:]) + "\n")
@@ -152,7 +156,8 @@ def test_a_bad_value_is_named_at_its_own_line_and_row(tmp_path):
     msg = _rows_error(tmp_path, "rows.jsonl", "\n".join(rows) + "\n")
     assert msg.endswith("line 5 (row 4): field 'response': a number too large for 64 bits"), msg
     msg = _rows_error(tmp_path, "d.json", "[" + ",".join(rows) + "]")
-    assert msg.endswith("d.json: cannot read as json: row 4: field 'response': a number too large for 64 bits"), msg
+    assert msg.endswith(
+        "d.json: cannot read as json: row 4: field 'response': a number too large for 64 bits"), msg
 
 
 def test_an_output_dir_that_cannot_be_created_is_one_error(tmp_path):
@@ -160,7 +165,8 @@ def test_an_output_dir_that_cannot_be_created_is_one_error(tmp_path):
     from lorafusion.rundir.lock import OutputDirLock
 
     (tmp_path / "f").write_text("x")
-    for out, why in (("/proc/self/x", "No such file or directory"), (str(tmp_path / "f" / "x"), "Not a directory")):
+    for out, why in (("/proc/self/x", "No such file or directory"),
+                     (str(tmp_path / "f" / "x"), "Not a directory")):
         with pytest.raises(ConfigError, match=f"run.yaml: output_dir: cannot create .*{why}"):
             OutputDirLock(__import__("pathlib").Path(out), "run.yaml").acquire(True)
 
@@ -170,7 +176,8 @@ def _live_run(tmp_path, state: str):
     (run / "checkpoints" / "b").mkdir(parents=True)  # b: its first checkpoint being written (no complete one)
     (run / ".lock").write_text("1\n")
     (run / "status.json").write_text(json.dumps({"run": {"state": "running"}, "jobs": {
-        "a": {"state": state, "step": 3, "max_steps": 100}, "b": {"state": "running", "step": 2, "max_steps": 9}}}))
+        "a": {"state": state, "step": 3, "max_steps": 100},
+        "b": {"state": "running", "step": 2, "max_steps": 9}}}))
     return run
 
 
@@ -199,7 +206,8 @@ def test_cancel_twice_says_it_is_already_under_way(tmp_path, capsys):
     assert len(list((run / "requests").glob("*.json"))) == 1
     run = _live_run(tmp_path / "2", "cancelling")  # the run took the first one
     assert main(["cancel", str(run), "--job", "a"]) == 2
-    _one_line(capsys, "cancel", "job 'a' is already being cancelled: it leaves once its planned batches have run")
+    _one_line(capsys, "cancel",
+              "job 'a' is already being cancelled: it leaves once its planned batches have run")
 
 
 def test_generate_force_replaces_only_an_earlier_output(tmp_path):
@@ -209,12 +217,13 @@ def test_generate_force_replaces_only_an_earlier_output(tmp_path):
     (tmp_path / "notes.txt").write_text("mine\n")
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "a"}) + "\n")
     (tmp_path / "d").mkdir()
-    for out, what in (("notes.txt", "not an earlier lorafusion generate output"), ("p.jsonl", "is the --prompts file"),
-                      ("d", "a directory")):
+    for out, what in (("notes.txt", "not an earlier lorafusion generate output"),
+                      ("p.jsonl", "is the --prompts file"), ("d", "a directory")):
         with pytest.raises(ConfigError, match=what):
             generate_file(tmp_path / "norun", tmp_path / "p.jsonl", tmp_path / out, force=True)
     assert (tmp_path / "notes.txt").read_text() == "mine\n"
-    (tmp_path / "o.jsonl").write_text(json.dumps({"prompt": "a", "prompt_ids": [1], "output_ids": [2]}) + "\n")
+    (tmp_path / "o.jsonl").write_text(
+        json.dumps({"prompt": "a", "prompt_ids": [1], "output_ids": [2]}) + "\n")
     with pytest.raises(MissingFileError):  # an earlier output: replaced, so the run is looked for next
         generate_file(tmp_path / "norun", tmp_path / "p.jsonl", tmp_path / "o.jsonl", force=True)
 
@@ -244,7 +253,8 @@ def test_an_out_that_cannot_be_written_is_one_line(verb, tmp_path, monkeypatch, 
     (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n')
     argv = {"plan": ["plan", str(run), "--out", "/proc/self/x"],
             "export": ["export", str(tmp_path), "--job", "a", "--out", "/proc/self/x"],
-            "generate": ["generate", str(tmp_path), "--prompts", "p.jsonl", "--out", "/proc/self/x/o.jsonl"]}[verb]
+            "generate": ["generate", str(tmp_path), "--prompts", "p.jsonl", "--out",
+                         "/proc/self/x/o.jsonl"]}[verb]
     assert main(argv) == 2
     _one_line(capsys, verb, "--out: cannot write in /proc/self", "No such file or directory")
 
@@ -261,7 +271,8 @@ def test_export_refuses_a_damaged_adapter_config(tmp_path, capsys):
 
 
 def test_generate_seed_out_of_range(tmp_path):
-    """--seed -1 and --seed 2**70 were taken (greedy decoding never used them; sampling would fail or wrap)."""
+    """--seed -1 and --seed 2**70 were taken (greedy decoding never used them; sampling would fail or
+    wrap)."""
     from lorafusion.inference.generate import generate_file
 
     (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n')
@@ -271,8 +282,8 @@ def test_generate_seed_out_of_range(tmp_path):
 
 
 def test_a_second_export_to_the_same_new_out_is_refused(tmp_path):
-    """Two exports to one new --out at once: the second replaced the first's without --force (or failed with an
-    OSError traceback, ENOTEMPTY); now it is refused and the first's stays whole."""
+    """Two exports to one new --out at once: the second replaced the first's without --force (or failed with
+    an OSError traceback, ENOTEMPTY); now it is refused and the first's stays whole."""
     from lorafusion.rundir.atomic import fill_dir_atomically
 
     out = tmp_path / "e"
@@ -291,9 +302,9 @@ def test_a_second_export_to_the_same_new_out_is_refused(tmp_path):
 def test_round_two_of_the_probe(tmp_path, capsys):
     """Faults found by probing every verb with bad input: a CSV saved with a BOM was unreadable (KeyError
     '\\ufeffprompt'); a byte tokenizer's tokenizer.path was ignored even when missing; an output_dir component
-    over NAME_MAX said 'cannot access' without naming output_dir; a FIFO was '--prompts file not found', '--out
-    is a directory' and 'no such run directory'; a CSV header without rows was 'Instruction "train" corresponds
-    to no data!'."""
+    over NAME_MAX said 'cannot access' without naming output_dir; a FIFO was '--prompts file not found',
+    '--out is a directory' and 'no such run directory'; a CSV header without rows was 'Instruction "train"
+    corresponds to no data!'."""
     import os
     from pathlib import Path
 
@@ -301,7 +312,8 @@ def test_round_two_of_the_probe(tmp_path, capsys):
     from lorafusion.config.schema import TokenizerConfig
     from lorafusion.rundir.lock import check_output_dir
 
-    msg = _rows_error(tmp_path, "rows.csv", "\ufeffprompt,response\n")  # (a header only: its name is read right)
+    # (a header only: its name is read right)
+    msg = _rows_error(tmp_path, "rows.csv", "\ufeffprompt,response\n")
     assert msg.endswith("rows.csv: empty dataset (a csv header, no rows)"), msg
     from lorafusion.config.load import load_job_config
     from lorafusion.data.dataset import read_rows
@@ -320,9 +332,11 @@ def test_round_two_of_the_probe(tmp_path, capsys):
 
     with pytest.raises(MissingFileError, match="fifo: --prompts is not a regular file"):
         read_prompts(fifo, ByteTokenizer(), [], 1024, tmp_path)
-    for argv, words in ((["generate", str(tmp_path), "--prompts", "p.jsonl", "--out", fifo, "--force"], "--out is a special "
-                         "file (FIFO, device)"),
-                        (["export", str(tmp_path / "run"), "--job", "a", "--out", fifo, "--force"], "--out is a special file"),
+    for argv, words in (
+        (["generate", str(tmp_path), "--prompts", "p.jsonl", "--out", fifo, "--force"], "--out is a special "
+         "file (FIFO, device)"),
+                        (["export", str(tmp_path / "run"), "--job", "a", "--out", fifo, "--force"],
+                         "--out is a special file"),
                         (["status", fifo], "fifo: not a directory")):
         assert main(argv) == 2
         _one_line(capsys, argv[0], words)
@@ -330,8 +344,9 @@ def test_round_two_of_the_probe(tmp_path, capsys):
 
 
 def test_sampling_at_extreme_temperature_and_top_p(tmp_path):
-    """--temperature 1e-320 (logits / t overflowed to inf, then NaN) and --top-p 1e-300 (nothing kept in float32)
-    were 'probability tensor contains inf/nan' / 'invalid multinomial distribution' tracebacks: both are greedy."""
+    """--temperature 1e-320 (logits / t overflowed to inf, then NaN) and --top-p 1e-300 (nothing kept in
+    float32) were 'probability tensor contains inf/nan' / 'invalid multinomial distribution' tracebacks: both
+    are greedy."""
     import torch
 
     from lorafusion.inference.sampling import pick_tokens

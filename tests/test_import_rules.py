@@ -3,8 +3,8 @@ functions included):
 
 - ``core`` imports nothing of ours and no torch at module level; the top-level ``megatron_patches`` imports
   nothing of lorafusion;
-- ``config``, ``scheduler``, ``rundir`` and ``resolve`` import neither torch nor Megatron nor Triton (and start
-  without them); ``resolve`` (every ``auto`` made a value) imports only ``config`` and ``scheduler``;
+- ``config``, ``scheduler``, ``rundir`` and ``resolve`` import neither torch nor Megatron nor Triton (and
+  start without them); ``resolve`` (every ``auto`` made a value) imports only ``config`` and ``scheduler``;
 - the model chain ``kernels ← ops ← layers ← models ← runtime ← cli``: each imports only what is below it;
 - ``checkpoint``, ``export`` and ``inference`` never import ``runtime`` (nor cli); ``data`` never imports
   ``ops``, ``layers``, ``models`` or ``runtime``;
@@ -15,7 +15,8 @@ functions included):
   and ``megatron_patches/`` (a package's ``__init__`` is a module too), and among the scripts of ``scripts/``
   (module-level and function-level imports both).
 
-``test_the_rules_catch_violations`` plants a violation of each rule in a copy of the tree and checks it is seen.
+``test_the_rules_catch_violations`` plants a violation of each rule in a copy of the tree and checks it is
+seen.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "lorafusion"
-PATCHES = PKG.parent / "megatron_patches"  # megatron-core shims: a sibling package that imports nothing of ours
+# megatron-core shims: a sibling package that imports nothing of ours
+PATCHES = PKG.parent / "megatron_patches"
 SCRIPTS = PKG.parent / "scripts"  # tools run with scripts/ on sys.path: they import one another by file name
 HEAVY = frozenset({"torch", "megatron", "triton"})
 LOW = {"core"}  # the ground floor: may be imported from anywhere
@@ -49,10 +51,10 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": {"rundir", "export", "layers", "models", "dist"},
     "export": {"rundir", "layers", "models", "data", "dist", "config"},
     "inference": {"rundir", "export", "checkpoint", "ops", "layers", "models", "data", "dist", "config"},
-    "runtime": {"config", "scheduler", "resolve", "rundir", "data", "ops", "layers", "models", "dist", "checkpoint",
-                "export", "inference"},
-    "cli": {"config", "scheduler", "resolve", "rundir", "data", "models", "dist", "checkpoint", "export", "inference",
-            "runtime"},
+    "runtime": {"config", "scheduler", "resolve", "rundir", "data", "ops", "layers", "models", "dist",
+                "checkpoint", "export", "inference"},
+    "cli": {"config", "scheduler", "resolve", "rundir", "data", "models", "dist", "checkpoint", "export",
+            "inference", "runtime"},
 }
 STRICT = {"core": set(), "kernels": {"core"}}  # no LOW for these: exactly what is listed
 TORCH_FREE = ("config", "scheduler", "rundir", "resolve")
@@ -183,7 +185,8 @@ def test_every_package_has_a_rule():
 
 def test_no_file_over_400_lines():
     long = {str(p.relative_to(PKG.parent)): n for p in PKG.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > LONG_FILES.get(str(p.relative_to(PKG.parent)), MAX_FILE_LINES)}
+            if (n := len(p.read_text().splitlines())) > LONG_FILES.get(str(p.relative_to(PKG.parent)),
+                                                                       MAX_FILE_LINES)}
     assert long == {}
 
 
@@ -206,7 +209,8 @@ def test_no_function_over_60_lines_outside_kernels():
 
 
 @pytest.mark.parametrize("module", ["lorafusion.core.arch", "lorafusion.core.lora", "lorafusion.config",
-                                    "lorafusion.scheduler", "lorafusion.resolve", "lorafusion.rundir.requests", "lorafusion.rundir.status",
+                                    "lorafusion.scheduler", "lorafusion.resolve",
+                                    "lorafusion.rundir.requests", "lorafusion.rundir.status",
                                     "lorafusion.rundir.adapters", "lorafusion.rundir.atomic",
                                     "lorafusion.rundir.lock"])
 def test_torch_free_packages_import_without_torch(module):
@@ -313,7 +317,8 @@ def test_the_checks_see_violations(tmp_path, monkeypatch):
     """The rules would catch a back-edge (so the tests above can fail)."""
     fake = tmp_path / "lorafusion"
     (fake / "core").mkdir(parents=True)
-    (fake / "core" / "x.py").write_text("import torch\nfrom lorafusion.ops import routing\nfrom ..data import y\n")
+    (fake / "core" / "x.py").write_text(
+        "import torch\nfrom lorafusion.ops import routing\nfrom ..data import y\n")
     monkeypatch.setattr(sys.modules[__name__], "PKG", fake)
     assert _offences("core", allowed_ours=set(), module_level_top={"torch"}) == [
         "lorafusion/core/x.py imports lorafusion.ops", "lorafusion/core/x.py imports lorafusion.data",
@@ -322,21 +327,30 @@ def test_the_checks_see_violations(tmp_path, monkeypatch):
 
 # one planted violation per rule: (file, source, the test that must fail)
 PLANTED = [
-    ("ops/bad.py", "from lorafusion.runtime import trainer\n", "test_each_package_imports_only_what_is_below_it"),
-    ("layers/bad.py", "def f():\n    from lorafusion import models\n", "test_each_package_imports_only_what_is_below_it"),
-    ("models/bad.py", "from lorafusion.runtime.feed import Feed\n", "test_each_package_imports_only_what_is_below_it"),
+    ("ops/bad.py", "from lorafusion.runtime import trainer\n",
+     "test_each_package_imports_only_what_is_below_it"),
+    ("layers/bad.py", "def f():\n    from lorafusion import models\n",
+     "test_each_package_imports_only_what_is_below_it"),
+    ("models/bad.py", "from lorafusion.runtime.feed import Feed\n",
+     "test_each_package_imports_only_what_is_below_it"),
     ("runtime/bad.py", "import lorafusion.cli\n", "test_each_package_imports_only_what_is_below_it"),
     ("kernels/bad.py", "from lorafusion.ops.tables import TableCache\n", "test_kernels_import_only_core"),
     ("../megatron_patches/bad.py", "from lorafusion.models import provider\n",
      "test_megatron_patches_import_nothing_of_ours"),
-    ("rundir/bad.py", "def f():\n    import torch.distributed\n", "test_rundir_imports_neither_torch_nor_megatron"),
-    ("scheduler/bad.py", "import megatron.core\n", "test_config_scheduler_and_resolve_import_neither_torch_nor_megatron"),
-    ("resolve.py", "def f():\n    import torch\n", "test_config_scheduler_and_resolve_import_neither_torch_nor_megatron"),
-    ("resolve.py", "from lorafusion.runtime import trainer\n", "test_each_package_imports_only_what_is_below_it"),
-    ("export/bad.py", "from ..runtime import trainer\n", "test_checkpoint_export_inference_never_import_runtime"),
+    ("rundir/bad.py", "def f():\n    import torch.distributed\n",
+     "test_rundir_imports_neither_torch_nor_megatron"),
+    ("scheduler/bad.py", "import megatron.core\n",
+     "test_config_scheduler_and_resolve_import_neither_torch_nor_megatron"),
+    ("resolve.py", "def f():\n    import torch\n",
+     "test_config_scheduler_and_resolve_import_neither_torch_nor_megatron"),
+    ("resolve.py", "from lorafusion.runtime import trainer\n",
+     "test_each_package_imports_only_what_is_below_it"),
+    ("export/bad.py", "from ..runtime import trainer\n",
+     "test_checkpoint_export_inference_never_import_runtime"),
     ("checkpoint/bad.py", "from lorafusion.runtime.feed import JobState\n",
      "test_checkpoint_export_inference_never_import_runtime"),
-    ("data/bad.py", "from lorafusion.layers import inject\n", "test_data_never_imports_ops_layers_models_or_runtime"),
+    ("data/bad.py", "from lorafusion.layers import inject\n",
+     "test_data_never_imports_ops_layers_models_or_runtime"),
     ("core/bad.py", "import torch\n", "test_core_imports_nothing_of_ours_and_no_torch_at_module_level"),
     ("newroom/x.py", "X = 1\n", "test_every_package_has_a_rule"),
     ("ops/long.py", "\n" * 401, "test_no_file_over_400_lines"),

@@ -34,10 +34,12 @@ def _tok(seed, n):
 
 
 MBS = [
-    {"samples": [["a", _tok(1, 9)], ["b", _tok(2, 7)], ["c", _tok(3, 5)], ["d", _tok(10, 6)]], "row_ids": [0, 1, 2, 9]},
+    {"samples": [["a", _tok(1, 9)], ["b", _tok(2, 7)], ["c", _tok(3, 5)], ["d", _tok(10, 6)]],
+     "row_ids": [0, 1, 2, 9]},
     {"samples": [["a", _tok(4, 4)], ["c", _tok(5, 11)], ["e", _tok(11, 4)]], "row_ids": [3, 4, 10]},
     {"samples": [["b", _tok(6, 13)]], "row_ids": [5]},
-    {"samples": [["c", _tok(7, 6)], ["d", _tok(12, 4)], ["b", _tok(8, 3)], ["e", _tok(13, 2)], ["a", _tok(9, 8)]],
+    {"samples": [["c", _tok(7, 6)], ["d", _tok(12, 4)], ["b", _tok(8, 3)], ["e", _tok(13, 2)],
+                 ["a", _tok(9, 8)]],
      "row_ids": [6, 11, 7, 12, 8]},
 ]
 
@@ -102,7 +104,8 @@ def workdir(tmp_path_factory, megatron_single):
 
 
 def _result(d: Path, mode: str, fused: str, name: str) -> Path:
-    """d/name written by the configuration ``mode:fused`` of the launch, or the failure of that configuration."""
+    """d/name written by the configuration ``mode:fused`` of the launch, or the failure of that
+    configuration."""
     tag = "" if fused == "off" else f"_{fused}"
     err = d / f"{mode}{tag}_error.txt"
     assert not err.exists(), err.read_text()[-4000:]
@@ -144,7 +147,8 @@ def test_tensor_parallel_2_with_sequence_parallelism_equals_single_process(workd
     per-token losses of the real tokens and every LoRA gradient equal the single process."""
     d, losses, grads, ref_per_token = workdir
     assert all(sum(len(s[1]) for s in mb["samples"]) % 2 for mb in MBS)  # the padding is exercised
-    res = torch.load(_result(d, "tpsp", fused, "tpsp_result.pt" if fused == "off" else f"tpsp_{fused}_result.pt"))
+    res = torch.load(
+        _result(d, "tpsp", fused, "tpsp_result.pt" if fused == "off" else f"tpsp_{fused}_result.pt"))
     assert res["losses"] == pytest.approx(losses, rel=1e-5)
     for got, want in zip(res["per_token"], ref_per_token, strict=True):
         assert got.shape == want.shape
@@ -153,8 +157,9 @@ def test_tensor_parallel_2_with_sequence_parallelism_equals_single_process(workd
 
 
 def test_stage_layers_split_the_decoder_unevenly():
-    """``parallelism.stage_layers`` → Megatron's first/last-stage layer counts: each stage builds its share at its
-    global offset (which layer numbers, hence names and HF weights, it holds); bad splits are one clear error."""
+    """``parallelism.stage_layers`` → Megatron's first/last-stage layer counts: each stage builds its share at
+    its global offset (which layer numbers, hence names and HF weights, it holds); bad splits are one clear
+    error."""
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -166,19 +171,22 @@ def test_stage_layers_split_the_decoder_unevenly():
     for split, pp in (([3, 1], 2), ([1, 2, 1], 3), ([2, 1, 1], 3)):
         cfg = transformer_config(arch, pp=pp, stage_layers=split)
         assert [get_num_layers_to_build(cfg, pp_rank=r) for r in range(pp)] == split
-        assert [get_transformer_layer_offset(cfg, pp_rank=r) for r in range(pp)] == [sum(split[:r]) for r in range(pp)]
+        assert [get_transformer_layer_offset(cfg, pp_rank=r)
+                for r in range(pp)] == [sum(split[:r]) for r in range(pp)]
     assert transformer_config(arch, pp=2, stage_layers=[2, 2]).num_layers_in_first_pipeline_stage is None
     for bad in ([2, 1], [4, 0], [3, 2], [1, 1]):  # ([1, 1]: even, but not the model's 4 layers)
-        with pytest.raises(ConfigError, match="parallelism.stage_layers: expected 2 counts >= 1 summing to num_layers=4"):
+        with pytest.raises(ConfigError, match="parallelism.stage_layers: expected 2 counts >= 1 summing to "
+                                              "num_layers=4"):
             transformer_config(arch, pp=2, stage_layers=bad)
     with pytest.raises(ConfigError, match="more than the 3 decoder layers"):
         transformer_config(arch, pp=2, stage_layers=[3, 1], recompute=True, recompute_layers=4)
 
 
 def test_virtual_stage_layers_become_megatrons_layout():
-    """With virtual_stages V, ``stage_layers`` counts per virtual stage in layer order (stage c·pp + r is chunk c of
-    rank r): an uneven split becomes Megatron's pipeline_model_parallel_layout (embedding first, loss last), an
-    even one its default; interleaving sends each p2p direction alone (a PP=2 ring would cross them)."""
+    """With virtual_stages V, ``stage_layers`` counts per virtual stage in layer order (stage c·pp + r is
+    chunk c of rank r): an uneven split becomes Megatron's pipeline_model_parallel_layout (embedding first,
+    loss last), an even one its default; interleaving sends each p2p direction alone (a PP=2 ring would cross
+    them)."""
     from megatron.core.transformer.enums import LayerType
 
     from lorafusion.core.arch import preset
@@ -189,16 +197,22 @@ def test_virtual_stage_layers_become_megatrons_layout():
     split = [2, 1, 1, 1, 1, 1, 2, 1]
     cfg = transformer_config(arch, pp=4, virtual_stages=2, stage_layers=split)
     layout = cfg.pipeline_model_parallel_layout
-    assert cfg.virtual_pipeline_model_parallel_size == 2 and (cfg.overlap_p2p_comm, cfg.batch_p2p_comm) == (True, False)
-    assert [[layout.layout[r][c].count(LayerType.decoder) for r in range(4)] for c in range(2)] == [split[:4], split[4:]]
+    assert cfg.virtual_pipeline_model_parallel_size == 2 and (cfg.overlap_p2p_comm,
+                                                              cfg.batch_p2p_comm) == (True, False)
+    assert [[layout.layout[r][c].count(LayerType.decoder) for r in range(4)]
+            for c in range(2)] == [split[:4], split[4:]]
     assert layout.layout[0][0][0] == LayerType.embedding and layout.layout[3][1][-1] == LayerType.loss
     even = transformer_config(preset("tiny-llama"), pp=2, virtual_stages=2)
     assert even.pipeline_model_parallel_layout is None and even.virtual_pipeline_model_parallel_size == 2
     # V = 1 with unequal middle stages: the layout too (first/last counts cannot say it)
-    assert transformer_config(arch, pp=4, stage_layers=[2, 3, 4, 1]).pipeline_model_parallel_layout is not None
+    assert transformer_config(arch, pp=4,
+                              stage_layers=[2, 3, 4, 1]).pipeline_model_parallel_layout is not None
     with pytest.raises(ConfigError, match=r"expected 8 counts >= 1 \(one per virtual stage"):
         transformer_config(arch, pp=4, virtual_stages=2, stage_layers=[3, 3, 2, 2])
-    with pytest.raises(ConfigError, match="virtual_stages: pp x virtual_stages = 8 must divide num_layers=10"):
+    with pytest.raises(ConfigError, match="virtual_stages: pp x virtual_stages = 8 must divide "
+                                          "num_layers=10"):
         transformer_config(arch, pp=4, virtual_stages=2)
-    with pytest.raises(ConfigError, match=r"more than the 2 decoder layers of a pipeline stage \(model chunk\)"):
-        transformer_config(arch, pp=4, virtual_stages=2, stage_layers=split, recompute=True, recompute_layers=3)
+    with pytest.raises(ConfigError,
+                       match=r"more than the 2 decoder layers of a pipeline stage \(model chunk\)"):
+        transformer_config(arch, pp=4, virtual_stages=2, stage_layers=split, recompute=True,
+                           recompute_layers=3)

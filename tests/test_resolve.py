@@ -1,5 +1,5 @@
-"""lorafusion.resolve: every ``auto`` of a run config made a value in one frozen RunPlan, without writing the config;
-the memory search keeps what it rejected and why. torch-free."""
+"""lorafusion.resolve: every ``auto`` of a run config made a value in one frozen RunPlan, without writing the
+config; the memory search keeps what it rejected and why. torch-free."""
 
 from __future__ import annotations
 
@@ -40,8 +40,10 @@ def test_without_a_gpu_the_cost_model_capacity_and_every_layer_recomputed():
     cfg = load_run_config(C70, check_files=False)
     plan = resolve(cfg, World(4), None)
     assert plan.memory is None and plan.fits and plan.kernels == "reference"
-    assert plan.token_capacity == 5120  # the default cost model's capacity: at least the longest sample (4096)
-    assert plan.recompute_layers == plan.stage_layers == (20, 21, 21, 18)  # every layer of the loss-aware split
+    # the default cost model's capacity: at least the longest sample (4096)
+    assert plan.token_capacity == 5120
+    # every layer of the loss-aware split
+    assert plan.recompute_layers == plan.stage_layers == (20, 21, 21, 18)
     assert [plan.recompute_kwargs(k) for k in range(4)] == [{"recompute": True, "recompute_layers": None}] * 4
     long = load_run_config(C70, [f"jobs.{i}.dataset.max_seq_len=9000" for i in range(4)], check_files=False)
     assert resolve(long, World(4), None).token_capacity == 9216  # never below the longest sample
@@ -60,7 +62,8 @@ def test_plan_and_train_print_the_same_lines_for_the_same_memory():
     """`lorafusion plan --gpu-memory X` and a run on a GPU with X free resolve through the same function: the
     same values, printed by the same RunPlan.lines (a GPU's total only changes the head line's wording)."""
     cfg = load_run_config(C8, check_files=False)
-    a, b = resolve(cfg, World(1), GpuMemory(80 * GIB, 80 * GIB)), resolve(cfg, World(1), GpuMemory(80 * GIB, 81 * GIB))
+    a, b = resolve(cfg, World(1), GpuMemory(80 * GIB, 80 * GIB)), resolve(cfg, World(1),
+                                                                          GpuMemory(80 * GIB, 81 * GIB))
     assert a.token_capacity == b.token_capacity == 11776 and a.lines()[1:] == b.lines()[1:]
 
 
@@ -77,15 +80,16 @@ def test_the_search_keeps_the_plans_it_beat():
 
 
 def test_a_split_that_does_not_exist_is_one_config_error():
-    cfg = load_run_config(C70, ["parallelism.virtual_stages=3", "parallelism.stage_layers=null"], check_files=False)
+    cfg = load_run_config(C70, ["parallelism.virtual_stages=3", "parallelism.stage_layers=null"],
+                          check_files=False)
     with pytest.raises(ConfigError, match="llama3.1-70b-4adapters.yaml: .*do not split evenly"):
         resolve(cfg, World(4), None)
 
 
 def test_a_job_on_a_subset_of_a_fused_linear_is_planned():
-    """A job targeting q_proj and v_proj (PEFT names, a subset of the fused qkv) is sized like any other: the memory
-    plan counted adapters by Megatron linear and failed on its names (KeyError: 'q_proj'), on a GPU and, for the
-    host's memory, on a CPU."""
+    """A job targeting q_proj and v_proj (PEFT names, a subset of the fused qkv) is sized like any other: the
+    memory plan counted adapters by Megatron linear and failed on its names (KeyError: 'q_proj'), on a GPU
+    and, for the host's memory, on a CPU."""
     cfg = load_run_config(C8, ["jobs.0.lora.target_modules=[q_proj,v_proj]"], check_files=False)
     full = resolve(load_run_config(C8, check_files=False), World(1), _gpu(80))
     plan = resolve(cfg, World(1), _gpu(80))

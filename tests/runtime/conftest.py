@@ -1,5 +1,5 @@
-"""Shared by the runtime tests: one trained three-job run (session-scoped: several files compare to it), and one
-launch of two processes for every two-process run the selected tests ask for."""
+"""Shared by the runtime tests: one trained three-job run (session-scoped: several files compare to it), and
+one launch of two processes for every two-process run the selected tests ask for."""
 
 import json
 import os
@@ -24,12 +24,13 @@ def three_jobs(tmp_path_factory, megatron_single):
 
 @pytest.fixture(scope="session")
 def two_process(request, tmp_path_factory):
-    """``lorafusion train`` on two processes (RANK/WORLD_SIZE env, gloo) for every run that a selected test names
-    with ``@pytest.mark.two_process(NAME, jobs=FN, guard=False, **write_run_kwargs)``: ``FN(dir)`` writes the
-    jobs' data and returns the job dicts. All those runs share one launch (tests/runtime/train_many.py: both
-    ranks train them one after another, each through the CLI; a run that fails ends it, and the runs after it
-    get a new launch), once per session for all xdist workers (tests/session_shared.py). Returns ``out(NAME)``:
-    that run's output directory, once both ranks finished it."""
+    """``lorafusion train`` on two processes (RANK/WORLD_SIZE env, gloo) for every run that a selected test
+    names with ``@pytest.mark.two_process(NAME, jobs=FN, guard=False, **write_run_kwargs)``: ``FN(dir)``
+    writes the jobs' data and returns the job dicts. All those runs share one launch
+    (tests/runtime/train_many.py: both ranks train them one after another, each through the CLI; a run that
+    fails ends it, and the runs after it get a new launch), once per session for all xdist workers
+    (tests/session_shared.py). Returns ``out(NAME)``: that run's output directory, once both ranks finished
+    it."""
     runs = {}
     for item in request.session.items:
         for m in item.iter_markers("two_process"):
@@ -44,7 +45,8 @@ def two_process(request, tmp_path_factory):
             spec.append({"name": name, "run": str(run), "guard": guard})
         (tmp / "spec.json").write_text(json.dumps(spec, indent=1))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        launch_in_turn([sys.executable, str(Path(__file__).with_name("train_many.py")), str(tmp / "spec.json")],
+        launch_in_turn(
+            [sys.executable, str(Path(__file__).with_name("train_many.py")), str(tmp / "spec.json")],
                        [s["name"] for s in spec], tmp, cwd=ROOT, env=env)
 
     tmp = shared_dir(tmp_path_factory, "two_process", launch)
@@ -60,7 +62,8 @@ def two_process(request, tmp_path_factory):
 
 
 def _section(log: str, name: str) -> str:
-    """What a rank printed for run ``name``, up to its last line (``=== NAME done``, ``failed`` or ``not done``)."""
+    """What a rank printed for run ``name``, up to its last line (``=== NAME done``, ``failed`` or
+    ``not done``)."""
     rest = log.partition(f"=== {name}\n")[2]
     last = rest.find("\n=== ")
     if last < 0:

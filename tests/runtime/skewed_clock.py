@@ -1,6 +1,6 @@
-"""``python tests/runtime/skewed_clock.py train RUN.yaml [--serve]``: ``lorafusion train`` through sync_guard.py
-(the PP synchronise guard), with the trainer's clock of global rank 1 running at half speed, and a serving
-run looking for submissions every 0.05 s instead of every 2 s.
+"""``python tests/runtime/skewed_clock.py train RUN.yaml [--serve]``: ``lorafusion train`` through
+sync_guard.py (the PP synchronise guard), with the trainer's clock of global rank 1 running at half speed, and
+a serving run looking for submissions every 0.05 s instead of every 2 s.
 
 A decision that each rank takes on its own clock (the serving idle timeout) then differs between the ranks:
 one leaves the loop while the other waits in the next collective, and the run hangs instead of ending.

@@ -1,7 +1,7 @@
 """Bad input and a hostile environment, through the command line as a user meets them (issue 11): each is one
 line on stderr naming the file and the field (or the path) and what was expected, exit 2, no traceback, and
-nothing already written (checkpoints, exports, the user's files) changes. Cases tested elsewhere: unknown keys,
-wrong types, missing/empty datasets, duplicate names (test_cli.py::test_bad_run_*, test_config.py), plan
+nothing already written (checkpoints, exports, the user's files) changes. Cases tested elsewhere: unknown
+keys, wrong types, missing/empty datasets, duplicate names (test_cli.py::test_bad_run_*, test_config.py), plan
 --windows 0, a locked or finished output_dir, kernels: fused without CUDA, a full disk while writing metrics
 (test_cli.py), export --out existing / of another job's step directory (test_checkpoint.py), --resume with a
 changed setting (test_preemption.py, in-process), model.path without tokenizer files (test_config.py)."""
@@ -168,5 +168,6 @@ def test_file_size_limit_while_checkpointing(finished, tmp_path, capsys, limit, 
     _one_line(capsys, "train", "cannot write", file, "File too large (EFBIG)")
     ckpts = tmp_path / "o" / "checkpoints" / "a"
     assert not ckpts.exists() or not list(ckpts.iterdir())
-    summary, _ = train_inprocess(run)  # a failed run leaves the directory runnable again (in-process: cmd_train
+    # a failed run leaves the directory runnable again (in-process: cmd_train
+    summary, _ = train_inprocess(run)
     assert summary["jobs"]["a"]["status"] == "done"  # would tear the session's process group down)

@@ -31,7 +31,8 @@ def test_model_step_settings_parse_and_apply(monkeypatch):
                  "+both": {"LORAFUSION_MAIN_GEMM": "cublas_fold", "LORAFUSION_TUNING_FILE": "u.json"}}
     keys = {"LORAFUSION_MAIN_GEMM", "LORAFUSION_TUNING_FILE"}
     monkeypatch.setenv("LORAFUSION_MAIN_GEMM", "triton")
-    monkeypatch.setenv("LORAFUSION_TUNING_FILE", "old.json")  # restored (unset) after the test whatever happens
+    # restored (unset) after the test whatever happens
+    monkeypatch.setenv("LORAFUSION_TUNING_FILE", "old.json")
     bench_model_step.apply_env(s["+tuned"], keys)
     import os
 
@@ -44,7 +45,8 @@ def test_model_step_settings_parse_and_apply(monkeypatch):
 
 
 def test_model_step_profile_summary_families_and_timeline():
-    by = {"nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTN": 60.0, "flash_bwd_kernel": 10.0, "_lora_gemm_kernel": 5.0,
+    by = {"nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTN": 60.0, "flash_bwd_kernel": 10.0,
+          "_lora_gemm_kernel": 5.0,
           "_ds_db_kernel": 3.0, "_fwd": 2.0, "Memcpy DtoD (Device -> Device)": 1.0, "weird": 1.0}
     tl = {"wall_ms": 100.0, "busy_ms": 82.0, "idle_ms": 18.0}
     out = bench_model_step.summarise({"four_r16": (dict(by, _da_dx_kernel=4.0), tl), "one_r16": (by, tl)})

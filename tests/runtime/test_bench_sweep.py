@@ -17,7 +17,8 @@ from e2e_sweep import summarise  # noqa: E402
 
 def test_jit_clock_counts_compilations_per_chunk_and_restores_the_hooks():
     seen = []
-    knobs = SimpleNamespace(jit_cache_hook=lambda **kw: seen.append("prev") or None, jit_post_compile_hook=None)
+    knobs = SimpleNamespace(jit_cache_hook=lambda **kw: seen.append("prev") or None,
+                            jit_post_compile_hook=None)
     prev = knobs.jit_cache_hook
     clock = JitClock(knobs)
     assert knobs.jit_cache_hook is not prev
@@ -31,7 +32,8 @@ def test_jit_clock_counts_compilations_per_chunk_and_restores_the_hooks():
     knobs.jit_post_compile_hook(key="b")
     clock.chunk_ran(None, None, None)  # chunk 2: two
     s = clock.summary(first_timed=1)
-    assert [c["n"] for c in s["jit_per_chunk"]] == [1, 0, 2] and s["jit_timed_n"] == 2 and s["jit_timed_s"] >= 0
+    assert ([c["n"] for c in s["jit_per_chunk"]] == [1, 0, 2] and s["jit_timed_n"] == 2
+            and s["jit_timed_s"] >= 0)
     clock.close()
     assert knobs.jit_cache_hook is prev and knobs.jit_post_compile_hook is None
 
@@ -48,13 +50,14 @@ def _run(i, name, tps, cap):
 
 
 def test_sweep_summary_compares_medians_over_all_runs_and_without_the_first():
-    runs = [_run(0, "auto", 15200, 23040), _run(1, "hand24576", 16100, 24576), _run(2, "hand20480", 15900, 20480),
-            _run(3, "auto", 16000, 23040)]
+    runs = [_run(0, "auto", 15200, 23040), _run(1, "hand24576", 16100, 24576),
+            _run(2, "hand20480", 15900, 20480), _run(3, "auto", 16000, 23040)]
     s = summarise(runs)
     assert s["order"] == ["auto", "hand24576", "hand20480", "auto"] and s["auto_token_capacity"] == [23040]
     assert s["per_config"]["auto"] == {"tokens_per_s": [15200, 16000], "median": 15600}
     assert s["best_hand_picked"] == "hand24576"
-    assert s["auto_over_best_hand_picked"] == pytest.approx(15600 / 16100, abs=1e-4) and s["within_3pct"] is False
+    assert (s["auto_over_best_hand_picked"] == pytest.approx(15600 / 16100, abs=1e-4)
+            and s["within_3pct"] is False)
     rest = s["excluding_first_run"]
     assert rest["first_run"] == "auto" and rest["per_config"]["auto"]["tokens_per_s"] == [16000]
     assert rest["auto_over_best_hand_picked"] == pytest.approx(16000 / 16100, abs=1e-4)

@@ -1,4 +1,5 @@
-"""Checkpoints, resume and export: an interrupted run resumed from a checkpoint equals the uninterrupted run."""
+"""Checkpoints, resume and export: an interrupted run resumed from a checkpoint equals the uninterrupted
+run."""
 
 import json
 import shutil
@@ -37,7 +38,8 @@ def test_checkpoint_resume_equals_uninterrupted_run(three_jobs, tmp_path, capsys
     from safetensors.torch import load_file
 
     assert _export(str(tmp_path / "full"), "--job", "rev", "--out", str(tmp_path / "exp")) == 0
-    assert load_file(tmp_path / "exp" / "adapter_model.safetensors").keys() == load_adapter(tmp_path / "full", "rev").keys()
+    assert load_file(tmp_path / "exp" / "adapter_model.safetensors").keys() == load_adapter(
+        tmp_path / "full", "rev").keys()
     assert _export(str(ckpt_dir / "step_000002"), "--job", "rev", "--out", str(tmp_path / "exp2")) == 0
     assert (tmp_path / "exp2" / "adapter_config.json").is_file()
     capsys.readouterr()
@@ -80,18 +82,23 @@ def test_export_returns_the_final_adapter_says_which_and_never_deletes(tmp_path,
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and what in err and "--force replaces only" in err, err
     assert (tmp_path / "keep" / "mine.txt").read_text() == "precious" and (tmp_path / "file.txt").is_file()
-    assert (tmp_path / "link").is_symlink() and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("."))\
+    assert (tmp_path / "link").is_symlink() and sorted(p.name for p in tmp_path.iterdir()
+                                                       if p.name.startswith("."))\
         == []  # no temporary left
     assert _export(str(out), "--job", "b", "--out", str(tmp_path / "e1"), "--force") == 0  # an earlier export
-    assert sorted(p.name for p in (tmp_path / "e1").iterdir()) == [".lorafusion-export.json", ".lorafusion-sha256.json",
-                                                                   "adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "e1").iterdir()) == [".lorafusion-export.json",
+                                                                   ".lorafusion-sha256.json",
+                                                                   "adapter_config.json",
+                                                                   "adapter_model.safetensors"]
     assert (tmp_path / "e1" / "adapter_model.safetensors").read_bytes() != final  # job b's now
     assert json.loads((tmp_path / "e1" / ".lorafusion-export.json").read_text())["job"] == "b"
     (tmp_path / "empty").mkdir()
-    assert _export(str(out), "--job", "b", "--out", str(tmp_path / "empty"), "--force") == 0  # nothing to lose
+    assert _export(str(out), "--job", "b", "--out", str(tmp_path / "empty"),
+                   "--force") == 0  # nothing to lose
     # a step directory of another job
     capsys.readouterr()
-    assert _export(str(out / "checkpoints" / "a" / "step_000004"), "--job", "b", "--out", str(tmp_path / "e3")) == 2
+    assert _export(str(out / "checkpoints" / "a" / "step_000004"), "--job", "b", "--out",
+                   str(tmp_path / "e3")) == 2
     assert "is a checkpoint of job 'a', not of --job 'b'" in capsys.readouterr().err
     assert not (tmp_path / "e3").exists()
 
@@ -130,7 +137,8 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
 
 
 def test_resume_without_a_checkpoint_says_so(tmp_path, capsys, megatron_single):
-    """--resume of a directory with no checkpoint (a mistyped output_dir?) trained from step 0 without a word."""
+    """--resume of a directory with no checkpoint (a mistyped output_dir?) trained from step 0 without a
+    word."""
     from runtime_utils import job_dict, write_dataset
 
     jobs = [job_dict("a", write_dataset(tmp_path / "a.jsonl", 1), r=4, steps=1)]

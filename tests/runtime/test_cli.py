@@ -28,7 +28,8 @@ def test_samples_that_cannot_fit_capacity_are_a_clear_error(three_jobs, tmp_path
     tmp, jobs, *_ = three_jobs
     run = write_run(tmp_path, jobs[:1], out="never", capacity=8)
     assert _main("train", str(run)) == 2
-    assert "jobs.0.dataset.max_seq_len: expected at most scheduler.token_capacity (8)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "jobs.0.dataset.max_seq_len: expected at most scheduler.token_capacity (8)" in err
     assert not (tmp_path / "never").exists()
 
 
@@ -74,7 +75,8 @@ def test_internal_errors_keep_their_traceback(monkeypatch, capsys):
 
     monkeypatch.setattr(cli, "cmd_plan", user_error)
     assert cli.main(["plan", "x.yaml"]) == 2
-    assert capsys.readouterr().err == "lorafusion plan: error: run.yaml: seed: expected an integer >= 0, got -1\n"
+    assert capsys.readouterr().err == ("lorafusion plan: error: run.yaml: seed: expected an integer >= 0, "
+                                       "got -1\n")
 
 
 def _bad_cases(tmp: Path, jobs: list[dict]):
@@ -90,15 +92,17 @@ def _bad_cases(tmp: Path, jobs: list[dict]):
         "r <= 0": ([dict(good, lora=dict(good["lora"], r=0))], "lora.r"),
         "PEFT subset with a shared A": ([dict(good, lora=dict(good["lora"], target_modules=["q_proj"],
                                                                shared_fused_a=True))], "target_modules"),
-        "missing file": ([dict(good, dataset=dict(good["dataset"], path=str(tmp / "nope.jsonl")))], "nope.jsonl"),
+        "missing file": (
+            [dict(good, dataset=dict(good["dataset"], path=str(tmp / "nope.jsonl")))], "nope.jsonl"),
         "empty dataset": ([dict(good, dataset=dict(good["dataset"], path=str(empty)))], "empty"),
         "missing field": ([dict(good, dataset=dict(good["dataset"], path=str(nofield)))], "response"),
         "duplicate names": ([good, dict(good)], "duplicate"),
     }
 
 
-@pytest.mark.parametrize("case", ["unknown key", "wrong type", "r <= 0", "PEFT subset with a shared A", "missing file",
-                                  "empty dataset", "missing field", "duplicate names"])
+@pytest.mark.parametrize("case",
+                         ["unknown key", "wrong type", "r <= 0", "PEFT subset with a shared A",
+                          "missing file", "empty dataset", "missing field", "duplicate names"])
 def test_bad_run_is_one_clear_error_and_writes_nothing(three_jobs, tmp_path, capsys, case):
     tmp, jobs, *_ = three_jobs
     run_jobs, needle = _bad_cases(tmp_path, jobs)[case]
@@ -131,7 +135,8 @@ def test_resume_flag_goes_anywhere_on_the_command_line(tmp_path, capsys, monkeyp
 
 
 def test_one_run_per_output_dir(tmp_path, capsys, megatron_single):
-    """While a run holds output_dir (its lock), a second one is refused with a clear error and touches nothing."""
+    """While a run holds output_dir (its lock), a second one is refused with a clear error and touches
+    nothing."""
     import fcntl
 
     from runtime_utils import job_dict, write_dataset
@@ -147,7 +152,8 @@ def test_one_run_per_output_dir(tmp_path, capsys, megatron_single):
         assert "is in use by another lorafusion train (pid 4242)" in capsys.readouterr().err
         assert (tmp_path / "o" / ".step_000001.tmp").is_dir()
         assert not (tmp_path / "o" / "metrics.jsonl").exists()
-    from runtime_utils import train_inprocess  # (in-process: cmd_train would tear the session's process group down)
+    # (in-process: cmd_train would tear the session's process group down)
+    from runtime_utils import train_inprocess
 
     summary, _ = train_inprocess(run, resume=True)  # released: the run goes ahead
     assert summary["jobs"]["a"]["status"] == "done"
@@ -202,7 +208,8 @@ def test_plan_prints_the_simulated_pipeline_and_the_best_virtual_stages(tmp_path
     --virtual-sweep the even and auto splits of each V (interleaved plans verified on the way)."""
     from runtime_utils import job_dict, write_dataset
 
-    jobs = [job_dict(f"j{k}", write_dataset(tmp_path / f"d{k}.jsonl", k), r=4, steps=4, gbs=4) for k in range(2)]
+    jobs = [job_dict(f"j{k}", write_dataset(tmp_path / f"d{k}.jsonl", k), r=4, steps=4, gbs=4)
+            for k in range(2)]
     run = write_run(tmp_path, jobs, pp=2)
     assert _main("plan", str(run), "parallelism.virtual_stages=2", "parallelism.stage_layers=auto", "--out",
                  str(tmp_path / "plan"), "--windows", "2", "--virtual-sweep", "1,2") == 0

@@ -1,4 +1,5 @@
-"""Two processes (PP=2, DP=2, TP=2, TP=2 with sequence parallelism, PP=2 with recompute) train exactly like one.
+"""Two processes (PP=2, DP=2, TP=2, TP=2 with sequence parallelism, PP=2 with recompute) train exactly like
+one.
 
 The two-process runs come from the shared launch (fixture ``two_process``, tests/runtime/conftest.py): both
 ranks of ``lorafusion train`` run each YAML through the CLI, one run after another in one process pair."""
@@ -8,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime_utils import assert_close, job_dict, load_adapter, three_job_dicts, train_inprocess, write_dataset, write_run
+from runtime_utils import (assert_close, job_dict, load_adapter, three_job_dicts, train_inprocess,
+                           write_dataset, write_run)
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -40,12 +42,13 @@ def test_dp2_with_whole_global_batches_in_one_microbatch_equals_dp1(tmp_path, me
         assert_close(load_adapter(dp2, job), load_adapter(ref, job), rel=1e-4)
 
 
-# the PP layouts run under tests/runtime/sync_guard.py's check (a device-wide synchronise while a gradient-norm
-# all-reduce is pending fails the run)
-LAYOUTS = {"pp2": dict(pp=2), "dp2": dict(dp=2), "tp2": dict(tp=2), "tp2_sp": dict(tp=2, sequence_parallel=True),
-           "pp2_recompute": dict(pp=2, recompute=True),
+# the PP layouts run under tests/runtime/sync_guard.py's check (a device-wide synchronise while a
+# gradient-norm all-reduce is pending fails the run)
+LAYOUTS = {"pp2": dict(pp=2), "dp2": dict(dp=2), "tp2": dict(tp=2),
+           "tp2_sp": dict(tp=2, sequence_parallel=True), "pp2_recompute": dict(pp=2, recompute=True),
            # uneven stages (3 + 1 of tiny-llama's 4 layers) with the first 2 of each stage recomputed
-           "pp2_uneven_partial_recompute": dict(pp=2, stage_layers=[3, 1], recompute=True, recompute_layers=2),
+           "pp2_uneven_partial_recompute": dict(pp=2, stage_layers=[3, 1], recompute=True,
+                                                recompute_layers=2),
            # interleaved 1F1B: two model chunks of one layer per rank (a ring of two ranks), with and without
            # recompute; the jobs step inside the pipeline (two global batches per chunk)
            "pp2_v2": dict(pp=2, virtual_stages=2),

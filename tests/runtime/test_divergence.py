@@ -1,5 +1,5 @@
-"""A job whose steps are not finite skips them, is paused as diverged after max_nonfinite_steps in a row, keeps
-its last finite weights as its export, and harms no other job; metrics.jsonl stays strict JSON."""
+"""A job whose steps are not finite skips them, is paused as diverged after max_nonfinite_steps in a row,
+keeps its last finite weights as its export, and harms no other job; metrics.jsonl stays strict JSON."""
 
 import json
 
@@ -13,7 +13,8 @@ def _strict_rows(out):
     def no_constants(c):
         raise AssertionError(f"bare {c} in metrics.jsonl")
 
-    return [json.loads(line, parse_constant=no_constants) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line, parse_constant=no_constants)
+            for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_diverging_job_is_skipped_paused_and_harms_no_other(tmp_path, megatron_single, capsys):
@@ -35,7 +36,8 @@ def test_diverging_job_is_skipped_paused_and_harms_no_other(tmp_path, megatron_s
     assert len(skipped) == 3 and skipped == list(range(skipped[0], skipped[0] + 3))
     assert up[-1]["step"] == skipped[-1] == summary["jobs"]["up"]["steps"] < 8
     assert all(r["loss"] is None or r["grad_norm"] is None for r in up if r["skipped"])
-    # the export is the last finite state: finite, and the checkpoint taken at the pause holds the same weights
+    # the export is the last finite state: finite, and the checkpoint taken at the pause holds the same
+    # weights
     exported = load_adapter(out, "up")
     assert all(torch.isfinite(t).all() for t in exported.values())
     ckpt = out / "checkpoints" / "up" / (out / "checkpoints" / "up" / "latest").read_text().strip()
@@ -52,7 +54,8 @@ def test_diverging_job_is_skipped_paused_and_harms_no_other(tmp_path, megatron_s
             assert r["grad_norm"] == pytest.approx(ref_rows[r["job"], r["step"]]["grad_norm"], rel=1e-4)
     for name in ("rev", "rev2"):
         assert_close(load_adapter(out, name), load_adapter(ref, name), rel=1e-4)
-        assert summary["jobs"][name]["final_loss"] == pytest.approx(ref_sum["jobs"][name]["final_loss"], rel=1e-5)
+        assert summary["jobs"][name]["final_loss"] == pytest.approx(
+            ref_sum["jobs"][name]["final_loss"], rel=1e-5)
 
 
 def test_nonfinite_gradient_leaves_weights_and_moments_untouched(megatron_single):
@@ -60,7 +63,8 @@ def test_nonfinite_gradient_leaves_weights_and_moments_untouched(megatron_single
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
-    opt = AdapterOptimizer(params, lr=0.1, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8, schedule="constant",
+    opt = AdapterOptimizer(params, lr=0.1, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8,
+                           schedule="constant",
                            warmup_steps=0, total_steps=10, min_lr_ratio=0.0, max_grad_norm=1.0)
     for bad in (True, False, True):  # before the first step (no moments yet) and after one
         before = [p.detach().clone() for p in params]

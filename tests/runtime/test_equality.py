@@ -41,8 +41,9 @@ def test_other_jobs_hyperparameters_and_tokens_leave_adapter_bit_identical(three
     # same lengths, different characters: the scheduler packs identically
     src = Path(up["dataset"]["path"]).read_text().splitlines()
     alt = tmp / "d" / "up_alt.jsonl"
-    alt.write_text("".join(json.dumps({k: v.replace("a", "b").replace("C", "D") for k, v in json.loads(line).items()})
-                           + "\n" for line in src))
+    alt.write_text(
+        "".join(json.dumps({k: v.replace("a", "b").replace("C", "D") for k, v in json.loads(line).items()})
+                + "\n" for line in src))
     up["dataset"] = dict(up["dataset"], path=str(alt))
     changed[1] = up
     _, out2 = train_inprocess(write_run(tmp_path, changed, out="changed", name="changed.yaml"), UNHURRIED)
@@ -73,18 +74,22 @@ def test_background_planning_trains_like_sequential_planning(three_jobs, tmp_pat
     run_chunk = pipeline.run_chunk
 
     def recording(model, chunk, *a, **kw):
-        seen[-1].append((chunk.batches, [(mb.slot, mb.dp_rank, mb.entries) for mb in chunk.plan.microbatches]))
+        seen[-1].append(
+            (chunk.batches, [(mb.slot, mb.dp_rank, mb.entries) for mb in chunk.plan.microbatches]))
         return run_chunk(model, chunk, *a, **kw)
 
     monkeypatch.setattr(pipeline, "run_chunk", recording)
     seen.append([])
-    s, out_seq = train_inprocess(write_run(tmp_path, jobs, out="sequential"), UNHURRIED, background_planning=False)
+    s, out_seq = train_inprocess(write_run(tmp_path, jobs, out="sequential"), UNHURRIED,
+                                 background_planning=False)
     assert s["plan_wait_s"] == 0.0
     seen.append([])
     _, out = train_inprocess(write_run(tmp_path, jobs, out="background", name="bg.yaml"), UNHURRIED)
     assert len(seen[0]) == 2 and seen[0] == seen[1]
     for job in ("rev", "up", "rev2"):
         assert_close(load_adapter(out, job), load_adapter(out_seq, job), rel=1e-6)
-    records = [[json.loads(x) for x in (o / "metrics.jsonl").read_text().splitlines()] for o in (out_seq, out)]
-    assert [(r["job"], r["step"], r["tokens"]) for r in records[0]] == [(r["job"], r["step"], r["tokens"]) for r in records[1]]
+    records = [[json.loads(x) for x in (o / "metrics.jsonl").read_text().splitlines()]
+               for o in (out_seq, out)]
+    assert [(r["job"], r["step"], r["tokens"]) for r in records[0]] == [(r["job"], r["step"], r["tokens"])
+                                                                        for r in records[1]]
     assert [r["loss"] for r in records[1]] == pytest.approx([r["loss"] for r in records[0]], rel=1e-6)

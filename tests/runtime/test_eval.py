@@ -53,8 +53,8 @@ def _direct(model, name: str, samples) -> float:
                                packed_seq_params=b.packed_seq_params())
                 first = max(plen, 1)  # the first target token: the first response token
                 target = torch.tensor(toks[first:])
-                ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1])[first - 1:len(toks) - 1].double(), target,
-                                     reduction="sum")
+                ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1])[first - 1:len(toks) - 1].double(),
+                                     target, reduction="sum")
                 total += float(ce)
                 count += len(target)
     finally:
@@ -78,7 +78,8 @@ def test_eval_loss_equals_direct_computation(trained):
         assert last["eval_loss"] == pytest.approx(want, rel=1e-5, abs=1e-6)
         assert last["eval_tokens"] == sum(len(t) - max(p, 1) for t, p in js.eval_samples)
         assert summary["jobs"][name]["eval_loss"] == last["eval_loss"]
-        assert summary["jobs"][name]["best_eval_loss"] == min(r["eval_loss"] for r in evals if r["job"] == name)
+        assert summary["jobs"][name]["best_eval_loss"] == min(r["eval_loss"] for r in evals
+                                                              if r["job"] == name)
     status = json.loads((out / "status.json").read_text())["jobs"]
     assert status["a"]["best_step"] == summary["jobs"]["a"]["best_step"]
 
@@ -118,8 +119,8 @@ def test_eval_split_is_fixed_by_the_seed_and_disjoint_from_training(trained):
     assert js.stream.num_samples == 24  # the stream draws from the training samples only
 
 
-def test_early_stopping_best_checkpoint_survives_pruning_and_export_best(tmp_path, megatron_single, monkeypatch,
-                                                                          capsys):
+def test_early_stopping_best_checkpoint_survives_pruning_and_export_best(tmp_path, megatron_single,
+                                                                         monkeypatch, capsys):
     """Scripted eval losses 3, 2, 2.5, 2.1 with patience 2: best at the 2nd evaluation (step 2), stop after
     the 4th (step 4); keep_last 1 keeps the best checkpoint; the other job runs to its end."""
     from lorafusion import cli
@@ -146,7 +147,8 @@ def test_early_stopping_best_checkpoint_survives_pruning_and_export_best(tmp_pat
     assert (ckpts / "best").read_text().strip() == "step_000002"
     assert (out / "adapters" / "a" / "adapter_model.safetensors").is_file()  # its state at the stop
     capsys.readouterr()
-    assert cli.main(["export", str(out), "--job", "a", "--best", "--out", str(tmp_path / "best"), "--json"]) == 0
+    assert cli.main(
+        ["export", str(out), "--job", "a", "--best", "--out", str(tmp_path / "best"), "--json"]) == 0
     assert "step 2" in json.loads(capsys.readouterr().out)["exported"]
     assert (tmp_path / "best" / "adapter_model.safetensors").read_bytes() == \
         (ckpts / "step_000002" / "adapter" / "adapter_model.safetensors").read_bytes()
@@ -164,7 +166,8 @@ def test_eval_rows_are_strict_json_with_a_tensorboard_scalar(tmp_path):
     from lorafusion.runtime.telemetry.metrics import MetricsWriter
 
     w = MetricsWriter(tmp_path, tensorboard=True)
-    w.log_eval({"job": "a", "step": 3, "eval_loss": 1.5, "eval_tokens": 10, "best_eval_loss": 1.5, "best_step": 3})
+    w.log_eval(
+        {"job": "a", "step": 3, "eval_loss": 1.5, "eval_tokens": 10, "best_eval_loss": 1.5, "best_step": 3})
     w.log_eval({"job": "a", "step": 6, "eval_loss": float("nan"), "eval_tokens": 10, "best_eval_loss": 1.5,
                 "best_step": 3})
     w.close()
@@ -204,7 +207,8 @@ def test_config_errors_are_one_clear_line(tmp_path, change, field, words):
 
     job = job_dict("a", write_dataset(tmp_path / "a.jsonl", 1), r=4)
     for k, v in change.items():
-        job[k] = {"path": str(tmp_path / ("b.jsonl" if v == "X" else "nope.jsonl")), "format": "prompt_response"} \
+        job[k] = {"path": str(tmp_path / ("b.jsonl" if v == "X" else "nope.jsonl")),
+                  "format": "prompt_response"} \
             if k == "eval_dataset" else v
     write_dataset(tmp_path / "b.jsonl", 2)
     with pytest.raises(ConfigError) as e:
@@ -224,7 +228,8 @@ def test_an_empty_eval_set_is_one_clear_error(tmp_path):
         load_jobs(load_run_config(write_run(tmp_path, [job])))
     assert "\n" not in str(e.value) and "eval_split" in str(e.value) and "empty eval set" in str(e.value)
     (tmp_path / "empty.jsonl").write_text("")
-    job.update(eval_split=None, eval_dataset={"path": str(tmp_path / "empty.jsonl"), "format": "prompt_response"})
+    job.update(eval_split=None,
+               eval_dataset={"path": str(tmp_path / "empty.jsonl"), "format": "prompt_response"})
     with pytest.raises(ConfigError) as e:
         load_jobs(load_run_config(write_run(tmp_path, [job])))
     assert "\n" not in str(e.value) and "eval_dataset" in str(e.value) and "empty" in str(e.value)

@@ -20,7 +20,8 @@ def _feed(tmp_path, background: bool, out: str, overrides=("scheduler.solver=gre
     # by default plans that do not depend on time (greedy), so planning is deterministic on a loaded machine
     cfg = load_run_config(write_run(tmp_path, jobs, out=out), list(overrides))
     tokenizer, state = load_jobs(cfg)
-    return Feed(state, resolve(cfg, World.for_plan(cfg), None).scheduler, dp_rank=0, eos_id=tokenizer.eos_id, background=background)
+    return Feed(state, resolve(cfg, World.for_plan(cfg), None).scheduler, dp_rank=0, eos_id=tokenizer.eos_id,
+                background=background)
 
 
 def _chunks(feed):
@@ -73,8 +74,9 @@ def test_shortest_first_chunks_train_the_least_work_first_and_fill_its_idle_slot
     """``scheduler.policy=shortest_first`` at pp=2: each chunk's main job is the running job with the fewest
     tokens left (its ``lookahead_batches`` batches), the others fill the slot left idle between its two
     batches; over the run every job's batches are drawn once, in order; the plans verify (in the feed)."""
-    feed = _feed(tmp_path, False, "sf", overrides=("scheduler.solver=greedy", "scheduler.policy=shortest_first",
-                                                   "parallelism.pp=2"))
+    feed = _feed(tmp_path, False, "sf",
+                 overrides=("scheduler.solver=greedy", "scheduler.policy=shortest_first",
+                            "parallelism.pp=2"))
     drawn = {name: 0 for name in feed.jobs}
     mains, filled = [], 0
     while True:

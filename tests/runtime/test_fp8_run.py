@@ -1,6 +1,6 @@
-"""model.base_precision: fp8 through the CLI on CPU (torch._scaled_mm): a tiny run trains, generates with the FP8 base
-as training did, exports the adapter merged into the *original* bf16 weights (and says so), refuses a resume with
-another base precision, and a bad config is one clear error."""
+"""model.base_precision: fp8 through the CLI on CPU (torch._scaled_mm): a tiny run trains, generates with the
+FP8 base as training did, exports the adapter merged into the *original* bf16 weights (and says so), refuses a
+resume with another base precision, and a bad config is one clear error."""
 
 from __future__ import annotations
 
@@ -65,11 +65,14 @@ def test_merged_export_uses_the_original_weights_and_says_so(fp8_run, tmp_path, 
 
     _, _, out = fp8_run
     assert _main("export", out, "--base", "--out", tmp_path / "base") == 0
-    assert "the run trained on an FP8 base; these are the original bfloat16 weights" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "the run trained on an FP8 base; these are the original bfloat16 weights" in err
     assert _main("export", out, "--job", "a", "--merged", "--out", tmp_path / "merged", "--json") == 0
     msg = json.loads(capsys.readouterr().out)
-    assert msg["kind"] == "merged" and "original bfloat16 weights, reloaded from preset 'tiny-llama'" in msg["exported"]
-    base, merged = load_file(tmp_path / "base" / "model.safetensors"), load_file(tmp_path / "merged" / "model.safetensors")
+    assert (msg["kind"] == "merged"
+            and "original bfloat16 weights, reloaded from preset 'tiny-llama'" in msg["exported"])
+    base, merged = (load_file(tmp_path / "base" / "model.safetensors"),
+                    load_file(tmp_path / "merged" / "model.safetensors"))
     ad = load_file(out / "adapters" / "a" / "adapter_model.safetensors")
     key = "model.layers.0.mlp.down_proj.weight"
     a = ad["base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"].float()
@@ -89,12 +92,15 @@ def test_fp8_needs_bfloat16(tmp_path, capsys):
     run = write_run(tmp_path, [job_dict("a", write_dataset(tmp_path / "a.jsonl", 1), r=4)], out="never")
     assert _main("train", run, "model.base_precision=fp8") == 2
     err = capsys.readouterr().err
-    assert "model: base_precision: fp8 needs dtype: bfloat16" in err or "base_precision: fp8 needs dtype: bfloat16" in err
+    assert ("model: base_precision: fp8 needs dtype: bfloat16" in err
+            or "base_precision: fp8 needs dtype: bfloat16" in err)
     assert not (tmp_path / "never").exists()
 
 
-# ------------------------------------------------------------------------------------ TP + SP and PP + recompute
-FP8_LAYOUTS = {"tp2_sp_fp8": dict(tp=2, sequence_parallel=True), "pp2_recompute_fp8": dict(pp=2, recompute=True)}
+# ------------------------------------------------------------------------------------ TP + SP and PP +
+# recompute
+FP8_LAYOUTS = {"tp2_sp_fp8": dict(tp=2, sequence_parallel=True),
+               "pp2_recompute_fp8": dict(pp=2, recompute=True)}
 
 
 @pytest.fixture(scope="module")
@@ -106,15 +112,16 @@ def fp8_single(tmp_path_factory, megatron_single):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [
     pytest.param(name, marks=pytest.mark.two_process(name, jobs=three_job_dicts,
-                                                     guard=bool(layout.get("pp")), base_precision="fp8", **layout))
+                                                     guard=bool(layout.get("pp")),
+                                                     base_precision="fp8", **layout))
     for name, layout in FP8_LAYOUTS.items()])
 def test_two_process_fp8_runs_equal_one_process(fp8_single, two_process, name):
-    """The FP8 base under TP=2 + SP and PP=2 + recompute trains as one process does. A job's first step runs its
-    initial adapter (B = 0: the loss is the base model's): PP and recompute change no operand, so it agrees to
-    bf16 rounding; under TP the row-parallel linears quantize each rank's in-dim shard of X with its own row
-    scales (one process: the whole row), so TP agrees to FP8 precision. Later steps add bf16 training noise,
-    which FP8 rounding flips amplify: with the first layer bf16 (the default) one later step's gradient norm of
-    59 tokens moved by 5.6% under TP=2 + SP (its loss by 0.07%; every other step within 1.4%)."""
+    """The FP8 base under TP=2 + SP and PP=2 + recompute trains as one process does. A job's first step runs
+    its initial adapter (B = 0: the loss is the base model's): PP and recompute change no operand, so it
+    agrees to bf16 rounding; under TP the row-parallel linears quantize each rank's in-dim shard of X with its
+    own row scales (one process: the whole row), so TP agrees to FP8 precision. Later steps add bf16 training
+    noise, which FP8 rounding flips amplify: with the first layer bf16 (the default) one later step's gradient
+    norm of 59 tokens moved by 5.6% under TP=2 + SP (its loss by 0.07%; every other step within 1.4%)."""
     two = two_process(name)
     first_rel = 1e-2 if "tp2" in name else 1e-3
     key = lambda r: (r["job"], r["step"])  # noqa: E731
@@ -130,9 +137,9 @@ def test_two_process_fp8_runs_equal_one_process(fp8_single, two_process, name):
 
 
 def test_memory_model_counts_the_fp8_base_70b_pp2_fits_80gib(tmp_path):
-    """The memory model (scheduler/sizing) reads model.base_precision: the shipped 70B config at PP=2 on 80 GiB
-    GPUs (its jobs at their dataset.max_seq_len) fits with the FP8 base and does not with bf16 (`lorafusion plan
-    --gpu-memory 80GiB ... parallelism.pp=2 model.base_precision=fp8`)."""
+    """The memory model (scheduler/sizing) reads model.base_precision: the shipped 70B config at PP=2 on 80
+    GiB GPUs (its jobs at their dataset.max_seq_len) fits with the FP8 base and does not with bf16
+    (`lorafusion plan --gpu-memory 80GiB ... parallelism.pp=2 model.base_precision=fp8`)."""
     from pathlib import Path
 
     from lorafusion.config import load_run_config
@@ -144,7 +151,8 @@ def test_memory_model_counts_the_fp8_base_70b_pp2_fits_80gib(tmp_path):
     fits = {}
     for precision in ("bf16", "fp8"):
         cfg = load_run_config(config, [*data, "parallelism.pp=2", "parallelism.dp=1",
-                                        f"model.base_precision={precision}", f"output_dir={tmp_path / precision}"])
+                                        f"model.base_precision={precision}",
+                                        f"output_dir={tmp_path / precision}"])
         plan = resolve(cfg, World.for_plan(cfg), GpuMemory(80 * GIB, 80 * GIB))
         fits[precision] = plan.fits
         weights = [float(x.split()[4]) for x in plan.lines()[2:4]]  # the stages' weight GiB
@@ -154,15 +162,16 @@ def test_memory_model_counts_the_fp8_base_70b_pp2_fits_80gib(tmp_path):
 
 def test_memory_model_counts_the_first_layer_kept_in_bf16():
     """With an FP8 base the first decoder layer keeps its bf16 linears (lorafusion.core.precision): the memory
-    model adds them to stage 0 only, one layer's linear parameters at 2 bytes instead of 1 (plus no scales)."""
+    model adds them to stage 0 only, one layer's linear parameters at 2 bytes instead of 1 (plus no
+    scales)."""
     from dataclasses import replace
 
     from lorafusion.core.arch import preset
     from lorafusion.scheduler.memory import AdapterShape, MemorySetup, stage_weights
 
     arch = preset("llama3.1-8b")
-    s = MemorySetup(arch, (AdapterShape(16, ("all-linear",), 0.1),), base_bytes_per_param=1.0, row_scale_bytes=4,
-                    pp=2)
+    s = MemorySetup(arch, (AdapterShape(16, ("all-linear",), 0.1),), base_bytes_per_param=1.0,
+                    row_scale_bytes=4, pp=2)
     kept = replace(s, bf16_base_layers=1)
     h, f = arch.hidden_size, arch.ffn_hidden_size
     q = arch.num_attention_heads * arch.kv_channels + 2 * arch.num_query_groups * arch.kv_channels
@@ -170,5 +179,6 @@ def test_memory_model_counts_the_first_layer_kept_in_bf16():
     scales = 4 * (q + h + 2 * f + h)
     assert stage_weights(kept, 0) - stage_weights(s, 0) == pytest.approx(params - scales)
     assert stage_weights(kept, 1) == stage_weights(s, 1)
+    # bf16 base: nothing to add
     assert stage_weights(replace(kept, base_bytes_per_param=None, row_scale_bytes=0), 0) == \
-        stage_weights(replace(s, base_bytes_per_param=None, row_scale_bytes=0), 0)  # bf16 base: nothing to add
+        stage_weights(replace(s, base_bytes_per_param=None, row_scale_bytes=0), 0)

@@ -1,5 +1,6 @@
 """A run reads its config and never writes it: every ``auto`` is made a value in the RunPlan (summary.json's
-``run_plan``, the same as ``lorafusion plan`` resolves), a submitted job joins the job registry, not the config."""
+``run_plan``, the same as ``lorafusion plan`` resolves), a submitted job joins the job registry, not the
+config."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 from runtime_utils import job_dict, write_dataset, write_run
 
 
-def test_a_run_with_autos_and_a_submission_leaves_its_config_as_loaded(tmp_path, megatron_single, monkeypatch):
+def test_a_run_with_autos_and_a_submission_leaves_its_config_as_loaded(tmp_path,
+                                                                       megatron_single, monkeypatch):
     import yaml
 
     import lorafusion.runtime.pipeline as pipeline
@@ -50,6 +52,7 @@ def test_the_loaded_config_refuses_writes():
 
     cfg = load_run_config(Path(__file__).resolve().parents[2] / "configs/quickstart.yaml", check_files=False)
     for write in (lambda: setattr(cfg.scheduler, "token_capacity", 8192), lambda: setattr(cfg, "serve", True),
-                  lambda: setattr(cfg.parallelism, "dp", 2), lambda: setattr(cfg.jobs[0].optimizer, "lr", 1.0)):
+                  lambda: setattr(cfg.parallelism, "dp", 2),
+                  lambda: setattr(cfg.jobs[0].optimizer, "lr", 1.0)):
         with pytest.raises(ValidationError, match="frozen"):
             write()

@@ -1,6 +1,6 @@
 """Files a user hands over that are damaged, unreadable or odd (issue 29): one line naming the right file and
-what is wrong, exit 2 — never a traceback, never a silent wrong; and a stop while starting or after the end exits
-0 like a stop during the run."""
+what is wrong, exit 2 — never a traceback, never a silent wrong; and a stop while starting or after the end
+exits 0 like a stop during the run."""
 
 import errno
 import json
@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _one_line(capsys, cmd, *needles) -> str:
     err = capsys.readouterr().err
-    assert err.startswith(f"lorafusion {cmd}: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert (err.startswith(f"lorafusion {cmd}: error: ") and err.count("\n") == 1
+            and "Traceback" not in err), err
     for n in needles:
         assert n in err, (n, err)
     return err
@@ -35,7 +36,8 @@ def _hf_run(tmp_path, damage) -> Path:
 
     write_hf_checkpoint(preset("tiny-llama"), tmp_path / "hf")
     damage(tmp_path / "hf")
-    run = write_run(tmp_path, [job_dict("a", write_dataset(tmp_path / "a.jsonl", 1), r=4, steps=1)], out="never")
+    run = write_run(tmp_path,
+                    [job_dict("a", write_dataset(tmp_path / "a.jsonl", 1), r=4, steps=1)], out="never")
     raw = yaml.safe_load(run.read_text())
     raw["model"] = {"path": str(tmp_path / "hf"), "dtype": "float32"}
     run.write_text(yaml.safe_dump(raw))
@@ -60,7 +62,8 @@ def test_a_nan_in_a_base_weight_is_named_at_load(tmp_path, capsys, megatron_sing
     run = _hf_run(tmp_path, poison)
     capsys.readouterr()
     assert main(["train", str(run)]) == 2
-    _one_line(capsys, "train", "model.safetensors: tensor 'model.layers.1.mlp.down_proj.weight' holds non-finite")
+    _one_line(capsys, "train",
+              "model.safetensors: tensor 'model.layers.1.mlp.down_proj.weight' holds non-finite")
     assert not (tmp_path / "never").exists()
 
 
@@ -84,7 +87,9 @@ def test_generate_refuses_a_non_finite_adapter(run_copy, tmp_path, capsys):
 
     (f.parent / ADAPTER_HASHES).write_text(adapter_hashes({n: (f.parent / n).read_bytes() for n in (
         "adapter_config.json", "adapter_model.safetensors")}))
-    assert main(["generate", str(run_copy), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o")]) == 2
+    assert main(
+        ["generate", str(run_copy), "--prompts", str(tmp_path / "p.jsonl"), "--out",
+         str(tmp_path / "o")]) == 2
     _one_line(capsys, "generate", f"{f}: tensor", "holds non-finite values")
     assert not (tmp_path / "o").exists()
 
@@ -112,10 +117,12 @@ def test_a_rank_file_without_its_states(tmp_path, capsys, megatron_single):
     capsys.readouterr()  # (the training's lines, on stderr)
     step = out / "checkpoints" / "a" / "step_000002"
     torch.save({"something": 1}, step / "rank_tp0_pp0.pt")
-    manifest = json.loads((step / "manifest.json").read_text())  # (as if written so: else the manifest names it)
+    # (as if written so: else the manifest names it)
+    manifest = json.loads((step / "manifest.json").read_text())
     from lorafusion.rundir.atomic import file_sha256
 
-    (step / "manifest.json").write_text(json.dumps({**manifest, "rank_tp0_pp0.pt": file_sha256(step / "rank_tp0_pp0.pt")}))
+    (step / "manifest.json").write_text(
+        json.dumps({**manifest, "rank_tp0_pp0.pt": file_sha256(step / "rank_tp0_pp0.pt")}))
     capsys.readouterr()
     assert main(["train", str(run), "jobs.0.max_steps=3", "--resume"]) == 2
     _one_line(capsys, "train", "rank_tp0_pp0.pt: expected a checkpoint's 'adapter' and 'optimizer' states")

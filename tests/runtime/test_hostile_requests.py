@@ -1,7 +1,8 @@
-"""A submitted job never costs the run: what only the run can find wrong refuses that job alone at the boundary
-(recorded in requests/done/ and status), a record that no longer validates is set aside at resume instead of
-refusing every resume, and the arithmetic over a job's counts never overflows. (An lr of 1e300 or 10**400 steps
-was accepted by ``submit``, killed the run that admitted it, and every ``--resume`` after it the same way.)"""
+"""A submitted job never costs the run: what only the run can find wrong refuses that job alone at the
+boundary (recorded in requests/done/ and status), a record that no longer validates is set aside at resume
+instead of refusing every resume, and the arithmetic over a job's counts never overflows. (An lr of 1e300 or
+10**400 steps was accepted by ``submit``, killed the run that admitted it, and every ``--resume`` after it the
+same way.)"""
 
 import json
 from types import SimpleNamespace
@@ -50,8 +51,10 @@ def test_a_job_only_the_run_finds_wrong_is_refused_alone(tmp_path, monkeypatch, 
     assert set(summary["jobs"]) == {"a"} and summary["jobs"]["a"]["status"] == "done"
     answers = {json.loads(p.read_text())["name"]: json.loads(p.read_text())["answer"]
                for p in (out / "requests" / "done").glob("*.json")}
-    assert answers["huge"].startswith("refused: ") and "optimizer.lr: expected a number <= 10.0" in answers["huge"]
-    assert answers["boom"].startswith("refused: failed while adding the job (RuntimeError: an internal failure")
+    assert (answers["huge"].startswith("refused: ")
+            and "optimizer.lr: expected a number <= 10.0" in answers["huge"])
+    assert answers["boom"].startswith(
+        "refused: failed while adding the job (RuntimeError: an internal failure")
     assert "boom" not in get_lora_context(seen["model"]).specs  # taken back off the model
     assert not (out / "submitted").exists()
     capsys.readouterr()
@@ -62,11 +65,13 @@ def test_a_job_only_the_run_finds_wrong_is_refused_alone(tmp_path, monkeypatch, 
     assert set(summary["jobs"]) == {"a"}
 
 
-def test_a_submitted_record_that_no_longer_validates_is_set_aside_at_resume(tmp_path, megatron_single, capsys):
+def test_a_submitted_record_that_no_longer_validates_is_set_aside_at_resume(
+    tmp_path, megatron_single, capsys):
     run = write_run(tmp_path, [job_dict("a", write_dataset(tmp_path / "a.jsonl", 1), r=4, steps=2)], out="o")
     _, out = train_inprocess(run)
     (out / "submitted").mkdir()
-    bad = job_dict("old", write_dataset(tmp_path / "o.jsonl", 2), r=4, steps=10**400)  # accepted before bounds
+    bad = job_dict("old", write_dataset(tmp_path / "o.jsonl", 2), r=4,
+                   steps=10**400)  # accepted before bounds
     (out / "submitted" / "old.json").write_text(json.dumps(bad))
     (out / "submitted" / "junk.json").write_bytes(b"\xff\xfe")
     (out / "submitted" / "adir.json").mkdir()  # (a directory named like a record: moved aside, not EISDIR)
@@ -76,7 +81,8 @@ def test_a_submitted_record_that_no_longer_validates_is_set_aside_at_resume(tmp_
     capsys.readouterr()
     assert main(["status", str(out)]) == 0
     shown = capsys.readouterr().err
-    assert "(submit old): refused at resume: " in shown and "max_steps: expected an integer <= 1000000000" in shown
+    assert ("(submit old): refused at resume: " in shown
+            and "max_steps: expected an integer <= 1000000000" in shown)
     assert "(submit junk): refused at resume: " in shown and "not UTF-8" in shown, shown
     assert "(submit adir): refused at resume: " in shown and "a directory" in shown, shown
     summary, _ = train_inprocess(run, resume=True)
@@ -84,7 +90,8 @@ def test_a_submitted_record_that_no_longer_validates_is_set_aside_at_resume(tmp_
 
 
 def test_remaining_tokens_of_a_job_of_any_size():
-    """``feed._remaining_tokens`` turned 10**400 steps into an OverflowError (int too large to convert to float)."""
+    """``feed._remaining_tokens`` turned 10**400 steps into an OverflowError (int too large to convert to
+    float)."""
     from lorafusion.runtime.feed import Feed
 
     def feed(total, gbs=16, mean=7.5):
@@ -97,7 +104,8 @@ def test_remaining_tokens_of_a_job_of_any_size():
 
 
 def test_resume_cuts_a_metrics_file_with_damaged_lines(tmp_path):
-    """--resume over metrics.jsonl with a non-UTF-8 or non-object line was a UnicodeDecodeError / AttributeError."""
+    """--resume over metrics.jsonl with a non-UTF-8 or non-object line was a UnicodeDecodeError /
+    AttributeError."""
     from lorafusion.runtime.telemetry.metrics import cut_metrics
 
     rows = [{"job": "a", "step": 1}, {"job": "a", "step": 2}, {"job": "b", "step": 5}]
@@ -109,7 +117,8 @@ def test_resume_cuts_a_metrics_file_with_damaged_lines(tmp_path):
 
 
 def test_a_finished_submitted_job_needs_no_data_to_resume(tmp_path, megatron_single, capsys):
-    """Deleting the data of a finished submitted job made every later resume refuse (dataset: file not found)."""
+    """Deleting the data of a finished submitted job made every later resume refuse (dataset: file not
+    found)."""
     import yaml
 
     run = write_run(tmp_path, [job_dict("a", write_dataset(tmp_path / "a.jsonl", 1), r=4, steps=2)], out="o")

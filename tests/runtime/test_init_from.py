@@ -14,7 +14,8 @@ def test_a_job_continues_from_a_peft_adapter(tmp_path, megatron_single):
     _, out = train_inprocess(write_run(tmp_path, [first], out="o1"))
     start = load_adapter(out, "a")
     assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in start.items())
-    # the next job names only the adapter: r, alpha and targets come from it; a tiny lr keeps it where it began
+    # the next job names only the adapter: r, alpha and targets come from it; a tiny lr keeps it where it
+    # began
     nxt = {k: v for k, v in job_dict("b", data, r=4, steps=1, lr=1e-12).items() if k != "lora"}
     nxt["init_from"] = str(out / "adapters" / "a")
     summary, out2 = train_inprocess(write_run(tmp_path, [nxt], out="o2"))
@@ -41,7 +42,8 @@ def test_init_from_errors_name_the_field(tmp_path):
     (ad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
                                                         "target_modules": ["q_proj", "v_proj"]}))
     (ad / "adapter_model.safetensors").write_bytes(b"")
-    with pytest.raises(ConfigError, match=r"run.yaml: jobs.0.lora.r: the adapter in init_from .* has 4, the job 8"):
+    with pytest.raises(ConfigError,
+                       match=r"run.yaml: jobs.0.lora.r: the adapter in init_from .* has 4, the job 8"):
         load_run_config(write_run(tmp_path, [job]))
     job["lora"] = {"lora_dropout": 0.1}  # the rest from the adapter
     cfg = load_run_config(write_run(tmp_path, [job]))
@@ -49,7 +51,8 @@ def test_init_from_errors_name_the_field(tmp_path):
         (4, ("q_proj", "v_proj"), 0.1)
     (ad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
                                                         "use_dora": True, "target_modules": ["q_proj"]}))
-    with pytest.raises(ConfigError, match=r"jobs.0.init_from: .*adapter_config.json: use_dora: expected False"):
+    with pytest.raises(ConfigError,
+                       match=r"jobs.0.init_from: .*adapter_config.json: use_dora: expected False"):
         load_run_config(write_run(tmp_path, [job]))
 
 
@@ -70,8 +73,9 @@ def test_a_job_continues_from_an_adapter_peft_made_on_a_hf_model(tmp_path, megat
                      num_query_groups=2, ffn_hidden_size=80, max_position_embeddings=256)
     hf = write_hf_checkpoint(arch, tmp_path / "base")
     torch.manual_seed(0)
-    pm = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                                                 lora_dropout=0.0, init_lora_weights=False))
+    pm = peft.get_peft_model(copy.deepcopy(hf),
+                             peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                              lora_dropout=0.0, init_lora_weights=False))
     pm.save_pretrained(tmp_path / "peft")
     job = {k: v for k, v in job_dict("p", write_dataset(tmp_path / "d" / "p.jsonl", 3), r=4, steps=1,
                                      lr=1e-12).items() if k != "lora"}

@@ -35,8 +35,9 @@ def test_four_process_pp4_v2_equals_one_process(tmp_path, megatron_single):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-                           "-m", "lorafusion.cli", "train", str(run)], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+         "-m", "lorafusion.cli", "train", str(run)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
     four = tmp_path / "four"

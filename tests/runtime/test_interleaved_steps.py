@@ -71,5 +71,6 @@ def test_a_plan_that_breaks_the_rule_is_an_error():
     slots = [[Entry("A", 0, "a0", 10)], [], [], [], [Entry("A", 1, "a1", 10)], [], [], []]
     mbs = [Microbatch(k, k, 0, tuple(es), is_noop=not es) for k, es in enumerate(slots)]
     p = Plan(mbs, S, 1, 100, {("A", 0): 0, ("A", 1): 4}, virtual_stages=2)
-    with pytest.raises(RuntimeError, match="dependency rule broken: job 'A' batch 1 reaches chunk 0 before batch 0"):
+    with pytest.raises(RuntimeError,
+                       match="dependency rule broken: job 'A' batch 1 reaches chunk 0 before batch 0"):
         _drive(p, 0, S, 2)

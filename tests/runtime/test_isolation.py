@@ -1,7 +1,7 @@
-"""One job, one request or one typo never costs anyone else's work (issue 29): a request the run cannot apply is
-refused at the boundary (the reason in requests/done/ and in ``lorafusion status``) or, if applying it fails,
-set aside before the run ends, so a resume never meets it again; an adapter that could never fit is refused
-before anything is allocated."""
+"""One job, one request or one typo never costs anyone else's work (issue 29): a request the run cannot apply
+is refused at the boundary (the reason in requests/done/ and in ``lorafusion status``) or, if applying it
+fails, set aside before the run ends, so a resume never meets it again; an adapter that could never fit is
+refused before anything is allocated."""
 
 import json
 
@@ -32,7 +32,8 @@ def _answers(out) -> dict[str, str]:
             json.loads(p.read_text())["answer"] for p in sorted((out / "requests" / "done").glob("*.json"))}
 
 
-def test_requests_the_run_cannot_apply_are_refused_and_it_goes_on(tmp_path, monkeypatch, megatron_single, capsys):
+def test_requests_the_run_cannot_apply_are_refused_and_it_goes_on(tmp_path, monkeypatch,
+                                                                  megatron_single, capsys):
     jobs = [job_dict("rev", write_dataset(tmp_path / "d" / "rev.jsonl", 1), r=4, steps=4)]
     run = write_run(tmp_path, jobs, out="o")
     out = tmp_path / "o"
@@ -40,7 +41,7 @@ def test_requests_the_run_cannot_apply_are_refused_and_it_goes_on(tmp_path, monk
 
     def hand_written():
         write_request(out, "submit", {"name": "x", "job": {"name": "x"}})  # no dataset, lora, batch size
-        write_request(out, "submit", {"name": "huge", "job": huge})  # (submit checks it; a hand-written file not)
+        write_request(out, "submit", {"name": "huge", "job": huge})  # (submit checks it; a handmade file not)
         write_request(out, "submit", {"name": "bad", "job": [1, 2]})
         write_request(out, "cancel", {"name": "nobody"})  # no "job"
 
@@ -49,15 +50,19 @@ def test_requests_the_run_cannot_apply_are_refused_and_it_goes_on(tmp_path, monk
     assert summary["jobs"]["rev"] == {**summary["jobs"]["rev"], "status": "done", "steps": 4}
     assert set(summary["jobs"]) == {"rev"}
     answers = _answers(out)
-    assert answers["x"].startswith("refused: request ") and "job: dataset: required field is missing" in answers["x"]
-    assert answers["huge"].startswith("refused: request ") and "lora.r: expected an integer <= 65536" in answers["huge"]
-    assert answers["bad"].startswith("refused: request ") and "expected a job mapping, got list" in answers["bad"]
+    assert (answers["x"].startswith("refused: request ")
+            and "job: dataset: required field is missing" in answers["x"])
+    assert (answers["huge"].startswith("refused: request ")
+            and "lora.r: expected an integer <= 65536" in answers["huge"])
+    assert (answers["bad"].startswith("refused: request ")
+            and "expected a job mapping, got list" in answers["bad"])
     assert answers["nobody"].startswith("refused: --job: no job None")
     assert not list((out / "requests").glob("*.json"))  # nothing left to retry
     capsys.readouterr()
     assert main(["status", str(out)]) == 0
     shown = capsys.readouterr().err
-    assert "submit huge): refused: request " in shown and "lora.r: expected an integer <= 65536" in shown, shown
+    assert ("submit huge): refused: request " in shown
+            and "lora.r: expected an integer <= 65536" in shown), shown
     assert len([ln for ln in shown.splitlines() if ln.startswith("  request ")]) == 4
 
 
@@ -85,7 +90,8 @@ def test_an_adapter_that_can_never_fit_is_refused_before_allocation(tmp_path, ca
     run = write_run(tmp_path, jobs, out="never")
     assert main(["train", str(run), "jobs.0.lora.r=1000000000000"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("lorafusion train: error: ") and "jobs.0.lora.r: expected an integer <= 65536" in err, err
+    assert (err.startswith("lorafusion train: error: ")
+            and "jobs.0.lora.r: expected an integer <= 65536" in err), err
     assert err.count("\n") == 1 and not (tmp_path / "never").exists()
 
 
@@ -98,7 +104,8 @@ def test_an_adapter_that_can_never_fit_is_refused_before_allocation(tmp_path, ca
      "jobs: missing or of the wrong type"),
     ('{"run": {"state": "done", "elapsed_s": "1", "tokens_per_s": 1, "updated": "x"}, "jobs": {}}',
      "run.elapsed_s: missing or of the wrong type"),
-    ('{"run": {"state": "done", "elapsed_s": 1, "tokens_per_s": 1, "updated": "x"}, "jobs": {"a": {"state": "x"}}}',
+    ('{"run": {"state": "done", "elapsed_s": 1, "tokens_per_s": 1, "updated": "x"}, "jobs": {"a": {"state": '
+     '"x"}}}',
      "jobs.a.step: missing"),
 ])
 def test_status_json_of_the_wrong_shape(tmp_path, capsys, text, needle):
@@ -120,8 +127,9 @@ def _submit_job(tmp_path, name="extra", **dataset):
     return path, data
 
 
-@pytest.mark.parametrize("case", ["invalid_json", "over_capacity", "long_sample", "huge_r", "batch_over_samples",
-                                  "warmup_over_epochs"])
+@pytest.mark.parametrize("case",
+                         ["invalid_json", "over_capacity", "long_sample", "huge_r", "batch_over_samples",
+                          "warmup_over_epochs"])
 def test_submit_refuses_what_the_run_would_refuse(tmp_path, capsys, three_jobs, case):
     out = three_jobs[3]
     path, data = _submit_job(tmp_path, max_seq_len=200 if case == "over_capacity" else 64)
@@ -135,8 +143,8 @@ def test_submit_refuses_what_the_run_would_refuse(tmp_path, capsys, three_jobs, 
         data.write_text(data.read_text() + json.dumps({"prompt": "p" * 100, "response": "r"}) + "\n")
         words = [str(data), "sample 24 (row 24) is 103 tokens, longer than dataset.max_seq_len = 64"]
     elif case == "batch_over_samples":  # (submit said "submitted"; the run refused it at the boundary)
-        overrides, words = ["global_batch_size=1000"], ["job 'extra': global_batch_size: expected at most the number "
-                                                        "of samples (24), got 1000"]
+        overrides, words = ["global_batch_size=1000"], ["job 'extra': global_batch_size: expected at most "
+                                                        "the number of samples (24), got 1000"]
     elif case == "warmup_over_epochs":
         overrides = ["max_steps=null", "num_epochs=1", "optimizer.warmup_steps=1000"]
         words = ["job 'extra': optimizer.warmup_steps: expected at most the job's"]
@@ -161,12 +169,13 @@ def test_export_never_replaces_the_run_it_reads(tmp_path, capsys, three_jobs, wh
 
     out = tmp_path / "run"
     shutil.copytree(three_jobs[3], out)
-    target = {"run": out, "adapters": out / "adapters", "parent": tmp_path, "checkpoints": out / "checkpoints" / "x",
-              "other_run": three_jobs[3]}[where]
+    target = {"run": out, "adapters": out / "adapters", "parent": tmp_path,
+              "checkpoints": out / "checkpoints" / "x", "other_run": three_jobs[3]}[where]
     before, other = _tree(out), _tree(three_jobs[3])
     assert main(["export", str(out), "--job", "rev", "--out", str(target), "--force"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and ("--out holds the directory" in err or "--out is inside the directory" in err
+    assert err.count("\n") == 1 and ("--out holds the directory" in err
+                                     or "--out is inside the directory" in err
                                      or "--out is a lorafusion run directory" in err), err
     assert _tree(out) == before and _tree(three_jobs[3]) == other
     # from one checkpoint directory: its run is protected too
@@ -201,5 +210,7 @@ def test_a_fresh_run_never_replaces_a_users_files(tmp_path, capsys, megatron_sin
     before = _tree(tmp_path / "mine")
     assert main(["train", str(run)]) == 2
     err = capsys.readouterr().err
-    assert "output_dir:" in err and "holds files that are not a lorafusion run's" in err and err.count("\n") == 1
-    assert _tree(tmp_path / "mine") == before and sorted(p.name for p in (tmp_path / "mine").iterdir()) == sorted(files)
+    assert ("output_dir:" in err and "holds files that are not a lorafusion run's" in err
+            and err.count("\n") == 1)
+    assert (_tree(tmp_path / "mine") == before
+            and sorted(p.name for p in (tmp_path / "mine").iterdir()) == sorted(files))

@@ -1,5 +1,5 @@
-"""The job registry (runtime/jobs.py, rundir/states.py): transitions as methods, illegal ones refused; the shown
-state derived in one place; the trainer's loop observed through callbacks."""
+"""The job registry (runtime/jobs.py, rundir/states.py): transitions as methods, illegal ones refused; the
+shown state derived in one place; the trainer's loop observed through callbacks."""
 
 import threading
 from types import SimpleNamespace
@@ -13,7 +13,8 @@ from runtime_utils import job_dict, train_inprocess, write_dataset, write_run
 
 def _job(status=JobStatus.RUNNING, steps=0, total=4) -> JobState:
     cfg = SimpleNamespace(name="a", max_nonfinite_steps=2)
-    js = JobState(cfg, [], SimpleNamespace(total_steps=total), optimizer=SimpleNamespace(paused=False), steps=steps)
+    js = JobState(cfg, [], SimpleNamespace(total_steps=total),
+                  optimizer=SimpleNamespace(paused=False), steps=steps)
     js.status = status
     return js
 
@@ -78,7 +79,8 @@ def test_record_step_and_divergence():
     ("queued", {"run_stopped": True}, "queued"),
 ])
 def test_shown_state(status, kw, shown):
-    args = {"finished": False, "handed_over": False, "written": False, "run_stopped": False, "in_chunk": None} | kw
+    args = {"finished": False, "handed_over": False, "written": False, "run_stopped": False,
+            "in_chunk": None} | kw
     assert shown_state(status, **args) == shown
 
 

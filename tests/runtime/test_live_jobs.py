@@ -1,5 +1,5 @@
-"""Online jobs: ``lorafusion submit`` / ``cancel`` on a running run (taken at chunk boundaries), on a stopped run
-before ``--resume``, the queue by priority, and bad requests."""
+"""Online jobs: ``lorafusion submit`` / ``cancel`` on a running run (taken at chunk boundaries), on a stopped
+run before ``--resume``, the queue by priority, and bad requests."""
 
 import json
 
@@ -21,7 +21,8 @@ def _job_yaml(tmp, name, seed, **kw):
 
 
 def _on_chunk(monkeypatch, actions: dict):
-    """Run ``actions[k]()`` right after chunk k (1-based) has trained, as a user acting while the run goes on."""
+    """Run ``actions[k]()`` right after chunk k (1-based) has trained, as a user acting while the run goes
+    on."""
     orig, count = pipeline.run_chunk, [0]
 
     def wrapped(*a, **kw):
@@ -49,7 +50,8 @@ def test_submit_and_cancel_on_a_running_run(tmp_path, monkeypatch, megatron_sing
     summary, _ = train_inprocess(run)
     js = summary["jobs"]
     assert js["rev"]["status"] == "done" and js["rev"]["steps"] == 6
-    assert js["up"]["status"] == "cancelled" and 2 <= js["up"]["steps"] < 6  # its planned batches ran, no more
+    # its planned batches ran, no more
+    assert js["up"]["status"] == "cancelled" and 2 <= js["up"]["steps"] < 6
     assert js["late"]["status"] == "done" and js["late"]["steps"] == 4
     assert (out / "adapters" / "up" / "adapter_config.json").is_file()
     assert (out / "checkpoints" / "up" / f"step_{js['up']['steps']:06d}").is_dir()
@@ -59,7 +61,8 @@ def test_submit_and_cancel_on_a_running_run(tmp_path, monkeypatch, megatron_sing
     answers = sorted(json.loads(p.read_text())["answer"] for p in (out / "requests" / "done").glob("*.json"))
     assert answers[0].startswith("accepted") and answers[1].startswith("cancelling")
     status = json.loads((out / "status.json").read_text())
-    assert {n: r["state"] for n, r in status["jobs"].items()} == {"rev": "done", "up": "cancelled", "late": "done"}
+    assert {n: r["state"] for n, r in status["jobs"].items()} == {"rev": "done", "up": "cancelled",
+                                                                  "late": "done"}
     # the job that joined trained exactly as it would alone (dropout, data order and optimizer are its own)
     alone_job = yaml.safe_load(late.read_text())
     alone_job["dataset"]["path"] = str(tmp_path / "d" / "late.jsonl")
@@ -105,7 +108,8 @@ def test_a_finished_job_is_handed_over_while_the_run_goes_on(tmp_path, monkeypat
     after = [s for s in seen if "short" not in s[0]]  # the chunks after short's last one
     assert len(after) >= 3 and seen[0][1] == "running" and not seen[0][2]
     assert all(specs == {"long"} for *_, specs in after)  # off the model at once
-    assert [(state, exported) for _, state, exported, _ in after[:2]] == [("saving", False)] * 2  # training went on
+    assert [(state, exported)
+            for _, state, exported, _ in after[:2]] == [("saving", False)] * 2  # training went on
     assert all(state != "done" or exported for _, state, exported, _ in seen)  # done only once written
     assert (out / "checkpoints" / "short" / "step_000002" / "state.json").is_file()
     assert json.loads((out / "status.json").read_text())["jobs"]["short"]["state"] == "done"
@@ -132,7 +136,8 @@ def test_queue_admits_by_priority_when_room_appears(tmp_path, monkeypatch, megat
     """Room for one training job at a time (a stand-in for GPU memory): submissions wait as queued and start
     by priority when a job leaves."""
     def fits(self, name):
-        return not any(js.status == "running" and js.steps < js.stream.total_steps for js in self.jobs.values())
+        return not any(js.status == "running" and js.steps < js.stream.total_steps
+                       for js in self.jobs.values())
 
     monkeypatch.setattr(LiveJobs, "_fits", fits)
     jobs = [job_dict("first", write_dataset(tmp_path / "d" / "first.jsonl", 1), r=4, steps=4)]
@@ -181,7 +186,8 @@ def test_bad_requests_are_one_line(tmp_path, capsys, case, three_jobs):
     elif case == "cancel_done":
         argv, words = ["cancel", str(out), "--job", "rev"], ["--job", "'rev'", "already done"]
     else:
-        argv, words = ["submit", str(tmp_path / "nowhere"), str(job)], ["nowhere", "not a lorafusion run directory"]
+        argv = ["submit", str(tmp_path / "nowhere"), str(job)]
+        words = ["nowhere", "not a lorafusion run directory"]
     before = sorted(p.name for p in out.rglob("*"))
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -195,7 +201,8 @@ def test_cancel_of_an_ended_job_is_refused_at_once(tmp_path, state):
     from lorafusion.core.errors import ConfigError
     from lorafusion.rundir.requests import check_cancel
 
-    (tmp_path / "status.json").write_text(json.dumps({"run": {}, "jobs": {"j": {"state": state}, "k": {"state": "running"}}}))
+    (tmp_path / "status.json").write_text(
+        json.dumps({"run": {}, "jobs": {"j": {"state": state}, "k": {"state": "running"}}}))
     with pytest.raises(ConfigError, match=f"job 'j' is already {state}: nothing to cancel"):
         check_cancel(tmp_path, "j")
     check_cancel(tmp_path, "k")  # a running job may be cancelled

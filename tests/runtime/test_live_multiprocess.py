@@ -1,18 +1,19 @@
-"""Online jobs on a real multi-process run (issue 12): ``lorafusion train --serve`` under torchrun, two CPU/gloo
-processes at pp=2; while it trains, a ``lorafusion submit`` process adds a job and a ``lorafusion cancel``
-process removes another.
+"""Online jobs on a real multi-process run (issue 12): ``lorafusion train --serve`` under torchrun, two
+CPU/gloo processes at pp=2; while it trains, a ``lorafusion submit`` process adds a job and a
+``lorafusion cancel`` process removes another.
 
-Only global rank 0 reads ``RUN_DIR/requests/``. The other process is the last pipeline stage: it holds the second
-half of every adapter and computes every loss, and learns of both requests only through rank 0's broadcast at
-a chunk boundary — pp=2 is the layout where that broadcast carries the most (a rank that missed it would lack
-the new adapter's layers, or keep training the cancelled one, and the pipeline would hang or diverge).
+Only global rank 0 reads ``RUN_DIR/requests/``. The other process is the last pipeline stage: it holds the
+second half of every adapter and computes every loss, and learns of both requests only through rank 0's
+broadcast at a chunk boundary — pp=2 is the layout where that broadcast carries the most (a rank that missed
+it would lack the new adapter's layers, or keep training the cancelled one, and the pipeline would hang or
+diverge).
 
 No outcome depends on timing: the test acts once ``status.json`` says the run is past its first chunk boundary
 (so the requests are taken at a boundary of a running run, not at its start), and the cancelled job has far
 more steps than the run takes in the test's time, so the run cannot end before it takes the cancel. The
 submission is written first, so it is taken at that boundary or an earlier one. Served, the run can then end
-only when its ranks agree that its idle time is over; rank 1's clock runs at half speed (skewed_clock.py, which
-also runs sync_guard.py's check), so ranks that each decided on their own clock would hang.
+only when its ranks agree that its idle time is over; rank 1's clock runs at half speed (skewed_clock.py,
+which also runs sync_guard.py's check), so ranks that each decided on their own clock would hang.
 """
 
 import json
@@ -32,7 +33,8 @@ from safetensors.torch import load_file
 from runtime_utils import assert_close, job_dict, load_adapter, train_inprocess, write_dataset, write_run
 
 ROOT = Path(__file__).resolve().parents[2]
-ENTRY = Path(__file__).with_name("skewed_clock.py")  # lorafusion train through sync_guard.py, rank 1's clock slow
+# lorafusion train through sync_guard.py, rank 1's clock slow
+ENTRY = Path(__file__).with_name("skewed_clock.py")
 NEVER = 100_000  # max_steps of the job to cancel: it cannot end on its own while the test runs
 TIMEOUT_S = 300
 
@@ -47,8 +49,8 @@ def _env() -> dict:
 
 def _cli(*args: str) -> str:
     """``lorafusion ARGS`` in a process of its own; its stdout (it must succeed)."""
-    p = subprocess.run([sys.executable, "-m", "lorafusion.cli", *args], cwd=ROOT, env=_env(), capture_output=True,
-                       text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-m", "lorafusion.cli", *args], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, (args, p.stdout, p.stderr)
     return p.stdout
 
@@ -99,9 +101,10 @@ def test_submit_and_cancel_reach_every_rank_of_a_pp2_run(tmp_path, megatron_sing
     out, late, log = tmp_path / "live", _late_job(tmp_path), tmp_path / "train.log"
     # --serve: once its jobs have ended the run waits for submissions until serve_idle_minutes (here 0.3 s)
     with log.open("w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                                 str(ENTRY), "train", str(run), "serve_idle_minutes=0.005", "--serve"],
-                                cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+             str(ENTRY), "train", str(run), "serve_idle_minutes=0.005", "--serve"],
+            cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         # the reference, while the run starts: the submitted job trained alone (one process)
         alone = yaml.safe_load(late.read_text())
@@ -112,7 +115,8 @@ def test_submit_and_cancel_reach_every_rank_of_a_pp2_run(tmp_path, megatron_sing
         _wait_until(lambda: _past_first_boundary(out), proc, log, "the first chunk boundary")
         _cli("submit", str(out), str(late), "optimizer.lr=5e-3")
         _cli("cancel", str(out), "--job", "stop")
-        _wait_until(lambda: proc.poll() is not None, proc, log, "end of the run (do ranks wait for each other?)")
+        _wait_until(lambda: proc.poll() is not None, proc, log,
+                    "end of the run (do ranks wait for each other?)")
     finally:
         if proc.poll() is None:  # torchrun and its workers (a killed agent leaves its workers running)
             os.killpg(proc.pid, signal.SIGKILL)
@@ -171,8 +175,9 @@ def test_request_commands_start_without_torch(tmp_path):
             "print(sorted(m for m in ('torch', 'megatron', 'numpy') if m in sys.modules))")
     run = tmp_path / "run"
     run.mkdir()
-    (run / "status.json").write_text(json.dumps({"run": {"state": "done", "elapsed_s": 1.0, "tokens_per_s": 0.0,
-                                                         "updated": "-"}, "jobs": {"x": {}}}))
+    (run / "status.json").write_text(
+        json.dumps({"run": {"state": "done", "elapsed_s": 1.0, "tokens_per_s": 0.0,
+                            "updated": "-"}, "jobs": {"x": {}}}))
     job = job_dict("y", write_dataset(tmp_path / "y.jsonl", 1), r=4)
     (tmp_path / "y.yaml").write_text(yaml.safe_dump(job))
     p = subprocess.run([sys.executable, "-c", code, str(run), str(tmp_path / "y.yaml")], cwd=ROOT, env=_env(),

@@ -1,5 +1,5 @@
-"""Logs: off a terminal, plain lines (every log_every steps, at most every log_every_s seconds, each job's first
-and last step); throughput and memory in the metrics; on a terminal a live table, a row per job."""
+"""Logs: off a terminal, plain lines (every log_every steps, at most every log_every_s seconds, each job's
+first and last step); throughput and memory in the metrics; on a terminal a live table, a row per job."""
 
 import json
 import re
@@ -14,7 +14,8 @@ def test_plain_progress_lines_off_a_terminal_and_throughput_in_metrics(tmp_path,
                              ["logging.progress=true", "logging.log_every=2", "logging.log_every_s=0"])
     printed = capsys.readouterr().err.splitlines()
     lines = [x for x in printed if re.match(r"\w+ step \d+/\d+  ", x)]
-    assert [x.split("  ")[0] for x in lines] == ["a step 2/5", "b step 2/2", "a step 4/5", "a step 5/5"], lines
+    assert [x.split("  ")[0] for x in lines] == ["a step 2/5", "b step 2/2", "a step 4/5",
+                                                 "a step 5/5"], lines
     # a job is handed over (adapter written) at the boundary after its last step, not at the end of the run
     ended = [i for i, x in enumerate(printed) if x.startswith("job b: done at step 2; its adapter goes to ")]
     assert len(ended) == 1 and printed.index(lines[1]) < ended[0] < printed.index(lines[2]), printed
@@ -39,7 +40,8 @@ def test_plain_lines_are_periodic_not_one_per_step(capsys):
 
 
 def test_live_table_has_a_row_per_job_with_eval_loss():
-    """The terminal view: a table with step/max, loss, eval loss, tokens/s and ETA per job (a job may join)."""
+    """The terminal view: a table with step/max, loss, eval loss, tokens/s and ETA per job (a job may
+    join)."""
     from rich.console import Console
 
     from lorafusion.runtime.telemetry.progress import Progress
@@ -51,13 +53,15 @@ def test_live_table_has_a_row_per_job_with_eval_loss():
     console = Console(width=120, record=True)
     console.print(p._table())
     text = console.export_text()
-    for word in ("job", "step", "loss", "eval loss", "tokens/s", "ETA", "4/10", "0.2500", "0.3125", "late", "1/20"):
+    for word in ("job", "step", "loss", "eval loss", "tokens/s", "ETA", "4/10", "0.2500", "0.3125",
+                 "late", "1/20"):
         assert word in text, (word, text)
 
 
 def test_rate_and_eta_are_over_the_steps_after_the_first(capsys, monkeypatch):
     """The first step's own time is unknown to the progress view: its line shows no rate or ETA (it printed
-    hundreds of billions of tokens/s: 100 tokens over ~0 s), later lines the tokens since over the time since."""
+    hundreds of billions of tokens/s: 100 tokens over ~0 s), later lines the tokens since over the time
+    since."""
     from lorafusion.runtime.telemetry import progress
 
     clock = iter([0.0, 10.0, 12.0, 14.0, 16.0])

@@ -42,10 +42,12 @@ def test_auto_is_resolved_printed_and_recorded(tmp_path, megatron_single, monkey
     plan = json.loads((out / "summary.json").read_text())["memory_plan"]
     assert plan == summary["memory_plan"] and plan["fits"]
     assert plan["auto"] == {"token_capacity": True, "recompute_layers": True, "stage_layers": False}
-    assert plan["token_capacity"] >= 64 and plan["recompute_layers"] == [0]  # a tiny model: no recompute needed
+    # a tiny model: no recompute needed
+    assert plan["token_capacity"] >= 64 and plan["recompute_layers"] == [0]
     assert plan["stages"][0]["predicted_peak_gib"] < plan["gpu_memory_gib"]
     err = capsys.readouterr().err
-    assert "memory plan for 8.0 GiB free of 80.0 GiB" in err and f"token_capacity {plan['token_capacity']} (auto)" in err
+    assert ("memory plan for 8.0 GiB free of 80.0 GiB" in err
+            and f"token_capacity {plan['token_capacity']} (auto)" in err)
     assert summary["run_plan"]["token_capacity"] == plan["token_capacity"]
     assert summary["run_plan"]["memory_plan"] == plan
 
@@ -54,7 +56,8 @@ def test_cpu_keeps_todays_auto(tmp_path, megatron_single, capsys):
     summary, _ = train_inprocess(_run(tmp_path))  # no CUDA here: no memory to read
     assert summary["memory_plan"] is None and "memory plan" not in capsys.readouterr().err
     # the cost model's capacity at the longest max_seq_len, every layer recomputed
-    assert summary["run_plan"]["token_capacity"] == 5120 and summary["run_plan"]["recompute_layers"] == [4]  # (tiny-llama: 4 layers)
+    # (tiny-llama: 4 layers)
+    assert summary["run_plan"]["token_capacity"] == 5120 and summary["run_plan"]["recompute_layers"] == [4]
 
 
 def test_a_run_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, megatron_single, monkeypatch,
@@ -64,11 +67,13 @@ def test_a_run_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, m
     assert _main("train", run) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("lorafusion train: error: ") and "Traceback" not in err
-    assert "does not fit 0.5 GiB of GPU memory" in err and "pipeline stage 0 needs" in err and "job 'a'" in err
+    assert ("does not fit 0.5 GiB of GPU memory" in err and "pipeline stage 0 needs" in err
+            and "job 'a'" in err)
     assert not (tmp_path / "out").exists()
 
 
-def test_runtime_out_of_memory_is_one_line_and_keeps_checkpoints(tmp_path, megatron_single, monkeypatch, capsys):
+def test_runtime_out_of_memory_is_one_line_and_keeps_checkpoints(tmp_path, megatron_single,
+                                                                 monkeypatch, capsys):
     import lorafusion.runtime.pipeline as pipeline
 
     _gpu(monkeypatch, 8.0)
@@ -89,7 +94,8 @@ def test_runtime_out_of_memory_is_one_line_and_keeps_checkpoints(tmp_path, megat
     assert len(errors) == 1 and err.endswith(errors[0] + "\n")
     assert "pipeline stage 0 ran out of GPU memory in chunk 2" in errors[0]
     assert "the memory model predicted a peak of" in errors[0] and "token_capacity 256" in errors[0]
-    assert "Lower scheduler.token_capacity (e.g. 256)" not in errors[0] and "model.recompute_layers" in errors[0]
+    assert ("Lower scheduler.token_capacity (e.g. 256)" not in errors[0]
+            and "model.recompute_layers" in errors[0])
     step = tmp_path / "out" / "checkpoints" / "a" / "step_000001"
     assert step.is_dir() and not list(step.parent.glob("*.tmp*"))  # written before the failure, complete
     # and still loads: `lorafusion export` of that step writes a PEFT adapter
@@ -106,14 +112,15 @@ def test_plan_gpu_memory_prints_every_size(capsys):
     assert "does NOT fit" in blocks[0] and "Nothing within this run's settings fits" in blocks[0]
     assert "parallelism.pp: 8" not in blocks[0]
     assert blocks[2].rstrip().endswith("fits") and "token_capacity 4096 (auto)" in blocks[2]
-    assert "recompute_layers per stage [" in blocks[2] and "] (auto)" in blocks[2] and "stage_layers [" in blocks[2]
+    assert ("recompute_layers per stage [" in blocks[2] and "] (auto)" in blocks[2]
+            and "stage_layers [" in blocks[2])
     assert blocks[2].count("\n      ") >= 4  # one row per stage
 
 
 def test_plan_gpu_memory_says_what_would_fit_a_fixed_setting(capsys):
     cfg = ROOT / "configs/llama3.1-8b-4adapters.yaml"
-    assert _main("plan", cfg, "scheduler.token_capacity=16384", "model.recompute=false", "model.recompute_layers=null",
-                 "--gpu-memory", "80GiB") == 0
+    assert _main("plan", cfg, "scheduler.token_capacity=16384", "model.recompute=false",
+                 "model.recompute_layers=null", "--gpu-memory", "80GiB") == 0
     out = capsys.readouterr().err
     assert "does NOT fit" in out and "Would fit: scheduler.token_capacity: " in out
     assert "model.recompute_layers: " in out
@@ -128,7 +135,8 @@ def test_plan_gpu_memory_bad_size(capsys):
 def test_recompute_layers_auto_in_the_schema():
     from lorafusion.config.schema import ModelConfig
 
-    assert ModelConfig(preset="tiny-llama", recompute=True, recompute_layers="auto").recompute_layers == "auto"
+    assert ModelConfig(preset="tiny-llama", recompute=True,
+                       recompute_layers="auto").recompute_layers == "auto"
     with pytest.raises(ValueError, match="needs recompute: true"):
         ModelConfig(preset="tiny-llama", recompute_layers="auto")
     with pytest.raises(ValueError, match="an integer >= 1 or 'auto'"):
@@ -147,7 +155,8 @@ def test_recompute_kwargs_per_stage():
     cfg = load_run_config(config, check_files=False)
     plan = resolve(cfg, World(4), GpuMemory(80 * GIB, 80 * GIB))
     n, layers = plan.recompute_layers, plan.layers_per_rank
-    assert 0 < n[1] < layers[1] and n[3] == 0 and n[0] >= n[1]  # some layers on early stages, none on the last
+    # some layers on early stages, none on the last
+    assert 0 < n[1] < layers[1] and n[3] == 0 and n[0] >= n[1]
     assert [plan.recompute_kwargs(k) for k in range(4)] == [
         {"recompute": True, "recompute_layers": n[0]}, {"recompute": True, "recompute_layers": n[1]},
         {"recompute": True, "recompute_layers": n[2]}, {"recompute": False, "recompute_layers": None}]

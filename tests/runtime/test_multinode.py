@@ -82,14 +82,15 @@ def test_sbatch_command_on_two_nodes_equals_single_node_two_processes(tmp_path):
     multi = run_yaml("multi")
     env = dict(base_env, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", PYTHON=sys.executable,
                SLURM_SUBMIT_DIR=str(ROOT), SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="node[0-1]",
-               SLURM_JOB_ID="4242", GPUS_PER_NODE="1", MASTER_PORT=str(_free_port()), SHIM_LOG_DIR=str(tmp_path))
+               SLURM_JOB_ID="4242", GPUS_PER_NODE="1", MASTER_PORT=str(_free_port()),
+               SHIM_LOG_DIR=str(tmp_path))
     single = run_yaml("single")
     single_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                   "-m", "lorafusion.cli", "train", str(single)]
-    p_multi = subprocess.Popen(["bash", str(ROOT / "slurm" / "train.sbatch"), str(multi)], cwd=tmp_path, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    p_single = subprocess.Popen(single_cmd, cwd=ROOT, env=base_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+    p_multi = subprocess.Popen(["bash", str(ROOT / "slurm" / "train.sbatch"), str(multi)], cwd=tmp_path,
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p_single = subprocess.Popen(single_cmd, cwd=ROOT, env=base_env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
     out_multi = p_multi.communicate(timeout=300)[0]
     out_single = p_single.communicate(timeout=300)[0]
     logs = "\n".join(f"--- node{n}\n" + (tmp_path / f"node{n}.log").read_text()[-3000:]

@@ -1,11 +1,12 @@
 """On a GPU, a training chunk's microbatches (forward, loss, backward and the jobs' optimizer steps inside the
 schedule) never make the host wait for the GPU: torch's sync debug mode reports every synchronising call (a
-copy from pageable memory, ``.item()``, ``.tolist()``, a blocking ``nonzero``...) while Megatron's schedule runs.
-A sync there stops the host from enqueueing ahead, so a microbatch whose host work outlasts its GPU work (a
-small one) costs its host time. The chunk's one read of losses and norms (after the schedule) is allowed, and so
-is the first chunk (first-use work: Megatron moves RoPE's frequencies to the GPU, the LoRA layers build their block
-indices); the chunks after it are watched. (Torch's notice that the mode is a prototype that does not detect every
-synchronising operation is not a sync; on one H200, 2026-11-25, it was the only warning of the chunks watched.)"""
+copy from pageable memory, ``.item()``, ``.tolist()``, a blocking ``nonzero``...) while Megatron's schedule
+runs. A sync there stops the host from enqueueing ahead, so a microbatch whose host work outlasts its GPU work
+(a small one) costs its host time. The chunk's one read of losses and norms (after the schedule) is allowed,
+and so is the first chunk (first-use work: Megatron moves RoPE's frequencies to the GPU, the LoRA layers build
+their block indices); the chunks after it are watched. (Torch's notice that the mode is a prototype that does
+not detect every synchronising operation is not a sync; on one H200, 2026-11-25, it was the only warning of
+the chunks watched.)"""
 
 import warnings
 
@@ -36,7 +37,8 @@ def test_schedule_has_no_host_sync(tmp_path, monkeypatch, recompute):
                 real(*args, **kwargs)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        seen.extend(f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "called a synchronizing" in str(w.message))
+        seen.extend(f"{w.filename}:{w.lineno}: {w.message}" for w in caught
+                    if "called a synchronizing" in str(w.message))
 
     monkeypatch.setattr(pipeline, "run_schedule", watched)
     run = write_run(tmp_path, three_job_dicts(tmp_path), capacity=160, recompute=recompute)

@@ -1,5 +1,5 @@
-"""`lorafusion plan` on the shipped configs as written: the layout is the config's own (dp: auto = one replica)
-or --gpus N processes; a sweep says how far it got on stderr."""
+"""`lorafusion plan` on the shipped configs as written: the layout is the config's own (dp: auto = one
+replica) or --gpus N processes; a sweep says how far it got on stderr."""
 
 import json
 from pathlib import Path
@@ -26,8 +26,9 @@ def _data_overrides(config: Path, tmp: Path) -> list[str]:
 def _plan(config: Path, tmp: Path, *extra: str) -> int:
     from lorafusion.cli import main
 
-    return main(["plan", str(config), *_data_overrides(config, tmp), "--out", str(tmp / "plan"), "--windows", "1",
-                 *extra])
+    return main(
+        ["plan", str(config), *_data_overrides(config, tmp), "--out", str(tmp / "plan"), "--windows", "1",
+         *extra])
 
 
 @pytest.mark.parametrize("name", SHIPPED)

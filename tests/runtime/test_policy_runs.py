@@ -1,5 +1,5 @@
-"""``scheduler.policy`` in real runs: shortest first (with fill of the idle pipeline slots) changes only when each
-job's batches run, never what a job learns."""
+"""``scheduler.policy`` in real runs: shortest first (with fill of the idle pipeline slots) changes only when
+each job's batches run, never what a job learns."""
 
 import json
 
@@ -10,7 +10,8 @@ from runtime_utils import assert_close, load_adapter, three_job_dicts
 
 
 @pytest.mark.slow
-@pytest.mark.two_process("pp2_shortest_first", jobs=three_job_dicts, guard=True, pp=2, policy="shortest_first")
+@pytest.mark.two_process("pp2_shortest_first", jobs=three_job_dicts, guard=True, pp=2,
+                         policy="shortest_first")
 def test_shortest_first_at_pp2_trains_every_adapter_as_together_does(three_jobs, two_process):
     """Two processes, pp=2, shortest first: the main job's idle slots are filled with the other jobs' batches
     (tests/runtime/test_feed.py shows the fill); per-step losses and final adapters equal the single-process

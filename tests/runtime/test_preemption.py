@@ -1,5 +1,6 @@
-"""Preemption: a stop signal finishes the chunk in flight, checkpoints every job and exits 0; ``--resume`` then
-ends bitwise equal to an uninterrupted run. Default checkpoint policy: timed and at the end, keep the last K."""
+"""Preemption: a stop signal finishes the chunk in flight, checkpoints every job and exits 0; ``--resume``
+then ends bitwise equal to an uninterrupted run. Default checkpoint policy: timed and at the end, keep the
+last K."""
 
 import json
 import os
@@ -17,15 +18,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _jobs(tmp: Path, steps: int = 40) -> list[dict]:
-    return [job_dict("a", write_dataset(tmp / "d" / "a.jsonl", 1, rows=40), r=4, steps=steps, gbs=4, dropout=0.1),
-            job_dict("b", write_dataset(tmp / "d" / "b.jsonl", 2, kind="upper"), r=8, steps=steps // 2, gbs=3)]
+    return [
+        job_dict("a", write_dataset(tmp / "d" / "a.jsonl", 1, rows=40), r=4, steps=steps, gbs=4, dropout=0.1),
+        job_dict("b", write_dataset(tmp / "d" / "b.jsonl", 2, kind="upper"), r=8, steps=steps // 2, gbs=3)]
 
 
 def _train(run: Path, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("RANK", None)
-    return subprocess.Popen([sys.executable, "-m", "lorafusion.cli", "train", str(run), *extra], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen([sys.executable, "-m", "lorafusion.cli", "train", str(run), *extra], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _rows(out: Path) -> list[dict]:
@@ -61,7 +63,8 @@ def _stop_midway(run: Path, out: Path, sig: int) -> str:
 
 @pytest.mark.slow
 def test_sigterm_checkpoints_and_resume_is_bitwise_equal(tmp_path):
-    jobs = _jobs(tmp_path, steps=16)  # the stop comes within the first chunks; a still crosses an epoch (10 steps)
+    # the stop comes within the first chunks; a still crosses an epoch (10 steps)
+    jobs = _jobs(tmp_path, steps=16)
     ref_run = write_run(tmp_path, jobs, out="ref", capacity=1024, name="ref.yaml")
     p = _train(ref_run)
     assert p.wait(timeout=600) == 0, p.communicate()[0][-3000:]
@@ -94,7 +97,8 @@ def test_default_policy_checkpoints_at_the_end_and_on_time_keeping_the_last_k(tm
     assert [p.name for p in (out / "checkpoints" / "b").glob("step_*")] == ["step_000004"]
     _, out = train_inprocess(write_run(tmp_path, jobs, out="timed", capacity=1024, name="timed.yaml"),
                              ["checkpoint.every_minutes=1e-9", "checkpoint.keep_last=2"])
-    assert sorted(p.name for p in (out / "checkpoints" / "a").glob("step_*")) == ["step_000006", "step_000008"]
+    assert sorted(p.name
+                  for p in (out / "checkpoints" / "a").glob("step_*")) == ["step_000006", "step_000008"]
     assert (out / "checkpoints" / "a" / "latest").read_text().strip() == "step_000008"
 
 
@@ -120,7 +124,8 @@ def test_resume_after_jobs_finished_with_a_raised_max_steps_and_an_added_job(tmp
     (lambda j: j["lora"].update(lora_alpha=3.0), "jobs.0.lora.lora_alpha"),
     (lambda j: j["lora"].update(use_rslora=True), "jobs.0.lora.use_rslora"),
     (lambda j: j["lora"].update(r=8), "jobs.0.lora.r"),
-    (lambda j: Path(j["dataset"]["path"]).write_text(Path(j["dataset"]["path"]).read_text().replace("a", "b")),
+    (lambda j: Path(j["dataset"]["path"]).write_text(
+        Path(j["dataset"]["path"]).read_text().replace("a", "b")),
      "jobs.0.dataset.path"),
     (None, "seed"),
 ])
@@ -149,8 +154,9 @@ def _rewrite_state(f, state: dict) -> None:
 
 
 def test_checkpoint_from_before_per_projection_a_resumes_only_with_shared_fused_a(tmp_path, megatron_single):
-    """A checkpoint written before lora.shared_fused_a existed (one A shared by q/k/v and gate/up) is refused by
-    the default (an A per projection) with one error saying what to set, and resumes with shared_fused_a: true."""
+    """A checkpoint written before lora.shared_fused_a existed (one A shared by q/k/v and gate/up) is refused
+    by the default (an A per projection) with one error saying what to set, and resumes with shared_fused_a:
+    true."""
     from lorafusion.core.errors import ConfigError
 
     jobs = _jobs(tmp_path, steps=2)[:1]
@@ -166,7 +172,8 @@ def test_checkpoint_from_before_per_projection_a_resumes_only_with_shared_fused_
         train_inprocess(write_run(tmp_path, more, out="o", capacity=1024), resume=True)
     assert "jobs.0.lora.shared_fused_a: cannot resume job 'a'" in str(e.value)
     assert "set lora.shared_fused_a: true to resume it" in str(e.value)
-    for f in (tmp_path / "o" / "checkpoints" / "a").glob("step_*/state.json"):  # older still: no settings recorded
+    # older still: no settings recorded
+    for f in (tmp_path / "o" / "checkpoints" / "a").glob("step_*/state.json"):
         state = json.loads(f.read_text())
         saved = state.pop("settings")
         _rewrite_state(f, state)

@@ -1,13 +1,14 @@
 """README.md as a new user follows it: every ```bash and ```python block runs as written, in order, in a fresh
-directory with the repository's Makefile and configs (`make demo` through the real Makefile; a stand-in .venv whose
-`lorafusion` is this tree's CLI). Training lines are shortened with max_steps overrides, nothing else is changed.
-Blocks whose first line starts with "# on GPUs" are not run (they need GPUs or a cluster); `make test` is not run,
-nor the real-model lines (`make real-model`, `make real-example` and the example's scripts: a 93 MB download and
-minutes of training, run by hand as docs/results/real-model.json records).
+directory with the repository's Makefile and configs (`make demo` through the real Makefile; a stand-in .venv
+whose `lorafusion` is this tree's CLI). Training lines are shortened with max_steps overrides, nothing else is
+changed. Blocks whose first line starts with "# on GPUs" are not run (they need GPUs or a cluster); `make
+test` is not run, nor the real-model lines (`make real-model`, `make real-example` and the example's scripts:
+a 93 MB download and minutes of training, run by hand as docs/results/real-model.json records).
 
-`make demo` runs as shipped (not shortened): the README's own `generate` line then answers the held-out prompts
-(configs/quickstart/heldout.jsonl), and each of the three adapters must answer at least 90% of them right, with no
-library warning or solver banner on the demo's output (the issue-28 demo check, on the same run)."""
+`make demo` runs as shipped (not shortened): the README's own `generate` line then answers the held-out
+prompts (configs/quickstart/heldout.jsonl), and each of the three adapters must answer at least 90% of them
+right, with no library warning or solver banner on the demo's output (the issue-28 demo check, on the same
+run)."""
 
 import json
 import os
@@ -67,30 +68,35 @@ def test_readme_runs_as_written(tmp_path):
             script = "\n".join(x for x in map(_shell_line, body.splitlines()) if x is not None)
             script = ("source .venv/bin/activate\n" if activated else "") + script
             activated = activated or "source .venv/bin/activate" in body
-            res = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                                 timeout=900)
+            res = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, env=env, capture_output=True,
+                                 text=True, timeout=900)
         elif lang == "python":
-            res = subprocess.run([sys.executable, "-c", body], cwd=tmp_path, env=env, capture_output=True, text=True,
-                                 timeout=600)
+            res = subprocess.run([sys.executable, "-c", body], cwd=tmp_path, env=env, capture_output=True,
+                                 text=True, timeout=600)
         else:
             continue
-        assert res.returncode == 0, f"README {lang} block failed:\n{body}\n--- stdout\n{res.stdout[-3000:]}\n" \
-                                    f"--- stderr\n{res.stderr[-3000:]}"
+        assert res.returncode == 0, f"README {lang} block failed:\n{body}\n" \
+                                    f"--- stdout\n{res.stdout[-3000:]}\n--- stderr\n{res.stderr[-3000:]}"
         ran[lang] += 1
         if "make demo" in body:  # it ends with the next commands, for the link the README uses
             assert "lorafusion status outputs/quickstart/latest" in res.stdout, res.stdout[-2000:]
             assert (tmp_path / "outputs" / "quickstart" / "latest" / "summary.json").is_file()
             assert "Warning" not in res.stderr and "HiGHS" not in res.stdout, res.stderr[-2000:]
     assert ran["bash"] >= 2 and ran["python"] >= 2, ran
-    # what the blocks made: the adapter, base and merged exports, the best-eval export, the API example's adapter
+    # what the blocks made: the adapter, base and merged exports, the best-eval export, the API example's
+    # adapter
     latest = tmp_path / "outputs" / "quickstart" / "latest"
-    for d in (tmp_path / "outputs" / "countdown-adapter", latest / "base", tmp_path / "outputs" / "countdown-merged",
+    for d in (tmp_path / "outputs" / "countdown-adapter", latest / "base",
+              tmp_path / "outputs" / "countdown-merged",
               tmp_path / "outputs" / "countdown-best", tmp_path / "outputs" / "api-example" / "sql"):
         assert d.is_dir() and any(d.iterdir()), d
     # nothing written into the repository outside the ignored outputs/ (the API example wrote out/)
-    assert {p.name for p in tmp_path.iterdir()} == {"Makefile", "pyproject.toml", "configs", ".venv", "outputs"}
-    assert set(json.loads((latest / "summary.json").read_text())["jobs"]) == {"successor", "shout", "countdown"}
-    score = expected_matches([json.loads(line) for line in (latest / "answers.jsonl").read_text().splitlines()])
+    assert {p.name for p in tmp_path.iterdir()} == {"Makefile", "pyproject.toml", "configs",
+                                                    ".venv", "outputs"}
+    assert set(json.loads((latest / "summary.json").read_text())["jobs"]) == {
+        "successor", "shout", "countdown"}
+    score = expected_matches(
+        [json.loads(line) for line in (latest / "answers.jsonl").read_text().splitlines()])
     assert set(score) == {"successor", "shout", "countdown"}
     for job, (right, total) in score.items():  # the demo's adapters learned their tasks
         assert right >= 0.9 * total, (job, score)

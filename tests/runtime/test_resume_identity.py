@@ -13,7 +13,8 @@ from runtime_utils import job_dict, train_inprocess, write_dataset, write_run
 
 
 def _run(tmp_path, steps=2, save_every=None, **kw):
-    jobs = [job_dict("a", write_dataset(tmp_path / "d" / "a.jsonl", 1), r=4, steps=steps, save_every=save_every)]
+    jobs = [
+        job_dict("a", write_dataset(tmp_path / "d" / "a.jsonl", 1), r=4, steps=steps, save_every=save_every)]
     return write_run(tmp_path, jobs, out="o", capacity=1024, **kw)
 
 
@@ -33,8 +34,8 @@ def test_resume_on_another_base_of_the_same_name_is_refused(tmp_path, megatron_s
     raw["model"] = {"path": str(tmp_path / "one" / "base"), "dtype": "float32"}
     run.write_text(yaml.safe_dump(raw))
     train_inprocess(run)
-    with pytest.raises(ConfigError, match=r"run.yaml: model.path: cannot resume job 'a' from .*step_000002: the "
-                                          r"base model's config or weights differ"):
+    with pytest.raises(ConfigError, match=r"run.yaml: model.path: cannot resume job 'a' from .*step_000002: "
+                                          r"the base model's config or weights differ"):
         train_inprocess(run, [f"model.path={tmp_path / 'two' / 'base'}", "jobs.0.max_steps=3"], resume=True)
     shutil.copytree(tmp_path / "one" / "base", tmp_path / "moved" / "base")  # the same base elsewhere resumes
     summary, _ = train_inprocess(run, [f"model.path={tmp_path / 'moved' / 'base'}", "jobs.0.max_steps=3"],
@@ -45,8 +46,9 @@ def test_resume_on_another_base_of_the_same_name_is_refused(tmp_path, megatron_s
 def test_max_steps_below_the_saved_step_is_refused(tmp_path, megatron_single):
     run = _run(tmp_path, steps=4)
     train_inprocess(run)
-    with pytest.raises(ConfigError, match=r"run.yaml: jobs.0.max_steps: cannot resume job 'a' from .*step_000004: it "
-                                          r"is at step 4, beyond the 2 steps max_steps = 2 gives"):
+    with pytest.raises(ConfigError, match=r"run.yaml: jobs.0.max_steps: cannot resume job 'a' from "
+                                          r".*step_000004: it is at step 4, beyond the 2 steps max_steps = 2 "
+                                          r"gives"):
         train_inprocess(run, ["jobs.0.max_steps=2"], resume=True)
 
 
@@ -62,15 +64,16 @@ def test_an_edited_state_json_is_not_believed(tmp_path, megatron_single):
 def test_a_changed_token_capacity_needs_the_flag(tmp_path, megatron_single):
     run = _run(tmp_path)
     train_inprocess(run)
-    with pytest.raises(ConfigError, match=r"scheduler.token_capacity: cannot resume job 'a' .* the checkpoint has "
-                                          r"1024, the config 512; .*--allow-different-result"):
+    with pytest.raises(ConfigError, match=r"scheduler.token_capacity: cannot resume job 'a' .* the "
+                                          r"checkpoint has 1024, the config 512; .*--allow-different-result"):
         train_inprocess(run, ["scheduler.token_capacity=512", "jobs.0.max_steps=3"], resume=True)
     summary, _ = train_inprocess(run, ["scheduler.token_capacity=512", "jobs.0.max_steps=3"], resume=True,
                                  allow_different_result=True)
     assert summary["jobs"]["a"]["steps"] == 3
 
 
-def test_a_raised_max_steps_takes_its_lr_schedule_from_the_first_resumed_step(tmp_path, megatron_single, capsys):
+def test_a_raised_max_steps_takes_its_lr_schedule_from_the_first_resumed_step(
+    tmp_path, megatron_single, capsys):
     from lorafusion.runtime.optim import lr_lambda
 
     _, out = train_inprocess(_run(tmp_path, steps=2))

@@ -1,5 +1,5 @@
-"""slurm/train.sbatch with stand-ins for srun and scontrol: SIGUSR1 reaches the run, the job is requeued, and a
-requeued job resumes."""
+"""slurm/train.sbatch with stand-ins for srun and scontrol: SIGUSR1 reaches the run, the job is requeued, and
+a requeued job resumes."""
 
 import os
 import signal
@@ -28,7 +28,8 @@ def _fakes(tmp: Path) -> dict:
     for f in bin_.iterdir():
         f.chmod(0o755)
     return dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", LOG=str(tmp), SLURM_JOB_ID="77",
-                SLURM_JOB_NODELIST="node1", SLURM_JOB_NUM_NODES="1", SLURM_SUBMIT_DIR=str(ROOT), GPUS_PER_NODE="1")
+                SLURM_JOB_NODELIST="node1", SLURM_JOB_NUM_NODES="1", SLURM_SUBMIT_DIR=str(ROOT),
+                GPUS_PER_NODE="1")
 
 
 def test_sbatch_directives():

@@ -47,23 +47,28 @@ def test_status_bad_input(tmp_path, capsys):
                        (tmp_path / "garbled", "not a readable run status")):
         assert main(["status", str(run)]) == 2
         err = capsys.readouterr().err
-        assert words in err and str(run) in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+        assert (words in err and str(run) in err and "Traceback" not in err
+                and len(err.strip().splitlines()) == 1)
 
 
 def test_status_says_waiting_for_a_job_the_policy_holds_back(tmp_path, monkeypatch, megatron_single):
-    """Under ``scheduler.policy: fifo`` one job trains at a time: while the first trains, the second (admitted,
-    unfinished, none of its batches in the chunk now running) is ``waiting``, with no ETA; then it runs."""
+    """Under ``scheduler.policy: fifo`` one job trains at a time: while the first trains, the second
+    (admitted, unfinished, none of its batches in the chunk now running) is ``waiting``, with no ETA; then it
+    runs."""
     from lorafusion.runtime import pipeline
     from runtime_utils import job_dict, train_inprocess, write_dataset, write_run
 
-    jobs = [job_dict(n, write_dataset(tmp_path / "d" / f"{n}.jsonl", i), r=4, steps=2) for i, n in enumerate("ab")]
+    jobs = [job_dict(n, write_dataset(tmp_path / "d" / f"{n}.jsonl", i), r=4, steps=2)
+            for i, n in enumerate("ab")]
     out = tmp_path / "out"
     run = write_run(tmp_path, jobs, policy="fifo")
     orig, seen = pipeline.run_chunk, []
 
     def run_chunk(*a, **kw):  # status.json as this chunk starts
         if (out / "status.json").is_file():
-            seen.append({n: (j["state"], j["eta_s"]) for n, j in json.loads((out / "status.json").read_text())["jobs"].items()})
+            seen.append(
+                {n: (j["state"], j["eta_s"])
+                 for n, j in json.loads((out / "status.json").read_text())["jobs"].items()})
         return orig(*a, **kw)
 
     monkeypatch.setattr(pipeline, "run_chunk", run_chunk)
@@ -83,11 +88,12 @@ def test_status_table_shows_eval_loss(tmp_path):
     from lorafusion.rundir.status import format_status
 
     status = {"run": {"state": "running", "elapsed_s": 3.0, "tokens_per_s": 100.0, "updated": "now"},
-              "jobs": {"a": {"state": "running", "step": 10, "max_steps": 40, "tokens": 1000, "last_loss": 0.5,
-                             "tokens_per_s": 50.0, "eta_s": 9.0, "eval_loss": 0.61234, "best_eval_loss": 0.6,
-                             "best_step": 8},
-                       "b": {"state": "running", "step": 10, "max_steps": 40, "tokens": 1000, "last_loss": 0.7,
-                             "tokens_per_s": 50.0, "eta_s": 9.0}}}
+              "jobs": {
+                  "a": {"state": "running", "step": 10, "max_steps": 40, "tokens": 1000, "last_loss": 0.5,
+                        "tokens_per_s": 50.0, "eta_s": 9.0, "eval_loss": 0.61234, "best_eval_loss": 0.6,
+                        "best_step": 8},
+                  "b": {"state": "running", "step": 10, "max_steps": 40, "tokens": 1000,
+                        "last_loss": 0.7, "tokens_per_s": 50.0, "eta_s": 9.0}}}
     lines = format_status(status, tmp_path).splitlines()
     assert "eval loss" in lines[1] and "best (step)" in lines[1]
     assert "0.6123" in lines[2] and "0.6000 (8)" in lines[2]
@@ -95,15 +101,15 @@ def test_status_table_shows_eval_loss(tmp_path):
 
 
 def test_status_lists_submitted_jobs_the_run_has_not_taken_yet(tmp_path, capsys):
-    """`lorafusion submit` to a stopped run: the job is listed (state submitted) before the run is resumed, and
-    a queued cancel is marked on its job."""
+    """`lorafusion submit` to a stopped run: the job is listed (state submitted) before the run is resumed,
+    and a queued cancel is marked on its job."""
     from lorafusion.rundir.requests import write_request
     from lorafusion.rundir.status import format_status, read_status
 
     run = tmp_path / "run"
     run.mkdir()
-    row = {"state": "stopped", "step": 3, "max_steps": 40, "tokens": 300, "last_loss": 0.5, "tokens_per_s": 50.0,
-           "eta_s": None}
+    row = {"state": "stopped", "step": 3, "max_steps": 40, "tokens": 300, "last_loss": 0.5,
+           "tokens_per_s": 50.0, "eta_s": None}
     (run / "status.json").write_text(json.dumps({
         "run": {"state": "stopped", "elapsed_s": 3.0, "tokens_per_s": 100.0, "updated": "now"},
         "jobs": {"a": row}}))

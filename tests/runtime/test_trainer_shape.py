@@ -1,5 +1,6 @@
-"""The trainer stays a thin loop: at most 300 lines, and every attribute it keeps is declared in ``__init__`` (what
-``_setup`` and ``_open_session`` fill in is named there first, so a reader finds the trainer's state in one place)."""
+"""The trainer stays a thin loop: at most 300 lines, and every attribute it keeps is declared in ``__init__``
+(what ``_setup`` and ``_open_session`` fill in is named there first, so a reader finds the trainer's state in
+one place)."""
 
 import ast
 from pathlib import Path

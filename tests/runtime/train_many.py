@@ -1,15 +1,17 @@
 """``python tests/runtime/train_many.py SPEC.json NAME...``: one rank of a two-process launch that trains the
-named runs one after another in this one process, each through ``lorafusion train`` (the CLI's ``main``). SPEC: a
-list of ``{"name", "run", "guard"}``; ``guard``: tests/runtime/sync_guard.py's check is on for that run.
+named runs one after another in this one process, each through ``lorafusion train`` (the CLI's ``main``).
+SPEC: a list of ``{"name", "run", "guard"}``; ``guard``: tests/runtime/sync_guard.py's check is on for that
+run.
 
-Each run rendezvouses on a port of its own (MASTER_PORT; the CLI destroys its process group at the end of a run):
-rank 0 picks a free one just before the run and hands it to rank 1 through a store that lives as long as the
-launch, on the launch's MASTER_PORT (ports picked in advance could be taken meanwhile, by gloo's own sockets).
+Each run rendezvouses on a port of its own (MASTER_PORT; the CLI destroys its process group at the end of a
+run): rank 0 picks a free one just before the run and hands it to rank 1 through a store that lives as long as
+the launch, on the launch's MASTER_PORT (ports picked in advance could be taken meanwhile, by gloo's own
+sockets).
 
-Starting a process pair (importing torch and Megatron) costs more than a tiny run, so the two-process tests share
-one launch (tests/runtime/conftest.py, fixture ``two_process``). Prints ``=== NAME`` before and ``=== NAME done``
-after each run; the first run that fails ends the launch with exit status 1 (its peer may be waiting for it; the
-fixture starts the runs after it in a new launch)."""
+Starting a process pair (importing torch and Megatron) costs more than a tiny run, so the two-process tests
+share one launch (tests/runtime/conftest.py, fixture ``two_process``). Prints ``=== NAME`` before and
+``=== NAME done`` after each run; the first run that fails ends the launch with exit status 1 (its peer may be
+waiting for it; the fixture starts the runs after it in a new launch)."""
 
 import json
 import os
