@@ -137,30 +137,35 @@ def fp8_in(model, layers: set[int] | None = None, kinds: set[str] | None = None,
     """The bf16 ``model`` with the decoder linears of ``layers`` (1-based; None: all) and ``kinds`` (None:
     all) in FP8 as training runs them, or with only their weights rounded to FP8 (``weight_only``: the GEMMs
     stay bf16); restored on exit. (A deep copy of a Megatron model fails on its process groups.)"""
-    from lorafusion.layers.fp8_base import layer_number, quantize_linear
+    from lorafusion.layers.fp8_base import init_fp8_storage, write_base_tensor
     from lorafusion.layers.inject import lora_modules
     from lorafusion.ops.fp8_linear import quantize_weight
 
     saved = []
     try:
         for _, mod in lora_modules(model):
-            if (layers is None or layer_number(mod) in layers) and (kinds is None or mod.lora_kind in kinds):
-                saved.append((mod, mod.weight, mod.weight.data.clone() if weight_only else None))
+            if (layers is None or mod.layer_number in layers) and (kinds is None or mod.lora_kind in kinds):
+                weight = mod.weight
+                saved.append((mod, weight, weight.data.clone() if weight_only else None, mod.base_precision))
                 if weight_only:
-                    q, s = quantize_weight(mod.weight.data)
+                    q, s = quantize_weight(weight.data)
                     with torch.no_grad():
-                        mod.weight.copy_((q.float() * s.view(-1, 1)).to(mod.weight.dtype))
-                else:
-                    quantize_linear(mod)
+                        weight.copy_((q.float() * s.view(-1, 1)).to(weight.dtype))
+                else:  # what building the linear with an FP8 base does (lorafusion.layers.fp8_base)
+                    init_fp8_storage(mod)
+                    with torch.no_grad():
+                        write_base_tensor(mod, "weight", weight.data)
+                    mod.base_precision = "fp8"
         yield model
     finally:
-        for mod, weight, data in saved:
+        for mod, weight, data, precision in saved:
             if data is not None:
                 with torch.no_grad():
                     weight.copy_(data)
             else:
                 del mod._buffers["weight_fp8"], mod._buffers["weight_scale"]
                 mod.weight = weight
+                mod.base_precision = precision
 
 
 def fp8_grads(model, batch, **where) -> dict[str, torch.Tensor]:

