@@ -361,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return handler(args)
-    # the user's input (config, data, files, launch): one line; bugs keep their traceback
     except UserError as e:
+        # the user's input (config, data, files, launch): one line; bugs keep their traceback
         print(f"lorafusion {args.cmd}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:

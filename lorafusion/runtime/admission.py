@@ -193,8 +193,8 @@ class LiveJobs:
                 answer = self._submit(req) if req["kind"] == "submit" else self._cancel(req)
             except UserError as e:  # the same on every rank (the data and the checks are the same)
                 answer = f"refused: {e}"
-            # a bug or the machine: set aside first, so a resume does not meet it again
             except BaseException as e:
+                # a bug or the machine: set aside first, so a resume does not meet it again
                 if self.is_logger:
                     answer_request(Path(req.pop("_path")), req, f"failed: {type(e).__name__}: {e}")
                 raise

@@ -27,8 +27,8 @@ def cut_metrics(path: Path, steps: dict[str, int]) -> None:
         try:
             line = raw.decode("utf-8")
             row = json.loads(line)
-        # a line cut short by a crash, damage: dropped
         except (UnicodeDecodeError, ValueError, RecursionError):
+            # a line cut short by a crash, damage: dropped
             continue
         if not isinstance(row, dict):  # (no row of ours)
             continue
