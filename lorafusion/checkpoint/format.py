@@ -4,10 +4,10 @@ Layout: ``OUTPUT_DIR/checkpoints/<job>/step_<NNNNNN>/`` with
 ``adapter/`` (PEFT export of the adapter at that step), ``rank_tp<T>_pp<P>.pt`` (this model-parallel
 rank's adapter tensors, optimizer and lr-scheduler state) and ``state.json`` (step, data position,
 seed, parallel layout; ``together``: the steps of the jobs checkpointed at the same boundary, which a resume
-checks agree, checkpoint/consistent.py), and ``manifest.json`` (the sha256 of every other file, written last: a
-resume, export and generate check the files they read against it, so a damaged or edited one is never believed;
-a checkpoint without one is not used). ``adapter/`` also holds ``.lorafusion-sha256.json`` (its files' sha256:
-``adapters/<job>/``, a copy, is checked against it; rundir/integrity.py).
+checks agree, checkpoint/consistent.py), and ``manifest.json`` (the sha256 of every other file, written last:
+a resume, export and generate check the files they read against it, so a damaged or edited one is never
+believed; a checkpoint without one is not used). ``adapter/`` also holds ``.lorafusion-sha256.json`` (its
+files' sha256: ``adapters/<job>/``, a copy, is checked against it; rundir/integrity.py).
 ``OUTPUT_DIR/checkpoints/<job>/latest`` names the newest complete one, ``best`` (jobs
 with an eval set) the one of the best eval loss so far; pruning never removes either.
 """
@@ -43,19 +43,22 @@ def _rank_file() -> str:
             f"_pp{parallel_state.get_pipeline_model_parallel_rank()}.pt")
 
 
-def save_job_checkpoint(job_dir: Path, step: int, *, adapter_params: dict[str, torch.Tensor], optimizer_state: dict,
+def save_job_checkpoint(job_dir: Path, step: int, *, adapter_params: dict[str, torch.Tensor],
+                        optimizer_state: dict,
                         state: dict, adapter: tuple | None, keep_last: int | None = None) -> Path | None:
     """The checkpoint written now (collective over all ranks): :func:`start_job_checkpoint`'s write run at
     once, every rank returning once it is in place (rank 0 gets its path). ``adapter``: rank 0's
     ``peft_adapter_snapshot`` of the job (collective; None elsewhere)."""
-    write = start_job_checkpoint(job_dir, step, adapter_params=adapter_params, optimizer_state=optimizer_state,
+    write = start_job_checkpoint(job_dir, step, adapter_params=adapter_params,
+                                 optimizer_state=optimizer_state,
                                  state=state, adapter=adapter, keep_last=keep_last)
     final = write()
     _barrier()
     return final
 
 
-def start_job_checkpoint(job_dir: Path, step: int, *, adapter_params: dict[str, torch.Tensor], optimizer_state: dict,
+def start_job_checkpoint(job_dir: Path, step: int, *, adapter_params: dict[str, torch.Tensor],
+                         optimizer_state: dict,
                          state: dict, adapter: tuple | None, keep_last: int | None = None,
                          wait_s: float = 600.0) -> Callable[[], Path | None]:
     """A job's checkpoint in two halves — the one writer, run at once by :func:`save_job_checkpoint` or on a

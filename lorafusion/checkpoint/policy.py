@@ -20,10 +20,12 @@ from lorafusion.rundir.states import JobStatus
 class JobCheckpoints:
     """Checkpoints of the jobs ``jobs`` (the run's job registry: name -> job state with ``cfg``, ``steps``,
     ``stream``, ``optimizer``…) of run ``cfg`` under ``OUTPUT_DIR/checkpoints/<job>/``; ``plan`` is the run's
-    resolved plan (``lorafusion.resolve.RunPlan``: the layout and scheduler settings a checkpoint records). ``snapshot(name)`` takes a job's PEFT adapter to
-    host memory (collective; rank 0 gets it). Saving and loading are collective over all ranks."""
+    resolved plan (``lorafusion.resolve.RunPlan``: the layout and scheduler settings a checkpoint records).
+    ``snapshot(name)`` takes a job's PEFT adapter to host memory (collective; rank 0 gets it). Saving and
+    loading are collective over all ranks."""
 
-    def __init__(self, cfg, plan, jobs: dict, model, snapshot, *, is_logger: bool, allow_different_result: bool = False):
+    def __init__(self, cfg, plan, jobs: dict, model, snapshot, *, is_logger: bool,
+                 allow_different_result: bool = False):
         self.cfg, self.plan, self.jobs, self.model, self.snapshot = cfg, plan, jobs, model, snapshot
         self.is_logger = is_logger
         self.allow_different_result = allow_different_result  # changed _PACKING settings: resumed anyway
@@ -45,13 +47,15 @@ class JobCheckpoints:
             js = self.jobs[name]
             every = js.cfg.save_every
             took = range(js.steps - len(batches) + 1, js.steps + 1)
-            if every and not js.halted and self._saved_step.get(name) != js.steps and any(s % every == 0 for s in took):
+            if every and not js.halted and self._saved_step.get(name) != js.steps and any(
+                s % every == 0 for s in took):
                 self.save(name, chunk.stream_states[name])
 
     def save_all(self, *, only_default_policy: bool) -> None:
         """Checkpoint every job not yet saved at its current step (``only_default_policy``: only jobs without
-        ``save_every``, whose policy is time-based and at the end; a stop signal saves every job). Each records
-        where all of them stood (``together``: a resume checks they agree, checkpoint/consistent.py)."""
+        ``save_every``, whose policy is time-based and at the end; a stop signal saves every job). Each
+        records where all of them stood (``together``: a resume checks they agree,
+        checkpoint/consistent.py)."""
         todo = [name for name, js in self.jobs.items()  # (a handed-over job was saved when it ended)
                 if not ((only_default_policy and js.cfg.save_every) or js.handed_over)
                 and self._saved_step.get(name) != js.steps and name in self._stream_states]
@@ -61,7 +65,8 @@ class JobCheckpoints:
 
     def halt(self, name: str, why: JobStatus) -> None:
         """Pause job ``name`` for good (diverged or early stopped: no more batches, no more updates) and
-        checkpoint it now — the one way a job pauses (the trainer's divergence, the evaluator's early stop)."""
+        checkpoint it now — the one way a job pauses (the trainer's divergence, the evaluator's early
+        stop)."""
         self.jobs[name].halt(why)
         self.save_now(name)
 
@@ -93,15 +98,18 @@ class JobCheckpoints:
             stream = self._stream_states[name]
         else:
             return None
-        write = start_job_checkpoint(self.root / name, js.steps, adapter_params=adapter_parameters(self.model, name),
-                                     optimizer_state=js.optimizer.state_dict(), state=self._state(name, stream),
+        write = start_job_checkpoint(self.root / name, js.steps,
+                                     adapter_params=adapter_parameters(self.model, name),
+                                     optimizer_state=js.optimizer.state_dict(),
+                                     state=self._state(name, stream),
                                      adapter=adapter, keep_last=self.cfg.checkpoint.keep_last)
         self._saved_step[name], self._saved_status[name] = js.steps, js.status
         return write
 
     def save(self, name: str, stream_state: dict, together: dict | None = None) -> None:
         """``stream_state``: the job's data stream as of the chunk boundary being saved (the feed's live
-        stream is already a chunk further); ``together``: the jobs saved at this boundary with it, and their steps."""
+        stream is already a chunk further); ``together``: the jobs saved at this boundary with it, and their
+        steps."""
         from lorafusion.layers import adapter_parameters
         from lorafusion.checkpoint.format import save_job_checkpoint
 
@@ -119,7 +127,8 @@ class JobCheckpoints:
         return {"job": name, "step": js.steps, "tokens": js.tokens, "stream": stream_state,
                 "first_loss": js.first_loss, "last_loss": js.last_loss, "status": js.status,
                 "nonfinite": js.nonfinite, "eval": {"last": js.last_eval, "best": js.best_eval,
-                                                    "best_step": js.best_step, "since_best": js.evals_since_best},
+                                                    "best_step": js.best_step,
+                                                    "since_best": js.evals_since_best},
                 "seed": self.cfg.seed, "layout": self.plan.parallelism,
                 "total_steps": js.stream.total_steps,
                 "settings": self._settings(name)}
@@ -135,16 +144,18 @@ class JobCheckpoints:
             mark_best(self.root / name, self.jobs[name].steps)
 
     def _settings(self, name: str) -> dict:
-        """What a resume must find unchanged for job ``name`` (flat dotted keys as in the YAML): everything that
-        changes its result except ``max_steps`` / ``num_epochs`` (raising them continues the job; its lr
+        """What a resume must find unchanged for job ``name`` (flat dotted keys as in the YAML): everything
+        that changes its result except ``max_steps`` / ``num_epochs`` (raising them continues the job; its lr
         schedule then spans the new total) and ``save_every``."""
         if name not in self._fingerprints:
             cfg, job = self.cfg, self.jobs[name].cfg
             ds = job.dataset.model_dump(exclude={"path"})
-            path = Path(job.dataset.path)  # (gone: a job that ended, resumed without its data — nothing to compare)
+            # (gone: a job that ended, resumed without its data — nothing to compare)
+            path = Path(job.dataset.path)
             ds["sha256"] = file_sha256(path) if path.is_file() else None
             tree = {"eval_split": job.eval_split,  # the held-out share changes the training samples
-                    "lora": job.lora.model_dump(mode="json"), "optimizer": job.optimizer.model_dump(mode="json"),
+                    "lora": job.lora.model_dump(mode="json"),
+                    "optimizer": job.optimizer.model_dump(mode="json"),
                     "global_batch_size": job.global_batch_size, "dataset": ds}
             flat = _flatten(tree)
             # (paths by name only: a run directory that moved with its data still resumes)
@@ -153,7 +164,8 @@ class JobCheckpoints:
                          "(run) model.digest": model_digest(Path(cfg.model.path)) if cfg.model.path else None,
                          "(run) tokenizer.type": cfg.tokenizer.type,
                          **{f"(run) scheduler.{k}": getattr(self.plan.scheduler, k) for k in _PACKING}})
-            if cfg.model.base_precision != "bf16":  # (absent = bf16: checkpoints written before the field resume)
+            # (absent = bf16: checkpoints written before the field resume)
+            if cfg.model.base_precision != "bf16":
                 flat["(run) model.base_precision"] = cfg.model.base_precision
             self._fingerprints[name] = flat
         return self._fingerprints[name]
@@ -161,14 +173,16 @@ class JobCheckpoints:
     def _check_settings(self, name: str, path: Path, saved: dict | None) -> None:
         if saved is None:  # a checkpoint written before settings were recorded
             return
-        if "lora.r" in saved and "lora.shared_fused_a" not in saved:  # before PEFT's A per projection: one shared A
+        # before PEFT's A per projection: one shared A
+        if "lora.r" in saved and "lora.shared_fused_a" not in saved:
             saved = {**saved, "lora.shared_fused_a": True}
         index = list(self.jobs).index(name)
         now = self._settings(name)
         for key in sorted(set(saved) | set(now)):
             if key not in saved and key in _ADDED or key == "dataset.sha256" and now.get(key) is None:
                 continue  # a checkpoint from before the key was recorded; an ended job's data, gone
-            if saved.get(key) != now.get(key) and key.startswith("(run) scheduler.") and self.allow_different_result:
+            if (saved.get(key) != now.get(key) and key.startswith("(run) scheduler.")
+                    and self.allow_different_result):
                 if self.is_logger:
                     print(f"job {name}: resumed with {key[6:]} {now.get(key)!r} (the checkpoint's: "
                           f"{saved.get(key)!r}); --allow-different-result: its result differs from an "
@@ -186,11 +200,11 @@ class JobCheckpoints:
                     what += ("; the data would be packed otherwise, so the result would differ from an "
                              "uninterrupted run: pass --allow-different-result to resume anyway")
                 if key == "lora.shared_fused_a" and saved.get(key):
-                    what += (" (the checkpoint's fused q/k/v and gate/up share one A; set lora.shared_fused_a: "
-                             "true to resume it)")
-                raise ConfigError(f"{self.cfg.source}: {field}: cannot resume job {name!r} from {path}: {what}; "
-                                  f"resuming would change its result (raising max_steps/num_epochs is allowed; "
-                                  f"otherwise use a new output_dir)")
+                    what += (" (the checkpoint's fused q/k/v and gate/up share one A; set "
+                             "lora.shared_fused_a: true to resume it)")
+                raise ConfigError(f"{self.cfg.source}: {field}: cannot resume job {name!r} from {path}: "
+                                  f"{what}; resuming would change its result (raising max_steps/num_epochs "
+                                  f"is allowed; otherwise use a new output_dir)")
 
     def _check_total(self, name: str, path: Path, state: dict) -> None:
         """A resume may raise or lower a job's total steps (its lr schedule then spans the new total from the
@@ -199,16 +213,17 @@ class JobCheckpoints:
         index = list(self.jobs).index(name)
         key = "max_steps" if js.cfg.max_steps is not None else "num_epochs"
         if js.stream.total_steps < step:
-            raise ConfigError(f"{self.cfg.source}: jobs.{index}.{key}: cannot resume job {name!r} from {path}: it is at "
-                              f"step {step}, beyond the {js.stream.total_steps} steps {key} = "
-                              f"{getattr(js.cfg, key)} gives; expected at least {step} steps")
+            raise ConfigError(f"{self.cfg.source}: jobs.{index}.{key}: cannot resume job {name!r} from "
+                              f"{path}: it is at step {step}, beyond the {js.stream.total_steps} steps {key} "
+                              f"= {getattr(js.cfg, key)} gives; expected at least {step} steps")
         if state.get("total_steps", js.stream.total_steps) != js.stream.total_steps and self.is_logger:
             print(f"job {name}: {state['total_steps']} -> {js.stream.total_steps} steps ({key} = "
-                  f"{getattr(js.cfg, key)}); its lr schedule spans the new total from step {step + 1}", file=sys.stderr, flush=True)
+                  f"{getattr(js.cfg, key)}); its lr schedule spans the new total from step {step + 1}",
+                  file=sys.stderr, flush=True)
 
     def load(self) -> None:
-        """Resume every job that has a checkpoint: adapter, optimizer, data stream and counters — from a set of
-        checkpoints that agree across the jobs (checkpoint/consistent.py)."""
+        """Resume every job that has a checkpoint: adapter, optimizer, data stream and counters — from a set
+        of checkpoints that agree across the jobs (checkpoint/consistent.py)."""
         from lorafusion.checkpoint.consistent import consistent_picks
 
         picks = {name: self._newest(name) for name in self.jobs}
@@ -232,14 +247,16 @@ class JobCheckpoints:
             dist.all_gather_object(steps, None if path is None else path.name)
             if len(set(steps)) > 1:
                 raise MissingFileError(f"{self.root / name}: ranks found different usable "
-                                       f"checkpoints ({sorted(set(map(str, steps)))}); a checkpoint is damaged")
+                                       f"checkpoints ({sorted(set(map(str, steps)))}); a checkpoint is "
+                                       "damaged")
         if path is None:  # (--resume of a job never checkpointed: said, not silent — a mistyped output_dir?)
             if self.is_logger:
                 print(f"job {name}: --resume: no checkpoint in {self.root / name}; it starts from step 0",
                       file=sys.stderr, flush=True)
         elif skipped and self.is_logger:
             for bad, why in skipped:
-                print(f"job {name}: checkpoint {bad} is not usable ({why}); falling back", file=sys.stderr, flush=True)
+                print(f"job {name}: checkpoint {bad} is not usable ({why}); falling back",
+                      file=sys.stderr, flush=True)
             print(f"job {name}: resuming from {path}", file=sys.stderr, flush=True)
         return path, state, tensors
 
@@ -289,8 +306,8 @@ def _older(name_unused: str, path: Path) -> Iterator[tuple]:
     return usable()
 
 
-# scheduler settings that decide only how the data is packed: changed on resume, the numbers differ slightly (fp32
-# summation order), the job is the same — refused unless --allow-different-result says so
+# scheduler settings that decide only how the data is packed: changed on resume, the numbers differ slightly
+# (fp32 summation order), the job is the same — refused unless --allow-different-result says so
 _PACKING = ("token_capacity", "lookahead_batches", "grouping", "policy", "solver")
 # settings added to the record later: absent from older checkpoints, which resume as before
 _ADDED = {"(run) model.digest", *(f"(run) scheduler.{k}" for k in _PACKING)}

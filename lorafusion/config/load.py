@@ -10,8 +10,7 @@ and what was expected, e.g. ``configs/quickstart/reverse.yaml: lora.r: expected 
 
 ``key=value`` overrides (``seed=3``, ``jobs.0.optimizer.lr=1e-4``, ``jobs.<name>.…``) are applied before
 validation, values parsed as YAML; an unknown key is an error; a relative path in one is resolved against the
-current directory. (OmegaConf's dotlist merge would need the same schema walk for job names, paths, errors.)
-"""
+current directory. (OmegaConf's dotlist merge needs the same schema walk for job names, paths, errors.)"""
 
 from __future__ import annotations
 
@@ -24,12 +23,10 @@ from typing import Annotated, Any, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 
 from lorafusion.config.schema import JobConfig, RunConfig
-from lorafusion.config.yamlio import display as _display
-from lorafusion.config.yamlio import read_yaml as _read_yaml
-from lorafusion.config.init_from import check_init_from, fill_lora_from_init
+from lorafusion.config.yamlio import display as _display, read_yaml as _read_yaml
 from lorafusion.config.yamlio import resolve_path as _resolve_path
-from lorafusion.config.overrides import parse_override as _parse_override
-from lorafusion.config.overrides import record_override
+from lorafusion.config.init_from import check_init_from, fill_lora_from_init
+from lorafusion.config.overrides import parse_override as _parse_override, record_override
 from lorafusion.core.arch import PRESETS
 from lorafusion.core.errors import ConfigError
 
@@ -47,9 +44,9 @@ def _fmt_input(v: Any) -> str:
 
 
 def _kind(v: Any, bound: Any) -> str:
-    """'an integer' for an integer field (its bound is an int), else 'a number' (a float field given 0 is not
-    expected to be an integer)."""
-    return "an integer" if isinstance(bound, int) and isinstance(v, int) and not isinstance(v, bool) else "a number"
+    """'an integer' for an integer field (its bound is an int), else 'a number' (a float given 0 too)."""
+    return "an integer" if (isinstance(bound, int) and isinstance(v, int)
+                            and not isinstance(v, bool)) else "a number"
 
 
 def _explain(err: dict) -> str:
@@ -93,7 +90,7 @@ def _explain(err: dict) -> str:
 
 
 def _format_errors(exc: ValidationError, locate, root: type[BaseModel] | None = None) -> str:
-    """``locate(loc) -> (file, loc_in_file, note)``; one line per error, deduplicated; loc starts at ``root``."""
+    """``locate(loc) -> (file, loc_in_file, note)``; one line per error, deduplicated; loc from ``root``."""
     lines: list[str] = []
     for err in exc.errors(include_url=False):
         loc = list(err["loc"])
@@ -166,7 +163,8 @@ def _resolve_run_paths(raw: dict, base: Path, shown: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- overrides
-def _apply_override(raw: dict, item: str, job_names: list[Any], root: type[BaseModel] = RunConfig) -> list[Any]:
+def _apply_override(raw: dict, item: str, job_names: list[Any],
+                    root: type[BaseModel] = RunConfig) -> list[Any]:
     """Set a dotted key in ``raw`` (checked against the schema ``root``); returns the resolved location.
     ``jobs.<i>`` or ``jobs.<name>`` selects a job of a run."""
     parts, value = _parse_override(item)
@@ -203,7 +201,8 @@ def _apply_override(raw: dict, item: str, job_names: list[Any], root: type[BaseM
     return loc
 
 
-def _select_job(raw: dict, parts: list[str], i: int, item: str, job_names: list[Any]) -> tuple[dict, list[Any]]:
+def _select_job(raw: dict, parts: list[str], i: int, item: str,
+                job_names: list[Any]) -> tuple[dict, list[Any]]:
     """The job mapping that ``jobs.<index or name>`` (at ``parts[i:i + 2]``) names, and its location."""
     if i == len(parts) - 1:
         raise ConfigError(f"override {item!r}: cannot replace the whole job list; set jobs.<i>.<key>")
@@ -227,7 +226,8 @@ def _select_job(raw: dict, parts: list[str], i: int, item: str, job_names: list[
 
 
 def _maybe_path(parts: list[str], value: Any, where: str) -> Any:
-    if parts[-1] == "path" and len(parts) >= 2 and parts[-2] in ("dataset", "eval_dataset", "model", "tokenizer") \
+    if parts[-1] == "path" and len(parts) >= 2 and parts[-2] in ("dataset", "eval_dataset", "model",
+                                                                 "tokenizer") \
             or parts == ["output_dir"] or parts[-1] == "init_from":
         return _resolve_path(value, Path.cwd(), where)
     return value
@@ -259,11 +259,10 @@ def _load_jobs(raw: dict, run_abs: Path, run_shown: str) -> dict[int, tuple[str,
 
 
 # ----------------------------------------------------------------------------------------------- loading
-def load_run_config(path: str | os.PathLike, overrides: Sequence[str] = (), check_files: bool = True) -> RunConfig:
-    """Read a run YAML (and the job YAMLs it lists), apply ``key=value`` overrides, validate (files: check_files).
-
-    Raises :class:`ConfigError` (one exception; its message names file, field and expectation).
-    """
+def load_run_config(path: str | os.PathLike, overrides: Sequence[str] = (),
+                    check_files: bool = True) -> RunConfig:
+    """Read a run YAML (and its job YAMLs), apply ``key=value`` overrides, validate (files: check_files).
+    Raises :class:`ConfigError` (one exception; its message names file, field and expectation)."""
     run_path = Path(path)
     run_shown = _display(run_path)
     raw = _read_yaml(run_path, "a run config")
@@ -283,8 +282,7 @@ def load_run_config(path: str | os.PathLike, overrides: Sequence[str] = (), chec
         except ConfigError as e:
             raise ConfigError(f"{run_shown}: {e}") from None
 
-    # duplicate names named with both files before pydantic sees them
-    seen: dict[str, int] = {}
+    seen: dict[str, int] = {}  # duplicate names named with both files before pydantic sees them
     for i, n in enumerate(names()):
         if isinstance(n, str):
             if n in seen:
@@ -352,8 +350,9 @@ def _check_files(cfg: RunConfig, run_shown: str, sources, locate) -> None:
             if ds is not None and not (p := Path(ds.path)).is_file():
                 file, inner, note = locate(["jobs", i, key, "path"])
                 from lorafusion.core.lengths import bench_data_hint
-                raise ConfigError(f"{file}: {_loc(inner)}: dataset file {'not found' if not p.exists() else 'is not a file'}"
-                                  f": {_display(p)}{note}{bench_data_hint(_display(p))}")
+                raise ConfigError(f"{file}: {_loc(inner)}: dataset file "
+                                  f"{'not found' if not p.exists() else 'is not a file'}: "
+                                  f"{_display(p)}{note}{bench_data_hint(_display(p))}")
 
 
 def load_job_config(path: str | os.PathLike, overrides: Sequence[str] = (), *,
@@ -364,7 +363,8 @@ def load_job_config(path: str | os.PathLike, overrides: Sequence[str] = (), *,
     shown = _display(jpath)
     raw = _read_yaml(jpath, "an adapter job")
     if isinstance(raw, dict) and "jobs" in raw and "name" not in raw:  # (one line, not one per run key)
-        raise ConfigError(f"{shown}: is a run config (it lists jobs); expected one adapter job's YAML (name, ...)")
+        raise ConfigError(
+            f"{shown}: is a run config (it lists jobs); expected one adapter job's YAML (name, ...)")
     _resolve_job_paths(raw, jpath.resolve().parent, f"{shown}: ")
     overridden: dict[str, str] = {}
     for item in overrides:  # the keys as the user typed them, e.g. optimizer.lr (not jobs.0.optimizer.lr)

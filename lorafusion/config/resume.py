@@ -1,7 +1,7 @@
 """A run continued as it was started: the effective config is recorded in the run directory at each start
-(``RUN_DIR/run_config.json``: the YAML's config and the config with the command line's overrides, both validated,
-paths absolute); ``train --resume`` starts from the recorded one and applies only what changed — the run YAML's
-edits since then and the overrides given now — and names every change.
+(``RUN_DIR/run_config.json``: the YAML's config and the config with the command line's overrides, both
+validated, paths absolute); ``train --resume`` starts from the recorded one and applies only what changed —
+the run YAML's edits since then and the overrides given now — and names every change.
 
 Configs are compared as flat dotted keys (``jobs.<name>.optimizer.lr``), jobs by name."""
 
@@ -39,7 +39,8 @@ def config_record(path: str | os.PathLike, overrides: Sequence[str], cfg: RunCon
 
 
 def read_record(run_dir: str | os.PathLike) -> dict | None:
-    """The config record of the run in ``run_dir`` (None: a run from before records were kept, or none yet)."""
+    """The config record of the run in ``run_dir`` (None: a run from before records were kept, or none
+    yet)."""
     file = Path(run_dir) / RECORD_NAME
     if not file.is_file():
         return None
@@ -78,7 +79,8 @@ def _nest(flat: dict) -> dict:
 
 
 def _put(target: dict, key: str, value: Any) -> None:
-    """Set (or with ``_GONE`` remove) ``key``, dropping what it replaces: a leaf above it or the keys below it."""
+    """Set (or with ``_GONE`` remove) ``key``, dropping what it replaces: a leaf above it or the keys below
+    it."""
     for k in [k for k in target if k == key or k.startswith(key + ".") or key.startswith(k + ".")]:
         del target[k]
     if value is not _GONE:
@@ -93,7 +95,8 @@ def _carry(then: dict, now: dict, target: dict) -> None:
 
 
 def _merge_yaml_edits(effective: dict, then: dict | None, now: dict) -> dict:
-    """The recorded effective config with the run YAML's edits since the start (``then`` → ``now``) applied."""
+    """The recorded effective config with the run YAML's edits since the start (``then`` → ``now``)
+    applied."""
     run, jobs = _split(effective)
     if then is None:  # (the YAML was not valid alone then: nothing to compare)
         return effective
@@ -130,8 +133,8 @@ def _changes(before: dict, after: dict) -> list[str]:
 
 def resume_config(path: str | os.PathLike, overrides: Sequence[str], record: dict,
                   check_files: bool = True) -> tuple[RunConfig, list[str]]:
-    """The config a resumed run continues with: ``record``'s effective config, the run YAML's edits since it was
-    recorded, then ``overrides`` (only what the user changes now); and the changes, one line each."""
+    """The config a resumed run continues with: ``record``'s effective config, the run YAML's edits since it
+    was recorded, then ``overrides`` (only what the user changes now); and the changes, one line each."""
     shown = display(Path(path))
     now = load_run_config(path, (), check_files=False).model_dump(mode="json")
     raw = _merge_yaml_edits(record["effective"], record.get("yaml"), now)

@@ -12,28 +12,19 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator,
+                      model_validator)
 
-from lorafusion.config.bounds import (MAX_BATCH, MAX_COUNT, MAX_EPOCHS, MAX_EPS, MAX_GRAD_NORM, MAX_JOB_TOKENS,
-                                      MAX_LR, MAX_PARALLEL, MAX_PRIORITY, MAX_SECONDS, MAX_SEQ_LEN, MAX_STEPS,
-                                      MAX_WEIGHT_DECAY)
+from lorafusion.config.bounds import (MAX_BATCH, MAX_COUNT, MAX_EPOCHS, MAX_EPS, MAX_GRAD_NORM,
+                                      MAX_JOB_TOKENS, MAX_LR, MAX_PARALLEL, MAX_PRIORITY, MAX_SECONDS,
+                                      MAX_SEQ_LEN, MAX_STEPS, MAX_WEIGHT_DECAY)
 from lorafusion.core.errors import ConfigError
 from lorafusion.core.lora import LoRASpec, check_adapter_name
 from lorafusion.core.pipeline import virtual_stages_problem
 from lorafusion.config.trackers import MlflowConfig, WandbConfig
 
-__all__ = [
-    "DATASET_FILE_TYPES",
-    "DatasetConfig",
-    "JobConfig",
-    "LoggingConfig",
-    "ModelConfig",
-    "OptimizerConfig",
-    "ParallelismConfig",
-    "RunConfig",
-    "SchedulerSection",
-    "TokenizerConfig",
-]
+__all__ = ["DATASET_FILE_TYPES", "DatasetConfig", "JobConfig", "LoggingConfig", "ModelConfig",
+           "OptimizerConfig", "ParallelismConfig", "RunConfig", "SchedulerSection", "TokenizerConfig"]
 
 # extension → `datasets` builder name
 DATASET_FILE_TYPES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -48,7 +39,8 @@ def _betas(v: Any) -> Any:
 class _Strict(BaseModel):
     # allow_inf_nan=False: .inf and .nan are rejected in every float field (a NaN lr or alpha trains nothing);
     # frozen: a loaded config is never written (what is derived from it lives in lorafusion.resolve.RunPlan)
-    model_config = ConfigDict(extra="forbid", strict=True, validate_default=False, allow_inf_nan=False, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=False,
+                              allow_inf_nan=False, frozen=True)
 
 
 def _recompute_layers(v: Any) -> Any:
@@ -66,26 +58,30 @@ class ModelConfig(_Strict):
     path: str | None = None  # HF model directory (config.json + safetensors)
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     recompute: bool = False
-    # with recompute: only the first N decoder layers of each pipeline stage are recomputed (Megatron's "block"
-    # method), the others keep their activations: less recompute where the GPU has memory to spare. "auto": the
-    # fewest per stage that make the run fit the GPU (lorafusion/scheduler/sizing.py; every layer on a CPU)
+    # with recompute: only the first N decoder layers of each pipeline stage are recomputed (Megatron's
+    # "block" method), the others keep their activations: less recompute where the GPU has memory to spare.
+    # "auto": the fewest per stage that make the run fit the GPU (lorafusion/scheduler/sizing.py; every layer
+    # on a CPU)
     recompute_layers: Annotated[int | Literal["auto"] | None, BeforeValidator(_recompute_layers)] = None
-    # precision of the frozen base's decoder linears (qkv, proj, fc1, fc2). "fp8": each weight is quantized once
-    # at load to float8_e4m3fn with one scale per output channel (its bf16 copy freed: half the bytes), X and dY
-    # are quantized per row on the fly and the forward and input-gradient GEMMs run in FP8 (torch._scaled_mm;
-    # needs an sm_89+ GPU, or the CPU). The LoRA path, embeddings, norms, the output layer and the first decoder
-    # layer's linears (lorafusion.core.precision.FP8_BF16_LEADING_LAYERS) stay in `dtype`.
-    # Needs dtype: bfloat16. Exports and merges use the original bf16 weights, reloaded from the source.
+    # precision of the frozen base's decoder linears (qkv, proj, fc1, fc2). "fp8": each weight is quantized
+    # once at load to float8_e4m3fn with one scale per output channel (its bf16 copy freed: half the bytes), X
+    # and dY are quantized per row on the fly and the forward and input-gradient GEMMs run in FP8
+    # (torch._scaled_mm; needs an sm_89+ GPU, or the CPU). The LoRA path, embeddings, norms, the output layer
+    # and the first decoder layer's linears (lorafusion.core.precision.FP8_BF16_LEADING_LAYERS) stay in
+    # `dtype`. Needs dtype: bfloat16. Exports and merges use the original bf16 weights, reloaded from the
+    # source.
     base_precision: Literal["bf16", "fp8"] = "bf16"
 
     @model_validator(mode="after")
     def _one_source(self):
         if (self.preset is None) == (self.path is None):
-            raise ValueError("expected exactly one of `preset` (a preset name) or `path` (a HF model directory)")
+            raise ValueError(
+                "expected exactly one of `preset` (a preset name) or `path` (a HF model directory)")
         if self.recompute_layers is not None and not self.recompute:
             raise ValueError(f"recompute_layers: {self.recompute_layers} needs recompute: true")
         if self.base_precision == "fp8" and self.dtype != "bfloat16":
-            raise ValueError(f"base_precision: fp8 needs dtype: bfloat16 (the FP8 GEMMs write bf16), got {self.dtype}")
+            raise ValueError("base_precision: fp8 needs dtype: bfloat16 (the FP8 GEMMs write bf16), got "
+                             f"{self.dtype}")
         return self
 
 
@@ -98,7 +94,8 @@ class TokenizerConfig(_Strict):
     @model_validator(mode="after")
     def _path_used(self) -> "TokenizerConfig":
         if self.type == "byte" and self.path is not None:  # (it was ignored, even when missing)
-            raise ValueError("path: the byte tokenizer reads no file; remove tokenizer.path or set tokenizer.type")
+            raise ValueError("path: the byte tokenizer reads no file; remove tokenizer.path or set "
+                             "tokenizer.type")
         return self
 
 
@@ -119,11 +116,11 @@ class ParallelismConfig(_Strict):
     dp: Annotated[int | Literal["auto"], BeforeValidator(_dp)] = 1
     # Megatron sequence parallelism: activations between TP regions split along the sequence (needs tp > 1)
     sequence_parallel: bool = False
-    # decoder layers of each pipeline stage, first to last (None: the same on every stage); with virtual_stages
-    # V > 1 one count per virtual stage, pp*V in layer order (virtual stage c*pp + r is chunk c of rank r).
-    # "auto": balanced by the scheduler's stage cost model with the output layer and loss counted as work on
-    # the last stage (scheduler/stages.py). Uneven splits become Megatron's first/last-stage counts or its
-    # pipeline_model_parallel_layout
+    # decoder layers of each pipeline stage, first to last (None: the same on every stage); with
+    # virtual_stages V > 1 one count per virtual stage, pp*V in layer order (virtual stage c*pp + r is chunk c
+    # of rank r). "auto": balanced by the scheduler's stage cost model with the output layer and loss counted
+    # as work on the last stage (scheduler/stages.py). Uneven splits become Megatron's first/last-stage counts
+    # or its pipeline_model_parallel_layout
     stage_layers: list[Annotated[int, Field(ge=1, le=MAX_PARALLEL)]] | Literal["auto"] | None = None
     # model chunks per pipeline rank: Megatron-core's interleaved 1F1B (virtual_pipeline_model_parallel_size)
     virtual_stages: int = Field(1, ge=1, le=MAX_PARALLEL)
@@ -170,9 +167,9 @@ MAX_TOKEN_CAPACITY = 1 << 24  # tokens a microbatch: far above any GPU's memory 
 
 
 class SchedulerSection(_Strict):
-    """The run YAML's ``scheduler`` section: how the data is planned. Read by :func:`lorafusion.resolve.resolve`
-    only, which makes ``token_capacity: auto`` a value and hands the scheduler these settings as its
-    ``SchedulerConfig`` (the one type the scheduler and the runtime read)."""
+    """The run YAML's ``scheduler`` section: how the data is planned. Read by
+    :func:`lorafusion.resolve.resolve` only, which makes ``token_capacity: auto`` a value and hands the
+    scheduler these settings as its ``SchedulerConfig`` (the one type the scheduler and the runtime read)."""
 
     token_capacity: Annotated[int | Literal["auto"], BeforeValidator(_capacity)] = 4096
     milp_time_limit_s: float = Field(1.0, gt=0, le=MAX_SECONDS)
@@ -252,7 +249,8 @@ class JobConfig(_Strict):
     eval_dataset: DatasetConfig | None = None
     eval_split: float | None = Field(None, gt=0, lt=1)
     eval_every: int | None = Field(None, ge=1, le=MAX_STEPS)
-    early_stopping_patience: int | None = Field(None, ge=1, le=MAX_COUNT)  # evaluations without a better best eval loss
+    # evaluations without a better best eval loss
+    early_stopping_patience: int | None = Field(None, ge=1, le=MAX_COUNT)
 
     @field_validator("name")
     @classmethod
@@ -265,18 +263,21 @@ class JobConfig(_Strict):
             raise ValueError("max_steps: expected max_steps or num_epochs (at least one), got neither")
         if self.max_steps is not None and self.max_steps * self.global_batch_size * self.dataset.max_seq_len \
                 > MAX_JOB_TOKENS:  # (token counts are int64)
-            raise ValueError(f"max_steps: max_steps x global_batch_size x dataset.max_seq_len = {self.max_steps:,} x "
-                             f"{self.global_batch_size:,} x {self.dataset.max_seq_len:,} tokens is over {MAX_JOB_TOKENS:,}")
-        if self.max_steps is not None and self.optimizer.warmup_steps > self.max_steps:  # (num_epochs: at load)
+            raise ValueError("max_steps: max_steps x global_batch_size x dataset.max_seq_len = "
+                             f"{self.max_steps:,} x {self.global_batch_size:,} x "
+                             f"{self.dataset.max_seq_len:,} tokens is over {MAX_JOB_TOKENS:,}")
+        # (num_epochs: at load)
+        if self.max_steps is not None and self.optimizer.warmup_steps > self.max_steps:
             raise ValueError(f"optimizer.warmup_steps: expected at most max_steps ({self.max_steps}), got "
                              f"{self.optimizer.warmup_steps}: the lr would never reach optimizer.lr")
         if self.eval_dataset is not None and self.eval_split is not None:
-            raise ValueError("eval_split: expected eval_dataset (a file) or eval_split (a share of the training "
-                             "file), not both")
+            raise ValueError("eval_split: expected eval_dataset (a file) or eval_split (a share of the "
+                             "training file), not both")
         if self.eval_every is not None and not self.has_eval:
             raise ValueError("eval_every: needs an eval set (eval_dataset or eval_split)")
         if self.early_stopping_patience is not None and self.eval_every is None:
-            raise ValueError("early_stopping_patience: needs eval_every (and an eval set) to count evaluations")
+            raise ValueError(
+                "early_stopping_patience: needs eval_every (and an eval set) to count evaluations")
         return self
 
     @property
@@ -285,20 +286,20 @@ class JobConfig(_Strict):
 
 
 class LoggingConfig(_Strict):
-    """``progress``: on a terminal a live table (a row per job: step/max, loss, eval loss, tokens/s, ETA); in a log
-    file a job's line at its first and last step and in between at most every ``log_every_s`` seconds, at steps
-    that are multiples of ``log_every``. Trackers: ``tensorboard`` (OUTPUT_DIR/tensorboard), ``wandb``
-    (:class:`WandbConfig`; ``wandb: true`` = its defaults, offline) and ``mlflow`` (:class:`MlflowConfig`;
-    ``mlflow: true`` = its defaults, a file store in OUTPUT_DIR/mlruns)."""
+    """``progress``: on a terminal a live table (a row per job: step/max, loss, eval loss, tokens/s, ETA); in
+    a log file a job's line at its first and last step and in between at most every ``log_every_s`` seconds,
+    at steps that are multiples of ``log_every``. Trackers: ``tensorboard`` (OUTPUT_DIR/tensorboard),
+    ``wandb`` (:class:`WandbConfig`; ``wandb: true`` = its defaults, offline) and ``mlflow``
+    (:class:`MlflowConfig`; ``mlflow: true`` = its defaults, a file store in OUTPUT_DIR/mlruns)."""
 
     tensorboard: bool = True
     progress: bool = True
     log_every: int = Field(1, ge=1, le=MAX_STEPS)
     log_every_s: float = Field(30.0, ge=0, le=MAX_SECONDS)
-    wandb: Annotated[WandbConfig | None, BeforeValidator(lambda v: {} if v is True else None if v is False else v)] \
-        = None
-    mlflow: Annotated[MlflowConfig | None, BeforeValidator(lambda v: {} if v is True else None if v is False else v)] \
-        = None
+    wandb: Annotated[WandbConfig | None,
+                     BeforeValidator(lambda v: {} if v is True else None if v is False else v)] = None
+    mlflow: Annotated[MlflowConfig | None,
+                      BeforeValidator(lambda v: {} if v is True else None if v is False else v)] = None
 
 
 class CheckpointConfig(_Strict):
@@ -316,14 +317,16 @@ class RunConfig(_Strict):
     parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
     kernels: Literal["auto", "fused", "reference"] = "auto"
-    """The LoRA ops' implementation: "fused" (the Triton kernels, CUDA only), "reference" (plain torch), "auto"
-    (fused on CUDA, reference elsewhere); internally "triton" / "torch" / None (:mod:`lorafusion.core.impls`)."""
+    """The LoRA ops' implementation: "fused" (the Triton kernels, CUDA only), "reference" (plain torch),
+    "auto" (fused on CUDA, reference elsewhere); internally "triton" / "torch" / None
+    (:mod:`lorafusion.core.impls`)."""
     jobs: list[JobConfig] = Field(min_length=1)
     output_dir: str
     seed: int = Field(1234, ge=0, le=2**63 - 1)  # torch and Megatron take seeds of at most 64 bits
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    serve: bool = False  # after the last job ends, keep waiting for `lorafusion submit` (until serve_idle_minutes)
+    # after the last job ends, keep waiting for `lorafusion submit` (until serve_idle_minutes)
+    serve: bool = False
     serve_idle_minutes: float = Field(30.0, gt=0, le=MAX_SECONDS / 60)
 
     @field_validator("output_dir")
@@ -332,7 +335,8 @@ class RunConfig(_Strict):
         if not v:  # "" would train into the current directory
             raise ValueError(f"expected a directory path (the run's own directory), got {v!r}")
         if long := [p for p in Path(v).parts if len(p.encode()) > 255]:  # (every later stat: ENAMETOOLONG)
-            raise ValueError(f"a name in it is {len(long[0].encode())} bytes, over the file system's 255: {long[0]:.40}...")
+            raise ValueError(f"a name in it is {len(long[0].encode())} bytes, over the file system's 255: "
+                             f"{long[0]:.40}...")
         return v
 
     @model_validator(mode="after")
@@ -344,8 +348,8 @@ class RunConfig(_Strict):
                                  f"expected unique names")
             seen[job.name] = i
         if "tokenizer" not in self.model_fields_set and self.model.path is not None:
-            # a real model without a tokenizer section: its own tokenizer files, never byte ids on its vocabulary
-            # (set while validating: the model is frozen once built)
+            # a real model without a tokenizer section: its own tokenizer files, never byte ids on its
+            # vocabulary (set while validating: the model is frozen once built)
             d = Path(self.model.path)
             if (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file() or not d.is_dir():
                 object.__setattr__(self, "tokenizer", TokenizerConfig(type="hf"))
@@ -353,9 +357,9 @@ class RunConfig(_Strict):
                 object.__setattr__(self, "tokenizer", TokenizerConfig(type="sentencepiece",
                                                                       path=str(d / "tokenizer.model")))
             else:
-                raise ValueError(f"tokenizer: model.path {self.model.path} has no tokenizer files (tokenizer.json, "
-                                 f"tokenizer_config.json or tokenizer.model); add a tokenizer section (type hf "
-                                 f"with a path, or sentencepiece)")
+                raise ValueError(f"tokenizer: model.path {self.model.path} has no tokenizer files "
+                                 "(tokenizer.json, tokenizer_config.json or tokenizer.model); add a "
+                                 f"tokenizer section (type hf with a path, or sentencepiece)")
         if self.tokenizer.type == "hf" and self.tokenizer.path is None and self.model.path is None:
             raise ValueError("tokenizer.path: expected a HF tokenizer directory (required when model.path "
                              "is not set)")
@@ -379,9 +383,10 @@ class RunConfig(_Strict):
         return self._source
 
     def check_world_size(self, world_size: int | None = None) -> int:
-        """The data-parallel size for ``world_size`` launched processes (default: the ``WORLD_SIZE`` torchrun/Slurm
-        set, 1 without it): ``parallelism.dp``, or for ``auto`` the launch over tp*pp. ConfigError unless tp * pp *
-        dp equals the launch. Nothing is written: :func:`lorafusion.resolve.resolve` records the value."""
+        """The data-parallel size for ``world_size`` launched processes (default: the ``WORLD_SIZE``
+        torchrun/Slurm set, 1 without it): ``parallelism.dp``, or for ``auto`` the launch over tp*pp.
+        ConfigError unless tp * pp * dp equals the launch. Nothing is written:
+        :func:`lorafusion.resolve.resolve` records the value."""
         world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
         p = self.parallelism
         try:
@@ -389,6 +394,6 @@ class RunConfig(_Strict):
         except ValueError as e:
             raise ConfigError(f"{self.source}: parallelism.{e}") from None
         if p.tp * p.pp * dp != world:
-            raise ConfigError(f"{self.source}: parallelism: tp*pp*dp = {p.tp}*{p.pp}*{dp} = {p.tp * p.pp * dp}, "
-                              f"but the launch has {world} process(es)")
+            raise ConfigError(f"{self.source}: parallelism: tp*pp*dp = {p.tp}*{p.pp}*{dp} = "
+                              f"{p.tp * p.pp * dp}, but the launch has {world} process(es)")
         return dp

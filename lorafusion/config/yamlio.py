@@ -1,6 +1,7 @@
 """YAML files and the paths written in them: a bounded safe loader (duplicate keys refused, YAML 1.2 floats,
 aliases limited), reading one file as one mapping, and turning a path in it into an absolute one that file
-operations can use. Every problem is one :class:`ConfigError` naming the file (and the field, from ``where``)."""
+operations can use. Every problem is one :class:`ConfigError` naming the file (and the field, from
+``where``)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ class _UniqueKeyLoader:
                 keys = set()
                 for key_node, _ in node.value:
                     if (key := loader.construct_object(key_node, deep=deep)) in keys:
-                        raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+                        raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}",
+                                                                key_node.start_mark)
                     keys.add(key)
                 return yaml.SafeLoader.construct_mapping(loader, node, deep)
 
@@ -127,7 +129,8 @@ def check_path(p: Path, where: str) -> None:
         raise ConfigError(f"{where}{str(p)!r}: expected a path, got one with a NUL character") from None
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise ConfigError(f"{where}{display(p)}: too many levels of symbolic links (a symlink loop)") from None
+            raise ConfigError(f"{where}{display(p)}: too many levels of symbolic links (a symlink "
+                              "loop)") from None
 
 
 def resolve_path(value: Any, base: Path, where: str = "") -> Any:
@@ -159,8 +162,8 @@ def load_bounded(text: str) -> Any:
 
     depth = deepest = 0
     for tok in yaml.scan(text, Loader=yaml.SafeLoader):  # (flat: the scanner does not recurse)
-        if isinstance(tok, (yaml.BlockMappingStartToken, yaml.BlockSequenceStartToken, yaml.FlowMappingStartToken,
-                            yaml.FlowSequenceStartToken)):
+        if isinstance(tok, (yaml.BlockMappingStartToken, yaml.BlockSequenceStartToken,
+                            yaml.FlowMappingStartToken, yaml.FlowSequenceStartToken)):
             depth += 1
             deepest = max(deepest, depth)
             if deepest > YAML_MAX_DEPTH:

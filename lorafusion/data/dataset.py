@@ -94,8 +94,8 @@ def _first_line(e: BaseException) -> str:
 
 
 def read_rows(job: JobConfig, section: str = "dataset") -> Any:
-    """The job's file (``job.<section>``: ``dataset`` or ``eval_dataset``) as a ``datasets.Dataset`` (errors name
-    the job and the file)."""
+    """The job's file (``job.<section>``: ``dataset`` or ``eval_dataset``) as a ``datasets.Dataset`` (errors
+    name the job and the file)."""
     ds_cfg = getattr(job, section)
     path = Path(ds_cfg.path)
     where = f"job {job.name!r}: {section} {path}"
@@ -118,21 +118,25 @@ def read_rows(job: JobConfig, section: str = "dataset") -> Any:
         import csv
 
         try:
-            with open(path, newline="", encoding="utf-8-sig") as f:  # (a BOM is no part of the first column's name)
+            # (a BOM is no part of the first column's name)
+            with open(path, newline="", encoding="utf-8-sig") as f:
                 rows = csv.reader(f)
                 header, first = next(rows, None), next(rows, None)
         except (OSError, UnicodeDecodeError, csv.Error) as e:
             raise DataError(f"{where}: cannot read as csv ({e})") from None
         if not header or first is None:  # (the reader: 'Instruction "train" corresponds to no data!')
-            raise DataError(f"{where}: empty dataset ({'no csv header' if not header else 'a csv header, no rows'})")
+            raise DataError(f"{where}: empty dataset "
+                            f"({'no csv header' if not header else 'a csv header, no rows'})")
         from datasets import Features, Value
 
         kwargs.update(features=Features({c: Value("string") for c in header}), keep_default_na=False,
                       encoding="utf-8-sig")
-    if builder == "json" and (msg := _duplicate_in_document(path)):  # a JSON document: the reader keeps the last
+    # a JSON document: the reader keeps the last
+    if builder == "json" and (msg := _duplicate_in_document(path)):
         raise DataError(f"{where}: {msg}")
-    if builder == "json" and (msg := _diagnose_json(path)):  # every line checked with the stdlib first: the
-        raise DataError(f"{where}: cannot read as {ds_cfg.file_type or builder}: {msg}")  # reader crashes on some
+    # every line checked with the stdlib first: the reader crashes on some
+    if builder == "json" and (msg := _diagnose_json(path)):
+        raise DataError(f"{where}: cannot read as {ds_cfg.file_type or builder}: {msg}")
     with _quiet_datasets() as datasets, tempfile.TemporaryDirectory(prefix="lorafusion-ds-") as cache:
         try:
             ds = datasets.load_dataset(builder, data_files=str(path), split="train", keep_in_memory=True,
@@ -162,8 +166,9 @@ def _check_utf8(path: Path, where: str) -> None:
                 start = max(0, e.start)
                 bad = block[start:start + 1]  # (at a block boundary the first bad byte is near enough)
                 line += block[:start].count(b"\n")
-                raise DataError(f"{where}: line {line}: not valid UTF-8 (byte {bad.hex() and '0x' + bad.hex()} "
-                                f"at offset {offset + start}); save the file as UTF-8") from None
+                raise DataError(f"{where}: line {line}: not valid UTF-8 (byte "
+                                f"{bad.hex() and '0x' + bad.hex()} at offset {offset + start}); save the "
+                                "file as UTF-8") from None
             if not block:
                 return
             line += block.count(b"\n")
@@ -171,7 +176,8 @@ def _check_utf8(path: Path, where: str) -> None:
 
 
 def _unique_keys(pairs: list) -> dict:
-    """A JSON object's keys each once (json keeps the last of a duplicate; the reader fails on it obscurely)."""
+    """A JSON object's keys each once (json keeps the last of a duplicate; the reader fails on it
+    obscurely)."""
     keys = [k for k, _ in pairs]
     if dup := [k for k in keys if keys.count(k) > 1]:
         raise ValueError(f"duplicate key {dup[0]!r}")
@@ -184,13 +190,15 @@ class _Obj(dict):
 
 def _flag_duplicates(pairs: list) -> _Obj:
     obj, keys = _Obj(pairs), [k for k, _ in pairs]
-    inner = [x for v in obj.values() for x in (v if isinstance(v, list) else [v]) if isinstance(x, _Obj) and x.dup]
+    inner = [x for v in obj.values() for x in (v if isinstance(v, list) else [v])
+             if isinstance(x, _Obj) and x.dup]
     obj.dup = next((k for k in keys if keys.count(k) > 1), None) or (inner[0].dup if inner else None)
     return obj
 
 
 def _duplicate_in_document(path: Path) -> str | None:
-    """A JSON array of rows (not JSON lines) read whole keeps the last of a key given twice, silently: which row."""
+    """A JSON array of rows (not JSON lines) read whole keeps the last of a key given twice, silently: which
+    row."""
     with open(path, "rb") as f:
         if f.read(64).lstrip()[:1] != b"[":
             return None
@@ -209,7 +217,8 @@ def _big_int(obj) -> str | None:
     for k, v in obj.items():
         if isinstance(v, int) and not isinstance(v, bool) and not -(1 << 63) <= v < (1 << 63):
             return f"{k!r}: a number too large for 64 bits"
-        if isinstance(v, float) and not math.isfinite(v):  # (NaN, Infinity, 1e999: the reader fails obscurely)
+        # (NaN, Infinity, 1e999: the reader fails obscurely)
+        if isinstance(v, float) and not math.isfinite(v):
             return f"{k!r}: {v} is not a finite number"
     return None
 
@@ -248,15 +257,19 @@ def _diagnose_json(path: Path) -> str | None:
         try:
             json.dumps(obj, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError as e:  # "\ud800": JSON escapes a lone surrogate, which is no character
-            return f"line {n} (row {row}): \\u{ord(e.object[e.start]):04x} is a lone surrogate (half a UTF-16 pair), not text"
-        for k, v in obj.items():  # the reader fails on a field's JSON type changing (when it cannot fall back)
+            return (f"line {n} (row {row}): \\u{ord(e.object[e.start]):04x} is a lone surrogate "
+                    f"(half a UTF-16 pair), not text")
+        # the reader fails on a field's JSON type changing (when it cannot fall back)
+        for k, v in obj.items():
             if v is not None and kinds.setdefault(k, _json_kind(v)) != _json_kind(v):
-                return f"line {n} (row {row}): field {k!r}: {_json_kind(v)}, where the rows before have {kinds[k]}"
+                return (f"line {n} (row {row}): field {k!r}: {_json_kind(v)}, "
+                        f"where the rows before have {kinds[k]}")
     return None
 
 
 def _json_type(v) -> str:
-    return "null" if v is None else "a JSON " + {str: "string", bool: "boolean", list: "array"}.get(type(v), "number")
+    return "null" if v is None else "a JSON " + {str: "string", bool: "boolean",
+                                                 list: "array"}.get(type(v), "number")
 
 
 def _json_kind(v) -> str:

@@ -17,8 +17,8 @@ Samples = list[tuple[list[int], int]]  # (token ids, prompt length)
 
 
 def split_eval(num_samples: int, fraction: float, seed: int, job: str) -> tuple[list[int], list[int]]:
-    """(training sample ids, held-out sample ids), both ascending and disjoint, covering ``range(num_samples)``.
-    DataError when either side would be empty."""
+    """(training sample ids, held-out sample ids), both ascending and disjoint, covering
+    ``range(num_samples)``. DataError when either side would be empty."""
     n_eval = int(round(fraction * num_samples))
     if n_eval < 1:
         raise DataError(f"job {job!r}: eval_split: {fraction} of {num_samples} samples is an empty eval set; "
@@ -33,7 +33,8 @@ def split_eval(num_samples: int, fraction: float, seed: int, job: str) -> tuple[
     return keep, held
 
 
-def split_job_samples(job: JobConfig, samples: Samples, tokenizer, seed: int) -> tuple[Samples, Samples | None]:
+def split_job_samples(job: JobConfig, samples: Samples, tokenizer,
+                      seed: int) -> tuple[Samples, Samples | None]:
     """(training samples, eval samples or None without an eval set) of ``job`` whose training file gave
     ``samples``."""
     if job.eval_split is not None:

@@ -48,8 +48,9 @@ class PackedBatch:
                 return t.pin_memory().to(dev, non_blocking=True)
             return t.to(dev)
 
-        return PackedBatch(move(self.tokens), move(self.position_ids), move(self.labels), move(self.loss_mask),
-                           move(self.cu_seqlens), self.max_seqlen, self.routing, self.adapters, self.sample_adapter)
+        return PackedBatch(move(self.tokens), move(self.position_ids), move(self.labels),
+                           move(self.loss_mask), move(self.cu_seqlens), self.max_seqlen, self.routing,
+                           self.adapters, self.sample_adapter)
 
     def adapter_token_mask(self, name: str) -> torch.Tensor:
         """[1, T] bool: tokens belonging to adapter ``name``."""
@@ -83,7 +84,8 @@ def pack_microbatch(samples: Sequence[tuple[str, Sequence[int]]], prompt_lengths
         pos.extend(range(n))
         labels.extend(seq[1:] + [0])
         # label of position t is token t+1: it counts when t+1 is a response token
-        lmask.extend([1.0 if (t + 1 >= max(p, 1) and t + 1 < n) else 0.0 for t in range(n)])  # loss_token_count
+        lmask.extend(
+            [1.0 if (t + 1 >= max(p, 1) and t + 1 < n) else 0.0 for t in range(n)])  # loss_token_count
         cu.append(cu[-1] + n)
         base = i if row_ids is None else int(row_ids[i])
         ids.append(np.arange(base << 20, (base << 20) + n, dtype=np.int64))
@@ -128,8 +130,9 @@ def pad_to_multiple(batch: PackedBatch, multiple: int, token: int = 0) -> Packed
     cu = torch.cat([batch.cu_seqlens, batch.cu_seqlens.new_tensor([n + pad])])
     positions = torch.cat([batch.position_ids, torch.arange(pad, dtype=batch.position_ids.dtype,
                                                              device=batch.position_ids.device)[None]], dim=1)
-    return PackedBatch(cat(batch.tokens, int(token)), positions, cat(batch.labels, 0), cat(batch.loss_mask, 0.0), cu,
-                       max(batch.max_seqlen, pad), Routing(segments=r.segments, num_rows=n + pad, row_ids=ids),
+    return PackedBatch(cat(batch.tokens, int(token)), positions, cat(batch.labels, 0),
+                       cat(batch.loss_mask, 0.0), cu, max(batch.max_seqlen, pad),
+                       Routing(segments=r.segments, num_rows=n + pad, row_ids=ids),
                        batch.adapters, batch.sample_adapter)
 
 

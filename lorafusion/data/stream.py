@@ -61,8 +61,9 @@ class JobStream:
 
     @classmethod
     def of(cls, job, num_samples: int, seed: int) -> "JobStream":
-        """The stream of a job (a ``JobConfig``) of ``num_samples`` training samples; its optimizer's warmup must
-        fit in its steps (``max_steps`` alone is checked by the config; ``num_epochs``' steps are known here)."""
+        """The stream of a job (a ``JobConfig``) of ``num_samples`` training samples; its optimizer's warmup
+        must fit in its steps (``max_steps`` alone is checked by the config; ``num_epochs``' steps are known
+        here)."""
         stream = cls(job.name, num_samples, job.global_batch_size, seed, max_steps=job.max_steps,
                      num_epochs=job.num_epochs)
         if job.optimizer.warmup_steps > stream.total_steps:
@@ -125,5 +126,5 @@ class JobStream:
         self.epoch, self.position, self.steps_done = epoch, position, steps
 
     def __repr__(self) -> str:
-        return (f"JobStream({self.job_name!r}, step {self.steps_done}/{self.total_steps}, epoch {self.epoch}, "
-                f"position {self.position}/{self.num_samples})")
+        return (f"JobStream({self.job_name!r}, step {self.steps_done}/{self.total_steps}, epoch "
+                f"{self.epoch}, position {self.position}/{self.num_samples})")

@@ -42,9 +42,9 @@ SIMPLE_CHAT_TEMPLATE = {"message": "{role}: {content}\n", "generation_prompt": "
 
 
 def simple_chat_jinja(with_bos: bool) -> str:
-    """The built-in template as a transformers ``chat_template``: a conversation ending in an assistant message
-    renders as training's sample text (``[bos] prompt response eos``), a history with ``add_generation_prompt``
-    as its prompt."""
+    """The built-in template as a transformers ``chat_template``: a conversation ending in an assistant
+    message renders as training's sample text (``[bos] prompt response eos``), a history with
+    ``add_generation_prompt`` as its prompt."""
     return ("{{ bos_token }}" if with_bos else "") + (
         "{% for message in messages %}{% if loop.last and message['role'] == 'assistant' %}"
         "assistant: {{ message['content'] }}{{ eos_token }}"
@@ -164,7 +164,8 @@ class HFTokenizer(Tokenizer):
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token = _token_content(cfg.get("eos_token"))
         if self.eos_token is None:
-            self.eos_token = next((t for t in self._EOS_GUESSES if self._tok.token_to_id(t) is not None), None)
+            self.eos_token = next(
+                (t for t in self._EOS_GUESSES if self._tok.token_to_id(t) is not None), None)
         if self.eos_token is None or self._tok.token_to_id(self.eos_token) is None:
             raise TokenizerError(f"{tc}: eos_token: expected an end-of-sequence token that is in the "
                                  f"vocabulary, got {self.eos_token!r}")

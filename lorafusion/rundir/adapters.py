@@ -1,5 +1,5 @@
-"""Which adapter of a run ``lorafusion export`` and ``generate`` take: a job's final adapter, its latest or best
-checkpoint's, or one checkpoint directory's (torch-free: the lookup runs before anything is loaded)."""
+"""Which adapter of a run ``lorafusion export`` and ``generate`` take: a job's final adapter, its latest or
+best checkpoint's, or one checkpoint directory's (torch-free: the lookup runs before anything is loaded)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ def run_jobs(src: Path) -> list[str]:
     run = RunDir(src)
     names = {p.name for d in (run.adapters, run.checkpoints) if d.is_dir() for p in d.iterdir()
              if p.is_dir() and not p.name.startswith(".")}
-    for record in (run.summary, run.status):  # (a live run's jobs are in its status before any file is written)
+    # (a live run's jobs are in its status before any file is written)
+    for record in (run.summary, run.status):
         try:
             names |= {n for n in json.loads(record.read_text()).get("jobs", {}) if isinstance(n, str)}
         except (OSError, ValueError, AttributeError, TypeError):
@@ -32,9 +33,11 @@ def _nothing_yet(src: Path, job: str) -> str | None:
         row = json.loads(RunDir(src).status.read_text())["jobs"][job]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    where = f"{row.get('state')} at step {row.get('step')}" if isinstance(row, dict) else "listed in status.json"
-    return (f"{src}: job {job!r} has no checkpoint yet ({where}): nothing to export yet; it is checkpointed at its "
-            f"save_every, every checkpoint.every_minutes, when it ends or is cancelled, and when the run is stopped")
+    where = (f"{row.get('state')} at step {row.get('step')}" if isinstance(row, dict)
+             else "listed in status.json")
+    return (f"{src}: job {job!r} has no checkpoint yet ({where}): nothing to export yet; it is checkpointed "
+            "at its save_every, every checkpoint.every_minutes, when it ends or is cancelled, and when the "
+            "run is stopped")
 
 
 def check_safetensors(path: Path) -> None:
@@ -47,7 +50,8 @@ def check_safetensors(path: Path) -> None:
         with open(path, "rb") as f:
             n = struct.unpack("<Q", f.read(8))[0] if size >= 8 else None
             if n is None or n > min(size - 8, 100 << 20):
-                raise MissingFileError(f"{path}: truncated or damaged: {size:,} bytes, too short for its header")
+                raise MissingFileError(
+                    f"{path}: truncated or damaged: {size:,} bytes, too short for its header")
             header = json.loads(f.read(n))
         end = max([v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"], default=0)
     except MissingFileError:
@@ -79,8 +83,8 @@ def find_adapter(src: Path, job: str, best: bool = False) -> tuple[Path, str]:
 
 def _find_adapter(src: Path, job: str, best: bool) -> tuple[Path, str]:
     if not src.is_dir():
-        raise MissingFileError(f"{src}: no checkpoint or adapter of job {job!r}: no such directory (expected a run "
-                               f"output_dir or a checkpoints/<job>/step_N directory)")
+        raise MissingFileError(f"{src}: no checkpoint or adapter of job {job!r}: no such directory (expected "
+                               f"a run output_dir or a checkpoints/<job>/step_N directory)")
     run = RunDir(src)
     if best:
         if (src / "state.json").is_file():
@@ -114,7 +118,8 @@ def _find_adapter(src: Path, job: str, best: bool) -> tuple[Path, str]:
     if run.job_checkpoints(job).is_dir():
         ckpt = latest_checkpoint(run.job_checkpoints(job))
         if ckpt is None:
-            raise MissingFileError(_nothing_yet(src, job) or f"{run.job_checkpoints(job)}: no complete checkpoint")
+            raise MissingFileError(_nothing_yet(src, job)
+                                   or f"{run.job_checkpoints(job)}: no complete checkpoint")
         return ckpt / "adapter", (f"latest checkpoint, step {int(ckpt.name.split('_')[-1])} (the job has not "
                                   f"finished)")
     if why := _nothing_yet(src, job):
@@ -132,16 +137,21 @@ def check_export_out(src: Path, out: Path, base: bool) -> None:
     try:
         o = out.resolve()
         step = src.resolve()  # a checkpoints/<job>/step_N directory: its run is protected too
-        runs = {step} | ({step.parents[2]} if (src / "state.json").is_file() and step.parents[1].name == "checkpoints"
+        runs = {step} | ({step.parents[2]} if (src / "state.json").is_file()
+                         and step.parents[1].name == "checkpoints"
                          else set())
     except (OSError, RuntimeError, IndexError) as e:
-        raise ConfigError(f"{out}: cannot resolve --out or the directory {src} it exports from ({e})") from None
+        raise ConfigError(f"{out}: cannot resolve --out or the directory {src} it exports from "
+                          f"({e})") from None
     for run in runs:
         if o == run or o in run.parents:
-            raise ConfigError(f"{out}: --out holds the directory {run} it exports from; choose a path outside it")
+            raise ConfigError(
+                f"{out}: --out holds the directory {run} it exports from; choose a path outside it")
         if run in o.parents and not (base and o == run / "base"):
-            raise ConfigError(f"{out}: --out is inside the directory {run} it exports from; choose a path outside it")
-    if out.is_dir() and any((out / n).exists() for n in ("status.json", "summary.json", "checkpoints", ".lock")):
+            raise ConfigError(
+                f"{out}: --out is inside the directory {run} it exports from; choose a path outside it")
+    if out.is_dir() and any((out / n).exists()
+                            for n in ("status.json", "summary.json", "checkpoints", ".lock")):
         raise ConfigError(f"{out}: --out is a lorafusion run directory; export replaces only exports, choose "
                           f"another path")
 
@@ -151,17 +161,19 @@ EXPORT_MARKER = ".lorafusion-export.json"
 
 
 def check_replace_out(out: Path, force: bool) -> None:
-    """An existing ``--out`` is replaced only with ``force`` and only when it is an earlier ``lorafusion export``
-    (a directory holding :data:`EXPORT_MARKER`) or an empty directory: never a user's own file or directory."""
+    """An existing ``--out`` is replaced only with ``force`` and only when it is an earlier
+    ``lorafusion export`` (a directory holding :data:`EXPORT_MARKER`) or an empty directory: never a user's
+    own file or directory."""
     if not (out.exists() or out.is_symlink()):
         return check_writable_dir(out.parent, f"{out}: --out")
     if not force:
         raise ConfigError(f"{out}: --out already exists; choose another path or pass --force to replace it "
                           f"(an earlier lorafusion export only; atomically, once the new export is complete)")
     if out.is_symlink() or not out.is_dir():
-        kind = "a symlink" if out.is_symlink() else "a file" if out.is_file() else "a special file (FIFO, device)"
-        raise ConfigError(f"{out}: --out is {kind}, not an earlier lorafusion export; --force replaces only those: "
-                          f"choose another path")
+        kind = ("a symlink" if out.is_symlink() else "a file" if out.is_file()
+                else "a special file (FIFO, device)")
+        raise ConfigError(f"{out}: --out is {kind}, not an earlier lorafusion export; --force replaces only "
+                          f"those: choose another path")
     try:
         empty = not any(out.iterdir())
     except OSError as e:
@@ -172,18 +184,20 @@ def check_replace_out(out: Path, force: bool) -> None:
 
 
 def marked(fill, record: dict):
-    """``fill`` (for :func:`lorafusion.rundir.atomic.fill_dir_atomically`) that also writes the export marker."""
+    """``fill`` (for :func:`lorafusion.rundir.atomic.fill_dir_atomically`) that also writes the export
+    marker."""
     def fill_marked(tmp: Path) -> None:
         fill(tmp)
-        (tmp / EXPORT_MARKER).write_text(json.dumps({"written_by": "lorafusion export", **record}, indent=2) + "\n")
+        (tmp / EXPORT_MARKER).write_text(
+            json.dumps({"written_by": "lorafusion export", **record}, indent=2) + "\n")
 
     return fill_marked
 
 
 def check_generate_out(out: Path, prompts: Path, force: bool) -> None:
     """``generate --out`` is new, or (with ``force``) an earlier ``generate`` output (rows with prompt_ids and
-    output_ids) or an empty file — never the --prompts file, a user's own file, a directory or a symlink; and its
-    directory can be written."""
+    output_ids) or an empty file — never the --prompts file, a user's own file, a directory or a symlink; and
+    its directory can be written."""
     if not (out.exists() or out.is_symlink()):
         return check_writable_dir(out.parent, f"{out}: --out")
     if not force:
@@ -192,9 +206,10 @@ def check_generate_out(out: Path, prompts: Path, force: bool) -> None:
     if out.resolve() == prompts.resolve():
         raise ConfigError(f"{out}: --out is the --prompts file; choose another path")
     if out.is_symlink() or not out.is_file():
-        kind = "a symlink" if out.is_symlink() else "a directory" if out.is_dir() else "a special file (FIFO, device)"
-        raise ConfigError(f"{out}: --out is {kind}, not an earlier generate output; --force replaces only those: "
-                          f"choose another path")
+        kind = ("a symlink" if out.is_symlink() else "a directory" if out.is_dir()
+                else "a special file (FIFO, device)")
+        raise ConfigError(f"{out}: --out is {kind}, not an earlier generate output; --force replaces only "
+                          f"those: choose another path")
     try:
         with open(out, "rb") as f:
             first = next((line for line in f if line.strip()), b"")
@@ -202,5 +217,5 @@ def check_generate_out(out: Path, prompts: Path, force: bool) -> None:
     except (OSError, ValueError):
         row = None
     if not (isinstance(row, dict) and "prompt_ids" in row and "output_ids" in row):
-        raise ConfigError(f"{out}: --out is not an earlier lorafusion generate output (rows with prompt_ids and "
-                          f"output_ids); --force replaces only those: choose another path")
+        raise ConfigError(f"{out}: --out is not an earlier lorafusion generate output (rows with prompt_ids "
+                          f"and output_ids); --force replaces only those: choose another path")

@@ -25,10 +25,10 @@ def _tmp_sibling(path: Path) -> Path:  # (the writer's pid: one left by a killed
 
 
 def write_text_atomic(path: Path, text: str, *, mkdir: bool = False, replace: bool = True) -> None:
-    """Write ``text`` (UTF-8) to a temporary sibling, then rename it over ``path``; the temporary file is removed
-    if the write fails (an OSError names the file). ``mkdir``: create ``path``'s directory first. Without
-    ``replace`` a ``path`` that exists by then (written meanwhile by another process) is a ConfigError, left as
-    it is."""
+    """Write ``text`` (UTF-8) to a temporary sibling, then rename it over ``path``; the temporary file is
+    removed if the write fails (an OSError names the file). ``mkdir``: create ``path``'s directory first.
+    Without ``replace`` a ``path`` that exists by then (written meanwhile by another process) is a
+    ConfigError, left as it is."""
     from lorafusion.core.errors import ConfigError
 
     path = Path(path)
@@ -43,8 +43,8 @@ def write_text_atomic(path: Path, text: str, *, mkdir: bool = False, replace: bo
             try:
                 os.link(tmp, path)  # (atomic and never over an existing file)
             except FileExistsError:
-                raise ConfigError(f"{path}: written meanwhile by another process (a second writer of the same "
-                                  f"path?); left as it is") from None
+                raise ConfigError(f"{path}: written meanwhile by another process (a second writer of the "
+                                  f"same path?); left as it is") from None
             tmp.unlink()
     except OSError as e:
         tmp.unlink(missing_ok=True)
@@ -57,8 +57,8 @@ def write_text_atomic(path: Path, text: str, *, mkdir: bool = False, replace: bo
 
 
 def write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` (not atomic: into a temporary directory or under a part name); an OSError (full
-    disk, ``ulimit -f``: EFBIG) names the file."""
+    """Write ``data`` to ``path`` (not atomic: into a temporary directory or under a part name); an OSError
+    (full disk, ``ulimit -f``: EFBIG) names the file."""
     try:
         with open(path, "wb") as f:
             f.write(data)
@@ -70,9 +70,9 @@ def write_bytes(path: Path, data: bytes) -> None:
 
 def fill_dir_atomically(out_dir: str | Path, fill: Callable[[Path], None], *, replace: bool = True) -> Path:
     """``fill(tmp_dir)`` writes into a temporary sibling directory, which is then renamed to ``out_dir``;
-    an existing ``out_dir`` is replaced only after the new one is complete, and only with ``replace`` (without:
-    one written meanwhile, e.g. by a second export to the same path, is a :class:`ConfigError`). One writer of
-    ``out`` at a time (:func:`exclusive_out`); what a killed one left beside it is removed first."""
+    an existing ``out_dir`` is replaced only after the new one is complete, and only with ``replace``
+    (without: one written meanwhile, e.g. by a second export to the same path, is a :class:`ConfigError`). One
+    writer of ``out`` at a time (:func:`exclusive_out`); what a killed one left beside it is removed first."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     with exclusive_out(out):
@@ -110,13 +110,15 @@ def _fill(out: Path, fill: Callable[[Path], None], replace: bool) -> Path:
 
 
 def _drop_leftovers(out: Path) -> None:
-    """Temporary siblings of ``out`` that a killed writer left (its pid is gone; held by :func:`exclusive_out`,
-    so no live writer of ``out`` is at work): a SIGKILL during a 16 GB export left them forever."""
+    """Temporary siblings of ``out`` that a killed writer left (its pid is gone; held by
+    :func:`exclusive_out`, so no live writer of ``out`` is at work): a SIGKILL during a 16 GB export left them
+    forever."""
     for p in out.parent.glob(f".{glob.escape(out.name)}.*"):
         m = re.fullmatch(r"\.(?:tmp-(\d+)-[0-9a-f]{8}|old-[0-9a-f]{8})", p.name[len(out.name) + 1:])
         if m and not (m.group(1) and _alive(int(m.group(1)))) and (m.group(1) or out.exists()):  # (an .old
             # one without out: the writer died between its two renames; it is the only copy, kept)
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() \
+                else p.unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:
@@ -133,8 +135,8 @@ def _alive(pid: int) -> bool:
 def exclusive_out(out: Path, what: str = "--out"):
     """Held while ``out`` is written (an export, a generate output): a second process writing the same path at
     the same time fails at once, so two writers never both report success. While held in the main thread, a
-    stop (SIGTERM, SIGHUP) ends the write through Python — its temporary files are removed — instead of killing
-    the process where it stands."""
+    stop (SIGTERM, SIGHUP) ends the write through Python — its temporary files are removed — instead of
+    killing the process where it stands."""
     from lorafusion.core.errors import ConfigError
 
     out = Path(out)
@@ -145,8 +147,8 @@ def exclusive_out(out: Path, what: str = "--out"):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise ConfigError(f"{out}: {what} is being written by another process right now (a second export or "
-                              f"generate to the same path?); run one at a time") from None
+            raise ConfigError(f"{out}: {what} is being written by another process right now (a second export "
+                              f"or generate to the same path?); run one at a time") from None
         try:
             if os.stat(lock).st_ino == os.fstat(fd).st_ino:
                 break  # (else the holder before removed it between our open and lock: take the new one)
@@ -166,7 +168,8 @@ def _stops_raise():
     """SIGTERM and SIGHUP raise SystemExit (exit status 128 + signal) while inside, where they would otherwise
     kill the process at once: only in the main thread, and only over the default action (a run's own handlers
     stay)."""
-    sigs = [s for s in (signal.SIGTERM, signal.SIGHUP) if threading.current_thread() is threading.main_thread()
+    sigs = [s for s in (signal.SIGTERM, signal.SIGHUP)
+            if threading.current_thread() is threading.main_thread()
             and signal.getsignal(s) == signal.SIG_DFL]
 
     def stop(signum, frame):
@@ -203,8 +206,9 @@ def copier(src: str | Path) -> Callable[[Path], None]:
 
 
 def check_writable_dir(path: Path, what: str) -> None:
-    """One :class:`ConfigError` naming ``what`` (e.g. ``--out``) unless directory ``path`` exists or can be created
-    and a file can be created in it (``/proc/self/x``, a path under a file, a read-only disk), before any work."""
+    """One :class:`ConfigError` naming ``what`` (e.g. ``--out``) unless directory ``path`` exists or can be
+    created and a file can be created in it (``/proc/self/x``, a path under a file, a read-only disk), before
+    any work."""
     from lorafusion.core.errors import ConfigError
 
     try:
@@ -213,12 +217,13 @@ def check_writable_dir(path: Path, what: str) -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise ConfigError(f"{what}: cannot write in {path} ({blocker(Path(path)) or e.strerror or e})") from None
+        raise ConfigError(f"{what}: cannot write in {path} "
+                          f"({blocker(Path(path)) or e.strerror or e})") from None
 
 
 def blocker(path: Path) -> str | None:
-    """Why directory ``path`` cannot be created where a mkdir says only "File exists": the first name on its way
-    that is a dangling symlink or not a directory (None when there is none)."""
+    """Why directory ``path`` cannot be created where a mkdir says only "File exists": the first name on its
+    way that is a dangling symlink or not a directory (None when there is none)."""
     for p in (path, *path.parents):
         if p.is_symlink() and not p.exists():
             return f"{p} is a symlink to {os.readlink(p)}, which does not exist"
@@ -236,7 +241,8 @@ def remove_partial_outputs(out: Path) -> None:
 
 
 def file_sha256(path: Path) -> str:
-    """SHA-256 of a file's bytes (1 MiB reads): what a checkpoint's manifest and a run's dataset record hold."""
+    """SHA-256 of a file's bytes (1 MiB reads): what a checkpoint's manifest and a run's dataset record
+    hold."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         while block := f.read(1 << 20):

@@ -1,7 +1,8 @@
-"""What a run wrote is checked against the hashes it recorded before anything uses it (torch-free): a checkpoint's
-files against its ``manifest.json`` (required: a checkpoint without one is not believed), a PEFT adapter the run
-wrote against its ``.lorafusion-sha256.json``, and the run's record of its base (``base_model.json``) against the
-settings its checkpoints recorded. A damaged or edited file is a :class:`DamagedFileError`, never used silently."""
+"""What a run wrote is checked against the hashes it recorded before anything uses it (torch-free): a
+checkpoint's files against its ``manifest.json`` (required: a checkpoint without one is not believed), a PEFT
+adapter the run wrote against its ``.lorafusion-sha256.json``, and the run's record of its base
+(``base_model.json``) against the settings its checkpoints recorded. A damaged or edited file is a
+:class:`DamagedFileError`, never used silently."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from lorafusion.core.errors import MissingFileError
 from lorafusion.rundir.atomic import file_sha256
 from lorafusion.rundir.jsonfile import read_json_file
 
-__all__ = ["ADAPTER_HASHES", "MANIFEST", "DamagedFileError", "adapter_hashes", "check_adapter", "check_base_record",
-           "check_manifest", "model_digest"]
+__all__ = ["ADAPTER_HASHES", "MANIFEST", "DamagedFileError", "adapter_hashes", "check_adapter",
+           "check_base_record", "check_manifest", "model_digest"]
 
 MANIFEST = "manifest.json"  # a checkpoint's: the sha256 of every other file, written last
 ADAPTER_HASHES = ".lorafusion-sha256.json"  # beside a PEFT adapter the run wrote: the sha256 of its two files
@@ -34,7 +35,8 @@ def _recorded(record: Path) -> dict:
     try:
         hashes = read_json_file(record)
     except (OSError, ValueError) as e:
-        raise DamagedFileError(f"{record}: not readable ({e}); the files it vouches for are not used") from None
+        raise DamagedFileError(f"{record}: not readable ({e}); the files it vouches for are not "
+                               "used") from None
     if not isinstance(hashes, dict):
         raise DamagedFileError(f"{record}: expected a JSON object of file hashes")
     return hashes
@@ -44,12 +46,13 @@ def check_manifest(ckpt: Path, names: list[str]) -> None:
     """DamagedFileError unless the files ``names`` of checkpoint directory ``ckpt`` are those its manifest
     records; a checkpoint without a manifest is not believed (a run writes it last, with every checkpoint)."""
     if not (ckpt / MANIFEST).is_file():
-        raise DamagedFileError(f"{ckpt / MANIFEST}: missing — the checkpoint's files cannot be checked, so they "
-                               f"are not used (deleted, or the checkpoint was copied incompletely)")
+        raise DamagedFileError(f"{ckpt / MANIFEST}: missing — the checkpoint's files cannot be checked, so "
+                               f"they are not used (deleted, or the checkpoint was copied incompletely)")
     manifest = _recorded(ckpt / MANIFEST)
     for name in names:
         if manifest.get(name) != _sha256(ckpt / name):
-            raise DamagedFileError(f"{ckpt / name}: does not match the checkpoint's {MANIFEST} (edited or damaged)")
+            raise DamagedFileError(
+                f"{ckpt / name}: does not match the checkpoint's {MANIFEST} (edited or damaged)")
 
 
 def _sha256(path: Path) -> str | None:
@@ -96,15 +99,16 @@ def check_base_record(run_dir: Path, record: dict) -> None:
                                        f"another run: not used")
         if path and settings.get("(run) model.digest") and Path(path).is_dir() \
                 and model_digest(Path(path)) != settings["(run) model.digest"]:
-            raise DamagedFileError(f"{where}: the base model at {path} differs from the one the run trained on "
-                                   f"(its config or weights changed); not used")
+            raise DamagedFileError(f"{where}: the base model at {path} differs from the one the run trained "
+                                   f"on (its config or weights changed); not used")
         return
 
 
 def model_digest(path: Path) -> str:
     """The identity of a HF model directory by content, cheaply: sha256 over config.json, and of every
-    ``*.safetensors`` file its size, its header (names, dtypes, shapes, offsets) and 16 samples of 64 KiB spread
-    over its data (other weights of the same shapes differ there; a few MB read, whatever the model's size)."""
+    ``*.safetensors`` file its size, its header (names, dtypes, shapes, offsets) and 16 samples of 64 KiB
+    spread over its data (other weights of the same shapes differ there; a few MB read, whatever the model's
+    size)."""
     h = hashlib.sha256((path / "config.json").read_bytes())
     for f in sorted(path.glob("*.safetensors")):
         size = f.stat().st_size

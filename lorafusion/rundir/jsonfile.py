@@ -1,7 +1,7 @@
-"""Reading a JSON file that anyone may have put in a run directory (a request, a submitted job, a status): only a
-regular file (a FIFO is opened without blocking and refused, so a reader never hangs), of bounded size, UTF-8,
-nested to a bounded depth, without non-finite numbers. Anything else is a :class:`ValueError` saying why (an
-``OSError`` when it cannot be opened at all), never a hang, a RecursionError or a crash."""
+"""Reading a JSON file that anyone may have put in a run directory (a request, a submitted job, a status):
+only a regular file (a FIFO is opened without blocking and refused, so a reader never hangs), of bounded size,
+UTF-8, nested to a bounded depth, without non-finite numbers. Anything else is a :class:`ValueError` saying
+why (an ``OSError`` when it cannot be opened at all), never a hang, a RecursionError or a crash."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def read_json_file(path: Path | str, *, max_bytes: int = MAX_JSON_BYTES, max_dep
 
 
 def loads_bounded(data: bytes | str, *, max_depth: int = MAX_DEPTH, nonfinite_as_none: bool = False) -> Any:
-    """``json.loads`` of UTF-8 ``data`` refusing non-finite numbers and nesting over ``max_depth`` (ValueError)."""
+    """``json.loads`` of UTF-8 ``data`` refusing non-finite numbers and nesting over ``max_depth``
+    (ValueError)."""
     try:
         text = data.decode("utf-8") if isinstance(data, bytes) else data
     except UnicodeDecodeError as e:

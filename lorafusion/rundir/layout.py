@@ -12,9 +12,9 @@ from lorafusion.core.errors import MissingFileError
 
 class RunDir:
     """A run's output directory: ``metrics.jsonl``, ``tensorboard/``, ``status.json``, ``summary.json``,
-    ``requests/``, ``submitted/``, ``base_model.json``, ``run_config.json`` (the config each start ran with: what
-    ``--resume`` continues, lorafusion.config.resume), ``checkpoints/<job>/step_NNNNNN``, ``adapters/<job>/``,
-    ``.lock``."""
+    ``requests/``, ``submitted/``, ``base_model.json``, ``run_config.json`` (the config each start ran with:
+    what ``--resume`` continues, lorafusion.config.resume), ``checkpoints/<job>/step_NNNNNN``,
+    ``adapters/<job>/``, ``.lock``."""
 
     def __init__(self, root: str | Path):
         self.root = Path(root)

@@ -25,8 +25,8 @@ def check_output_dir(out: Path, source, *, resume: bool) -> None:
     if taken:
         raise ConfigError(f"{source}: output_dir: {out} already holds a run ({', '.join(taken)}); "
                           f"choose another output_dir or resume it with --resume")
-    # anything else must be what a run (or `plan`, `export --base`) writes there, in a directory a run has held
-    # (a run takes .lock before it writes): a user's own metrics.jsonl or notes are never replaced
+    # anything else must be what a run (or `plan`, `export --base`) writes there, in a directory a run has
+    # held (a run takes .lock before it writes): a user's own metrics.jsonl or notes are never replaced
     names = {p.name for p in out.iterdir()}
     foreign = sorted(n for n in names - RUN_NAMES if not (n.startswith(".") and ".tmp" in n))
     if not foreign and ".lock" not in names and names - {"plan"}:
@@ -39,7 +39,8 @@ def check_output_dir(out: Path, source, *, resume: bool) -> None:
 
 # what a run, `lorafusion plan` (plan/) and `export --base` (base/) write in an output_dir
 RUN_NAMES = {".lock", "metrics.jsonl", "tensorboard", "status.json", "summary.json", "requests", "submitted",
-             "base_model.json", "run_config.json", "checkpoints", "adapters", "plan", "base", "wandb", "mlruns"}
+             "base_model.json", "run_config.json", "checkpoints", "adapters", "plan", "base",
+             "wandb", "mlruns"}
 
 
 class OutputDirLock:
@@ -54,7 +55,8 @@ class OutputDirLock:
 
     def acquire(self, is_logger: bool, share: Callable[[str], str] = lambda holder: holder) -> None:
         """Collective: rank 0 (``is_logger``) takes the lock; every rank raises if another run holds it.
-        ``share``: rank 0's value on every rank (``lorafusion.dist.share_from_rank0`` in a multi-process run)."""
+        ``share``: rank 0's value on every rank (``lorafusion.dist.share_from_rank0`` in a multi-process
+        run)."""
         import fcntl
         import os
 
@@ -67,7 +69,8 @@ class OutputDirLock:
             except OSError as e:  # e.g. /proc/self/x, a file on the way, a read-only disk: said on every rank
                 from lorafusion.rundir.atomic import blocker
 
-                why = blocker(self.out) if e.errno == errno.EEXIST else None  # (a dangling symlink: "File exists")
+                # (a dangling symlink: "File exists")
+                why = blocker(self.out) if e.errno == errno.EEXIST else None
                 holder = f"!cannot create {e.filename or self.out} ({why or e.strerror or e})"
         if is_logger and self._file is not None:
             try:
@@ -97,7 +100,8 @@ class OutputDirLock:
 
 
 def lock_held(out: Path) -> bool:
-    """Whether a process (a ``lorafusion train``) holds ``out``'s lock now (a probe: taken and released at once)."""
+    """Whether a process (a ``lorafusion train``) holds ``out``'s lock now (a probe: taken and released at
+    once)."""
     import fcntl
 
     path = RunDir(out).lock

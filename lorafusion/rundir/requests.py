@@ -1,9 +1,10 @@
-"""Requests to a run (``lorafusion submit`` / ``cancel``): files in ``RUN_DIR/requests/``, taken by the run at a
-chunk boundary (or when it starts, for a stopped run resumed later).
+"""Requests to a run (``lorafusion submit`` / ``cancel``): files in ``RUN_DIR/requests/``, taken by the run at
+a chunk boundary (or when it starts, for a stopped run resumed later).
 
-A request is one JSON file written atomically (``submit``: the validated job, its paths absolute; ``cancel``: the
-job's name), named so that a directory listing is the order of arrival. Global rank 0 takes them and moves each
-to ``requests/done/`` (with the run's answer) once applied; every rank receives the same list by broadcast.
+A request is one JSON file written atomically (``submit``: the validated job, its paths absolute; ``cancel``:
+the job's name), named so that a directory listing is the order of arrival. Global rank 0 takes them and moves
+each to ``requests/done/`` (with the run's answer) once applied; every rank receives the same list by
+broadcast.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from lorafusion.core.errors import ConfigError, MissingFileError
 from lorafusion.rundir.atomic import write_text_atomic
 from lorafusion.rundir.jsonfile import read_json_file
 from lorafusion.rundir.layout import RunDir
-from lorafusion.rundir.states import ENDED, JobStatus  # after these a cancel has nothing to do (the run: LiveJobs._cancel)
+# after these a cancel has nothing to do (the run: LiveJobs._cancel)
+from lorafusion.rundir.states import ENDED, JobStatus
 
 
 
@@ -25,8 +27,8 @@ def require_run_dir(run_dir: Path) -> None:
     """One clear error unless ``run_dir`` is the output_dir of a run that has started."""
     if not (Path(run_dir).is_dir() and any((Path(run_dir) / n).exists()
                                            for n in ("status.json", "summary.json", "checkpoints", ".lock"))):
-        raise MissingFileError(f"{run_dir}: not a lorafusion run directory (the output_dir of a lorafusion train "
-                               f"run that has started)")
+        raise MissingFileError(f"{run_dir}: not a lorafusion run directory (the output_dir of a lorafusion "
+                               f"train run that has started)")
 
 
 def write_request(run_dir: Path, kind: str, payload: dict) -> Path:
@@ -101,8 +103,9 @@ def unapplied_requests(run_dir: Path) -> list[dict]:
         answer = req.get("answer") if isinstance(req, dict) else None
         if isinstance(answer, str) and answer.startswith(("refused", "failed")):
             job = req.get("name", req.get("job"))
-            out.append({"file": path.name, "kind": str(req.get("kind")), "job": job if isinstance(job, str) else None,
-                        "answer": answer})
+            out.append(
+                {"file": path.name, "kind": str(req.get("kind")),
+                 "job": job if isinstance(job, str) else None, "answer": answer})
     return out
 
 
@@ -126,35 +129,38 @@ def known_job_names(run_dir: Path, status_jobs: dict | None = None) -> set[str]:
 
 
 def check_cancel(run_dir: Path, job_name: str) -> None:
-    """A cancel names a job of the run that has not ended (as ``status.json`` says; the run answers the rest)."""
+    """A cancel names a job of the run that has not ended (as ``status.json`` says; the run answers the
+    rest)."""
     rows = _status_jobs(run_dir)
     names = known_job_names(run_dir, rows)
     if job_name not in names:
         try:  # (a status.json that cannot be read is named, not taken for a run without jobs)
             read_json_file(RunDir(run_dir).status) if RunDir(run_dir).status.exists() else None
         except (OSError, ValueError) as e:
-            raise ConfigError(f"{RunDir(run_dir).status}: not readable ({e}); the run's jobs are not known") from None
-        raise ConfigError(f"{run_dir}: --job: no job {job_name!r} in this run (jobs: {', '.join(sorted(names)) or 'none'})")
+            raise ConfigError(f"{RunDir(run_dir).status}: not readable ({e}); the run's jobs are not "
+                              "known") from None
+        raise ConfigError(f"{run_dir}: --job: no job {job_name!r} in this run (jobs: "
+                          f"{', '.join(sorted(names)) or 'none'})")
     row = rows.get(job_name)
     state = row.get("state") if isinstance(row, dict) else None  # (None: only submitted so far)
     if state in ENDED:
         raise ConfigError(f"{run_dir}: --job: job {job_name!r} is already {state}: nothing to cancel")
     if state == JobStatus.CANCELLING:
-        raise ConfigError(f"{run_dir}: --job: job {job_name!r} is already being cancelled: it leaves once its "
-                          f"planned batches have run (lorafusion status {run_dir})")
+        raise ConfigError(f"{run_dir}: --job: job {job_name!r} is already being cancelled: it leaves once "
+                          f"its planned batches have run (lorafusion status {run_dir})")
     queued = [p.name for p, r in _listed(run_dir) if isinstance(r, dict) and r["kind"] == "cancel"
               and r.get("job") == job_name]
     if queued:
-        raise ConfigError(f"{run_dir}: --job: a cancel of job {job_name!r} is already queued (requests/{queued[0]}): "
-                          f"it leaves at the next chunk boundary")
+        raise ConfigError(f"{run_dir}: --job: a cancel of job {job_name!r} is already queued "
+                          f"(requests/{queued[0]}): it leaves at the next chunk boundary")
 
 
 def check_against_run(run_dir: Path, job) -> None:
     """What ``submit`` checks before it answers, against the run's record (``base_model.json``: its model and
     tokenizer) and limits (``status.json``'s ``run.limits``), as the run checks it at the boundary: the job's
-    ``dataset.max_seq_len`` within the token capacity, its adapter's memory, its data read and tokenized (every
-    sample valid and within max_seq_len; the eval share too). A run that has written neither yet (starting, or
-    written before the limits were recorded) checks it itself."""
+    ``dataset.max_seq_len`` within the token capacity, its adapter's memory, its data read and tokenized
+    (every sample valid and within max_seq_len; the eval share too). A run that has written neither yet
+    (starting, or written before the limits were recorded) checks it itself."""
     from lorafusion.core.arch import arch_from_hf_config
     from lorafusion.core.lora import check_adapter_memory
 
@@ -167,8 +173,8 @@ def check_against_run(run_dir: Path, job) -> None:
     except (OSError, ValueError, KeyError, TypeError):  # (a capacity of None: not recorded)
         return
     if job.dataset.max_seq_len > cap:
-        raise ConfigError(f"job {job.name!r}: dataset.max_seq_len {job.dataset.max_seq_len} exceeds the run's "
-                          f"scheduler.token_capacity {cap} ({run_dir})")
+        raise ConfigError(f"job {job.name!r}: dataset.max_seq_len {job.dataset.max_seq_len} exceeds the "
+                          f"run's scheduler.token_capacity {cap} ({run_dir})")
     check_adapter_memory(job.name, job.lora, arch, cap, memory, mp)
     from lorafusion.config.schema import TokenizerConfig
     from lorafusion.data import JobStream
@@ -178,7 +184,8 @@ def check_against_run(run_dir: Path, job) -> None:
 
     tokenizer = build_tokenizer(TokenizerConfig(**record["tokenizer"]), record.get("path"))
     samples, _ = split_job_samples(job, load_job_samples(job, tokenizer).samples, tokenizer, record["seed"])
-    JobStream.of(job, len(samples), record["seed"])  # as the run builds it: batch size vs samples, warmup vs steps
+    # as the run builds it: batch size vs samples, warmup vs steps
+    JobStream.of(job, len(samples), record["seed"])
 
 
 def check_submission(run_dir: Path, job_name: str) -> None:

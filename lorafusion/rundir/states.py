@@ -1,5 +1,5 @@
-"""The states a job shows (DESIGN.md §4) in ``status.json``, ``summary.json`` and ``lorafusion status``, and the
-one place they are derived from what the run knows of a job. Torch-free: the CLI's readers use them too.
+"""The states a job shows (DESIGN.md §4) in ``status.json``, ``summary.json`` and ``lorafusion status``, and
+the one place they are derived from what the run knows of a job. Torch-free: the CLI's readers use them too.
 
 A job's own status (``JobState.status`` in the run) is queued, running, cancelling, cancelled, diverged or
 early_stopped. What is shown adds what the run derives: ``waiting`` (running, but the chunk now training holds
@@ -25,9 +25,11 @@ class JobStatus(StrEnum):
     STOPPED = "stopped"  # shown only: the run stopped before the job finished
 
 
-HALTED = frozenset({JobStatus.DIVERGED, JobStatus.EARLY_STOPPED})  # paused for good: planned batches change nothing
+# paused for good: planned batches change nothing
+HALTED = frozenset({JobStatus.DIVERGED, JobStatus.EARLY_STOPPED})
 ENDED = frozenset({JobStatus.DONE, JobStatus.CANCELLED, *HALTED})  # nothing left to do (e.g. to cancel)
-LIVE = frozenset({JobStatus.RUNNING, JobStatus.WAITING, JobStatus.CANCELLING, JobStatus.SAVING})  # needs its run
+LIVE = frozenset(
+    {JobStatus.RUNNING, JobStatus.WAITING, JobStatus.CANCELLING, JobStatus.SAVING})  # needs its run
 
 
 def final_state(status: str, *, finished: bool) -> JobStatus:

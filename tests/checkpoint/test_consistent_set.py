@@ -1,6 +1,6 @@
-"""A run resumes only from checkpoints that agree across its jobs: a checkpoint of all jobs that failed part-way
-(a full disk) left them at different boundaries, and the resume repacked them silently (the result then differs
-from an uninterrupted run's, which changed packing settings refuse)."""
+"""A run resumes only from checkpoints that agree across its jobs: a checkpoint of all jobs that failed
+part-way (a full disk) left them at different boundaries, and the resume repacked them silently (the result
+then differs from an uninterrupted run's, which changed packing settings refuse)."""
 
 import json
 import shutil
@@ -13,7 +13,8 @@ from lorafusion.core.errors import ConfigError
 
 
 def _pick(job, step, together=None):
-    return (Path(f"/r/{job}/step_{step:06d}"), {"step": step, **({"together": together} if together else {})}, {})
+    return (Path(f"/r/{job}/step_{step:06d}"),
+            {"step": step, **({"together": together} if together else {})}, {})
 
 
 def _older(table):
@@ -42,12 +43,14 @@ def test_no_agreeing_checkpoint_is_refused_unless_allowed():
 
 
 def test_jobs_saved_on_their_own_are_not_compared():
-    """Checkpoints of save_every jobs (written alone) and of a job that ended carry no set: resumed as before."""
+    """Checkpoints of save_every jobs (written alone) and of a job that ended carry no set: resumed as
+    before."""
     picks = {"a": _pick("a", 15), "b": _pick("b", 14), "c": (None, None, None)}
     assert consistent_picks(picks, _older({}), source="x", allow_different_result=False, log=print) == picks
 
 
-def test_a_partly_failed_checkpoint_of_a_run_resumes_from_the_last_agreeing_set(tmp_path, megatron_single, capsys):
+def test_a_partly_failed_checkpoint_of_a_run_resumes_from_the_last_agreeing_set(
+    tmp_path, megatron_single, capsys):
     from runtime_utils import job_dict, train_inprocess, write_dataset, write_run
 
     jobs = [job_dict("a", write_dataset(tmp_path / "a.jsonl", 1), r=4, steps=6),

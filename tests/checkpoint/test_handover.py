@@ -1,5 +1,6 @@
 """Hand-over writes in the background (checkpoint/handover.py) and the two-half checkpoint they use
-(checkpoint.start_job_checkpoint): the same files as the synchronous save, complete or absent, errors raised."""
+(checkpoint.start_job_checkpoint): the same files as the synchronous save, complete or absent, errors
+raised."""
 
 import threading
 
@@ -40,7 +41,8 @@ def test_writes_run_in_order_off_the_main_thread_and_errors_come_back():
 
 def _params():
     g = torch.Generator().manual_seed(0)
-    p = {"1.linear_qkv.lora_A": torch.randn(4, 8, generator=g), "1.linear_qkv.lora_B": torch.randn(24, 4, generator=g)}
+    p = {"1.linear_qkv.lora_A": torch.randn(4, 8, generator=g),
+         "1.linear_qkv.lora_B": torch.randn(24, 4, generator=g)}
     opt = torch.optim.AdamW([torch.nn.Parameter(v.clone()) for v in p.values()])
     for q in opt.param_groups[0]["params"]:
         q.grad = torch.ones_like(q)
@@ -51,7 +53,8 @@ def _params():
 def test_the_background_checkpoint_equals_the_synchronous_one(tmp_path, megatron_single):
     params, opt = _params()
     state = {"job": "a", "step": 3, "stream": {"pos": 7}}
-    snap = ({"base_model.model.x.lora_A.weight": params["1.linear_qkv.lora_A"].clone()}, {"peft_type": "LORA", "r": 4})
+    snap = ({"base_model.model.x.lora_A.weight": params["1.linear_qkv.lora_A"].clone()},
+            {"peft_type": "LORA", "r": 4})
 
     sync = checkpoint.save_job_checkpoint(tmp_path / "sync", 3, adapter_params=params, optimizer_state=opt,
                                           state=state, adapter=snap)
@@ -66,9 +69,11 @@ def test_the_background_checkpoint_equals_the_synchronous_one(tmp_path, megatron
     (s1, t1), (s2, t2) = checkpoint.load_job_checkpoint(sync), checkpoint.load_job_checkpoint(bg)
     assert s1 == s2 and (tmp_path / "bg" / "latest").read_text() == "step_000003\n"
     for k in t1["adapter"]:
-        assert torch.equal(t2["adapter"][k], t1["adapter"][k]) and torch.equal(t2["adapter"][k] + 1.0, params[k])
+        assert torch.equal(t2["adapter"][k], t1["adapter"][k]) \
+            and torch.equal(t2["adapter"][k] + 1.0, params[k])
     assert all(torch.equal(a["exp_avg"], b["exp_avg"]) for a, b in
-               zip(t1["optimizer"]["optimizer"]["state"].values(), t2["optimizer"]["optimizer"]["state"].values()))
+               zip(t1["optimizer"]["optimizer"]["state"].values(),
+                   t2["optimizer"]["optimizer"]["state"].values()))
     assert (bg / "adapter" / "adapter_model.safetensors").read_bytes() == \
         (sync / "adapter" / "adapter_model.safetensors").read_bytes()
 

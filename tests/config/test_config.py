@@ -39,30 +39,40 @@ BAD = [
      ["jobs/rev.yaml: lora: unknown key 'rank'", "lora_alpha"]),
     ("unknown-dataset-key", [], [("dataset.fields", {})], None, None, [],
      ["jobs/rev.yaml: dataset: unknown key 'fields'"]),
-    ("wrong-type-seed", [("seed", "x")], [], None, None, [], ["run.yaml: seed: expected an integer, got 'x'"]),
+    ("wrong-type-seed", [("seed", "x")], [], None, None, [],
+     ["run.yaml: seed: expected an integer, got 'x'"]),
     ("wrong-type-gbs", [], [("global_batch_size", "8")], None, None, [],
      ["jobs/rev.yaml: global_batch_size: expected an integer, got '8'"]),
     ("wrong-type-bool", [("logging", {"progress": "yes please"})], [], None, None, [],
      ["run.yaml: logging.progress: expected true or false"]),
-    ("wrong-type-lr", [], [("optimizer.lr", [1])], None, None, [], ["jobs/rev.yaml: optimizer.lr: expected a number"]),
-    ("r-zero", [], [("lora.r", 0)], None, None, [], ["jobs/rev.yaml: lora.r: expected an integer > 0, got 0"]),
-    ("alpha-negative", [], [("lora.lora_alpha", -1)], None, None, [], ["jobs/rev.yaml: lora.lora_alpha: expected"]),
+    ("wrong-type-lr", [], [("optimizer.lr", [1])], None, None, [],
+     ["jobs/rev.yaml: optimizer.lr: expected a number"]),
+    ("r-zero", [], [("lora.r", 0)], None, None, [],
+     ["jobs/rev.yaml: lora.r: expected an integer > 0, got 0"]),
+    ("alpha-negative", [], [("lora.lora_alpha", -1)], None, None, [],
+     ["jobs/rev.yaml: lora.lora_alpha: expected"]),
     ("dropout-one", [], [("lora.lora_dropout", 1.0)], None, None, [],
      ["jobs/rev.yaml: lora.lora_dropout: expected a number < 1", "got 1.0"]),
-    ("peft-subset-shared-a", [], [("lora.target_modules", ["q_proj", "v_proj"]), ("lora.shared_fused_a", True)],
+    ("peft-subset-shared-a", [],
+     [("lora.target_modules", ["q_proj", "v_proj"]), ("lora.shared_fused_a", True)],
      None, None, [], ["jobs/rev.yaml: lora.target_modules: q_proj, v_proj is part of the fused linear_qkv"]),
     ("unknown-target", [], [("lora.target_modules", "mlp")], None, None, [],
      ["jobs/rev.yaml: lora.target_modules: unknown module 'mlp'"]),
     ("no-stop-rule", [], [("max_steps", DEL)], None, None, [],
      ["jobs/rev.yaml: max_steps: expected max_steps or num_epochs"]),
-    ("gbs-zero", [], [("global_batch_size", 0)], None, None, [], ["jobs/rev.yaml: global_batch_size: expected an integer >= 1"]),
+    ("gbs-zero", [], [("global_batch_size", 0)], None, None, [],
+     ["jobs/rev.yaml: global_batch_size: expected an integer >= 1"]),
     ("bad-name", [], [("name", "my job")], None, None, [], ["jobs/rev.yaml: name: expected letters, digits"]),
-    ("missing-field", [], [("lora.r", DEL)], None, None, [], ["jobs/rev.yaml: lora.r: required field is missing"]),
+    ("missing-field", [], [("lora.r", DEL)], None, None, [],
+     ["jobs/rev.yaml: lora.r: required field is missing"]),
     ("bad-format", [], [("dataset.format", "alpaca")], None, None, [],
      ["jobs/rev.yaml: dataset.format: expected one of 'prompt_response', 'chat' or 'text'"]),
-    ("betas-len", [], [("optimizer.betas", [0.9])], None, None, [], ["jobs/rev.yaml: optimizer.betas: expected a list of two"]),
-    ("tp-zero", [("parallelism.tp", 0)], [], None, None, [], ["run.yaml: parallelism.tp: expected an integer >= 1, got 0"]),
-    ("pp-neg", [("parallelism.pp", -2)], [], None, None, [], ["run.yaml: parallelism.pp: expected an integer >= 1"]),
+    ("betas-len", [], [("optimizer.betas", [0.9])], None, None, [],
+     ["jobs/rev.yaml: optimizer.betas: expected a list of two"]),
+    ("tp-zero", [("parallelism.tp", 0)], [], None, None, [],
+     ["run.yaml: parallelism.tp: expected an integer >= 1, got 0"]),
+    ("pp-neg", [("parallelism.pp", -2)], [], None, None, [],
+     ["run.yaml: parallelism.pp: expected an integer >= 1"]),
     ("dp-zero", [("parallelism.dp", 0)], [], None, None, [], ["run.yaml: parallelism.dp:"]),
     ("dp-word", [("parallelism.dp", "all")], [], None, None, [],
      ["run.yaml: parallelism.dp: expected an integer >= 1 or 'auto', got 'all'"]),
@@ -73,9 +83,10 @@ BAD = [
     ("seq-over-capacity", [("scheduler.token_capacity", 32)], [], None, None, [],
      ["jobs/rev.yaml: dataset.max_seq_len: expected at most scheduler.token_capacity (32)", "got 64"]),
     ("kernels", [("kernels", "triton")], [], None, None, [], ["run.yaml: kernels: expected one of 'auto'"]),
-    ("preset-and-path", [("model.path", "x")], [], None, None, [], ["run.yaml: model: expected exactly one of"]),
-    ("stage-layers-count", [("parallelism.pp", 2), ("parallelism.stage_layers", [1, 2, 1])], [], None, None, [],
-     ["run.yaml: parallelism.stage_layers: expected one count per pipeline stage (pp = 2)"]),
+    ("preset-and-path", [("model.path", "x")], [], None, None, [],
+     ["run.yaml: model: expected exactly one of"]),
+    ("stage-layers-count", [("parallelism.pp", 2), ("parallelism.stage_layers", [1, 2, 1])], [], None, None,
+     [], ["run.yaml: parallelism.stage_layers: expected one count per pipeline stage (pp = 2)"]),
     ("stage-layers-virtual", [("parallelism.pp", 2), ("parallelism.virtual_stages", 2),
                               ("parallelism.stage_layers", [1, 2, 1])], [], None, None, [],
      ["run.yaml: parallelism.stage_layers: expected one count per virtual stage (pp x virtual_stages = 4"]),
@@ -85,7 +96,8 @@ BAD = [
      ["run.yaml: model.recompute_layers: 2 needs recompute: true"]),
     ("recompute-layers-zero", [("model.recompute", True), ("model.recompute_layers", 0)], [], None, None, [],
      ["run.yaml: model.recompute_layers: expected an integer >= 1"]),
-    ("unknown-preset", [("model.preset", "gpt-5")], [], None, None, [], ["run.yaml: model.preset: expected one of", "gpt-5"]),
+    ("unknown-preset", [("model.preset", "gpt-5")], [], None, None, [],
+     ["run.yaml: model.preset: expected one of", "gpt-5"]),
     ("no-jobs", [("jobs", [])], [], None, None, [], ["run.yaml: jobs: expected at least 1"]),
     ("missing-job-file", [("jobs", ["jobs/nope.yaml"])], [], None, None, [],
      ["run.yaml: jobs.0: file not found", "nope.yaml"]),
@@ -95,22 +107,27 @@ BAD = [
      ["jobs/rev.yaml: dataset.path: cannot tell the file type", "dataset.file_type"]),
     ("missing-model-dir", [("model", {"path": "nowhere"})], [], None, None, [],
      ["run.yaml: model.path: expected a HF model directory, not found"]),
-    ("hf-tokenizer-no-path", [("tokenizer.type", "hf")], [], None, None, [], ["run.yaml: tokenizer.path: expected a HF"]),
-    ("sp-tokenizer-missing", [("tokenizer", {"type": "sentencepiece", "path": "sp.model"})], [], None, None, [],
-     ["run.yaml: tokenizer.path: expected a sentencepiece model file", "sp.model"]),
+    ("hf-tokenizer-no-path", [("tokenizer.type", "hf")], [], None, None, [],
+     ["run.yaml: tokenizer.path: expected a HF"]),
+    ("sp-tokenizer-missing", [("tokenizer", {"type": "sentencepiece", "path": "sp.model"})], [], None, None,
+     [], ["run.yaml: tokenizer.path: expected a sentencepiece model file", "sp.model"]),
     ("duplicate-names", [("jobs", ["jobs/rev.yaml", "jobs/rev.yaml"])], [], None, None, [],
      ["run.yaml: jobs: duplicate job name 'rev'"]),
-    ("duplicate-inline", [("jobs", ["jobs/rev.yaml", dict(JOB, dataset=dict(JOB["dataset"], path="jobs/data/rev.jsonl"))])],
+    ("duplicate-inline",
+     [("jobs", ["jobs/rev.yaml", dict(JOB, dataset=dict(JOB["dataset"], path="jobs/data/rev.jsonl"))])],
      [], None, None, [], ["duplicate job name 'rev'", "jobs.0 in jobs/rev.yaml", "jobs.1 in run.yaml"]),
-    ("yaml-syntax-run", [], [], "model: {preset: tiny-llama\nseed: [1,\n", None, [], ["run.yaml: line 2", "invalid YAML"]),
+    ("yaml-syntax-run", [], [], "model: {preset: tiny-llama\nseed: [1,\n", None, [],
+     ["run.yaml: line 2", "invalid YAML"]),
     ("yaml-syntax-job", [], [], None, "name: rev\nlora:\n  r: 8\n   lora_alpha: 16\n", [],
      ["jobs/rev.yaml: line 4", "invalid YAML"]),
-    ("yaml-duplicate-key", [], [], None, "name: rev\nname: rev2\n", [], ["jobs/rev.yaml: line 2", "duplicate key 'name'"]),
+    ("yaml-duplicate-key", [], [], None, "name: rev\nname: rev2\n", [],
+     ["jobs/rev.yaml: line 2", "duplicate key 'name'"]),
     ("yaml-not-mapping", [], [], "- model\n", None, [], ["run.yaml: expected a mapping"]),
     ("yaml-empty-job", [], [], None, "", [], ["jobs/rev.yaml: expected a mapping", "empty file"]),
     ("override-unknown", [], [], None, None, ["scheduler.token_capacty=8"],
      ["run.yaml: override 'scheduler.token_capacty=8': unknown key scheduler.token_capacty"]),
-    ("override-unknown-job-key", [], [], None, None, ["jobs.0.lora.rank=4"], ["unknown key jobs.0.lora.rank"]),
+    ("override-unknown-job-key", [], [], None, None, ["jobs.0.lora.rank=4"],
+     ["unknown key jobs.0.lora.rank"]),
     ("override-bad-job", [], [], None, None, ["jobs.3.lora.r=4"], ["job index 3 out of range"]),
     ("override-no-equals", [], [], None, None, ["seed"], ["override 'seed': expected key=value"]),
     ("override-bad-value", [], [], None, None, ["jobs.rev.lora.r=0"],
@@ -151,7 +168,8 @@ def test_relative_paths_resolve_against_containing_file_not_cwd(in_tmp, tmp_path
     make_tree(in_tmp)
     # inline job in the run YAML: its dataset path is relative to the run YAML's directory
     run = copy.deepcopy(RUN)
-    run["jobs"] = ["jobs/rev.yaml", dict(JOB, name="inline", dataset=dict(JOB["dataset"], path="jobs/data/rev.jsonl"))]
+    run["jobs"] = ["jobs/rev.yaml",
+                   dict(JOB, name="inline", dataset=dict(JOB["dataset"], path="jobs/data/rev.jsonl"))]
     (in_tmp / "run.yaml").write_text(yaml.safe_dump(run))
     elsewhere = tmp_path_factory.mktemp("elsewhere")
     monkeypatch.chdir(elsewhere)
@@ -179,7 +197,8 @@ def test_overrides(in_tmp):
 def test_inline_job_errors_name_the_run_file(in_tmp):
     make_tree(in_tmp)
     run = copy.deepcopy(RUN)
-    run["jobs"] = [dict(JOB, lora={"r": -1, "lora_alpha": 8}, dataset=dict(JOB["dataset"], path="jobs/data/rev.jsonl"))]
+    run["jobs"] = [
+        dict(JOB, lora={"r": -1, "lora_alpha": 8}, dataset=dict(JOB["dataset"], path="jobs/data/rev.jsonl"))]
     (in_tmp / "run.yaml").write_text(yaml.safe_dump(run))
     assert "run.yaml: jobs.0.lora.r: expected an integer > 0, got -1" in _error(Path("run.yaml"))
 
@@ -197,7 +216,8 @@ def test_lora_section_is_the_lora_spec_and_world_size(in_tmp, monkeypatch):
     assert spec.r == 16 and spec.target_modules == ("linear_fc1", "linear_fc2")
     assert abs(spec.scaling - 32 / 4) < 1e-12
     cfg.check_world_size(2)
-    with pytest.raises(ConfigError, match=r"^run.yaml: parallelism: tp\*pp\*dp = 1\*1\*2 = 2, but the launch has 4 "):
+    with pytest.raises(ConfigError,
+                       match=r"^run.yaml: parallelism: tp\*pp\*dp = 1\*1\*2 = 2, but the launch has 4 "):
         cfg.check_world_size(4)
     monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun / Slurm say how many processes were launched
     cfg.check_world_size()
@@ -275,7 +295,8 @@ def test_non_finite_floats_are_rejected_in_run_fields(in_tmp, field):
 
 
 def test_model_path_without_tokenizer_uses_its_tokenizer_or_one_clear_error(in_tmp):
-    """Never byte ids on a real model's vocabulary: the directory's tokenizer files, else an error naming it."""
+    """Never byte ids on a real model's vocabulary: the directory's tokenizer files, else an error naming
+    it."""
     run = make_tree(in_tmp, run_edits=[("model", {"path": "hf", "dtype": "float32"}), ("tokenizer", DEL)])
     (in_tmp / "hf").mkdir()
     (in_tmp / "hf" / "config.json").write_text("{}")
@@ -287,7 +308,8 @@ def test_model_path_without_tokenizer_uses_its_tokenizer_or_one_clear_error(in_t
     (in_tmp / "hf" / "tokenizer.json").unlink()
     (in_tmp / "hf" / "tokenizer.model").write_bytes(b"")
     cfg = load_run_config(run)
-    assert cfg.tokenizer.type == "sentencepiece" and Path(cfg.tokenizer.path) == (in_tmp / "hf" / "tokenizer.model").resolve()
+    assert cfg.tokenizer.type == "sentencepiece" and Path(cfg.tokenizer.path) == (
+        in_tmp / "hf" / "tokenizer.model").resolve()
 
 
 def test_relative_output_dir_resolves_against_the_yaml_and_overrides_against_the_cwd(in_tmp, tmp_path_factory,
@@ -308,8 +330,8 @@ def test_dp_auto_is_the_launch_over_tp_times_pp(in_tmp, monkeypatch):
     assert cfg.check_world_size(8) == 2
     assert cfg.parallelism.dp == "auto"  # the config is not written: lorafusion.resolve records the value
     cfg = load_run_config("run.yaml", ["parallelism.dp=auto", "parallelism.pp=4"])
-    with pytest.raises(ConfigError, match=r"^run.yaml: parallelism.dp: auto needs tp\*pp = 1\*4 = 4 to divide "
-                                          r"the launch's 6 process"):
+    with pytest.raises(ConfigError, match=r"^run.yaml: parallelism.dp: auto needs tp\*pp = 1\*4 = 4 to "
+                                          r"divide the launch's 6 process"):
         cfg.check_world_size(6)
     monkeypatch.setenv("WORLD_SIZE", "8")  # the plan command and the trainer read the launch the same way
     from lorafusion.resolve import World, resolve
@@ -328,8 +350,9 @@ def test_shipped_configs_fit_their_readme_launch_lines():
     readme = (root / "README.md").read_text()
     assert "scripts/train.sh configs/llama3.1-8b-4adapters.yaml" in readme
     assert "--nodes=2 slurm/train.sbatch configs/llama3.1-70b-4adapters.yaml" in readme
-    for name, world in [("llama3.1-8b-4adapters", 8), ("llama3.1-70b-4adapters", 16), ("qwen2.5-32b-4adapters", 2),
-                        ("quickstart", 1)]:
+    for name, world in [("llama3.1-8b-4adapters", 8), ("llama3.1-70b-4adapters", 16),
+                        ("qwen2.5-32b-4adapters", 2), ("quickstart", 1)]:
         # (the bench configs' data is made by scripts/make_bench_data.py, so only their layout is read here)
-        p = ParallelismConfig(**yaml.safe_load((root / "configs" / f"{name}.yaml").read_text())["parallelism"])
+        p = ParallelismConfig(
+            **yaml.safe_load((root / "configs" / f"{name}.yaml").read_text())["parallelism"])
         assert p.tp * p.pp * p.resolve_dp(world) == world, name

@@ -92,7 +92,8 @@ def test_unusable_paths(tmp_path, monkeypatch, where, key, bad, needle):
     elif key == "output_dir":
         msg, start = _error(make_tree(tmp_path, run_edits=[("output_dir", bad)])), "run.yaml: output_dir: "
     else:
-        msg, start = _error(make_tree(tmp_path, job_edits=[("dataset.path", bad)])), "jobs/rev.yaml: dataset.path: "
+        msg, start = (_error(make_tree(tmp_path, job_edits=[("dataset.path", bad)])),
+                      "jobs/rev.yaml: dataset.path: ")
     assert msg.startswith(start) and needle in msg, msg
 
 
@@ -105,14 +106,15 @@ def test_a_job_file_that_is_a_symlink_loop(tmp_path, monkeypatch):
 
 
 def test_a_key_given_twice_in_overrides_is_refused_naming_it(tmp_path, monkeypatch):
-    """``seed=1 seed=2``: the last won silently (issue 29); the same key by index and by name, or a key inside a
-    mapping also set whole, is the same key."""
+    """``seed=1 seed=2``: the last won silently (issue 29); the same key by index and by name, or a key inside
+    a mapping also set whole, is the same key."""
     monkeypatch.chdir(tmp_path)
     run = make_tree(tmp_path)
-    for overrides, words in ((["seed=1", "seed=2"], "override 'seed=2': seed is already set by override 'seed=1'"),
-                             (["jobs.0.lora.r=4", "jobs.rev.lora.r=8"], "jobs.0.lora.r is already set"),
-                             (["jobs.0.optimizer={lr: 0.1}", "jobs.0.optimizer.lr=0.2"], "jobs.0.optimizer.lr is "
-                              "already set by override 'jobs.0.optimizer={lr: 0.1}'")):
+    for overrides, words in (
+        (["seed=1", "seed=2"], "override 'seed=2': seed is already set by override 'seed=1'"),
+        (["jobs.0.lora.r=4", "jobs.rev.lora.r=8"], "jobs.0.lora.r is already set"),
+        (["jobs.0.optimizer={lr: 0.1}", "jobs.0.optimizer.lr=0.2"],
+         "jobs.0.optimizer.lr is already set by override 'jobs.0.optimizer={lr: 0.1}'")):
         msg = _error(run, overrides)
         assert msg.startswith("run.yaml: ") and words in msg and "give each key once" in msg, msg
     assert load_run_config(run, ["seed=1", "jobs.0.lora.r=4", "jobs.rev.lora.lora_alpha=8"]).seed == 1
@@ -130,8 +132,10 @@ def test_warmup_longer_than_the_job_is_refused(tmp_path, monkeypatch):
     # num_epochs: the job's steps are known once its data is read (5 samples / batch 4 = 1 step an epoch)
     from lorafusion.runtime.jobs import load_jobs
 
-    cfg = load_run_config(run, ["jobs.0.max_steps=null", "jobs.0.num_epochs=2", "jobs.0.optimizer.warmup_steps=3"])
-    with pytest.raises(ConfigError, match="job 'rev': optimizer.warmup_steps: expected at most the job's 2 steps"):
+    cfg = load_run_config(run,
+                          ["jobs.0.max_steps=null", "jobs.0.num_epochs=2", "jobs.0.optimizer.warmup_steps=3"])
+    with pytest.raises(ConfigError,
+                       match="job 'rev': optimizer.warmup_steps: expected at most the job's 2 steps"):
         load_jobs(cfg)
 
 
@@ -150,11 +154,13 @@ def test_a_run_yaml_given_as_a_job_yaml_is_one_line(tmp_path, monkeypatch):
     run = make_tree(tmp_path)
     with pytest.raises(ConfigError) as e:
         load_job_config(run)
-    assert str(e.value) == "run.yaml: is a run config (it lists jobs); expected one adapter job's YAML (name, ...)"
+    assert str(e.value) == ("run.yaml: is a run config (it lists jobs); "
+                            "expected one adapter job's YAML (name, ...)")
 
 
 def test_an_output_dir_name_over_255_bytes_names_output_dir(tmp_path, monkeypatch):
-    """output_dir=/tmp/ooo...(300) was 'cannot access ...: File name too long' from a stat in train, no field."""
+    """output_dir=/tmp/ooo...(300) was 'cannot access ...: File name too long' from a stat in train, no
+    field."""
     monkeypatch.chdir(tmp_path)
     run = make_tree(tmp_path)
     msg = _error(run, [f"output_dir={tmp_path / ('o' * 300)}"])

@@ -16,8 +16,10 @@ def _run(tmp: Path, steps: int = 4, capacity: int = 256) -> Path:
     data.write_text("".join(f'{{"prompt": "p{i}", "response": "r{i}"}}\n' for i in range(8)))
     run = {"model": {"preset": "tiny-llama", "dtype": "float32"}, "tokenizer": {"type": "byte"},
            "scheduler": {"token_capacity": capacity},
-           "jobs": [{"name": n, "dataset": {"path": str(data), "format": "prompt_response", "max_seq_len": 64},
-                     "lora": {"r": 4, "lora_alpha": 8}, "global_batch_size": 2, "max_steps": steps} for n in ("a", "b")],
+           "jobs": [
+               {"name": n, "dataset": {"path": str(data), "format": "prompt_response", "max_seq_len": 64},
+                "lora": {"r": 4, "lora_alpha": 8}, "global_batch_size": 2, "max_steps": steps}
+               for n in ("a", "b")],
            "output_dir": str(tmp / "out")}
     path = tmp / "run.yaml"
     path.write_text(yaml.safe_dump(run, sort_keys=False))

@@ -52,7 +52,8 @@ def test_byte_tokenizer_round_trip():
         assert all(0 <= i < 256 for i in ids) and tok.decode(ids) == text
     assert tok.decode([256, *tok.encode("hi"), 257, 258]) == "hi"
     prompt, response = tok.apply_chat([{"role": "system", "content": "be brief"},
-                                       {"role": "user", "content": "hi"}, {"role": "assistant", "content": "HI"}])
+                                       {"role": "user", "content": "hi"},
+                                       {"role": "assistant", "content": "HI"}])
     assert tok.decode(prompt) == "system: be brief\nuser: hi\nassistant: " and tok.decode(response) == "HI"
 
 
@@ -114,12 +115,13 @@ def test_hf_tokenizer_missing_dir_is_clear(tmp_path):
 
 def test_sentencepiece_round_trip(tmp_path):
     spm = pytest.importorskip("sentencepiece")
-    words = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "and", "then", "some", "more", "words", "appear", "here"]
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "and", "then", "some",
+             "more", "words", "appear", "here"]
     sents = [" ".join(words[i:] + words[:i]) for i in range(len(words))] * 20
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(sentence_iterator=iter(sents), model_writer=buf, vocab_size=60,
-                                   model_type="unigram", minloglevel=2, unk_id=0, bos_id=1, eos_id=2, pad_id=3,
-                                   hard_vocab_limit=False)
+                                   model_type="unigram", minloglevel=2, unk_id=0, bos_id=1, eos_id=2,
+                                   pad_id=3, hard_vocab_limit=False)
     path = tmp_path / "sp.model"
     path.write_bytes(buf.getvalue())
     tok = build_tokenizer(TokenizerConfig(type="sentencepiece", path=str(path)))
@@ -127,7 +129,8 @@ def test_sentencepiece_round_trip(tmp_path):
     assert (tok.bos_id, tok.eos_id, tok.pad_id) == (1, 2, 3)
     for text in ("the lazy fox", "some more words appear here"):
         assert tok.decode(tok.encode(text)) == text
-    p, r = tok.apply_chat([{"role": "user", "content": "the dog"}, {"role": "assistant", "content": "the fox"}])
+    p, r = tok.apply_chat(
+        [{"role": "user", "content": "the dog"}, {"role": "assistant", "content": "the fox"}])
     assert tok.decode(r) == "the fox" and "the dog" in tok.decode(p)
     with pytest.raises(ConfigError, match="sentencepiece model file not found"):
         SentencePieceTokenizer(tmp_path / "nope.model")
@@ -135,7 +138,8 @@ def test_sentencepiece_round_trip(tmp_path):
 
 # ----------------------------------------------------------------------------------------------- samples
 def test_prompt_response_samples_and_masking(tmp_path):
-    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ab=", "response": "ba"}, {"prompt": "xyz=", "response": "zyx"}])
+    p = write_jsonl(tmp_path / "d.jsonl",
+                    [{"prompt": "ab=", "response": "ba"}, {"prompt": "xyz=", "response": "zyx"}])
     tok = ByteTokenizer()
     data = load_job_samples(job_for(p), tok)
     assert data.samples[0] == ([256, 97, 98, 61, 98, 97, 257], 4)
@@ -183,13 +187,15 @@ def test_truncate(tmp_path):
 BAD_DATA = [
     ("missing-file", None, {}, ["job 'j'", "nope.jsonl", "file not found"]),
     ("empty-file", "", {}, ["job 'j'", "empty dataset"]),
-    ("unreadable", '{"prompt": "a", "response": "b"}\n{"prompt": oops}\n', {}, ["job 'j'", "cannot read", "line 2"]),
-    ("missing-column", [{"prompt": "a", "answer": "b"}], {}, ["no field 'response'", "dataset.response_field"]),
+    ("unreadable", '{"prompt": "a", "response": "b"}\n{"prompt": oops}\n', {},
+     ["job 'j'", "cannot read", "line 2"]),
+    ("missing-column", [{"prompt": "a", "answer": "b"}], {},
+     ["no field 'response'", "dataset.response_field"]),
     ("missing-field-in-row", [{"prompt": "a", "response": "b"}, {"prompt": "c"}], {},
      ["row 1: missing field 'response'"]),
     ("wrong-type", [{"prompt": 5, "response": 6}], {}, ["row 0: field 'prompt': expected a string, got int"]),
-    ("too-long", [{"prompt": "a", "response": "b"}, {"prompt": "x" * 40, "response": "y"}], {"max_seq_len": 16},
-     ["job 'j'", "sample 1", "43 tokens", "max_seq_len = 16", "truncate"]),
+    ("too-long", [{"prompt": "a", "response": "b"}, {"prompt": "x" * 40, "response": "y"}],
+     {"max_seq_len": 16}, ["job 'j'", "sample 1", "43 tokens", "max_seq_len = 16", "truncate"]),
     ("no-response", [{"prompt": "a", "response": ""}], {}, ["row 0: no response tokens"]),
     ("prompt-fills-truncation", [{"prompt": "x" * 20, "response": "y"}], {"max_seq_len": 8, "truncate": True},
      ["sample 0", "no response tokens are left"]),
@@ -285,7 +291,8 @@ def test_stream_state_dict_resume():
         r = JobStream("j", 17, 4, seed=3, num_epochs=5)
         r.load_state_dict(state)
         assert r.steps_done == cut and head + _drain(r) == full
-    with pytest.raises(ConfigError, match="cannot resume the data stream: the checkpoint has num_samples = 17"):
+    with pytest.raises(ConfigError,
+                       match="cannot resume the data stream: the checkpoint has num_samples = 17"):
         JobStream("j", 18, 4, seed=3, num_epochs=5).load_state_dict(state)
 
 

@@ -1,6 +1,6 @@
-"""Data files that no reader may crash on: every line is checked with the stdlib JSON parser before the columnar
-reader sees the file (a ``null`` first line made it segfault: exit 139, no message); each bad line is one
-DataError naming the file and the line. CPU, no training."""
+"""Data files that no reader may crash on: every line is checked with the stdlib JSON parser before the
+columnar reader sees the file (a ``null`` first line made it segfault: exit 139, no message); each bad line is
+one DataError naming the file and the line. CPU, no training."""
 
 import json
 import subprocess
@@ -49,10 +49,12 @@ def test_a_json_document_with_a_null_row(tmp_path):
 def test_a_null_first_line_never_kills_the_process(tmp_path):
     """The process itself survives (the segfault took `plan` and the run down with exit 139)."""
     (tmp_path / "d.jsonl").write_text("null\n" + "\n".join(GOOD) + "\n")
-    r = subprocess.run([sys.executable, "-m", "lorafusion.cli", "plan", str(ROOT / "configs" / "quickstart.yaml"),
-                        f"jobs.countdown.dataset.path={tmp_path / 'd.jsonl'}", "--out", str(tmp_path / "p")],
+    r = subprocess.run(
+        [sys.executable, "-m", "lorafusion.cli", "plan", str(ROOT / "configs" / "quickstart.yaml"),
+         f"jobs.countdown.dataset.path={tmp_path / 'd.jsonl'}", "--out", str(tmp_path / "p")],
                        capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert r.returncode == 2 and "line 1: expected a JSON object per line, got null" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 2 and "line 1: expected a JSON object per line, got null" in r.stderr, \
+        r.stderr[-2000:]
 
 
 def test_a_prompt_row_nested_too_deep_is_one_error(tmp_path):

@@ -1,8 +1,8 @@
-"""A damaged or tampered artifact is never used silently, and writers of an output never leave or lose work: an
-adapter checked against the hashes the run recorded (a flipped byte was exported and decoded from with exit 0), a
-checkpoint without its manifest not believed, an edited base_model.json refused, one writer of an --out at a time
-(two generate --out F both reported success), a stop during an export leaving no temporary files. CPU, no
-training."""
+"""A damaged or tampered artifact is never used silently, and writers of an output never leave or lose work:
+an adapter checked against the hashes the run recorded (a flipped byte was exported and decoded from with exit
+0), a checkpoint without its manifest not believed, an edited base_model.json refused, one writer of an --out
+at a time (two generate --out F both reported success), a stop during an export leaving no temporary files.
+CPU, no training."""
 
 import json
 import os
@@ -50,7 +50,8 @@ def test_a_flipped_byte_in_a_runs_adapter_is_never_used(tmp_path):
     (run / "summary.json").write_text('{"jobs": {"j": {"status": "done"}}}')
     assert find_adapter(run, "j")[0] == run / "adapters" / "j"
     _flip(run / "adapters" / "j" / "adapter_model.safetensors")
-    with pytest.raises(DamagedFileError, match="adapter_model.safetensors: does not match the sha256 the run recorded"):
+    with pytest.raises(DamagedFileError,
+                       match="adapter_model.safetensors: does not match the sha256 the run recorded"):
         find_adapter(run, "j")
 
 
@@ -80,7 +81,8 @@ def test_an_edited_base_record_is_refused(tmp_path):
                 "(run) tokenizer.type": "byte"}
     (step / "state.json").write_text(json.dumps({"job": "j", "step": 2, "settings": settings}))
     (step / MANIFEST).write_text(json.dumps({"state.json": file_sha256(step / "state.json")}))
-    record = {"preset": "tiny-llama", "path": None, "seed": 1234, "dtype": "float32", "tokenizer": {"type": "byte"}}
+    record = {"preset": "tiny-llama", "path": None, "seed": 1234, "dtype": "float32",
+              "tokenizer": {"type": "byte"}}
     check_base_record(tmp_path, record)
     for key, value in (("seed", 7), ("dtype", "bfloat16"), ("preset", "tiny-qwen")):
         with pytest.raises(DamagedFileError, match="base_model.json: .* the record was edited"):
@@ -98,13 +100,14 @@ def test_one_writer_of_an_out_at_a_time(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     write_text_atomic(out, "first\n", replace=False)
     with pytest.raises(ConfigError, match="written meanwhile by another process"):
-        write_text_atomic(out, "second\n", replace=False)  # (the second generate: its rows must not vanish either)
+        # (the second generate: its rows must not vanish either)
+        write_text_atomic(out, "second\n", replace=False)
     assert out.read_text() == "first\n" and sorted(p.name for p in tmp_path.iterdir()) == ["answers.jsonl"]
 
 
 def test_a_stop_during_an_export_leaves_no_temporary_files(tmp_path):
-    code = ("import sys, time\nfrom pathlib import Path\nfrom lorafusion.rundir.atomic import fill_dir_atomically\n"
-            "def fill(tmp):\n    (tmp / 'model.safetensors').write_bytes(b'x' * 1000)\n"
+    code = ("import sys, time\nfrom pathlib import Path\nfrom lorafusion.rundir.atomic import "
+            "fill_dir_atomically\ndef fill(tmp):\n    (tmp / 'model.safetensors').write_bytes(b'x' * 1000)\n"
             "    Path(sys.argv[2]).write_text('filling')\n    time.sleep(60)\n"
             "fill_dir_atomically(Path(sys.argv[1]), fill)\n")
     flag = tmp_path / "flag"
@@ -129,15 +132,16 @@ def test_what_a_killed_export_left_is_removed_by_the_next(tmp_path):
 
 
 def test_a_full_disk_during_a_merged_export_names_the_file(tmp_path, monkeypatch):
-    """safetensors' writer raised its SafetensorError (a traceback); the adapter export said 'cannot write'."""
+    """safetensors' writer raised its SafetensorError (a traceback); the adapter export said 'cannot
+    write'."""
     import safetensors
 
     import lorafusion.models.hf_export as hf_export
     from lorafusion.export.hf import _write_weights
 
     def full(*a, **kw):
-        raise safetensors.SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
-                                          'message: "No space left on device" })')
+        raise safetensors.SafetensorError('Error while serializing: IoError(Os { code: 28, kind: '
+                                          'StorageFull, message: "No space left on device" })')
 
     monkeypatch.setattr(hf_export, "write_hf_weights", full)
     with pytest.raises(OSError) as e:

@@ -1,7 +1,7 @@
-"""Request files and run records read as what anyone may have put there: only a regular file, bounded in size and
-depth, UTF-8 JSON objects; anything else is set aside with its reason — never a hang (a FIFO blocked the run,
-``submit`` and ``--resume``), a RecursionError or a crash. ``status`` reads a status.json with non-finite numbers.
-CPU, no torch, no training."""
+"""Request files and run records read as what anyone may have put there: only a regular file, bounded in size
+and depth, UTF-8 JSON objects; anything else is set aside with its reason — never a hang (a FIFO blocked the
+run, ``submit`` and ``--resume``), a RecursionError or a crash. ``status`` reads a status.json with non-finite
+numbers. CPU, no torch, no training."""
 
 import json
 import os
@@ -30,7 +30,8 @@ def _bad_requests(req):
     (req / "01-submit-utf.json").write_bytes(b'{"kind": "submit", "name": "\xff\xfe"}')
     (req / "02-submit-dir.json").mkdir()
     (req / "02-submit-dir.json" / "inside").write_text("x")
-    (req / "03-submit-deep.json").write_text('{"kind": "submit", "job": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    (req / "03-submit-deep.json").write_text('{"kind": "submit", "job": ' + "[" * 100_000
+                                             + "]" * 100_000 + "}")
     os.mkfifo(req / "04-submit-fifo.json")
     (req / "05-submit-big.json").write_text('{"kind": "submit", "pad": "' + "x" * MAX_JSON_BYTES + '"}')
     (req / "06-submit-list.json").write_text("[1, 2]")
@@ -106,7 +107,8 @@ def test_status_with_non_finite_numbers(tmp_path, capsys):
 
 
 def test_cancel_names_a_status_it_cannot_read(tmp_path):
-    """A FIFO (or any unreadable file) as status.json made cancel say "no job 'countdown' in this run (jobs: none)"."""
+    """A FIFO (or any unreadable file) as status.json made cancel say "no job 'countdown' in this run (jobs:
+    none)"."""
     from lorafusion.core.errors import ConfigError
     from lorafusion.rundir.requests import check_cancel
 

@@ -156,7 +156,7 @@ def test_memory_model_counts_the_fp8_base_70b_pp2_fits_80gib(tmp_path):
         plan = resolve(cfg, World.for_plan(cfg), GpuMemory(80 * GIB, 80 * GIB))
         fits[precision] = plan.fits
         weights = [float(x.split()[4]) for x in plan.lines()[2:4]]  # the stages' weight GiB
-        assert (precision == "fp8") == (max(weights) < 40), lines
+        assert (precision == "fp8") == (max(weights) < 40), plan.lines()
     assert fits == {"bf16": False, "fp8": True}
 
 
