@@ -149,4 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except subprocess.CalledProcessError as e:  # the CLI has said why (one line for bad input)
+        sys.exit(e.returncode)
