@@ -36,7 +36,7 @@ def test_plan_runs_on_every_shipped_config_as_written(name, tmp_path, capsys, mo
     import yaml
 
     model_path = (yaml.safe_load((ROOT / "configs" / name).read_text()).get("model") or {}).get("path")
-    if model_path and not (ROOT / "configs" / model_path).is_dir():  # a real model: `make real-model` writes it
+    if model_path and not (ROOT / "configs" / model_path).is_dir():  # a real model (`make real-model`)
         pytest.skip(f"{name} reads the model directory {model_path}, which `make real-model` writes")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert _plan(ROOT / "configs" / name, tmp_path) == 0, capsys.readouterr().err
