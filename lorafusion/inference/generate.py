@@ -108,7 +108,8 @@ def load_run(run_dir: str | Path) -> RunInfo:
         raise MissingFileError(f"{run}: no adapter under adapters/ or checkpoints/ (expected the output_dir "
                                f"of lorafusion train)")
     record = run / "base_model.json"
-    if record.exists():  # the run's own record of its base (one that is no regular file: named, never passed over)
+    # the run's own record of its base (one that is no regular file: named, never passed over)
+    if record.exists():
         r = _read_json(record)
         # (an edited record would rebuild another base than the adapters trained on)
         check_base_record(run, r)
