@@ -58,7 +58,7 @@ real-example: real-model
 	$(PY) configs/smollm2/run.py $(REAL_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check lorafusion tests scripts
+	$(VENV)/bin/ruff check lorafusion megatron_patches tests scripts
 
 bench-kernels: $(STAMP)
 	$(PY) scripts/bench_kernels.py

@@ -3,10 +3,10 @@
     python configs/quickstart/make_data.py
 
 Three tiny tasks that a LoRA on the tiny *random* byte-level base learns within the demo's 40 steps of 16
-samples (each sample <= 40 byte tokens). Each is chosen so that the response follows from one nearby prompt token
-and the previous response token, or from the whole prompt at once: a random 4-layer, 64-wide base cannot learn to
-copy, reverse or add words in a minute, nor to read one letter a dozen tokens back (a "does the word end in a
-vowel" chat job stayed at chance: 20/40):
+samples (each sample <= 40 byte tokens). Each is chosen so that the response follows from one nearby prompt
+token and the previous response token, or from the whole prompt at once: a random 4-layer, 64-wide base cannot
+learn to copy, reverse or add words in a minute, nor to read one letter a dozen tokens back (a "does the word
+end in a vowel" chat job stayed at chance: 20/40):
 
   data/successor.jsonl  prompt/response  "after k=" -> "lmnop"         (the next five letters)
   data/shout.jsonl      chat (messages)  user "KITAB" -> assistant "loud", user "kitab" -> "quiet"
@@ -72,8 +72,8 @@ def held_out(shout_rows: list[dict]) -> list[dict]:
             for i in range(len(LETTERS) - 5)]
     rows += [{"messages": r["messages"][:1], "job": "shout", "expected": r["messages"][1]["content"]}
              for r in shout(np.random.default_rng(99), HELD_OUT, seen)]
-    rows += [{"prompt": f"countdown {n}=", "job": "countdown", "expected": "".join(str(k) for k in range(n, 0, -1))}
-             for n in range(1, 10)]
+    rows += [{"prompt": f"countdown {n}=", "job": "countdown",
+              "expected": "".join(str(k) for k in range(n, 0, -1))} for n in range(1, 10)]
     return rows
 
 
