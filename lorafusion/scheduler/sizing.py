@@ -108,6 +108,24 @@ def parse_bytes(text: str) -> float:
     return v
 
 
+def _round_up(tokens: int, multiple: int = 512) -> int:
+    """The smallest multiple of ``multiple`` holding ``tokens``: the least capacity for samples that long."""
+    return -(-max(1, tokens) // multiple) * multiple
+
+
+def _largest_with_full_recompute(s: MemorySetup, gpu: float, c: Coefficients | None, lo: int, hi: int,
+                                 multiple: int = 512) -> int | None:
+    """The largest capacity from ``lo`` to ``hi`` (multiples of ``multiple``) at which every stage fits
+    ``gpu`` with every layer recomputed (None: not even ``lo``); memory grows with the capacity, so the walk
+    stops at the first that does not fit."""
+    full, best = [s.layers(k) for k in range(s.pp)], None
+    for cap in range(lo, hi + 1, multiple):
+        if not all(m.fits(gpu) for m in plan_memory(s, cap, full, c)):
+            break
+        best = cap
+    return best
+
+
 def _fewest(s: MemorySetup, stage: int, capacity: int, gpu: float, c: Coefficients) -> int | None:
     """The fewest recomputed layers of ``stage`` that fit ``gpu`` bytes at ``capacity`` (None: none fits;
     memory falls as layers are recomputed, so a bisection finds it)."""
@@ -213,7 +231,7 @@ def choose(s: MemorySetup, gpu_bytes: float, longest: int, *, capacity: int | st
     split_auto = split == "auto" and recompute == "auto" and s.pp > 1 and s.virtual_stages == 1
     chosen = {"token_capacity": capacity == "auto", "recompute_layers": recompute == "auto",
               "stage_layers": split_auto}
-    lo = -(-max(1, longest) // multiple) * multiple
+    lo = _round_up(longest, multiple)
     caps = [int(capacity)] if capacity != "auto" else list(range(lo, max(lo, max_capacity) + 1, multiple))
     found = []  # (score, capacity, setup, rc, what)
     for cap in caps:
@@ -291,12 +309,10 @@ def oom_advice(s: MemorySetup, plan: MemoryPlan, stage: int, actual_peak: float,
                        f"scheduler.token_capacity: {plan.capacity}")
             break
     full = [bs.layers(k) for k in range(bs.pp)]
-    lo = -(-max(1, longest) // 512) * 512
-    caps = [cap for cap in range(lo, 65537, 512)
-            if all(m.fits(budget) for m in plan_memory(bs, cap, full, c))]
-    if caps and (max(caps) != plan.capacity or plan.recompute_layers != full):
+    cap = _largest_with_full_recompute(bs, budget, c, _round_up(longest), 65536)
+    if cap is not None and (cap != plan.capacity or plan.recompute_layers != full):
         out.append(f"model.recompute: true with model.recompute_layers unset (every layer){split}, "
-                   f"scheduler.token_capacity: {max(caps)}")
+                   f"scheduler.token_capacity: {cap}")
     return out
 
 
@@ -315,14 +331,12 @@ def no_fit_message(s: MemorySetup, plan: MemoryPlan, longest: dict[str, int], so
     fixes = what_fits(s, plan.gpu_bytes, max(longest.values(), default=1), plan.capacity,
                       plan.recompute_layers, coeffs) if not all(plan.chosen.values()) else []
     if not fixes:
-        full = [s.layers(k) for k in range(s.pp)]
-        cap = max((c for c in range(512, plan.capacity + 1, 512)
-                   if all(m.fits(plan.gpu_bytes) for m in plan_memory(s, c, full, coeffs))), default=None)
+        cap = _largest_with_full_recompute(s, plan.gpu_bytes, coeffs, 512, plan.capacity)
         if cap is not None and cap < plan.capacity:
             fixes.append(f"dataset.max_seq_len: {cap} or less with truncate: true on the jobs over it "
                          f"(fits with every layer recomputed)")
         # (advised only where the model fits it)
-        low = -(-max(1, max(longest.values(), default=1)) // 512) * 512
+        low = _round_up(max(longest.values(), default=1))
         fixes += [f"more pipeline stages (parallelism.pp: {pp})" for pp in (2 * s.pp, 4 * s.pp)
                   if s.arch.num_layers % pp == 0
                   and what_fits(replace(s, pp=pp, stage_layers=None), plan.gpu_bytes, low, low, [0] * pp,
