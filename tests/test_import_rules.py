@@ -395,3 +395,11 @@ def test_the_rules_catch_violations(planted, tmp_path, monkeypatch):
         (fake / where).write_text(text)
     with pytest.raises(AssertionError):
         _run_rule(rule, sub)
+
+
+def test_no_test_folder_shadows_a_package():
+    """tests/ is on the workers' sys.path: a folder there named like a top-level package (without __init__.py,
+    a namespace package) would be imported instead of the package by subprocesses started outside the
+    checkout."""
+    tests = Path(__file__).resolve().parent
+    assert not [p.name for p in tests.iterdir() if p.is_dir() and p.name in {PKG.name, PATCHES.name}]
