@@ -19,7 +19,8 @@
 #   70b-dp2tp2pp2     8  llama3.1-70b  dp=2 x tp=2 (+SP) x pp=2   (scaling vs 70b-tp2pp2)
 # Each run: STEPS optimizer steps per job, the first WARMUP untimed (whole chunks of the config's lookahead_batches),
 # >= 8 timed; then, unless BASELINES=0, the same data one adapter at a time through our runtime with a pipeline
-# flush per global batch (scheduler off, the Megatron-LM way) and with kernels=reference (fused kernels off).
+# flush per global batch (scheduler off, the Megatron-LM way) and with kernels=reference (fused kernels off);
+# BASELINE_SET=scheduler_off keeps only the first.
 # Writes $OUT/<run>.json (docs/results/70b-4xh100.json's shape: tokens_per_s, bubble_ratio (steady state, timed
 # chunks only) and per rank, steps_per_job, peak_mem_gib per rank with the predicted beside it, reserved and
 # outside-torch memory per rank, device, commit, command, baselines) and $OUT/<run>.log; GPU tests first
@@ -85,7 +86,7 @@ for name in $RUNS; do
   # baselines: scheduler off (one job at a time, a flush per global batch) first, then fused kernels off; one
   # warm-up chunk and BASELINE_TIMED (2) timed steps per job each, so a 70B run and its baselines fit one call
   extra=""; [ "$baselines" = 1 ] && [ "${BASELINES:-1}" = 1 ] && \
-    extra="--ablate --flush-per-batch --baselines scheduler_off,reference --baseline-timed-steps ${BASELINE_TIMED:-2}"
+    extra="--ablate --flush-per-batch --baselines ${BASELINE_SET:-scheduler_off,reference} --baseline-timed-steps ${BASELINE_TIMED:-2}"
   # shellcheck disable=SC2086
   cmd="$PY -m torch.distributed.run --standalone --nproc_per_node $gpus scripts/bench_train.py --config $config \
 --rows $ROWS --steps $steps --warmup $warmup --out ${BENCH_TMP:-/tmp}/bench_$name $extra --scale-json $OUT/$name.json \
