@@ -29,10 +29,13 @@ def init_distributed(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str
         from megatron_patches import apply_cpu_patches
 
         apply_cpu_patches()
-    from megatron_patches import apply_stream_local_p2p_sync
+    from megatron_patches import (apply_host_p2p_shapes, apply_stream_local_p2p_sync,
+                                  create_pipeline_shape_groups)
 
-    # no device-wide synchronise in the pipeline p2p (see megatron_patches/p2p.py)
+    # no device-wide synchronise in the pipeline p2p, and its shapes exchanged on the host over gloo, never
+    # queued behind NCCL data transfers (see megatron_patches/p2p.py)
     apply_stream_local_p2p_sync()
+    apply_host_p2p_shapes()
     if not dist.is_initialized():
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -60,6 +63,7 @@ def init_distributed(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=virtual_stages if virtual_stages > 1 else None)
+    create_pipeline_shape_groups()  # collective: a gloo group per pipeline, for the p2p shape exchange
     model_parallel_cuda_manual_seed(seed)
     return {"rank": dist.get_rank(), "world": world, "tp": tp, "pp": pp, "dp": world // (tp * pp)}
 
@@ -135,6 +139,9 @@ def share_from_rank0(value, group=None):
 def destroy_distributed() -> None:
     from megatron.core import parallel_state
 
+    from megatron_patches import forget_pipeline_shape_groups
+
+    forget_pipeline_shape_groups()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():

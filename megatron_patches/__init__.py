@@ -5,13 +5,23 @@ tracker, ``device="cuda"`` buffers in the schedules and p2p). :func:`apply_cpu_p
 those, once, and only when CUDA is absent; on a GPU it does nothing. :func:`apply_recompute_state_hook`
 (LoRA routing under activation recomputation), :func:`apply_packed_rope_patch` (sync-free packed RoPE
 for models built with fused ops), :func:`apply_rope_positions_patch` (RoPE at explicit positions while
-decoding with a KV cache) and :func:`apply_stream_local_p2p_sync` (no device-wide synchronise in the
-pipeline p2p while a gradient-norm all-reduce is pending) work on CPU and GPU; :func:`after_each_backward`
+decoding with a KV cache), :func:`apply_stream_local_p2p_sync` (no device-wide synchronise in the
+pipeline p2p while a gradient-norm all-reduce is pending) and :func:`apply_host_p2p_shapes` (the pipeline's
+shape exchange over a gloo group of the pipeline ranks, made by :func:`create_pipeline_shape_groups`) work on
+CPU and GPU; :func:`after_each_backward`
 (a callback after each pipeline backward step) holds only inside its ``with``. Nothing is patched on import.
 """
 
 from megatron_patches.cpu import apply_cpu_patches, cpu_patches_applied
-from megatron_patches.p2p import apply_stream_local_p2p_sync, stream_local_p2p_sync_applied
+from megatron_patches.p2p import (
+    apply_host_p2p_shapes,
+    apply_stream_local_p2p_sync,
+    create_pipeline_shape_groups,
+    forget_pipeline_shape_groups,
+    host_p2p_shapes_applied,
+    pipeline_shape_group,
+    stream_local_p2p_sync_applied,
+)
 from megatron_patches.recompute import apply_recompute_state_hook
 from megatron_patches.schedule import after_each_backward
 from megatron_patches.rope import (
@@ -22,6 +32,8 @@ from megatron_patches.rope import (
 )
 
 __all__ = ["after_each_backward", "apply_cpu_patches", "cpu_patches_applied", "apply_stream_local_p2p_sync",
-           "stream_local_p2p_sync_applied", "apply_recompute_state_hook", "apply_packed_rope_patch",
+           "stream_local_p2p_sync_applied", "apply_host_p2p_shapes", "host_p2p_shapes_applied",
+           "create_pipeline_shape_groups", "forget_pipeline_shape_groups", "pipeline_shape_group",
+           "apply_recompute_state_hook", "apply_packed_rope_patch",
            "packed_rope_patch_applied",
            "apply_rope_positions_patch", "rope_positions_patch_applied"]
