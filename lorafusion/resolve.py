@@ -12,6 +12,8 @@
   recomputed for ``recompute_layers: auto``;
 - ``kernels`` (``auto``: fused with a GPU, reference without), the attention path the memory model counts, the
   base precision;
+- ``parallelism.tp_overlap`` (``auto``: the TP collectives overlapped with compute where tp > 1 on GPUs with a
+  bf16 base; ``on`` refused with an FP8 base, whose GEMM keeps Megatron's collectives);
 - the scheduler's settings (:class:`lorafusion.scheduler.SchedulerConfig`: the run YAML's ``scheduler``
   section with the layout and the capacity filled in).
 
@@ -114,6 +116,8 @@ class RunPlan:
     # why the memory plan is what it is: without recompute, the alternatives it beat
     why: tuple[str, ...] = ()
     longest: int = 1  # the longest sample a job may have (its dataset.max_seq_len)
+    tp_overlap: int = 0  # nano-batches of each TP linear with its collectives overlapped; 0: off
+    tp_overlap_why: str = ""  # why off, when it is
 
     # ------------------------------------------------------------------------------------- for the runtime
     @property
@@ -162,7 +166,9 @@ class RunPlan:
         out.append(f"  {self._said('stage_layers', list(self.stage_layers))}, "
                    f"{self._said('virtual_stages', self.virtual_stages)}, "
                    f"{self._said('kernels', self.kernels)}, attention {self.attention}, base_precision "
-                   f"{self.base_precision}")
+                   f"{self.base_precision}, " + self._said(
+                       "tp_overlap", f"{self.tp_overlap} nano-batches" if self.tp_overlap else
+                       f"off{self.tp_overlap_why}"))
         if self.host is not None:
             out.append(f"  host memory: {self.host.total / GIB:.1f} GiB for {self.host.processes} "
                        f"process(es) ({self.host.describe()})")
@@ -174,6 +180,7 @@ class RunPlan:
         return {"world": self.world, "parallelism": self.parallelism, "token_capacity": self.token_capacity,
                 "recompute_layers": list(self.recompute_layers), "stage_layers": list(self.stage_layers),
                 "kernels": self.kernels, "attention": self.attention, "base_precision": self.base_precision,
+                "tp_overlap": self.tp_overlap,
                 "auto": list(self.auto), "gpu_memory_gib": None if self.gpu is None else
                 {"free": round(self.gpu.free / GIB, 2), "total": round(self.gpu.total / GIB, 2)},
                 "memory_plan": None if self.memory is None else self.memory.to_dict(), "fits": self.fits}
@@ -268,6 +275,20 @@ def _why(cfg: RunConfig, setup: MemorySetup, memory: MemoryPlan, longest: int, c
     return tuple(out)
 
 
+def _tp_overlap(cfg: RunConfig, gpu: GpuMemory | None) -> tuple[int, str]:
+    """(nano-batches of each TP linear, 0: off; why off) for ``parallelism.tp_overlap``."""
+    p = cfg.parallelism
+    if p.tp_overlap == "off" or p.tp == 1:
+        return 0, " (tp = 1)" if p.tp == 1 else ""
+    auto, fp8 = p.tp_overlap == "auto", cfg.model.base_precision == "fp8"
+    why = " (FP8 base: its own GEMM)" if fp8 else " (no GPU)" if gpu is None and auto else ""
+    if fp8 and not auto:
+        raise ConfigError(f"{cfg.source}: parallelism.tp_overlap: on does not apply with "
+                          "model.base_precision: fp8 (its FP8 GEMM keeps Megatron's collectives); "
+                          "use auto or off")
+    return (0, why) if why else (p.tp_overlap_chunks, "")
+
+
 def resolve(cfg: RunConfig, world: World, gpu: GpuMemory | None, *,
             coeffs: Coefficients | None = None) -> RunPlan:
     """The :class:`RunPlan` of ``cfg`` for ``world`` on ``gpu`` (None: no GPU). Raises ConfigError for a
@@ -281,7 +302,8 @@ def resolve(cfg: RunConfig, world: World, gpu: GpuMemory | None, *,
     longest = {j.name: j.dataset.max_seq_len for j in cfg.jobs}
     auto = [name for name, value in (("dp", p.dp), ("stage_layers", p.stage_layers), ("kernels", cfg.kernels),
                                      ("token_capacity", sched.token_capacity),
-                                     ("recompute_layers", m.recompute_layers)) if value == "auto"]
+                                     ("recompute_layers", m.recompute_layers),
+                                     ("tp_overlap", p.tp_overlap)) if value == "auto"]
     memory, no_fit, host, why = None, None, None, ()
     if gpu is not None:
         coeffs = coeffs or load_coefficients()
@@ -311,7 +333,7 @@ def resolve(cfg: RunConfig, world: World, gpu: GpuMemory | None, *,
                    _model_recompute(cfg, counts, per_rank), tuple(counts), kernels,
                    ATTENTION_DEFAULT if gpu is not None else "per-sample", m.base_precision, len(cfg.jobs),
                    scheduler, memory, gpu, tuple(auto), no_fit, host, setup, why,
-                   max(longest.values(), default=1))
+                   max(longest.values(), default=1), *_tp_overlap(cfg, gpu))
 
 
 def run_need(cfg: RunConfig, processes: int) -> HostNeed:

@@ -3,12 +3,13 @@ under RANK/WORLD_SIZE env: each configuration in turn, in this one process (one 
 FUSED is build_model's fused_ops ("off", "torch", ...; results of another than "off" carry its name).
 
 MODE "tp": TP=2 forward+backward of packed microbatches; "tpsp": the same with sequence parallelism
-(microbatches padded to an even token count; per-token losses saved too). MODE "pp": PP=2, 1F1B via Megatron's
-``get_forward_backward_func``. Every configuration builds its model afresh from WORKDIR; Megatron's parallel
-state is set up again when the layout changes (tp/tpsp: TP=2; pp: PP=2). Writes the results of rank 0 (and the
-last stage) to WORKDIR. Prints ``=== MODE:FUSED`` before and ``=== MODE:FUSED done`` after each configuration;
-one that raises writes ``MODE[_FUSED]_error.txt`` and ends the process (exit status 1; the test relaunches the
-configurations after it).
+(microbatches padded to an even token count; per-token losses saved too); "tpo" / "tpspo": the same with the
+TP collectives overlapped (3 nano-batches a linear), "tpspo_rc" also with full activation recompute. MODE
+"pp": PP=2, 1F1B via Megatron's ``get_forward_backward_func``. Every configuration builds its model afresh
+from WORKDIR; Megatron's parallel state is set up again when the layout changes (tp*: TP=2; pp: PP=2). Writes
+the results of rank 0 (and the last stage) to WORKDIR. Prints ``=== MODE:FUSED`` before and ``=== MODE:FUSED
+done`` after each configuration; one that raises writes ``MODE[_FUSED]_error.txt`` and ends the process (exit
+status 1; the test relaunches the configurations after it).
 """
 
 import json
@@ -63,9 +64,11 @@ def run_one(mode: str, fused: str, workdir: Path) -> None:
     from model_utils import adapter_seed
 
     tag = "" if fused == "off" else f"_{fused}"
-    tp, pp = (2, 1) if mode in ("tp", "tpsp") else (1, 2)
+    tp, pp = (2, 1) if mode != "pp" else (1, 2)
+    sp, nano = mode.startswith("tpsp"), (3 if mode in ("tpo", "tpspo", "tpspo_rc") else 0)
     init_distributed(tp, pp)
-    model = build_model_from_hf(workdir / "base", fused_ops=fused, sequence_parallel=mode == "tpsp")
+    model = build_model_from_hf(workdir / "base", fused_ops=fused, sequence_parallel=sp, tp_overlap=nano,
+                                recompute=mode.endswith("_rc"))
     for name in sorted(os.listdir(workdir / "adapters")):
         import_peft_adapter(model, name, workdir / "adapters" / name, spec=import_spec(workdir, name))
     model.train()
@@ -74,13 +77,15 @@ def run_one(mode: str, fused: str, workdir: Path) -> None:
     rank = torch.distributed.get_rank()
     out = {}
 
-    if mode in ("tp", "tpsp"):
+    if mode != "pp":
         from lorafusion.layers.lora_linear import SAVED_AS_SHARD
 
-        SAVED_AS_SHARD[0] = 0  # counted for this configuration alone
+        from lorafusion.ops.tp_overlap import OVERLAPPED
+
+        SAVED_AS_SHARD[0] = OVERLAPPED[0] = 0  # counted for this configuration alone
         losses, per_token = [], []
         for b in mbs:
-            if mode == "tpsp":
+            if sp:
                 from lorafusion.data import pad_to_multiple
 
                 n = b.num_tokens
@@ -92,13 +97,16 @@ def run_one(mode: str, fused: str, workdir: Path) -> None:
             total = loss_terms(loss, b, denom)
             total.backward()
             losses.append(total.item())
-            if mode == "tpsp":
+            if sp:
                 assert loss.shape[-1] == b.num_tokens and b.num_tokens % tp == 0
                 per_token.append(loss.detach()[0, :n].clone())
         out["losses"] = losses
         out["per_token"] = per_token
-        if mode == "tpsp":  # the column-parallel LoRA inputs were saved as sequence shards, not gathered
+        if sp:  # the column-parallel LoRA inputs were saved as sequence shards, not gathered
             assert SAVED_AS_SHARD[0] > 0, SAVED_AS_SHARD
+        # every decoder linear of every microbatch overlapped (twice with recompute), none without tp_overlap
+        want = len(mbs) * 4 * model.config.num_layers * (2 if mode.endswith("_rc") else 1) if nano else 0
+        assert OVERLAPPED[0] == want, (OVERLAPPED, want)
     else:
         it = iter(mbs)
 

@@ -48,6 +48,9 @@ MBS = [
 # the fused loss on the last stage) against the same single-process model with Megatron's ops
 FUSED = ["off", "torch"]
 MODES = ["tp", "tpsp", "pp"]
+# TP collectives overlapped with compute (parallelism.tp_overlap, 3 nano-batches a linear): without and with
+# sequence parallelism, and with SP and full activation recompute
+OVERLAP = ["tpo:off", "tpspo:off", "tpspo:torch", "tpspo_rc:torch"]
 
 
 def _build_and_launch(d: Path) -> None:
@@ -73,7 +76,7 @@ def _build_and_launch(d: Path) -> None:
             denom[n] += float((b.adapter_token_mask(n).float() * b.loss_mask).sum())
     (d / "batches.json").write_text(json.dumps({"mbs": MBS, "denom": denom}))
     launch_in_turn([sys.executable, str(Path(__file__).parent / "parallel_worker.py"), str(d)],
-                   [f"{m}:{f}" for m in MODES for f in FUSED], d, timeout=300)
+                   [f"{m}:{f}" for m in MODES for f in FUSED] + OVERLAP, d, timeout=400)
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +155,21 @@ def test_tensor_parallel_2_with_sequence_parallelism_equals_single_process(workd
     assert res["losses"] == pytest.approx(losses, rel=1e-5)
     for got, want in zip(res["per_token"], ref_per_token, strict=True):
         assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    _assert_grads_equal(res["grads"], grads)
+
+
+@pytest.mark.parametrize("config", OVERLAP)
+def test_tensor_parallel_2_with_overlapped_collectives_equals_single_process(workdir, config):
+    """``tp_overlap`` (every TP linear's collectives in flight while the GEMM of another nano-batch runs; the
+    worker checks every decoder linear took that path): losses, per-token losses (SP) and every adapter's
+    gradient equal the single process, as TP=2 without overlap does, with and without SP and recompute."""
+    d, losses, grads, ref_per_token = workdir
+    mode, fused = config.split(":")
+    tag = "" if fused == "off" else f"_{fused}"
+    res = torch.load(_result(d, mode, fused, f"{mode}{tag}_result.pt"))
+    assert res["losses"] == pytest.approx(losses, rel=1e-5)
+    for got, want in zip(res["per_token"], ref_per_token if mode.startswith("tpsp") else [], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     _assert_grads_equal(res["grads"], grads)
 

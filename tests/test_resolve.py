@@ -30,7 +30,8 @@ def test_resolve_makes_every_auto_a_value_and_writes_nothing():
     assert (plan.dp, plan.world, plan.scheduler.dp_size, plan.scheduler.pipeline_depth) == (2, 8, 2, 4)
     assert isinstance(plan.token_capacity, int) and plan.scheduler.token_capacity == plan.token_capacity
     assert sum(plan.stage_layers) == 80 and len(plan.recompute_layers) == 4 and plan.kernels == "fused"
-    assert set(plan.auto) == {"dp", "stage_layers", "kernels", "token_capacity", "recompute_layers"}
+    assert set(plan.auto) == {"dp", "stage_layers", "kernels", "token_capacity", "recompute_layers",
+                              "tp_overlap"}
     assert plan.parallelism["dp"] == 2 and plan.parallelism["stage_layers"] == "auto"
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.token_capacity = 1  # type: ignore[misc]
@@ -95,3 +96,27 @@ def test_a_job_on_a_subset_of_a_fused_linear_is_planned():
     plan = resolve(cfg, World(1), _gpu(80))
     assert plan.fits and plan.memory.stages[0].lora < full.memory.stages[0].lora
     assert resolve(cfg, World(1), None).host.parts["adapters+optimizer"] > 0
+
+
+def test_tp_overlap_auto_is_on_where_it_applies_and_on_is_refused_where_it_cannot():
+    """``parallelism.tp_overlap``: auto overlaps the TP collectives at tp > 1 on GPUs with a bf16 base (the
+    printout names the choice and why not); off is off; on with an FP8 base is one clear error."""
+    def plan(*over, gpu=True):
+        cfg = load_run_config(C8, ["parallelism.tp=2", "parallelism.sequence_parallel=true", *over],
+                              check_files=False)
+        return resolve(cfg, World(2), _gpu(80) if gpu else None)
+
+    on = plan()
+    assert on.tp_overlap == 2 and "tp_overlap" in on.auto and on.to_dict()["tp_overlap"] == 2
+    assert "tp_overlap 2 nano-batches (auto)" in "\n".join(on.lines())
+    assert plan("parallelism.tp_overlap_chunks=4").tp_overlap == 4
+    assert plan("parallelism.tp_overlap=off").tp_overlap == 0
+    assert "tp_overlap off (no GPU) (auto)" in "\n".join(plan(gpu=False).lines())
+    assert plan("parallelism.tp_overlap=on", gpu=False).tp_overlap == 2  # (CPU tests run it on gloo)
+    fp8 = plan("model.base_precision=fp8")
+    assert fp8.tp_overlap == 0 and "tp_overlap off (FP8 base: its own GEMM) (auto)" in "\n".join(fp8.lines())
+    one = resolve(load_run_config(C8, check_files=False), World(1), _gpu(80))
+    assert one.tp_overlap == 0 and "tp_overlap off (tp = 1) (auto)" in "\n".join(one.lines())
+    with pytest.raises(ConfigError, match=r"llama3.1-8b-4adapters.yaml: parallelism.tp_overlap: on does not "
+                                          r"apply with model.base_precision: fp8"):
+        plan("parallelism.tp_overlap=on", "model.base_precision=fp8")

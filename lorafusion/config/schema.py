@@ -116,19 +116,23 @@ class ParallelismConfig(_Strict):
     dp: Annotated[int | Literal["auto"], BeforeValidator(_dp)] = 1
     # Megatron sequence parallelism: activations between TP regions split along the sequence (needs tp > 1)
     sequence_parallel: bool = False
-    # decoder layers of each pipeline stage, first to last (None: the same on every stage); with
-    # virtual_stages V > 1 one count per virtual stage, pp*V in layer order (virtual stage c*pp + r is chunk c
-    # of rank r). "auto": balanced by the scheduler's stage cost model with the output layer and loss counted
-    # as work on the last stage (scheduler/stages.py). Uneven splits become Megatron's first/last-stage counts
-    # or its pipeline_model_parallel_layout
+    # decoder layers per pipeline stage, first to last (None: even); virtual_stages V > 1: one per virtual
+    # stage, pp*V in layer order (stage c*pp + r is chunk c of rank r); "auto": by the stage cost model,
+    # output layer and loss on the last stage (scheduler/stages.py); uneven: Megatron's first/last or layout
     stage_layers: list[Annotated[int, Field(ge=1, le=MAX_PARALLEL)]] | Literal["auto"] | None = None
     # model chunks per pipeline rank: Megatron-core's interleaved 1F1B (virtual_pipeline_model_parallel_size)
     virtual_stages: int = Field(1, ge=1, le=MAX_PARALLEL)
+    # TP collectives overlapped with compute, rows in nano-batches (layers/tp_overlap.py; auto: resolve.py)
+    tp_overlap: Annotated[Literal["auto", "on", "off"], BeforeValidator(  # (YAML 1.1: on/off are booleans)
+        lambda v: ("on" if v else "off") if isinstance(v, bool) else v)] = "auto"
+    tp_overlap_chunks: int = Field(2, ge=2, le=64)
 
     @model_validator(mode="after")
     def _sp_needs_tp(self) -> "ParallelismConfig":
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel: true needs tp > 1 (it splits activations over the TP group)")
+        if self.tp_overlap == "on" and self.tp == 1:
+            raise ValueError("tp_overlap: on needs tp > 1 (it overlaps the tensor-parallel collectives)")
         if why := virtual_stages_problem(self.pp, self.virtual_stages):
             raise ValueError(f"virtual_stages: {why}")
         if isinstance(self.stage_layers, list):
@@ -141,8 +145,7 @@ class ParallelismConfig(_Strict):
         return self
 
     def resolve_dp(self, world: int) -> int:
-        """dp for ``world`` processes: the given integer, or world / (tp*pp) for "auto" (ValueError when
-        tp*pp does not divide world)."""
+        """dp for ``world`` processes: the integer, or world / (tp*pp) for auto (ValueError: no divisor)."""
         if self.dp != "auto":
             return self.dp
         mp = self.tp * self.pp
@@ -241,16 +244,14 @@ class JobConfig(_Strict):
     num_epochs: int | None = Field(None, ge=1, le=MAX_EPOCHS)
     save_every: int | None = Field(None, ge=1, le=MAX_STEPS)
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
-    # steps in a row whose loss or gradient norm is not finite (each one skipped) before the job is paused as
-    # diverged
+    # steps in a row with a non-finite loss or gradient norm (each skipped) before the job is paused: diverged
     max_nonfinite_steps: int = Field(3, ge=1, le=MAX_COUNT)
     # evaluation (runtime/evaluate.py): a held-out set — its own file, or a share of the training file drawn
     # by the run seed and removed from training — scored every eval_every steps and at the job's end
     eval_dataset: DatasetConfig | None = None
     eval_split: float | None = Field(None, gt=0, lt=1)
     eval_every: int | None = Field(None, ge=1, le=MAX_STEPS)
-    # evaluations without a better best eval loss
-    early_stopping_patience: int | None = Field(None, ge=1, le=MAX_COUNT)
+    early_stopping_patience: int | None = Field(None, ge=1, le=MAX_COUNT)  # evaluations without a better loss
 
     @field_validator("name")
     @classmethod

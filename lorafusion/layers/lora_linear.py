@@ -53,11 +53,11 @@ from lorafusion.layers.fp8_base import (
 )
 from lorafusion.layers.fused_proj import BlockIndex, block_b, fused_projection_index
 from lorafusion.layers.sharding import COLUMNS, REPLICATED, ROW_HALVES, ROWS, TPSplit
+from lorafusion.layers.tp_overlap import overlapped_forward, tp_overlap_nano
 from lorafusion.ops.tables import TableCache, seed_tensor
 
 
 _LIVE_CONTEXTS: weakref.WeakSet = weakref.WeakSet()  # every model's context (for recompute snapshots)
-
 
 @dataclass(eq=False)
 class LoRAContext:
@@ -66,8 +66,7 @@ class LoRAContext:
     ``batch_adapters[slot]`` names the adapter of routing slot ``slot``; ``seeds[slot]`` is that
     adapter's dropout seed for this microbatch (each layer mixes in its own key). ``impl`` ("triton" |
     "torch", :mod:`lorafusion.core.impls`) and ``main_gemm`` choose the LoRA compute (None: automatic / the
-    kernels' default); ``tables`` keeps the
-    kernels' device tables across the layers and microbatches of this model.
+    kernels' default); ``tables`` keeps the kernels' device tables across the layers and microbatches.
 
     Per microbatch and set of adapters present in a layer, the first layer that runs builds every
     layer's seeds at once (one host→device copy on CUDA), so a layer call copies nothing.
@@ -290,9 +289,11 @@ class LoRALinear:
 
     def forward(self, input_, *args, **kwargs):
         """Base + LoRA. Without TP and with the fused kernels, one op does both (the low-rank term enters
-        the base GEMM); otherwise the base layer (Megatron's forward with its TP collectives, or the FP8
-        base) plus the LoRA term."""
+        the base GEMM); with ``tp_overlap``, :mod:`.tp_overlap`; otherwise the base layer (Megatron's forward
+        with its TP collectives, or the FP8 base) plus the LoRA term."""
         largs = self._lora_args(input_)
+        if nano := tp_overlap_nano(self, args, kwargs):  # TP collectives overlapped (layers.tp_overlap)
+            return overlapped_forward(self, input_, largs, nano, _saved_as_shard)
         if largs is None:
             return self._base_forward(input_, *args, **kwargs)
         one_op = (self._tp()[0] == 1 and not args and not kwargs

@@ -46,6 +46,10 @@ class LoRAFusionConfig(TransformerConfig):
     """With ``base_precision`` "fp8": how many leading decoder layers of the whole model keep their linears in
     the model dtype (the memory model counts the same number: :mod:`lorafusion.core.precision`)."""
 
+    tp_overlap: int = 0
+    """Tensor-parallel collectives overlapped with compute (``parallelism.tp_overlap``): the number of
+    nano-batches each TP linear splits its rows into (:mod:`lorafusion.layers.tp_overlap`); 0: off."""
+
     base_model: str | None = None
     """The HF model directory the base weights are loaded from (``build_model_from_hf`` gives it): what
     exported PEFT adapters name as their ``base_model_name_or_path``."""

@@ -104,6 +104,7 @@ class Trainer:
         self.model = build_base(self.arch, ckpt, dtype=cfg.model.dtype, device=self.device, seed=cfg.seed,
                                 **self.plan.recompute_kwargs(stage), base_precision=self.plan.base_precision,
                                 sequence_parallel=self.plan.sequence_parallel, timers=self.timers,
+                                tp_overlap=self.plan.tp_overlap,
                                 stage_layers=self.plan.model_stage_layers,
                                 lora_impl=lora_impl(self.plan.kernels))
         for js in self.jobs.values():

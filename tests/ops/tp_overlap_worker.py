@@ -1,0 +1,48 @@
+"""Two gloo ranks (RANK/WORLD_SIZE env): the overlapped TP linears of lorafusion.ops.tp_overlap against the
+unsplit math on the full tensors, forward and backward, each pattern (column / row, with and without sequence
+parallelism). ``python tp_overlap_worker.py OUT_DIR``; rank 0 writes OUT_DIR/ok.txt when all hold."""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def main(out: Path) -> None:
+    from lorafusion.ops.tp_overlap import column_linear_overlapped, row_linear_overlapped
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    r, tp, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
+    g = torch.Generator().manual_seed(0)
+    S, K, N = 74, 12, 10  # 37 rows a rank: nano-batches of 12, 13 and 12 rows
+    X, W = torch.randn(S, 1, K, generator=g), torch.randn(N, K, generator=g)
+    G, H = torch.randn(S, 1, N, generator=g), torch.randn(S, 1, K, generator=g)
+    m, n_loc, k_loc = S // tp, N // tp, K // tp
+    rows, outs = slice(r * m, (r + 1) * m), slice(r * n_loc, (r + 1) * n_loc)
+    ins = slice(r * k_loc, (r + 1) * k_loc)
+    close = torch.testing.assert_close
+    for nano in (1, 2, 3):
+        for sp in (False, True):
+            # column-parallel: W split by output rows
+            x = (X[rows] if sp else X).clone().requires_grad_()
+            y, full = column_linear_overlapped(x, W[outs], group, nano, sequence_parallel=sp, keep_input=True)
+            close(y, X @ W[outs].t())
+            loss = (y * G[..., outs]).sum() + ((full * H).sum() if sp else 0.0)
+            loss.backward()
+            want = (G @ W) + (H if sp else 0.0)
+            close(x.grad, want[rows] if sp else want)
+            # row-parallel: W split by input columns
+            x = X[..., ins].clone().requires_grad_()
+            y = row_linear_overlapped(x, W[:, ins], group, nano, sequence_parallel=sp)
+            close(y, (X @ W.t())[rows] if sp else X @ W.t())
+            (y * (G[rows] if sp else G)).sum().backward()
+            close(x.grad, G @ W[:, ins])
+    if r == 0:
+        (out / "ok.txt").write_text("ok")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
