@@ -70,6 +70,7 @@ EOF
 
 status=0
 mkdir -p "$WORK"
+first=${CUDA_VISIBLE_DEVICES:-0}; first=${first%%,*}  # the one-GPU runs: the first GPU this script may use
 for name in $RUNS; do
   s=$(spec "$name") || { echo "unknown check $name (known: $ALL)"; status=2; continue; }
   read -r gpus overrides <<<"$s"
@@ -86,7 +87,7 @@ output_dir=$out $STEP_ARGS $overrides"
   rc=$?; echo "rc=$rc after $(($(date +%s) - start)) s"
   refover=$(echo "$overrides" | tr ' ' '\n' | grep '^model\.' | tr '\n' ' ')
   # shellcheck disable=SC2086
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m lorafusion.cli train configs/quickstart.yaml output_dir="$ref" $STEP_ARGS \
+  CUDA_VISIBLE_DEVICES=$first "$PY" -m lorafusion.cli train configs/quickstart.yaml output_dir="$ref" $STEP_ARGS \
     $refover > "$log.1gpu" 2>&1 || echo "(the one-GPU run failed: $log.1gpu)"
   if [ $rc = 0 ] && compare "$out" "$ref"; then
     echo "PASS $name"
