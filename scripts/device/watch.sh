@@ -15,7 +15,7 @@ descendants() { local c; for c in $(pgrep -P "$1"); do echo "$c"; descendants "$
 echo "=== watch.sh: still running after ${secs}s; stacks of every process under $pid ===" >&2
 for p in $(descendants "$pid"); do
   # only processes that installed the handler (the default action of SIGUSR2 would end the others)
-  if grep -q "lorafusion.cli\|bench_train" "/proc/$p/cmdline" 2>/dev/null && ! grep -q "torch.distributed.run" "/proc/$p/cmdline"; then
+  if grep -q "lorafusion.cli\|bench_train\|bench_tp_overlap" "/proc/$p/cmdline" 2>/dev/null && ! grep -q "torch.distributed.run" "/proc/$p/cmdline"; then
     echo "--- pid $p: $(tr '\0' ' ' < /proc/$p/cmdline | cut -c1-160)" >&2
     kill -USR2 "$p" 2>/dev/null
     sleep 2

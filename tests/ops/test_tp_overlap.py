@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lorafusion.ops.tp_overlap import nano_bounds
 
@@ -34,12 +35,25 @@ def test_nano_bounds_split_evenly_and_refuse_nonsense():
         nano_bounds(10, 0)
 
 
-@pytest.mark.slow
-def test_overlapped_linears_equal_the_unsplit_math_on_two_ranks(tmp_path):
+def _two_ranks(tmp_path, backend: str) -> None:
     from session_shared import launch_two_ranks
 
     worker = Path(__file__).with_name("tp_overlap_worker.py")
     logs = [tmp_path / "rank0.log", tmp_path / "rank1.log"]
-    codes = launch_two_ranks([sys.executable, str(worker), str(tmp_path)], logs, timeout=120)
+    codes = launch_two_ranks([sys.executable, str(worker), str(tmp_path), backend], logs, timeout=180)
     assert codes == [0, 0], "\n".join(p.read_text()[-3000:] for p in logs)
     assert (tmp_path / "ok.txt").read_text() == "ok"
+
+
+@pytest.mark.slow
+def test_overlapped_linears_equal_the_unsplit_math_on_two_ranks(tmp_path):
+    _two_ranks(tmp_path, "gloo")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA GPUs")
+def test_overlapped_linears_on_two_gpus_over_nccl(tmp_path):
+    """The same on two GPUs over NCCL in bf16: collectives in flight on NCCL's stream while the compute stream
+    runs the next GEMM (and frees tensors the caching allocator hands out again)."""
+    _two_ranks(tmp_path, "nccl")

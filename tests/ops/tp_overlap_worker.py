@@ -1,6 +1,9 @@
-"""Two gloo ranks (RANK/WORLD_SIZE env): the overlapped TP linears of lorafusion.ops.tp_overlap against the
-unsplit math on the full tensors, forward and backward, each pattern (column / row, with and without sequence
-parallelism). ``python tp_overlap_worker.py OUT_DIR``; rank 0 writes OUT_DIR/ok.txt when all hold."""
+"""Two ranks (RANK/WORLD_SIZE env): the overlapped TP linears of lorafusion.ops.tp_overlap against the unsplit
+math on the full tensors, forward and backward, each pattern (column / row, with and without sequence
+parallelism). ``python tp_overlap_worker.py OUT_DIR [gloo|nccl]``: gloo on the CPU in float32, or NCCL on
+GPU ``RANK`` in bfloat16 at a transformer's shapes (the async collectives on NCCL's stream, the GEMMs on the
+compute stream; tensors freed and reused while collectives are in flight). Rank 0 writes OUT_DIR/ok.txt when
+all hold."""
 
 import sys
 from pathlib import Path
@@ -9,20 +12,30 @@ import torch
 import torch.distributed as dist
 
 
-def main(out: Path) -> None:
+def main(out: Path, backend: str) -> None:
     from lorafusion.ops.tp_overlap import column_linear_overlapped, row_linear_overlapped
 
-    dist.init_process_group("gloo")
+    gpu = backend == "nccl"
+    if gpu:
+        torch.cuda.set_device(int(__import__("os").environ["RANK"]))
+    dist.init_process_group(backend)
     torch.set_num_threads(1)
     r, tp, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
+    dev, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
     g = torch.Generator().manual_seed(0)
-    S, K, N = 74, 12, 10  # 37 rows a rank: nano-batches of 12, 13 and 12 rows
-    X, W = torch.randn(S, 1, K, generator=g), torch.randn(N, K, generator=g)
+    # CPU: 37 rows a rank (nano-batches of 12, 13 and 12 rows); GPU: 2047 rows a rank at a model's widths
+    S, K, N = (4094, 1024, 2048) if gpu else (74, 12, 10)
+    X, W = torch.randn(S, 1, K, generator=g), torch.randn(N, K, generator=g) / K ** 0.5
     G, H = torch.randn(S, 1, N, generator=g), torch.randn(S, 1, K, generator=g)
+    X, W, G, H = (t.to(dev, dtype) for t in (X, W, G, H))
     m, n_loc, k_loc = S // tp, N // tp, K // tp
     rows, outs = slice(r * m, (r + 1) * m), slice(r * n_loc, (r + 1) * n_loc)
     ins = slice(r * k_loc, (r + 1) * k_loc)
-    close = torch.testing.assert_close
+
+    def close(got, want):  # bf16 on the GPU: the GEMMs of a nano-batch may sum in another order
+        tol = dict(rtol=2e-2, atol=2e-2) if gpu else {}
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+
     for nano in (1, 2, 3):
         for sp in (False, True):
             # column-parallel: W split by output rows
@@ -39,10 +52,12 @@ def main(out: Path) -> None:
             close(y, (X @ W.t())[rows] if sp else X @ W.t())
             (y * (G[rows] if sp else G)).sum().backward()
             close(x.grad, G @ W[:, ins])
+    if gpu:
+        torch.cuda.synchronize()
     if r == 0:
         (out / "ok.txt").write_text("ok")
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "gloo")
