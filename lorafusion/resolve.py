@@ -10,8 +10,9 @@
   that fits ``gpu.free``); without one, the cost model's capacity
   (:func:`.scheduler.costmodel.auto_token_capacity` at the longest ``dataset.max_seq_len``) and every layer
   recomputed for ``recompute_layers: auto``;
-- ``kernels`` (``auto``: fused with a GPU, reference without), the attention path the memory model counts, the
-  base precision;
+- ``kernels`` (``auto``: fused with a GPU, reference without), the base precision, and the attention path the
+  memory model counts: the runtime's own (``attention``: what ``model.attention`` selected on this GPU,
+  lorafusion.models.attention.select_attention), else :func:`attention_guess`;
 - ``parallelism.tp_overlap`` (``auto``: the TP collectives overlapped with compute where tp > 1 on GPUs with a
   bf16 base; ``on`` refused with an FP8 base, whose GEMM keeps Megatron's collectives);
 - the scheduler's settings (:class:`lorafusion.scheduler.SchedulerConfig`: the run YAML's ``scheduler``
@@ -29,6 +30,7 @@ capacity and memory when they arrive.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import os
 from dataclasses import dataclass
@@ -165,8 +167,8 @@ class RunPlan:
                         if self.memory is not None else [])
         out.append(f"  {self._said('stage_layers', list(self.stage_layers))}, "
                    f"{self._said('virtual_stages', self.virtual_stages)}, "
-                   f"{self._said('kernels', self.kernels)}, attention {self.attention}, base_precision "
-                   f"{self.base_precision}, " + self._said(
+                   f"{self._said('kernels', self.kernels)}, {self._said('attention', self.attention)}, "
+                   f"base_precision {self.base_precision}, " + self._said(
                        "tp_overlap", f"{self.tp_overlap} nano-batches" if self.tp_overlap else
                        f"off{self.tp_overlap_why}"))
         if self.host is not None:
@@ -209,9 +211,30 @@ def _split(cfg: RunConfig, arch: ModelArch) -> list[int]:
         raise ConfigError(f"{cfg.source}: {what}{e}") from None
 
 
-def memory_setup(cfg: RunConfig, arch: ModelArch, dp: int = 1, split: list[int] | None = None) -> MemorySetup:
+def attention_guess(cfg: RunConfig, gpu: bool = True) -> str:
+    """The attention path (scheduler.memory.ATTENTION_PATHS) a run of ``cfg`` would count without asking the
+    GPU: per-sample without one or in float32; fa4 when chosen, or for ``auto`` when flash-attn-4 is installed
+    here; else torch's varlen op with k and v expanded (the conservative count of fa2)."""
+    choice = cfg.model.attention
+    if choice == "per-sample" or not gpu or cfg.model.dtype == "float32":
+        return "per-sample"
+    if choice == "fa4" or (choice == "auto" and _installed("flash-attn-4")):
+        return "fa4"
+    return ATTENTION_DEFAULT
+
+
+def _installed(dist: str) -> bool:
+    try:
+        importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def memory_setup(cfg: RunConfig, arch: ModelArch, dp: int = 1, split: list[int] | None = None,
+                 attention: str | None = None) -> MemorySetup:
     """The :class:`MemorySetup` of a run config and its ``ModelArch`` (``split``: decoder layers per virtual
-    stage; default the config's, resolved)."""
+    stage; default the config's, resolved; ``attention``: the path, default :func:`attention_guess`)."""
     p, m = cfg.parallelism, cfg.model
     split = _split(cfg, arch) if split is None else split
     per_rank = tuple(sum(split[c * p.pp + k] for c in range(p.virtual_stages)) for k in range(p.pp))
@@ -223,7 +246,8 @@ def memory_setup(cfg: RunConfig, arch: ModelArch, dp: int = 1, split: list[int] 
                        row_scale_bytes=4 if fp8 else 0,
                        bf16_base_layers=FP8_BF16_LEADING_LAYERS if fp8 else 0,
                        tp=p.tp, pp=p.pp, dp=dp, sequence_parallel=p.sequence_parallel, stage_layers=per_rank,
-                       virtual_stages=p.virtual_stages, fused_ops=True)
+                       virtual_stages=p.virtual_stages, fused_ops=True,
+                       attention=attention or attention_guess(cfg))
 
 
 def _recompute_setting(cfg: RunConfig, per_rank: list[int]) -> int | list[int] | str:
@@ -290,19 +314,20 @@ def _tp_overlap(cfg: RunConfig, gpu: GpuMemory | None) -> tuple[int, str]:
 
 
 def resolve(cfg: RunConfig, world: World, gpu: GpuMemory | None, *,
-            coeffs: Coefficients | None = None) -> RunPlan:
+            coeffs: Coefficients | None = None, attention: str | None = None) -> RunPlan:
     """The :class:`RunPlan` of ``cfg`` for ``world`` on ``gpu`` (None: no GPU). Raises ConfigError for a
     layout that does not match the launch or a split that does not exist; never for memory (a plan that does
     not fit says so: ``fits``, ``no_fit``; the runtime refuses it when it chose the settings)."""
     dp = cfg.check_world_size(world.processes)
     arch, p, m, sched = run_arch(cfg), cfg.parallelism, cfg.model, cfg.scheduler
     split = _split(cfg, arch)
-    setup = memory_setup(cfg, arch, dp, split)
+    attention = attention or attention_guess(cfg, gpu is not None)
+    setup = memory_setup(cfg, arch, dp, split, attention)
     per_rank = [setup.layers(k) for k in range(p.pp)]
     longest = {j.name: j.dataset.max_seq_len for j in cfg.jobs}
     auto = [name for name, value in (("dp", p.dp), ("stage_layers", p.stage_layers), ("kernels", cfg.kernels),
                                      ("token_capacity", sched.token_capacity),
-                                     ("recompute_layers", m.recompute_layers),
+                                     ("recompute_layers", m.recompute_layers), ("attention", m.attention),
                                      ("tp_overlap", p.tp_overlap)) if value == "auto"]
     memory, no_fit, host, why = None, None, None, ()
     if gpu is not None:
@@ -331,7 +356,7 @@ def resolve(cfg: RunConfig, world: World, gpu: GpuMemory | None, *,
     return RunPlan(cfg.source, str(m.preset or m.path), world.processes, p.tp, p.pp, dp, p.sequence_parallel,
                    p.virtual_stages, tuple(split), p.stage_layers is None, capacity,
                    _model_recompute(cfg, counts, per_rank), tuple(counts), kernels,
-                   ATTENTION_DEFAULT if gpu is not None else "per-sample", m.base_precision, len(cfg.jobs),
+                   attention, m.base_precision, len(cfg.jobs),
                    scheduler, memory, gpu, tuple(auto), no_fit, host, setup, why,
                    max(longest.values(), default=1), *_tp_overlap(cfg, gpu))
 

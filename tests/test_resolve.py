@@ -31,7 +31,7 @@ def test_resolve_makes_every_auto_a_value_and_writes_nothing():
     assert isinstance(plan.token_capacity, int) and plan.scheduler.token_capacity == plan.token_capacity
     assert sum(plan.stage_layers) == 80 and len(plan.recompute_layers) == 4 and plan.kernels == "fused"
     assert set(plan.auto) == {"dp", "stage_layers", "kernels", "token_capacity", "recompute_layers",
-                              "tp_overlap"}
+                              "attention", "tp_overlap"}
     assert plan.parallelism["dp"] == 2 and plan.parallelism["stage_layers"] == "auto"
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.token_capacity = 1  # type: ignore[misc]

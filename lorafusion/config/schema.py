@@ -71,6 +71,7 @@ class ModelConfig(_Strict):
     # `dtype`. Needs dtype: bfloat16. Exports and merges use the original bf16 weights, reloaded from the
     # source.
     base_precision: Literal["bf16", "fp8"] = "bf16"
+    attention: Literal["auto", "fa4", "fa2", "per-sample"] = "auto"  # packed: models/attention.py's choices
 
     @model_validator(mode="after")
     def _one_source(self):

@@ -1,20 +1,40 @@
 """Core attention for packed sequences (Megatron ``core_attention`` submodule).
 
 A packed microbatch holds several samples back to back (``qkv_format="thd"`` with ``cu_seqlens``): each
-sample attends causally to itself only — no cross-sample attention, no padding. On CUDA it uses torch's
-``torch.nn.attention.varlen.varlen_attn`` (FlashAttention varlen); elsewhere an exact per-segment
-reference with ``scaled_dot_product_attention``. Unpacked ``[s, b, h, d]`` input is plain causal SDPA.
+sample attends causally to itself only — no cross-sample attention, no padding. Three implementations, chosen
+once per process by ``model.attention`` (:func:`select_attention`):
+
+- "fa4": FlashAttention-4 (the ``flash-attn-4`` package's ``flash_attn.cute.flash_attn_varlen_func``, CuTe-DSL
+  kernels compiled at first use; Hopper and newer), k and v passed grouped;
+- "fa2": torch's ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 kernels), k and v expanded to the
+  query heads where torch's op has no ``enable_gqa``;
+- "per-sample": an exact per-segment reference with ``scaled_dot_product_attention`` (the CPU path).
+
+``auto`` takes the first of :data:`AUTO_ORDER` for this GPU that is installed and passes a small packed
+forward+backward against an fp32 reference at start-up, else fa2 (checked the same way), else per-sample.
+A process that selected nothing (inference) runs fa2 on CUDA. Unpacked ``[s, b, h, d]`` input is plain
+causal SDPA.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+import os
 import warnings
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
+
+from lorafusion.core.errors import ConfigError
+
+# auto's candidates per GPU compute capability (major), fastest first, as measured on the 8B's packed shapes
+# (scripts/bench_attention.py); fa2 is tried after them on every GPU
+AUTO_ORDER = {9: ("fa4", "fa2")}
+FA4_INSTALL = "pip install 'lorafusion[fa4]'"
+PROBE_LENGTHS = (1, 67, 130)  # the start-up check's packed samples (a length-1 sample among them)
+PROBE_TOLERANCE = 0.02  # its largest relative error (norm) of the output and of dq, dk, dv vs fp32
 
 
 def expand_kv(k: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
@@ -44,6 +64,8 @@ def varlen_attention_reference(q, k, v, cu_seqlens: torch.Tensor, scale: float) 
 
 _VARLEN = None
 _VARLEN_FAILED = False
+_FA4 = None
+_SELECTED: str | None = None  # "fa4", "fa2" or "per-sample" once select_attention ran; None: fa2 on CUDA
 
 
 def _varlen_fn():
@@ -58,21 +80,68 @@ def _varlen_fn():
     return _VARLEN
 
 
-def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float) -> torch.Tensor:
+def _fa4_fn():
+    """FlashAttention-4's varlen function (imported at first use; raises what the import raises). Its compiled
+    kernels are kept on disk across processes (FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED, unless set)."""
+    global _FA4
+    if _FA4 is None:
+        os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+        from flash_attn.cute import flash_attn_varlen_func
+
+        _FA4 = flash_attn_varlen_func
+    return _FA4
+
+
+def fa4_attention(q, k, v, cu: torch.Tensor, max_seqlen: int, scale: float) -> torch.Tensor:
+    """FlashAttention-4 packed causal attention: q [T, H, D], k/v [T, G, D] grouped, ``cu`` int32 on q's
+    device; forward and backward through its autograd function (it saves q, k, v, the output and the fp32
+    log-sum-exp)."""
+    out, _lse = _fa4_fn()(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_seqlen or None,
+                          max_seqlen_k=max_seqlen or None, softmax_scale=scale, causal=True)
+    return out
+
+
+def fa2_attention(q, k, v, cu: torch.Tensor, max_seqlen: int, scale: float) -> torch.Tensor:
+    """torch's varlen_attn (FlashAttention-2), k and v expanded first where it has no ``enable_gqa``."""
     fn, params = _varlen_fn()
-    if fn is None or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
-        return varlen_attention_reference(q, k, v, cu_seqlens, scale)
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    if fn is None:
+        raise RuntimeError(f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn")
+    k, v, kw = _fa2_args(q, k, v, params, scale)
+    return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kw)
+
+
+def _fa2_args(q, k, v, params, scale):
     kw = {"scale": scale}
     if "window_size" in params:
         kw["window_size"] = (-1, 0)
     else:
         kw["is_causal"] = True
-    h = q.shape[1]
     if "enable_gqa" in params:
         kw["enable_gqa"] = True
     else:
-        k, v = expand_kv(k, h, 1), expand_kv(v, h, 1)
+        k, v = expand_kv(k, q.shape[1], 1), expand_kv(v, q.shape[1], 1)
+    return k, v, kw
+
+
+def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float) -> torch.Tensor:
+    global _SELECTED
+    if _SELECTED == "per-sample" or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return varlen_attention_reference(q, k, v, cu_seqlens, scale)
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    if _SELECTED == "fa4":
+        try:
+            return fa4_attention(q, k, v, cu, max_seqlen, scale)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # a shape its kernels refuse: fa2 from now on (without enable_gqa it keeps
+            # q - 3g more elements per token and layer than fa4's count: inside the memory plan's margin)
+            warnings.warn(f"FlashAttention-4 failed ({type(e).__name__}: {e}); using torch's varlen_attn "
+                          "(FlashAttention-2) from now on", stacklevel=2)
+            _SELECTED = "fa2"
+    fn, params = _varlen_fn()
+    if fn is None:
+        return varlen_attention_reference(q, k, v, cu_seqlens, scale)
+    k, v, kw = _fa2_args(q, k, v, params, scale)
     return _varlen_or_fallback(fn, q, k, v, cu, cu_seqlens, max_seqlen, scale, kw)
 
 
@@ -98,12 +167,140 @@ def _varlen_or_fallback(fn, q, k, v, cu, cu_seqlens, max_seqlen, scale, kw):
 
 def attention_path() -> str:
     """Which packed attention this process runs on a GPU, as the memory model names it
-    (``lorafusion.scheduler.memory.attention_elems``): "per-sample" once ``varlen_attn`` failed (or torch has
-    none), "varlen-gqa" when torch's op takes grouped k and v, else "varlen" (k and v expanded first)."""
+    (``lorafusion.scheduler.memory.attention_elems``): "fa4" when selected, "per-sample" when selected or
+    once ``varlen_attn`` failed (or torch has none), "varlen-gqa" when torch's op takes grouped k and v, else
+    "varlen" (k and v expanded first)."""
+    if _SELECTED in ("fa4", "per-sample"):
+        return _SELECTED
     fn, params = _varlen_fn()
     if fn is None or _VARLEN_FAILED:
         return "per-sample"
     return "varlen-gqa" if "enable_gqa" in params else "varlen"
+
+
+_RUN = {"fa4": fa4_attention, "fa2": fa2_attention}
+
+
+def probe(name: str, heads: int, groups: int, head_dim: int, dtype: torch.dtype,
+          device: torch.device) -> str | None:
+    """Run implementation ``name`` ("fa4" or "fa2") forward and backward on a small packed batch of this
+    shape and compare the output and dq, dk, dv with the fp32 reference; None if it ran and matched, else
+    why not (out of memory is raised)."""
+    gen = torch.Generator().manual_seed(0)
+    t = sum(PROBE_LENGTHS)
+    q, k, v, dout = (torch.randn(t, n, head_dim, generator=gen) for n in (heads, groups, groups, heads))
+    bounds = [0]
+    for n in PROBE_LENGTHS:
+        bounds.append(bounds[-1] + n)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    scale = 1.0 / math.sqrt(head_dim)
+    want = _forward_backward(lambda a, b, c: varlen_attention_reference(a, b, c, cu, scale), q, k, v, dout)
+    try:
+        cu_dev = cu.to(device)
+        got = _forward_backward(lambda a, b, c: _RUN[name](a, b, c, cu_dev, max(PROBE_LENGTHS), scale),
+                                *(x.to(device=device, dtype=dtype) for x in (q, k, v, dout)))
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).strip()[:300]}"
+    for what, x, y in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
+        x = x.detach().float().cpu()
+        if x.shape != y.shape or not torch.isfinite(x).all():
+            return f"its {what} has shape {tuple(x.shape)} or non-finite values"
+        err = ((x - y).norm() / y.norm().clamp_min(1e-30)).item()
+        if not err <= PROBE_TOLERANCE:
+            return f"its {what} is off by {err:.3g} (relative) from the fp32 reference"
+    return None
+
+
+def _forward_backward(fn, q, k, v, dout):
+    with torch.enable_grad():
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+        out = fn(*leaves)
+        out.backward(dout)
+    return [out.detach()] + [x.grad for x in leaves]
+
+
+def fa4_problem(capability: tuple[int, int]) -> str | None:
+    """Why FlashAttention-4 cannot train on a GPU of this compute capability here (None: it can): its backward
+    needs sm_90 or newer, and the package must import."""
+    if capability[0] < 9:
+        return ("FlashAttention-4 trains on Hopper (sm_90) or newer GPUs; this one is "
+                f"sm_{capability[0]}{capability[1]}")
+    try:
+        _fa4_fn()
+    except Exception as e:  # not installed, or its CUDA libraries do not load
+        return (f"flash-attn-4 is not installed or does not load ({type(e).__name__}: {str(e)[:200]}); "
+                f"install it with {FA4_INSTALL}")
+    return None
+
+
+def _gpu() -> tuple[torch.device, tuple[int, int]] | None:
+    if not torch.cuda.is_available():
+        return None
+    device = torch.device("cuda", torch.cuda.current_device())
+    return device, torch.cuda.get_device_capability(device)
+
+
+def _unavailable(name: str, capability: tuple[int, int]) -> str | None:
+    if name == "fa4":
+        return fa4_problem(capability)
+    if _varlen_fn()[0] is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn (FlashAttention-2)"
+    return None
+
+
+def select_attention(setting: str, heads: int, groups: int, head_dim: int, dtype: torch.dtype,
+                     where: str = "model.attention") -> str:
+    """Choose this process's packed attention for ``model.attention`` = ``setting`` (every later
+    :func:`varlen_attention` runs it) on attention layers of ``heads`` query heads, ``groups`` kv heads of
+    ``head_dim`` (one tensor-parallel rank's) in ``dtype``; returns the memory model's name of the path
+    (:func:`attention_path`). ``auto``: the first of :data:`AUTO_ORDER` for this GPU, then fa2, that is
+    installed and passes :func:`probe` (an installed one that fails it is skipped with a warning);
+    per-sample without a GPU or in float32. An explicit choice that cannot run here: one ConfigError naming
+    ``where`` and what to do."""
+    global _SELECTED
+    gpu, half = _gpu(), dtype in (torch.float16, torch.bfloat16)
+    if setting == "per-sample" or (setting == "auto" and not (gpu and half)):
+        _SELECTED = "per-sample"
+        return attention_path()
+    if gpu is None:
+        raise ConfigError(f"{where}: {setting} needs a CUDA GPU and this machine has none; use auto or "
+                          "per-sample")
+    if not half:
+        raise ConfigError(f"{where}: {setting} needs model.dtype bfloat16 or float16; use auto or per-sample")
+    device, capability = gpu
+    names = (*AUTO_ORDER.get(capability[0], ()), "fa2") if setting == "auto" else (setting,)
+    for name in dict.fromkeys(names):
+        missing = _unavailable(name, capability)
+        problem = missing or probe(name, heads, groups, head_dim, dtype, device)
+        if problem is None:
+            _SELECTED = name
+            return attention_path()
+        if setting != "auto":
+            raise ConfigError(f"{where}: {name} cannot run here: {problem}"
+                              + ("" if missing else "; use auto or another choice"))
+        if not missing:
+            warnings.warn(f"{where}: auto: {name} failed its start-up check ({problem}); trying the next",
+                          stacklevel=2)
+    warnings.warn(f"{where}: auto: no FlashAttention path passed its check; using per-sample SDPA (slow)",
+                  stacklevel=2)
+    _SELECTED = "per-sample"
+    return attention_path()
+
+
+def select_for_run(cfg, arch) -> str:
+    """:func:`select_attention` for a run config and its ``ModelArch`` (heads and kv heads per TP rank)."""
+    tp = cfg.parallelism.tp
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.model.dtype, torch.float32)
+    return select_attention(cfg.model.attention, arch.num_attention_heads // tp,
+                            max(1, arch.num_query_groups // tp), arch.kv_channels, dtype,
+                            where=f"{cfg.source}: model.attention")
+
+
+def selected() -> str | None:
+    """The implementation this process selected ("fa4", "fa2", "per-sample"), or None."""
+    return _SELECTED
 
 
 class PackedDotProductAttention(MegatronModule):

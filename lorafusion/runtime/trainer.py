@@ -76,6 +76,7 @@ class Trainer:
 
         from lorafusion.checkpoint.policy import JobCheckpoints
         from lorafusion.dist import init_distributed, share_from_rank0
+        from lorafusion.models.attention import select_for_run
         from lorafusion.models.base import base_arch, build_base
         from lorafusion.runtime.evaluate import Evaluator
         from lorafusion.runtime.handoff import AdapterHandoff
@@ -96,7 +97,8 @@ class Trainer:
         if self.tokenizer.vocab_size > self.arch.vocab_size:
             raise ConfigError(f"{cfg.source}: tokenizer: vocab_size {self.tokenizer.vocab_size} exceeds the "
                               f"model's vocab_size {self.arch.vocab_size}")
-        self.plan = resolve(cfg, World(info["world"]), gpu_memory())  # each auto once, for this GPU's memory
+        attention = select_for_run(cfg, self.arch)  # model.attention: what runs here (checked on this GPU)
+        self.plan = resolve(cfg, World(info["world"]), gpu_memory(), attention=attention)  # each auto once
         check_fit(self.plan, is_logger=self.is_logger)  # printed; one clear error if nothing fits
         self._lock.acquire(self.is_logger, share=share_from_rank0)  # after the checks that may refuse the run
         stage = parallel_state.get_pipeline_model_parallel_rank()

@@ -51,7 +51,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LORA_STATE_BYTES = 16  # fp32 weight + fp32 gradient + fp32 AdamW exp_avg and exp_avg_sq (runtime/optim.py)
 LOGITS_CHUNK_BYTES = 1 << 30  # models/fused/linear_cross_entropy.py: one chunk's fp32 logits stay under this
 COEFFICIENTS_FILE = Path(__file__).with_name("memory_coefficients.json")
-ATTENTION_PATHS = ("varlen", "varlen-gqa", "per-sample")
+ATTENTION_PATHS = ("varlen", "varlen-gqa", "fa4", "per-sample")
 ATTENTION_DEFAULT = "varlen"
 
 
@@ -112,7 +112,8 @@ class MemorySetup:
     fused_ops: bool = True  # the fused RMSNorm / SwiGLU / linear cross-entropy (the GPU default)
     # what the core attention saves (``attention_elems``): "varlen" (torch's FlashAttention varlen op, k and v
     # expanded to the query heads first: a torch without its enable_gqa), "varlen-gqa" (the same op given the
-    # grouped k and v) or "per-sample" (one SDPA per sample: models/attention.py's fallback and CPU path)
+    # grouped k and v), "fa4" (FlashAttention-4, grouped k and v) or "per-sample" (one SDPA per sample:
+    # models/attention.py's fallback and CPU path)
     attention: str = ATTENTION_DEFAULT
 
     @property
@@ -189,6 +190,8 @@ def attention_elems(s: MemorySetup) -> float:
 
     - "varlen-gqa": qkv's output (v is a view of it), the rotated q and k, the output (which linear_proj saves
       as its input too): ``(q + 2g) + (q + g) + q``;
+    - "fa4": as "varlen-gqa" (FlashAttention-4 saves the q, k and v it is given, v still a view of qkv's output,
+      and its output) plus its fp32 log-sum-exp, one per head: ``3q + 3g + 4·heads / dtype bytes``;
     - "varlen": the rotated q, k and v expanded to the query heads (new tensors: neither the rotated k nor
       qkv's output is kept), the output: ``4q``;
     - "per-sample": as "varlen", plus the per-sample outputs SDPA keeps beside their concatenation (what
@@ -202,6 +205,8 @@ def attention_elems(s: MemorySetup) -> float:
     q, g = a.num_attention_heads * a.kv_channels, a.num_query_groups * a.kv_channels
     if s.attention == "varlen-gqa":
         return 3 * q + 3 * g
+    if s.attention == "fa4":
+        return 3 * q + 3 * g + a.num_attention_heads * 4 / s.dtype_bytes
     if s.attention == "varlen":
         return 4 * q
     if s.attention == "per-sample":

@@ -107,3 +107,41 @@ def test_out_of_memory_in_varlen_is_raised_and_does_not_switch_to_the_fallback(m
         out = att._varlen_or_fallback(broken, *args)
     assert att._VARLEN_FAILED and att.attention_path() == "per-sample"
     torch.testing.assert_close(out, att.varlen_attention_reference(q, k, v, cu, 0.3))
+
+
+def _fa4_or_skip():
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("FlashAttention-4 trains on sm_90 or newer")
+    try:
+        att._fa4_fn()
+    except Exception as e:
+        pytest.skip(f"flash-attn-4 does not import here: {e}")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("h,g,d", [(32, 8, 128), (8, 8, 64), (12, 4, 128)])
+def test_gpu_fa4_vs_float64(h, g, d, dtype):
+    _fa4_or_skip()
+    q, k, v, dout, cu = _inputs(ODD, h, g, d, dtype, "cuda", seed=h + d)
+    scale = 1 / math.sqrt(d)
+    got = _run(lambda a, b, c: att.fa4_attention(a, b, c, cu, max(ODD), scale), q, k, v, dout)
+    want = _run(lambda a, b, c: att.varlen_attention_reference(a, b, c, cu.cpu(), scale),
+                *(x.double() for x in (q, k, v, dout)))
+    for i, (x, y) in enumerate(zip(got, want, strict=True)):
+        assert x.dtype == dtype and x.shape == y.shape and torch.isfinite(x).all(), i
+        assert _rel(x, y) <= 1e-2, (i, _rel(x, y))
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_auto_selects_an_installed_fa4_and_runs_it(monkeypatch):
+    _fa4_or_skip()
+    monkeypatch.setattr(att, "_SELECTED", None)
+    assert att.select_attention("auto", 32, 8, 128, torch.bfloat16) == "fa4" == att.attention_path()
+    q, k, v, dout, cu = _inputs(ODD, 32, 8, 128, torch.bfloat16, "cuda")
+    got = _run(lambda a, b, c: att.varlen_attention(a, b, c, cu, max(ODD), 0.1), q, k, v, dout)
+    want = _run(lambda a, b, c: att.fa4_attention(a, b, c, cu, max(ODD), 0.1), q, k, v, dout)
+    for x, y in zip(got, want, strict=True):  # (dq accumulates atomically: not bitwise repeatable)
+        assert _rel(x, y) <= 1e-3
