@@ -60,8 +60,7 @@ class ModelConfig(_Strict):
     recompute: bool = False
     # with recompute: only the first N decoder layers of each pipeline stage are recomputed (Megatron's
     # "block" method), the others keep their activations: less recompute where the GPU has memory to spare.
-    # "auto": the fewest per stage that make the run fit the GPU (lorafusion/scheduler/sizing.py; every layer
-    # on a CPU)
+    # "auto": the fewest per stage that make the run fit the GPU (scheduler/sizing.py; every layer on a CPU)
     recompute_layers: Annotated[int | Literal["auto"] | None, BeforeValidator(_recompute_layers)] = None
     # precision of the frozen base's decoder linears (qkv, proj, fc1, fc2). "fp8": each weight is quantized
     # once at load to float8_e4m3fn with one scale per output channel (its bf16 copy freed: half the bytes), X
