@@ -90,10 +90,11 @@ def min_over_ranks(value: float, device="cuda") -> float:
 
 def warm_communicators() -> None:
     """Create, on a GPU, the NCCL communicators a training step uses (the model-parallel, data-parallel,
-    tensor- and pipeline-parallel groups' all-reduces and the pipeline's batched p2p with its neighbours,
-    wrapping around under interleaved 1F1B), so that their buffers — allocated outside torch's allocator, on a
-    communicator's first use — are already taken when the free GPU memory is read for the memory plan.
-    Collective over all ranks; nothing without CUDA or with one process."""
+    tensor- and pipeline-parallel groups' all-reduces and the pipeline's p2p with its neighbours: batched
+    under 1F1B, each tensor on its own round the ring under interleaved 1F1B), so that their buffers —
+    allocated outside torch's allocator, on a communicator's first use — are already taken when the free GPU
+    memory is read for the memory plan. Collective over all ranks; nothing without CUDA or with one
+    process."""
     if not (multi_process() and torch.cuda.is_available()):
         return
     from megatron.core import parallel_state as ps
@@ -109,21 +110,49 @@ def warm_communicators() -> None:
     if not ps.model_parallel_is_initialized() or ps.get_pipeline_model_parallel_world_size() == 1:
         torch.cuda.synchronize()
         return
+    if (ps.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
+        warm_interleaved_p2p("cuda")
+        torch.cuda.synchronize()
+        return
     g = ps.get_pipeline_model_parallel_group()
-    ring = (ps.get_virtual_pipeline_model_parallel_world_size() or 1) > 1
     first = ps.is_pipeline_first_stage(ignore_virtual=True)
     last = ps.is_pipeline_last_stage(ignore_virtual=True)
     out, inn = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
     ops = []
-    if ring or not last:  # forward activations go to the next stage, gradients come back from it
+    if not last:  # forward activations go to the next stage, gradients come back from it
         ops += [dist.P2POp(dist.isend, out, ps.get_pipeline_model_parallel_next_rank(), g),
                 dist.P2POp(dist.irecv, inn.clone(), ps.get_pipeline_model_parallel_next_rank(), g)]
-    if ring or not first:
+    if not first:
         ops += [dist.P2POp(dist.irecv, inn, ps.get_pipeline_model_parallel_prev_rank(), g),
                 dist.P2POp(dist.isend, out.clone(), ps.get_pipeline_model_parallel_prev_rank(), g)]
     for req in dist.batch_isend_irecv(ops):
         req.wait()
     torch.cuda.synchronize()
+
+
+def warm_interleaved_p2p(device) -> tuple[int, int]:
+    """One exchange each way round the pipeline ring through Megatron's own unbatched p2p (``_p2p_ops``, what
+    interleaved 1F1B with ``overlap_p2p_comm`` sends with: each tensor on its own, on the groups and in the
+    order it uses), so the communicators NCCL makes for it on first use — the host waiting there until the
+    peer makes it too, the buffers outside torch's allocator — exist before training, on every rank at once.
+    Collective over the pipeline group; returns the global ranks heard from: (previous, next)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel.p2p_communication import _p2p_ops
+
+    ring = dict(group=ps.get_pipeline_model_parallel_group(),
+                prev_pipeline_rank=ps.get_pipeline_model_parallel_prev_rank(),
+                next_pipeline_rank=ps.get_pipeline_model_parallel_next_rank())
+    me = torch.full((1,), float(dist.get_rank()), device=device)
+    got = []
+    for forward in (True, False):  # activations to the next rank, then gradients to the previous one
+        buf = torch.full((1,), -1.0, device=device)
+        reqs = _p2p_ops(tensor_send_prev=None if forward else me, tensor_recv_prev=buf if forward else None,
+                        tensor_send_next=me if forward else None, tensor_recv_next=None if forward else buf,
+                        **ring)
+        for req in reqs.values():
+            req.wait()
+        got.append(buf)
+    return int(got[0].item()), int(got[1].item())
 
 
 def share_from_rank0(value, group=None):

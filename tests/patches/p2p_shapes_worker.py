@@ -6,7 +6,10 @@ and ``"error"`` (text) if a call raised.
 MODE "host": megatron_patches' exchange, on the gloo group of create_pipeline_shape_groups; the communicator's
 own group is a dummy that fails on any use, and torch.cuda.synchronize / current_device, batched p2p and any
 p2p outside the shape group fail the run. MODE "nogroup": the same without the group (an error is expected).
-MODE "megatron": Megatron's own exchange with the world (gloo) as the pipeline group."""
+MODE "megatron": Megatron's own exchange with the world (gloo) as the pipeline group.
+MODE "ring" (any world size): lorafusion.dist.init_distributed at PP = world x 2 virtual stages, then
+warm_interleaved_p2p and one shape exchange each way round the ring through a P2PCommunicator of Megatron's
+pipeline group; writes ``{"heard": [prev, next], "got": [recv_prev_shape, recv_next_shape]}``."""
 
 import datetime
 import json
@@ -67,7 +70,28 @@ def _guard(shape_group):
         setattr(dist, name, checked)
 
 
+def ring(out: str) -> None:
+    """Rank r sends (r + 1, 1, 8) forward and (r + 11, 1, 8) backward."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    from lorafusion.dist import destroy_distributed, init_distributed, warm_interleaved_p2p
+
+    world = int(os.environ["WORLD_SIZE"])
+    init_distributed(1, world, virtual_stages=2)
+    rank = dist.get_rank()
+    heard = warm_interleaved_p2p("cpu")
+    config = SimpleNamespace(use_ring_exchange_p2p=False, virtual_pipeline_model_parallel_size=2)
+    comm = P2PCommunicator(ps.get_pipeline_model_parallel_group(), config)
+    got = comm._communicate_shapes(torch.empty(rank + 1, 1, 8), torch.empty(rank + 11, 1, 8), True, True)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"heard": list(heard), "got": list(got)}, f)
+    destroy_distributed()
+
+
 def main(mode: str, out: str) -> None:
+    if mode == "ring":
+        return ring(out)
     from megatron_patches import apply_cpu_patches, apply_host_p2p_shapes, create_pipeline_shape_groups
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))

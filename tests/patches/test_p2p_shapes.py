@@ -43,18 +43,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(mode: str, tmp: Path) -> list[dict]:
+def _run(mode: str, tmp: Path, world: int = 2) -> list[dict]:
     port = _free_port()
     procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                   OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         procs.append(subprocess.Popen([sys.executable, str(WORKER), mode, str(tmp / mode)], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = [p.communicate(timeout=300)[0] for p in procs]
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-3000:]
-    return [json.loads((tmp / f"{mode}.{rank}").read_text()) for rank in range(2)]
+    return [json.loads((tmp / f"{mode}.{rank}").read_text()) for rank in range(world)]
 
 
 @pytest.mark.slow
@@ -79,3 +80,16 @@ def test_megatrons_own_exchange_pairs_crossing_shapes_wrongly(tmp_path):
     for rank, r in enumerate(results):
         first, want = r["got"][0] if r["got"] else None, _expected(rank)[0]
         assert first == want[::-1] and first != want, (rank, first, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_run_set_up_warms_the_ring_and_exchanges_shapes_round_it(tmp_path, world):
+    """As a run sets the pipeline up (lorafusion.dist.init_distributed: the gloo groups made from Megatron's
+    parallel state) at PP = world x 2 virtual stages: the warm-up of interleaved 1F1B's unbatched p2p hears
+    from both neighbours of the ring, and a shape exchange through Megatron's own communicator gets the
+    previous rank's activation shape and the next rank's gradient shape."""
+    for rank, r in enumerate(_run("ring", tmp_path, world)):
+        prev, nxt = (rank - 1) % world, (rank + 1) % world
+        assert r["heard"] == [prev, nxt], (rank, r)
+        assert r["got"] == [[prev + 1, 1, 8], [nxt + 11, 1, 8]], (rank, r)
