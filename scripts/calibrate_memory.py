@@ -14,7 +14,9 @@ adapter's optimizer step (clip + AdamW). ``in_flight`` k > 1 runs k forwards bef
 of a k-stage 1F1B pipeline at its peak. Each point records ``torch.cuda.max_memory_allocated`` /
 ``max_memory_reserved`` after a reset, the allocated memory before it (weights + adapters + AdamW states),
 or ``oom`` when it did not fit, and the attention path it ran on (``attention``: the memory model counts
-what each saves; grids from before the field are labelled by :func:`label_attention`). Points are written
+what each saves; grids from before the field are labelled by :func:`label_attention`), and
+``rebuilt_inputs`` (the layers rebuild the normed and SwiGLU inputs of their LoRA linears in backward; points
+without the field were measured while those were kept, and are predicted so). Points are written
 as they come (a cut-off run keeps what it measured).
 
 ``fit`` fits :class:`lorafusion.scheduler.memory.Coefficients` (activation scale, backward workspace,
@@ -200,7 +202,8 @@ def measure(args) -> None:
                 _measure_point(model, optimizers, arch, dict(capacity=2048, in_flight=1), dev)
             n = _set_recompute(model, p["recompute"], arch.num_layers)
             rec = dict(shape=shape, num_layers=arch.num_layers, recompute_layers=n,
-                       independent_a=INDEPENDENT_A, **p, **_measure_point(model, optimizers, arch, p, dev))
+                       independent_a=INDEPENDENT_A, rebuilt_inputs=True, **p,
+                       **_measure_point(model, optimizers, arch, p, dev))
             rec["attention"] = attention_path()  # after the point: a fallback during it counts
             raw["points"].append(rec)
             print(json.dumps(rec), flush=True)
@@ -235,8 +238,10 @@ def _setup(pt: dict):
     base = "llama3.1-8b" if pt["shape"] == "8b" else "llama3.1-70b"
     arch = preset(base, num_layers=pt["num_layers"])
     a = AdapterShape(pt["rank"], dropout=0.1, independent_a=pt.get("independent_a", False))
+    # points without the field were measured while the normed and SwiGLU inputs were kept
     return MemorySetup(arch, tuple(a for _ in range(pt["adapters"])),
-                       attention=pt.get("attention", ATTENTION_DEFAULT))
+                       attention=pt.get("attention", ATTENTION_DEFAULT),
+                       rebuilt_inputs=pt.get("rebuilt_inputs", False))
 
 
 def predict(pt: dict, coeffs) -> float:

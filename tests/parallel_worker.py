@@ -78,11 +78,10 @@ def run_one(mode: str, fused: str, workdir: Path) -> None:
     out = {}
 
     if mode != "pp":
-        from lorafusion.layers.lora_linear import SAVED_AS_SHARD
-
+        from lorafusion.ops.saved import REBUILT
         from lorafusion.ops.tp_overlap import OVERLAPPED
 
-        SAVED_AS_SHARD[0] = OVERLAPPED[0] = 0  # counted for this configuration alone
+        REBUILT["gathered"] = OVERLAPPED[0] = 0  # counted for this configuration alone
         losses, per_token = [], []
         for b in mbs:
             if sp:
@@ -102,8 +101,8 @@ def run_one(mode: str, fused: str, workdir: Path) -> None:
                 per_token.append(loss.detach()[0, :n].clone())
         out["losses"] = losses
         out["per_token"] = per_token
-        if sp:  # the column-parallel LoRA inputs were saved as sequence shards, not gathered
-            assert SAVED_AS_SHARD[0] > 0, SAVED_AS_SHARD
+        if sp:  # the column-parallel LoRA inputs were saved as sequence shards (or their norm), not gathered
+            assert REBUILT["gathered"] > 0, REBUILT
         # every decoder linear of every microbatch overlapped (twice with recompute), none without tp_overlap
         want = len(mbs) * 4 * model.config.num_layers * (2 if mode.endswith("_rc") else 1) if nano else 0
         assert OVERLAPPED[0] == want, (OVERLAPPED, want)

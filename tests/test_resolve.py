@@ -65,7 +65,7 @@ def test_plan_and_train_print_the_same_lines_for_the_same_memory():
     cfg = load_run_config(C8, check_files=False)
     a, b = resolve(cfg, World(1), GpuMemory(80 * GIB, 80 * GIB)), resolve(cfg, World(1),
                                                                           GpuMemory(80 * GIB, 81 * GIB))
-    assert a.token_capacity == b.token_capacity == 11776 and a.lines()[1:] == b.lines()[1:]
+    assert a.token_capacity == b.token_capacity == 16896 and a.lines()[1:] == b.lines()[1:]
 
 
 def test_the_search_keeps_the_plans_it_beat():

@@ -21,7 +21,6 @@ are the master weights); compute casts them to the activation dtype.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -54,6 +53,7 @@ from lorafusion.layers.fp8_base import (
 from lorafusion.layers.fused_proj import BlockIndex, block_b, fused_projection_index
 from lorafusion.layers.sharding import COLUMNS, REPLICATED, ROW_HALVES, ROWS, TPSplit
 from lorafusion.layers.tp_overlap import overlapped_forward, tp_overlap_nano
+from lorafusion.ops.saved import rebuild_saved
 from lorafusion.ops.tables import TableCache, seed_tensor
 
 
@@ -290,12 +290,22 @@ class LoRALinear:
     def forward(self, input_, *args, **kwargs):
         """Base + LoRA. Without TP and with the fused kernels, one op does both (the low-rank term enters
         the base GEMM); with ``tp_overlap``, :mod:`.tp_overlap`; otherwise the base layer (Megatron's forward
-        with its TP collectives, or the FP8 base) plus the LoRA term."""
+        with its TP collectives, or the FP8 base) plus the LoRA term.
+
+        Of the input, only the LoRA term keeps anything for backward (X for dA: the frozen base saves its
+        weight alone — Megatron's ``LinearWithFrozenWeight``, the FP8 base, the overlapped base). When the
+        input's producer marked it rebuildable (the SwiGLU output, an RMSNorm output) it is kept as that
+        recipe and rebuilt in backward (:func:`lorafusion.ops.saved.rebuild_saved`)."""
         largs = self._lora_args(input_)
         if nano := tp_overlap_nano(self, args, kwargs):  # TP collectives overlapped (layers.tp_overlap)
-            return overlapped_forward(self, input_, largs, nano, _saved_as_shard)
+            with rebuild_saved(input_):
+                return overlapped_forward(self, input_, largs, nano, _saved_as_shard)
         if largs is None:
             return self._base_forward(input_, *args, **kwargs)
+        with rebuild_saved(input_):
+            return self._lora_forward(input_, largs, *args, **kwargs)
+
+    def _lora_forward(self, input_, largs, *args, **kwargs):
         one_op = (self._tp()[0] == 1 and not args and not kwargs
                   and ops.resolve_impl(input_, self.lora_ctx.impl) == "triton")
         if one_op and is_fp8(self):  # the FP8 base GEMM with the LoRA term added into its output in place
@@ -343,40 +353,14 @@ class LoRALinear:
         return scatter_to_sequence_parallel_region(self._lora_delta(input_, largs))
 
 
-_SHARD = object()  # tag of a saved tensor kept as this rank's sequence shard
-SAVED_AS_SHARD = [0]  # how many saved tensors were kept as shards (tests read it)
-
-
 def _saved_as_shard(full: torch.Tensor, shard: torch.Tensor):
-    """Autograd saved-tensor hooks for the column-parallel LoRA term under SP: a tensor the LoRA op saves for
-    backward that is a view of the all-gathered input (x itself or its 2-D view in the fused and torch
-    paths; segment slices in the CPU reference) is kept as this rank's sequence shard plus the view's
-    geometry, and all-gathered again in backward, as Megatron's SP linears do with their input, so SP's
-    activation saving holds for the LoRA branch too. Anything else is saved as is. (Backward runs the same
-    layers in the same order on every TP rank, so the re-gathers pair up.)"""
-    if not full.is_contiguous():
-        return contextlib.nullcontext()
-    # not the tensor itself (it must be freed after forward): its storage and where it starts in it
-    storage, base, dtype = full.untyped_storage().data_ptr(), full.storage_offset(), full.dtype
+    """The saved-tensor hooks of the column-parallel LoRA term under SP: what the LoRA op saves of the
+    all-gathered input ``full`` (x, its 2-D view, the CPU reference's segment slices) is kept as this rank's
+    ``shard`` — or, when the shard is a norm's output, as the norm's recipe: nothing — and all-gathered again
+    in backward, as Megatron's SP linears do with their input (:func:`lorafusion.ops.saved.rebuild_saved`;
+    backward runs the same layers in the same order on every TP rank, so the gathers pair up)."""
     group = parallel_state.get_tensor_model_parallel_group()
-    # one re-gather per layer call however many views were saved; the cell lives as long as the saved views
-    cell: dict = {}
-
-    def pack(t):
-        if t.dtype == dtype and t.untyped_storage().data_ptr() == storage:
-            SAVED_AS_SHARD[0] += 1
-            return (_SHARD, cell, shard, t.size(), t.stride(), t.storage_offset() - base)
-        return t
-
-    def unpack(obj):
-        if isinstance(obj, tuple) and len(obj) == 6 and obj[0] is _SHARD:
-            _, c, sh, size, stride, offset = obj
-            if "full" not in c:
-                c["full"] = _gather_along_first_dim(sh, group)
-            return c["full"].as_strided(size, stride, offset)
-        return obj
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    return rebuild_saved(shard, full, lambda t: _gather_along_first_dim(t, group))
 
 
 class LoRAColumnParallelLinear(LoRALinear, ColumnParallelLinear):

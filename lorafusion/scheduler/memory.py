@@ -20,16 +20,20 @@ A stage's peak allocated bytes (what ``torch.cuda.max_memory_allocated`` reports
 1F1B; interleaved 1F1B with ``v`` virtual stages holds ``(2·(pp - stage - 1) + (v - 1)·pp + 1)`` model
 chunks of ``1/v`` of the stage's layers (Megatron's warm-up count), i.e. that many ``/ v`` microbatches.
 
-The analytic parts count tensors from the code (ops/fused.py saves X, S, A_cat, B_cat; the fused SwiGLU
-saves fc1's output; RMSNorm its input; the packed attention what its path keeps, ``attention_elems``: counting
-one path for points measured on another was the 8B shape's 4-5% over-prediction). Four coefficients are
-measured on a GPU and fitted (``scripts/calibrate_memory.py``): ``act_scale`` (measured / counted saved
-activations), ``workspace`` (the backward working set per token, in units of ``2·ffn + 2·hidden`` elements),
-``opt_copies`` (an optimizer step's fp32 temporaries: the flat copies kept to undo a non-finite step, AdamW's
-foreach math, in units of the job's parameters) and ``constant_bytes`` (cuBLAS workspace, routing tables, RoPE
-caches; negative when the counts over-estimate). ``margin_frac`` / ``margin_bytes``: what a plan keeps free on
-top of the prediction (the model's error, the allocator's reserved memory above allocated, CUDA context and
-NCCL buffers outside the allocator). See ``memory_coefficients.json`` and docs/BENCHMARKS.md "Memory model".
+The analytic parts count tensors from the code (ops/fused.py saves X, S, A_cat, B_cat; the fused SwiGLU saves
+fc1's output; RMSNorm its input; the packed attention what its path keeps, ``attention_elems``: counting one
+path for points measured on another was the 8B shape's 4-5% over-prediction). With the fused ops, the X of
+linear_qkv, linear_fc1 (the normed inputs) and linear_fc2 (the SwiGLU output) is not kept but rebuilt in
+backward from what the norms and the SwiGLU keep (ops/saved.py; ``saved_elems``); the frozen bases keep no X.
+The committed calibration points were measured before that (``MemorySetup.rebuilt_inputs`` False). Four
+coefficients are measured on a GPU and fitted (``scripts/calibrate_memory.py``): ``act_scale`` (measured /
+counted saved activations), ``workspace`` (the backward working set per token, in units of ``2·ffn +
+2·hidden`` elements), ``opt_copies`` (an optimizer step's fp32 temporaries: the flat copies kept to undo a
+non-finite step, AdamW's foreach math, in units of the job's parameters) and ``constant_bytes`` (cuBLAS
+workspace, routing tables, RoPE caches; negative when the counts over-estimate). ``margin_frac`` /
+``margin_bytes``: what a plan keeps free on top of the prediction (the model's error, the allocator's reserved
+memory above allocated, CUDA context and NCCL buffers outside the allocator). See ``memory_coefficients.json``
+and docs/BENCHMARKS.md "Memory model".
 """
 
 from __future__ import annotations
@@ -115,6 +119,10 @@ class MemorySetup:
     # grouped k and v), "fa4" (FlashAttention-4, grouped k and v) or "per-sample" (one SDPA per sample:
     # models/attention.py's fallback and CPU path)
     attention: str = ATTENTION_DEFAULT
+    # the LoRA linears' inputs that are cheap functions of kept tensors (the normed inputs of qkv and fc1,
+    # the SwiGLU output) rebuilt in backward (``saved_elems``); False: kept, as by the code that measured the
+    # committed calibration points (their raw records have no ``rebuilt_inputs`` field)
+    rebuilt_inputs: bool = True
 
     @property
     def dtype_bytes(self) -> int:
@@ -215,18 +223,28 @@ def attention_elems(s: MemorySetup) -> float:
 
 
 def saved_elems(s: MemorySetup) -> float:
-    """Elements saved per token by one decoder layer that keeps its activations (one TP rank): the layer
-    input and the pre-MLP residual (RMSNorm inputs), the normed inputs of qkv and fc1, the attention's
-    tensors (:func:`attention_elems`), fc1's output and the SwiGLU output."""
+    """Elements saved per token by one decoder layer that keeps its activations (one TP rank).
+
+    With the fused ops (``fused_ops``, the GPU default): the layer input and the pre-MLP residual (what the
+    two RMSNorms keep; sharded under sequence parallelism), the attention's tensors (:func:`attention_elems`;
+    linear_proj's input is the attention output counted there) and fc1's output (the SwiGLU's backward).
+    The LoRA linears' other inputs are cheap functions of those and are rebuilt in backward instead of kept
+    (lorafusion/ops/saved.py): linear_fc2's, the SwiGLU output (``f``), from fc1's output; linear_qkv's and
+    linear_fc1's, the normed inputs (``2h``), from the norms' inputs — under sequence parallelism the
+    all-gathered input is rebuilt from the norm's shard and gathered again, so none of it is kept either.
+    The frozen base linears keep no input (their weight only). Measured with scripts/count_saved_bytes.py
+    (tests/models/test_saved_activations.py counts the same on CPU).
+
+    Megatron's local ops (``fused_ops`` False: torch's RMSNorm keeps fp32 copies of its input, the unfused
+    SwiGLU its two halves): nothing is rebuilt — the normed inputs and the SwiGLU output are kept."""
     a = s.arch
     h, f = a.hidden_size, a.ffn_hidden_size
     seq = h / s.tp if s.sequence_parallel else h  # tensors outside the TP regions
-    sharded = attention_elems(s) + 2 * f + f
-    full = 4 * seq
-    if not s.fused_ops:  # Megatron's local spec: torch RMSNorm keeps fp32 copies, SwiGLU its two halves
-        full += 4 * seq
-        sharded += 2 * f
-    return full + sharded / s.tp
+    if s.fused_ops:
+        kept = 0.0 if s.rebuilt_inputs else 2 * seq + f / s.tp  # (the code before the rebuild)
+        return 2 * seq + (attention_elems(s) + 2 * f) / s.tp + kept
+    # norm inputs and their fp32 copies, the normed inputs; fc1's output, its two halves, the SwiGLU output
+    return 8 * seq + (attention_elems(s) + 2 * f + 2 * f + f) / s.tp
 
 
 def lora_elems(s: MemorySetup) -> float:

@@ -10,6 +10,12 @@ run, so it could not be tested here); no dW (the weight is frozen). ``impl="torc
 ``torch.nn.functional.rms_norm`` with the weight in the input's dtype (torch's fused kernel on CUDA; for fp32
 exactly what ``torch.nn.RMSNorm`` computes). :func:`rms_norm_reference` is the HF formula (tests and float64
 ground truth). :class:`RMSNorm` is the Megatron norm module.
+
+Both implementations mark their output as rebuildable from ``x`` by the same forward
+(:func:`lorafusion.ops.saved.mark_rebuildable`): linear_qkv and linear_fc1 save their input for LoRA's dA,
+and keep it as that recipe instead (one norm kernel in backward; the Triton backward keeps ``x`` anyway — the
+torch one on CPU keeps fp32 copies instead, so there the recipe keeps ``x`` in place of the output, as many
+bytes in a 2-byte dtype).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from lorafusion.models.fused import check_impl
+from lorafusion.ops.saved import mark_rebuildable
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,19 +78,25 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(x as rows, y [rows, h], rstd [rows] fp32, the kernels' block) by the forward kernel."""
+    import triton
+
+    x2 = _rows(x)
+    n, h = x2.shape
+    y = torch.empty((n, h), dtype=x.dtype, device=x.device)
+    rstd = torch.empty(n, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(h)
+    if n:
+        _kernels()[0][(n,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), h, eps, BLOCK=block,
+                            num_warps=8 if block >= 4096 else 4)
+    return x2, y, rstd, block
+
+
 class _RMSNormTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        import triton
-
-        x2 = _rows(x)
-        n, h = x2.shape
-        y = torch.empty((n, h), dtype=x.dtype, device=x.device)
-        rstd = torch.empty(n, dtype=torch.float32, device=x.device)
-        block = triton.next_power_of_2(h)
-        if n:
-            _kernels()[0][(n,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), h, eps, BLOCK=block,
-                                num_warps=8 if block >= 4096 else 4)
+        x2, y, rstd, block = _forward(x, weight, eps)
         ctx.save_for_backward(x2, weight, rstd)
         ctx.block = block
         return y.view(x.shape)
@@ -106,10 +119,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, impl: str = "
     if weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
     if impl == "torch":
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        shape = (x.shape[-1],)
+        y = F.rms_norm(x, shape, weight, eps)
+        if weight.requires_grad:  # a trained weight: not rebuilt (the recipe would close over it)
+            return y
+        return mark_rebuildable(y, lambda t: F.rms_norm(t, shape, weight, eps), x)
     if weight.requires_grad:
         raise ValueError("rms_norm(impl='triton'): the weight must be frozen (no dW is computed)")
-    return _RMSNormTriton.apply(x, weight.contiguous(), float(eps))
+    w, eps = weight.contiguous(), float(eps)
+    y = _RMSNormTriton.apply(x, w, eps)
+    return mark_rebuildable(y, lambda t: _forward(t, w, eps)[1].view(t.shape), x)
 
 
 class RMSNorm(torch.nn.Module):

@@ -3,8 +3,11 @@ saving only ``y`` (the unfused ``silu(gate) * up`` also keeps silu's output, F m
 
 ``impl="triton"``: Liger-Kernel's ``LigerFusedGateUpSiLUMulFunction`` (reads both halves of the one
 buffer, no chunk copies). ``impl="torch"``: the same saved-tensor contract in torch (silu recomputed in
-backward). :func:`swiglu_reference` is the plain formula (Megatron's unfused ``glu``). :class:`SwiGLU` is
-the activation module Megatron's MLP calls on the whole fc1 output (``use_te_activation_func=True`` with
+backward). Both mark their output as rebuildable from ``y`` by the same forward
+(:func:`lorafusion.ops.saved.mark_rebuildable`): linear_fc2 saves its input for LoRA's dA, and keeps it as
+that recipe instead (an elementwise pass in backward; ``y`` is kept here anyway).
+:func:`swiglu_reference` is the plain formula (Megatron's unfused ``glu``). :class:`SwiGLU` is the activation
+module Megatron's MLP calls on the whole fc1 output (``use_te_activation_func=True`` with
 ``MLPSubmodules.activation_func``).
 """
 
@@ -14,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from lorafusion.models.fused import check_impl
+from lorafusion.ops.saved import mark_rebuildable
 
 
 def swiglu_reference(y: torch.Tensor) -> torch.Tensor:
@@ -45,12 +49,21 @@ def swiglu(y: torch.Tensor, *, impl: str = "triton") -> torch.Tensor:
     if y.shape[-1] % 2:
         raise ValueError(f"swiglu: the last dim must be even ([gate; up]), got {y.shape[-1]}")
     if impl == "torch":
-        return _SwiGLUTorch.apply(y)
+        return mark_rebuildable(_SwiGLUTorch.apply(y), swiglu_reference, y)
     from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction
 
     # 2-D in and out: Liger's backward returns the gradient flattened to [rows, 2F]
-    out = LigerFusedGateUpSiLUMulFunction.apply(y.reshape(-1, y.shape[-1]), False)
-    return out.view(*y.shape[:-1], y.shape[-1] // 2)
+    y2 = y.reshape(-1, y.shape[-1])
+    shape = (*y.shape[:-1], y.shape[-1] // 2)
+    out = LigerFusedGateUpSiLUMulFunction.apply(y2, False).view(shape)
+    return mark_rebuildable(out, lambda t: _liger_forward(t).view(shape), y2)
+
+
+def _liger_forward(y2: torch.Tensor) -> torch.Tensor:
+    """The forward kernel of ``LigerFusedGateUpSiLUMulFunction`` alone (what its forward returns)."""
+    from liger_kernel.ops.swiglu import swiglu_fused_gate_up_forward
+
+    return swiglu_fused_gate_up_forward(y2.contiguous())[1]
 
 
 class SwiGLU(torch.nn.Module):
