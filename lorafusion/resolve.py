@@ -169,7 +169,8 @@ class RunPlan:
                    f"{self._said('virtual_stages', self.virtual_stages)}, "
                    f"{self._said('kernels', self.kernels)}, {self._said('attention', self.attention)}, "
                    f"base_precision {self.base_precision}, " + self._said(
-                       "tp_overlap", f"{self.tp_overlap} nano-batches" if self.tp_overlap else
+                       "tp_overlap", ("on, per sequence shard" if self.sequence_parallel else
+                                      f"on, {self.tp_overlap} nano-batches") if self.tp_overlap else
                        f"off{self.tp_overlap_why}"))
         if self.host is not None:
             out.append(f"  host memory: {self.host.total / GIB:.1f} GiB for {self.host.processes} "

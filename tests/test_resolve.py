@@ -101,14 +101,16 @@ def test_a_job_on_a_subset_of_a_fused_linear_is_planned():
 def test_tp_overlap_auto_is_on_where_it_applies_and_on_is_refused_where_it_cannot():
     """``parallelism.tp_overlap``: auto overlaps the TP collectives at tp > 1 on GPUs with a bf16 base (the
     printout names the choice and why not); off is off; on with an FP8 base is one clear error."""
-    def plan(*over, gpu=True):
-        cfg = load_run_config(C8, ["parallelism.tp=2", "parallelism.sequence_parallel=true", *over],
-                              check_files=False)
+    def plan(*over, gpu=True, sp=True):
+        cfg = load_run_config(C8, ["parallelism.tp=2", f"parallelism.sequence_parallel={str(sp).lower()}",
+                                   *over], check_files=False)
         return resolve(cfg, World(2), _gpu(80) if gpu else None)
 
     on = plan()
     assert on.tp_overlap == 2 and "tp_overlap" in on.auto and on.to_dict()["tp_overlap"] == 2
-    assert "tp_overlap 2 nano-batches (auto)" in "\n".join(on.lines())
+    assert "tp_overlap on, per sequence shard (auto)" in "\n".join(on.lines())
+    no_sp = plan(sp=False)
+    assert "tp_overlap on, 2 nano-batches (auto)" in "\n".join(no_sp.lines())
     assert plan("parallelism.tp_overlap_chunks=4").tp_overlap == 4
     assert plan("parallelism.tp_overlap=off").tp_overlap == 0
     assert "tp_overlap off (no GPU) (auto)" in "\n".join(plan(gpu=False).lines())

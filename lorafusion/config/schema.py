@@ -122,7 +122,7 @@ class ParallelismConfig(_Strict):
     stage_layers: list[Annotated[int, Field(ge=1, le=MAX_PARALLEL)]] | Literal["auto"] | None = None
     # model chunks per pipeline rank: Megatron-core's interleaved 1F1B (virtual_pipeline_model_parallel_size)
     virtual_stages: int = Field(1, ge=1, le=MAX_PARALLEL)
-    # TP collectives overlapped with compute, rows in nano-batches (layers/tp_overlap.py; auto: resolve.py)
+    # TP collectives overlapped with compute (ops/tp_overlap.py; auto: resolve.py); chunks: without SP
     tp_overlap: Annotated[Literal["auto", "on", "off"], BeforeValidator(  # (YAML 1.1: on/off are booleans)
         lambda v: ("on" if v else "off") if isinstance(v, bool) else v)] = "auto"
     tp_overlap_chunks: int = Field(2, ge=2, le=64)

@@ -1,10 +1,11 @@
 """The LoRA parallel linears with their tensor-parallel collectives overlapped with compute
-(``parallelism.tp_overlap``; the model config's ``tp_overlap`` is the number of nano-batches, 0 = off).
+(``parallelism.tp_overlap``; the model config's ``tp_overlap``: 0 = off, else on, with that many nano-batches
+of rows for the all-reduces without sequence parallelism).
 
-The frozen base runs through :mod:`lorafusion.ops.tp_overlap` (the input's rows split into nano-batches, the
-collective of one in flight while the GEMM of another runs); the LoRA term of every adapter is computed in the
-same layer call around it, on the same tensors as without overlap, so every adapter's output and gradients are
-the ones of Megatron's path (:class:`lorafusion.layers.lora_linear.LoRALinear`):
+The frozen base runs through :mod:`lorafusion.ops.tp_overlap` (each collective in flight while the GEMM of
+rows that do not wait for it runs); the LoRA term of every adapter is computed in the same layer call around
+it, on the same tensors as without overlap, so every adapter's output and gradients are the ones of Megatron's
+path (:class:`lorafusion.layers.lora_linear.LoRALinear`):
 
 - column-parallel: the base returns the all-gathered input along with its output (SP), and the LoRA term is
   computed on that gathered input: no second all-gather of the same rows (Megatron's path gathers once for the

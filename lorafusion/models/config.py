@@ -48,7 +48,8 @@ class LoRAFusionConfig(TransformerConfig):
 
     tp_overlap: int = 0
     """Tensor-parallel collectives overlapped with compute (``parallelism.tp_overlap``): the number of
-    nano-batches each TP linear splits its rows into (:mod:`lorafusion.layers.tp_overlap`); 0: off."""
+    nano-batches of rows of the all-reduces without sequence parallelism (:mod:`lorafusion.ops.tp_overlap`;
+    with SP the nano-batches are the ranks' sequence shards); 0: off."""
 
     base_model: str | None = None
     """The HF model directory the base weights are loaded from (``build_model_from_hf`` gives it): what

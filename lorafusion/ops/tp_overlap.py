@@ -1,23 +1,24 @@
-"""Tensor-parallel linears whose collectives overlap their own GEMMs: the rows (tokens) of the input split
-into nano-batches, the collective of one nano-batch in flight (``async_op=True``, NCCL's stream) while the
-GEMM of another runs on the compute stream. Plain NCCL / gloo collectives only (no symmetric memory, no
-multicast).
+"""Tensor-parallel linears whose collectives overlap their own GEMMs, on plain NCCL / gloo collectives
+(``async_op=True``: the collective runs on NCCL's stream while the compute stream multiplies; no symmetric
+memory, no NVLink multicast). For the frozen base W of a Megatron parallel linear (no dW: the base is frozen
+in LoRA):
 
-The frozen base W of a Megatron parallel linear (no dW: the base is frozen in LoRA), per pattern:
+- Sequence parallel (Megatron's layout: rank q's sequence shard is rows [q·m, (q+1)·m) of the gathered
+  tensor). The input splits into the ranks' shards, tp nano-batches of m rows:
+  - all-gather then multiply (column forward; row backward's dY): the all-gather is issued, this rank's
+    own shard — which needs nothing gathered — is multiplied while it runs, then the other ranks' shards;
+  - multiply then reduce-scatter (row forward; column backward's dX): the other ranks' blocks are multiplied
+    into the send buffer (its own block zero), the reduce-scatter runs while the own block is multiplied,
+    and the two are added.
+  One collective each, of Megatron's size; every GEMM writes its rows of the output in place (no copies).
+  The column forward also hands back the gathered input (``keep_input``), so the LoRA term reuses it instead
+  of gathering the same rows again; its gradient (whole on every rank) is split back.
+- Without SP (all-reduce: column backward's dX, row forward's Y): the rows in ``nano`` contiguous
+  nano-batches (:func:`nano_bounds`), the all-reduce of one in flight while the next one's GEMM runs.
 
-- column-parallel, sequence parallel: forward all-gathers the input's sequence shard, then X·Wᵀ; backward
-  dY·W, then reduce-scatters dX. Overlapped: all-gather nano-batch j+1 ‖ GEMM j (forward); GEMM j+1 ‖
-  reduce-scatter j (backward). The gathered input comes back too (``keep_input``), so the LoRA term reuses it
-  instead of gathering the same rows again; its gradient (already complete on every rank) is split back.
-- column-parallel without SP: forward has no collective; backward all-reduces dX (GEMM j+1 ‖ all-reduce j).
-- row-parallel, SP: forward X·Wᵀ then reduce-scatter (GEMM j+1 ‖ reduce-scatter j); backward all-gathers dY
-  (all-gather j+1 ‖ GEMM j). Without SP: forward all-reduces Y (GEMM j+1 ‖ all-reduce j); backward has none.
-
-Under SP nano-batch j is the same row range [a, b) of every rank's sequence shard, so its gathered rows are
-rank blocks of the full sequence; they are written back to their places, so every output is in Megatron's
-layout and nothing after the linear changes. Every op inside is row-wise (a GEMM), so the split changes no
-result; attention, the one op that mixes rows, is never split. Numbers equal the unsplit linear up to the
-GEMMs' own summation order.
+Every op inside is row-wise (a GEMM), so no split changes a result; attention, the one op that mixes rows, is
+never split. Outputs are in Megatron's layout, so nothing after the linear changes; numbers equal the unsplit
+linear up to the GEMMs' summation order (and, for a reduce-scatter, the order of the ranks' sum).
 """
 
 from __future__ import annotations
@@ -46,52 +47,57 @@ def _world(group) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
-def _gather_mm(local: torch.Tensor, group, bounds, mm, keep: bool):
-    """``mm(all_gather(local))`` in Megatron's gathered layout (rank r's rows at [r·m, (r+1)·m)), one
-    nano-batch at a time: the gather of j+1 is issued before the GEMM of j. ``keep``: also the gathered input
-    (else None)."""
-    tp, (m, k) = _world(group), local.shape
+def _rank(group) -> int:
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+def _others(tp: int, r: int, m: int) -> list[tuple[int, int]]:
+    """The row ranges of the other ranks' blocks (contiguous runs before and after rank r's)."""
+    return [(a, b) for a, b in ((0, r * m), ((r + 1) * m, tp * m)) if b > a]
+
+
+def _gather_mm(local: torch.Tensor, group, w: torch.Tensor, keep: bool):
+    """(``all_gather(local) @ w`` in Megatron's gathered layout — rank q's rows at [q·m, (q+1)·m) — and the
+    gathered input, or None unless ``keep``): one all-gather in flight while this rank's own block, which
+    needs nothing gathered, is multiplied; then the other ranks' blocks. Every GEMM writes its rows of the
+    output in place (no copies)."""
+    tp, r, (m, k) = _world(group), _rank(group), local.shape
     local = local.contiguous()
-
-    def issue(j):
-        a, b = bounds[j]
-        buf = local.new_empty(tp * (b - a), k)
-        return buf, dist.all_gather_into_tensor(buf, local[a:b], group=group, async_op=True)
-
-    out, full = None, (local.new_empty(tp * m, k) if keep else None)
-    pending = issue(0)
-    for j, (a, b) in enumerate(bounds):
-        buf, work = pending
-        if j + 1 < len(bounds):
-            pending = issue(j + 1)
-        work.wait()
-        y = mm(buf)
-        if out is None:
-            out = y.new_empty(tp * m, y.shape[-1])
-        out.view(tp, m, -1)[:, a:b] = y.view(tp, b - a, -1)
-        if keep:
-            full.view(tp, m, k)[:, a:b] = buf.view(tp, b - a, k)
-    return out, full
+    full = local.new_empty(tp * m, k)
+    work = dist.all_gather_into_tensor(full, local, group=group, async_op=True)
+    out = local.new_empty(tp * m, w.shape[-1])
+    torch.matmul(local, w, out=out[r * m:(r + 1) * m])
+    work.wait()
+    for a, b in _others(tp, r, m):
+        torch.matmul(full[a:b], w, out=out[a:b])
+    return out, (full if keep else None)
 
 
-def _mm_reduce(full: torch.Tensor, group, bounds, mm, scatter: bool) -> torch.Tensor:
-    """``reduce_scatter(mm(full))`` (``scatter``: ``full`` in the gathered layout, tp blocks of m rows; this
-    rank's m rows come back) or ``all_reduce(mm(full))``, one nano-batch at a time: the collective of j is
-    in flight while the GEMM of j+1 runs."""
-    tp = _world(group)
-    blocks = tp if scatter else 1
-    m = full.shape[0] // blocks
-    out, works = None, []
-    for a, b in bounds:
-        part = full.view(blocks, m, -1)[:, a:b].reshape(blocks * (b - a), -1)
-        y = mm(part)
-        if out is None:
-            out = y.new_empty(m, y.shape[-1])
-        if scatter:
-            works.append(dist.reduce_scatter_tensor(out[a:b], y, group=group, async_op=True))
-        else:
-            out[a:b] = y
-            works.append(dist.all_reduce(out[a:b], group=group, async_op=True))
+def _mm_scatter(full: torch.Tensor, group, w: torch.Tensor) -> torch.Tensor:
+    """``reduce_scatter(full @ w)`` (``full`` in the gathered layout; this rank's m rows come back): the other
+    ranks' blocks first, into the send buffer whose own block is zero; the reduce-scatter in flight while
+    the own block is multiplied; then the two added."""
+    tp, r = _world(group), _rank(group)
+    m = full.shape[0] // tp
+    buf = full.new_empty(tp * m, w.shape[-1])
+    for a, b in _others(tp, r, m):
+        torch.matmul(full[a:b], w, out=buf[a:b])
+    buf[r * m:(r + 1) * m].zero_()
+    recv = buf.new_empty(m, w.shape[-1])
+    work = dist.reduce_scatter_tensor(recv, buf, group=group, async_op=True)
+    own = torch.matmul(full[r * m:(r + 1) * m], w)
+    work.wait()
+    return own.add_(recv)
+
+
+def _mm_allreduce(x: torch.Tensor, group, w: torch.Tensor, nano: int) -> torch.Tensor:
+    """``all_reduce(x @ w)`` in nano-batches of rows: the all-reduce of one in flight while the next one's
+    GEMM runs, each GEMM writing its rows of the output in place."""
+    out = x.new_empty(x.shape[0], w.shape[-1])
+    works = []
+    for a, b in nano_bounds(x.shape[0], nano):
+        torch.matmul(x[a:b], w, out=out[a:b])
+        works.append(dist.all_reduce(out[a:b], group=group, async_op=True))
     for work in works:
         work.wait()
     return out
@@ -104,55 +110,54 @@ def _rows2d(x: torch.Tensor) -> torch.Tensor:
 class _ColumnOverlap(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, group, nano: int, sequence_parallel: bool, keep_input: bool):
-        x2 = _rows2d(x)
-        tp = _world(group)
         OVERLAPPED[0] += 1
+        x2 = _rows2d(x)
         ctx.save_for_backward(weight)
-        ctx.group, ctx.sp, ctx.lead = group, sequence_parallel, x.shape[1:-1]
-        ctx.bounds = nano_bounds(x2.shape[0], nano)
-        if not sequence_parallel:
-            y, full = torch.matmul(x2, weight.t()), None
-        else:
-            y, full = _gather_mm(x2, group, ctx.bounds, lambda a: torch.matmul(a, weight.t()), keep_input)
-        lead = (x.shape[0] * (tp if sequence_parallel else 1), *ctx.lead)
-        y = y.view(*lead, y.shape[-1])
+        ctx.group, ctx.sp, ctx.nano, ctx.lead = group, sequence_parallel, nano, x.shape[1:-1]
         ctx.set_materialize_grads(False)  # an unused gathered input has no gradient to split back
-        return y, (None if full is None else full.view(*lead, full.shape[-1]))
+        if not sequence_parallel:
+            return torch.matmul(x, weight.t()), None
+        y, full = _gather_mm(x2, group, weight.t(), keep_input)
+        lead = (x.shape[0] * _world(group), *ctx.lead)
+        return y.view(*lead, y.shape[-1]), (None if full is None else full.view(*lead, full.shape[-1]))
 
     @staticmethod
     def backward(ctx, dy, dfull):
         (weight,) = ctx.saved_tensors
         dy2 = _rows2d(dy).to(weight.dtype)
-        dx = _mm_reduce(dy2, ctx.group, ctx.bounds, lambda a: torch.matmul(a, weight), ctx.sp)
-        if dfull is not None:  # the LoRA branch's gradient of the gathered input: whole on every rank
-            rank, m = dist.get_rank(ctx.group), dx.shape[0]
-            dx = dx + _rows2d(dfull)[rank * m:(rank + 1) * m]
-        lead = (dy.shape[0] // (_world(ctx.group) if ctx.sp else 1), *ctx.lead)
-        return dx.view(*lead, dx.shape[-1]), None, None, None, None, None
+        if ctx.sp:
+            dx = _mm_scatter(dy2, ctx.group, weight)
+            if dfull is not None:  # the LoRA branch's gradient of the gathered input: whole on every rank
+                m = dx.shape[0]
+                dx.add_(_rows2d(dfull)[_rank(ctx.group) * m:(_rank(ctx.group) + 1) * m])
+        else:
+            dx = _mm_allreduce(dy2, ctx.group, weight, ctx.nano)
+        rows = dy.shape[0] // (_world(ctx.group) if ctx.sp else 1)
+        return dx.view(rows, *ctx.lead, dx.shape[-1]), None, None, None, None, None
 
 
 class _RowOverlap(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, group, nano: int, sequence_parallel: bool):
-        x2 = _rows2d(x)
-        tp = _world(group)
         OVERLAPPED[0] += 1
+        x2, tp = _rows2d(x), _world(group)
         ctx.save_for_backward(weight)
         ctx.group, ctx.sp, ctx.lead = group, sequence_parallel, x.shape[1:-1]
-        m = x2.shape[0] // (tp if sequence_parallel else 1)
-        if sequence_parallel and m * tp != x2.shape[0]:
-            raise ValueError(f"row-parallel linear under sequence parallelism: {x2.shape[0]} rows are not "
-                             f"{tp} equal sequence shards")
-        ctx.bounds = nano_bounds(m, nano)
-        y = _mm_reduce(x2, group, ctx.bounds, lambda a: torch.matmul(a, weight.t()), sequence_parallel)
-        return y.view(x.shape[0] // (tp if sequence_parallel else 1), *ctx.lead, y.shape[-1])
+        if not sequence_parallel:
+            y = _mm_allreduce(x2, group, weight.t(), nano)
+            return y.view(*x.shape[:-1], y.shape[-1])
+        if x.shape[0] % tp:
+            raise ValueError(f"row-parallel linear under sequence parallelism: {x.shape[0]} positions are "
+                             f"not {tp} equal sequence shards")
+        y = _mm_scatter(x2, group, weight.t())
+        return y.view(x.shape[0] // tp, *ctx.lead, y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
         (weight,) = ctx.saved_tensors
         dy2 = _rows2d(dy).to(weight.dtype)
         if ctx.sp:
-            dx, _ = _gather_mm(dy2, ctx.group, ctx.bounds, lambda a: torch.matmul(a, weight), False)
+            dx, _ = _gather_mm(dy2, ctx.group, weight, False)
         else:
             dx = torch.matmul(dy2, weight)
         rows = dy.shape[0] * (_world(ctx.group) if ctx.sp else 1)

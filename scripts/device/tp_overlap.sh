@@ -3,7 +3,7 @@
 #   bash scripts/device/tp_overlap.sh            # 8B shape, TP=2 + sequence parallel, 4 adapters
 #   MODEL=32b bash scripts/device/tp_overlap.sh  # the 32B shape (configs/qwen2.5-32b-4adapters.yaml)
 # One training run (scripts/bench_tp_overlap.py under torchrun): the model is built once and its planned chunks
-# alternate between parallelism.tp_overlap off and on with NANO nano-batches (default "2,4": two "on" modes),
+# alternate between parallelism.tp_overlap off and on (NANO: nano-batch counts, "2"; they matter without SP),
 # after one warm-up chunk per mode: TIMED (6) timed chunks per mode, the order reversed every other round; then
 # (PROFILE=1) one profiled chunk per mode: the NCCL collectives' time and the part of it hidden under compute
 # kernels, per rank. Capacity CAPACITY (4096) tokens, LOOKAHEAD (2) global batches per job per chunk.
@@ -30,7 +30,7 @@ name=${NAME:-tp-overlap-${NGPU}x${gpu}}
 [ "${MODEL:-8b}" = 8b ] || name="$name-${MODEL}"
 prof=""; [ "${PROFILE:-1}" = 1 ] && prof="--profile"
 cmd="$PY -m torch.distributed.run --standalone --nproc_per_node 2 scripts/bench_tp_overlap.py --config $config \
---nano ${NANO:-2,4} --timed ${TIMED:-6} $prof --rows ${ROWS:-1024} --out ${BENCH_TMP:-/tmp}/bench_tp_overlap --json $OUT/$name.json \
+--nano ${NANO:-2} --timed ${TIMED:-6} $prof --rows ${ROWS:-1024} --out ${BENCH_TMP:-/tmp}/bench_tp_overlap --json $OUT/$name.json \
 parallelism.tp=2 parallelism.pp=1 parallelism.sequence_parallel=true scheduler.token_capacity=${CAPACITY:-4096} \
 scheduler.lookahead_batches=${LOOKAHEAD:-2} ${EXTRA:-}"
 echo "=== $name: $cmd"
