@@ -119,7 +119,7 @@ def test_plan_gpu_memory_prints_every_size(capsys):
 
 def test_plan_gpu_memory_says_what_would_fit_a_fixed_setting(capsys):
     cfg = ROOT / "configs/llama3.1-8b-4adapters.yaml"
-    assert _main("plan", cfg, "scheduler.token_capacity=16384", "model.recompute=false",
+    assert _main("plan", cfg, "scheduler.token_capacity=24576", "model.recompute=false",
                  "model.recompute_layers=null", "--gpu-memory", "80GiB") == 0
     out = capsys.readouterr().err
     assert "does NOT fit" in out and "Would fit: scheduler.token_capacity: " in out
