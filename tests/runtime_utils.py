@@ -42,7 +42,7 @@ def write_run(tmp: Path, jobs: list[dict], *, out: str = "out", tp=1, pp=1, dp=1
               preset="tiny-llama", recompute=False, sequence_parallel=False, solver="greedy",
               policy="together",
               recompute_layers=None, stage_layers=None, base_precision=None, virtual_stages=1,
-              model_path=None) -> Path:
+              model_path=None, tp_overlap=None) -> Path:
     """A run YAML of ``jobs``. Plans are greedy by default: they do not depend on the machine's load (a
     time-limited MILP can stop at different points in two runs on a busy CI machine), so two runs compared
     by a test get the same packing; the MILP in a real run is covered by tests/runtime/test_readme.py (`make
@@ -57,7 +57,8 @@ def write_run(tmp: Path, jobs: list[dict], *, out: str = "out", tp=1, pp=1, dp=1
         "parallelism": {"tp": tp, "pp": pp, "dp": dp,
                         **({"sequence_parallel": True} if sequence_parallel else {}),
                         **({"stage_layers": stage_layers} if stage_layers else {}),
-                        **({"virtual_stages": virtual_stages} if virtual_stages > 1 else {})},
+                        **({"virtual_stages": virtual_stages} if virtual_stages > 1 else {}),
+                        **({"tp_overlap": tp_overlap} if tp_overlap else {})},
         "scheduler": {"token_capacity": capacity, "milp_time_limit_s": 0.2, "solver": solver,
                       "policy": policy},
         "kernels": "reference",

@@ -46,6 +46,10 @@ def test_dp2_with_whole_global_batches_in_one_microbatch_equals_dp1(tmp_path, me
 # gradient-norm all-reduce is pending fails the run)
 LAYOUTS = {"pp2": dict(pp=2), "dp2": dict(dp=2), "tp2": dict(tp=2),
            "tp2_sp": dict(tp=2, sequence_parallel=True), "pp2_recompute": dict(pp=2, recompute=True),
+           # the TP collectives overlapped with compute (parallelism.tp_overlap: on; auto is off without a
+           # GPU), with SP and recompute, and without SP (all-reduces in nano-batches)
+           "tp2_sp_overlap": dict(tp=2, sequence_parallel=True, recompute=True, tp_overlap="on"),
+           "tp2_overlap": dict(tp=2, tp_overlap="on"),
            # uneven stages (3 + 1 of tiny-llama's 4 layers) with the first 2 of each stage recomputed
            "pp2_uneven_partial_recompute": dict(pp=2, stage_layers=[3, 1], recompute=True,
                                                 recompute_layers=2),
@@ -78,5 +82,6 @@ def test_two_process_runs_equal_single_process(three_jobs, two_process, name):
     for job in ("rev", "up", "rev2"):
         assert_close(load_adapter(two, job), load_adapter(out, job), rel=1e-4)
     s = json.loads((two / "summary.json").read_text())
+    assert s["run_plan"]["tp_overlap"] == (2 if LAYOUTS[name].get("tp_overlap") else 0)
     if LAYOUTS[name].get("pp"):
         assert s["bubble_ratio"] is not None and 0 <= s["bubble_ratio"] < 1
