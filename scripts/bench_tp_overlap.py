@@ -94,7 +94,7 @@ class Alternate:
         if kind == "profile" and torch.cuda.is_available():
             from torch.profiler import ProfilerActivity, profile
 
-            self._prof = profile(activities=[ProfilerActivity.CUDA])
+            self._prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             self._prof.__enter__()
         self._t0 = time.perf_counter()
 

@@ -25,8 +25,12 @@ case "${MODEL:-8b}" in  # (CONFIG: another config; the CPU plumbing test runs th
   32b) config=${CONFIG:-configs/qwen2.5-32b-4adapters.yaml} ;;
   *) echo "MODEL: expected 8b or 32b, got $MODEL"; exit 2 ;;
 esac
-gpu=$("$PY" -c 'import torch; n=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"; print(n.split()[-1].lower() if " " in n else n.lower())')
-name=${NAME:-tp-overlap-${NGPU}x${gpu}}
+# the GPU's model in the file name ("NVIDIA H100 80GB HBM3" -> h100; no GPU: cpu)
+gpu=$("$PY" -c 'import re, torch
+n = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+m = re.search(r"\b([A-Za-z]+\d{2,4})\b", n.replace("NVIDIA", ""))
+print((m.group(1) if m else n.split()[-1]).lower())')
+name=${NAME:-tp-overlap-2x${gpu}}
 [ "${MODEL:-8b}" = 8b ] || name="$name-${MODEL}"
 prof=""; [ "${PROFILE:-1}" = 1 ] && prof="--profile"
 cmd="$PY -m torch.distributed.run --standalone --nproc_per_node 2 scripts/bench_tp_overlap.py --config $config \
