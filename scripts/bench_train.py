@@ -185,6 +185,17 @@ def _device_memory() -> dict:
             "outside_torch_gib": used - torch.cuda.memory_reserved() / 2**30}
 
 
+def chunk_tokens(rows: list[dict], look: int) -> list[int]:
+    """Tokens of each planned chunk, in order, from metrics.jsonl's rows (a chunk holds ``look`` optimizer
+    steps of every job: steps ``c·look + 1 .. (c + 1)·look``)."""
+    out: dict[int, int] = {}
+    for r in rows:
+        if r.get("step") and r.get("tokens") is not None:
+            c = (r["step"] - 1) // look
+            out[c] = out.get(c, 0) + r["tokens"]
+    return [out.get(c, 0) for c in range(max(out, default=-1) + 1)]
+
+
 def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, out: Path,
                    only_job: int | None = None, profiler: ChunkProfiler | None = None,
                    background: bool = True) -> dict:
@@ -249,6 +260,8 @@ def run_lorafusion(config: str, overrides: list[str], steps: int, warmup: int, o
            "timed_s": t1 - t0, "kernels": summary["kernels"], "noops": summary["noop_microbatches"],
            "plan_s": summary["plan_s"], "plan_wait_s": summary.get("plan_wait_s"),
            "chunk_s": [round(x, 3) for x in clock.inside], "boundary_s": [round(x, 3) for x in clock.between],
+           "chunk_tokens": chunk_tokens(rows, look), "attention": summary["run_plan"].get("attention"),
+           "token_capacity": summary["run_plan"].get("token_capacity"),
            "bubble_ratio": summary["bubble_ratio"],
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
            "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries")
