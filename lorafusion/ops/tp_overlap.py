@@ -124,15 +124,19 @@ class _ColumnOverlap(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dfull):
         (weight,) = ctx.saved_tensors
-        dy2 = _rows2d(dy).to(weight.dtype)
-        if ctx.sp:
-            dx = _mm_scatter(dy2, ctx.group, weight)
-            if dfull is not None:  # the LoRA branch's gradient of the gathered input: whole on every rank
-                m = dx.shape[0]
-                dx.add_(_rows2d(dfull)[_rank(ctx.group) * m:(_rank(ctx.group) + 1) * m])
-        else:
-            dx = _mm_allreduce(dy2, ctx.group, weight, ctx.nano)
-        rows = dy.shape[0] // (_world(ctx.group) if ctx.sp else 1)
+        tp, r = _world(ctx.group), _rank(ctx.group)
+        dx = None
+        if dy is not None:  # (grads are not materialised: an output no loss depends on brings None)
+            dy2 = _rows2d(dy).to(weight.dtype)
+            dx = (_mm_scatter(dy2, ctx.group, weight) if ctx.sp
+                  else _mm_allreduce(dy2, ctx.group, weight, ctx.nano))
+        if dfull is not None:  # the LoRA branch's gradient of the gathered input: whole on every rank
+            d2 = _rows2d(dfull)
+            m = d2.shape[0] // tp
+            dx = d2[r * m:(r + 1) * m].clone() if dx is None else dx.add_(d2[r * m:(r + 1) * m])
+        if dx is None:
+            return None, None, None, None, None, None
+        rows = (dy if dy is not None else dfull).shape[0] // (tp if ctx.sp else 1)
         return dx.view(rows, *ctx.lead, dx.shape[-1]), None, None, None, None, None
 
 

@@ -46,6 +46,12 @@ def main(out: Path, backend: str) -> None:
             loss.backward()
             want = (G @ W) + (H if sp else 0.0)
             close(x.grad, want[rows] if sp else want)
+            if sp:  # only the gathered input reaches the loss: its gradient alone, split back
+                x = X[rows].clone().requires_grad_()
+                _, full = column_linear_overlapped(x, W[outs], group, nano, sequence_parallel=True,
+                                                   keep_input=True)
+                (full * H).sum().backward()
+                close(x.grad, H[rows])
             # row-parallel: W split by input columns
             x = X[..., ins].clone().requires_grad_()
             y = row_linear_overlapped(x, W[:, ins], group, nano, sequence_parallel=sp)
