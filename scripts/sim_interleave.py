@@ -14,6 +14,12 @@ simulated - measured. The sweep uses ``stages.loss_layers``.
 
     python scripts/sim_interleave.py --config configs/llama3.1-70b-4adapters.yaml \\
         --measured docs/results/70b-pp4-4gpu.json --out docs/results/pipeline-interleaved-sim.json
+
+``--gpu-memory SIZE`` (e.g. 75.99GiB, what a 4x H100 run reads as free): also, per V, the run as it would
+resolve on that GPU (``lorafusion.resolve``: its token capacity, its stage split, its recompute per model
+chunk, which Megatron counts per chunk: the plan's count per rank rounded up) with each recomputed layer's
+cost in its virtual stage's backward (``sizing.RECOMPUTE_COST`` of the layer's forward + backward), the
+chunks planned at that capacity: the simulated bubble and tokens/s (on the calibration's GPU) per V.
 """
 
 from __future__ import annotations
@@ -54,12 +60,53 @@ def plan_chunks(config: str, overrides: list[str], n: int):
     return cfg, [c.plan for c in (feed.next() for _ in range(n)) if c is not None]
 
 
-def simulate(the_plan, arch, split, loss, scale):
-    costs = stages.stage_costs(split, loss, BACKWARD_RATIO)
+def simulate(the_plan, arch, split, loss, scale, costs=None):
+    costs = costs or stages.stage_costs(split, loss, BACKWARD_RATIO)
     cm = stages.flop_cost_model(arch, loss, flops_per_s=1.0)  # one unit = one forward FLOP
     cm = CostModel(a=0.0, b=cm.b * scale, c=cm.c * scale, gamma=0.0)
     (tl,) = simulate_plan(the_plan, cm, backward_ratio=BACKWARD_RATIO, p2p_s=P2P_S, stage_costs=costs)
     return tl
+
+
+def recompute_costs(split, loss, pp: int, per_chunk: list[int]):
+    """``stages.stage_costs`` with each virtual stage's recomputed layers (rank k's count per model chunk,
+    ``per_chunk[k]``, at most the stage's layers) added to its backward."""
+    from lorafusion.scheduler.sizing import RECOMPUTE_COST
+
+    total = sum(split) + loss
+    return [(f, b + (1 + BACKWARD_RATIO) * RECOMPUTE_COST * min(per_chunk[i % pp], split[i]) / total)
+            for i, (f, b) in enumerate(stages.stage_costs(split, loss, BACKWARD_RATIO))]
+
+
+def on_gpu(args, overrides: list[str], arch, loss: float, scale: float) -> list[dict]:
+    """Per V: the plan ``resolve`` makes for ``--gpu-memory``, simulated with its recompute."""
+    from lorafusion.resolve import GpuMemory, World, resolve
+    from lorafusion.scheduler.sizing import RECOMPUTE_COST, parse_bytes
+
+    gpu, rows = parse_bytes(args.gpu_memory), []
+    for V in [int(v) for v in args.virtual.split(",")]:
+        ov = overrides + [f"parallelism.virtual_stages={V}"]
+        cfg = load_run_config(args.config, ov)
+        p = resolve(cfg, World.for_plan(cfg), GpuMemory(gpu, gpu))
+        split, S = list(p.stage_layers), p.pp
+        per_chunk = [0 if not on else max(split) if n is None else n for on, n in p.recompute]
+        the_plan = plan_chunks(args.config, ov + [f"scheduler.token_capacity={p.token_capacity}"], 2)[1][1]
+        tl = simulate(the_plan, arch, split, loss, scale, recompute_costs(split, loss, S, per_chunk))
+        rc_rank = [sum(min(per_chunk[k], split[c * S + k]) for c in range(V)) for k in range(S)]
+        loads = [round(x + RECOMPUTE_COST * r, 2) for x, r in zip(stages.rank_loads(split, S, loss), rc_rank,
+                                                                   strict=True)]
+        tps = sum(mb.num_tokens for mb in the_plan.microbatches) / tl.makespan
+        rows.append({"virtual_stages": V, "fits": p.fits, "token_capacity": p.token_capacity,
+                     "stage_layers": split, "recompute_per_rank_planned": list(p.recompute_layers),
+                     "recompute_per_chunk": per_chunk, "recompute_per_rank_run": rc_rank,
+                     "rank_load_layers": loads, "simulated_bubble": round(tl.bubble_ratio, 4),
+                     "simulated_bubble_per_stage": [round(x, 4) for x in tl.stage_bubbles],
+                     "simulated_tokens_per_s": round(tps, 1)})
+        print(f"GPU {args.gpu_memory} V={V}: capacity {p.token_capacity}, split {split}, recompute per "
+              f"chunk {per_chunk} (per rank {rc_rank}), rank loads {loads}: bubble {tl.bubble_ratio:.4f} "
+              f"(per stage {' '.join(f'{x:.3f}' for x in tl.stage_bubbles)}), {tps:,.0f} tokens/s"
+              f"{'' if p.fits else ' (does NOT fit)'}")
+    return rows
 
 
 def splits_for(arch: ModelArch, S: int, V: int, loss: float) -> dict[str, list[int]]:
@@ -108,10 +155,13 @@ def main() -> None:
     ap.add_argument("--measured", default="docs/results/70b-pp4-4gpu.json")
     ap.add_argument("--virtual", default="1,2,4,5", help="virtual-stage counts to try")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--gpu-memory", default=None, help="also each V as resolved on a GPU of this free memory")
     ap.add_argument("overrides", nargs="*", default=["parallelism.dp=1"])
     args = ap.parse_args()
     measured = json.loads(Path(args.measured).read_text())
     overrides = list(args.overrides) + list(measured.get("overrides", []))
+    if "model.recompute=false" in overrides:  # (the config's recompute_layers: auto needs recompute)
+        overrides.append("model.recompute_layers=null")
     cfg, plans = plan_chunks(args.config, overrides, 2)
     arch = run_arch(cfg)
     S = cfg.parallelism.pp
@@ -154,6 +204,9 @@ def main() -> None:
           f"least-squares loss {cal['least_squares']['loss_layers']} layers); "
           f"best V={best['virtual_stages']} {best['split_name']} {best['stage_layers']}: "
           f"{best['simulated_bubble']:.4f}")
+    if args.gpu_memory:
+        runs = on_gpu(args, list(args.overrides), arch, loss, scale)
+        res["gpu_plan"] = {"gpu_memory": args.gpu_memory, "runs": runs}
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
 
