@@ -17,5 +17,5 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total,memory.used --f
 "$PY" scripts/make_bench_data.py --out data/bench --rows 256 >/dev/null
 # shellcheck disable=SC2086
 "$PY" scripts/e2e_sweep.py --order "${ORDER:-bf16:auto,fp8:auto,bf16:auto,fp8:auto}" \
-  --timed-chunks "${CHUNKS:-3}" --warmup "${WARMUP:-2}" --timeout "${RUN_TIMEOUT:-150}" \
+  --timed-chunks "${CHUNKS:-3}" --warmup "${WARMUP:-2}" --timeout "${RUN_TIMEOUT:-200}" \
   --out "$OUT/e2e" --json "$OUT/e2e-8b-1x$tag.json" ${ARGS:-}

@@ -12,6 +12,13 @@ from lorafusion.models import attention as att
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+@pytest.fixture(autouse=True)
+def _unselected(monkeypatch):
+    """varlen_attention as a process that selected nothing runs it (a Trainer built earlier in this process
+    may have selected another implementation)."""
+    monkeypatch.setattr(att, "_SELECTED", None)
+
+
 def _explicit(q, k, v, lengths, scale):
     """Row by row softmax(q·kᵀ·scale) over the sample's earlier-or-same tokens, GQA by head groups."""
     h, g = q.shape[1], k.shape[1]
