@@ -11,10 +11,11 @@ none: the config's), CAPACITY ``auto`` (the config's token capacity and recomput
 ``scheduler.token_capacity`` without recompute) or ``bf16cap`` (the capacity the sweep's first bf16 ``auto``
 run resolved to, without recompute: FP8 at bf16's capacity), then optionally ``+KEY=VALUE`` overrides of that
 entry's runs (e.g. ``bf16:auto+model.attention=fa2``); ``--overrides`` apply to every run. Runs of one entry
-are pooled: each timed chunk's
-tokens/s (its tokens over its time, ``chunk_tokens`` / ``chunk_s`` of scripts/bench_train.py) gives
-``per_chunk``'s median and spread per configuration, beside each process's tokens/s. Every process runs with
-the CLI's process environment (lorafusion.core.procenv: the allocator settings), recorded as ``env``.
+are pooled: each timed chunk's tokens/s (its tokens over its time, ``chunk_tokens`` / ``chunk_s`` of
+scripts/bench_train.py) gives ``per_chunk``'s median and spread per configuration, beside each process's
+tokens/s; alternate the entries (A, B, A, B) so that a drift of the GPU's clock or temperature falls on both.
+Every process runs with the CLI's process environment (lorafusion.core.procenv: the allocator settings),
+recorded as ``env``.
 
 Every run is ``scripts/bench_train.py --config CONFIG --rows R --steps S --warmup W --skip-hf`` in its own
 process: ``auto`` as shipped (``token_capacity`` and ``recompute_layers`` auto), a number as that
@@ -32,9 +33,11 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -207,7 +210,8 @@ def _run_one(i: int, spec: str, args, runs: list[dict], out: Path, env: dict) ->
                     if parse_spec(r["spec"]) == ("bf16", "auto") and r["token_capacity"]), None)
     cmd = [sys.executable, str(ROOT / "scripts/bench_train.py"), "--config", args.config,
            "--rows", str(args.rows), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--skip-hf", "--out", f"/tmp/e2e_{i}", *args.overrides, *spec_overrides(spec, bf16cap)]
+           "--skip-hf", "--out", tempfile.mkdtemp(prefix=f"e2e_{i}_"), *args.overrides,
+           *spec_overrides(spec, bf16cap)]
     log_path = out / re.sub(r"[^A-Za-z0-9._-]", "_", f"{i}-{name}.log")
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
@@ -216,6 +220,7 @@ def _run_one(i: int, spec: str, args, runs: list[dict], out: Path, env: dict) ->
                                 cwd=ROOT, env=env).returncode
         except subprocess.TimeoutExpired:
             rc = 124
+    shutil.rmtree(cmd[cmd.index("--out") + 1], ignore_errors=True)  # the run's own folder (adapters)
     lines = log_path.read_text().strip().splitlines()
     try:
         bench = json.loads(lines[-1]) if lines else None
