@@ -95,8 +95,10 @@ def _fa4_fn():
 def fa4_attention(q, k, v, cu: torch.Tensor, max_seqlen: int, scale: float) -> torch.Tensor:
     """FlashAttention-4 packed causal attention: q [T, H, D], k/v [T, G, D] grouped, ``cu`` int32 on q's
     device; forward and backward through its autograd function (it saves q, k, v, the output and the fp32
-    log-sum-exp)."""
-    out, _lse = _fa4_fn()(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_seqlen or None,
+    log-sum-exp). v is copied first: Megatron's v is a view of the qkv projection's output, which a saved view
+    would keep alive whole (q + 2g per token; q and k reach here rotated, as new tensors) for a copy of g."""
+    out, _lse = _fa4_fn()(q, k, v.contiguous(), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                          max_seqlen_q=max_seqlen or None,
                           max_seqlen_k=max_seqlen or None, softmax_scale=scale, causal=True)
     return out
 

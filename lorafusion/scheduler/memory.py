@@ -198,8 +198,8 @@ def attention_elems(s: MemorySetup) -> float:
 
     - "varlen-gqa": qkv's output (v is a view of it), the rotated q and k, the output (which linear_proj saves
       as its input too): ``(q + 2g) + (q + g) + q``;
-    - "fa4": as "varlen-gqa" (FlashAttention-4 saves the q, k and v it is given, v still a view of qkv's output,
-      and its output) plus its fp32 log-sum-exp, one per head: ``3q + 3g + 4·heads / dtype bytes``;
+    - "fa4": the rotated q and k, v copied out of qkv's output (so that is not kept), the output and
+      FlashAttention-4's fp32 log-sum-exp, one per head: ``2q + 2g + 4·heads / dtype bytes``;
     - "varlen": the rotated q, k and v expanded to the query heads (new tensors: neither the rotated k nor
       qkv's output is kept), the output: ``4q``;
     - "per-sample": as "varlen", plus the per-sample outputs SDPA keeps beside their concatenation (what
@@ -214,7 +214,7 @@ def attention_elems(s: MemorySetup) -> float:
     if s.attention == "varlen-gqa":
         return 3 * q + 3 * g
     if s.attention == "fa4":
-        return 3 * q + 3 * g + a.num_attention_heads * 4 / s.dtype_bytes
+        return 2 * q + 2 * g + a.num_attention_heads * 4 / s.dtype_bytes
     if s.attention == "varlen":
         return 4 * q
     if s.attention == "per-sample":

@@ -160,3 +160,50 @@ def test_train_refuses_an_attention_this_machine_cannot_run_in_one_line(tmp_path
     last = res.stderr.strip().splitlines()[-1]
     assert "configs/quickstart.yaml: model.attention: fa4 needs a CUDA GPU" in last
     assert "Traceback" not in res.stderr and not (tmp_path / "run").exists()
+
+
+class _SavesLikeFa4(torch.autograd.Function):
+    """What flash_attn.cute's FlashAttnVarlenFunc keeps for backward (its interface.py:
+    ctx.save_for_backward(q, k, v, ..., out, lse, ..., cu_seqlens_q, cu_seqlens_k)), the math by the
+    reference."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, scale):
+        out = att.varlen_attention_reference(q, k, v, cu, scale)
+        lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse, cu, cu)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return None, None, None, None, None
+
+
+def test_fa4_keeps_what_the_memory_model_counts_and_not_qkvs_output(monkeypatch):
+    """v arrives as a view of qkv's output (Megatron's split), q and k rotated (new tensors): the saved set is
+    q, k, a copy of v, the output and the log-sum-exp — attention_elems("fa4") — not the whole qkv output."""
+    from dataclasses import replace
+
+    from lorafusion.core.arch import preset
+    from lorafusion.scheduler.memory import AdapterShape, MemorySetup, attention_elems
+
+    monkeypatch.setattr(att, "_FA4", lambda q, k, v, **kw: _SavesLikeFa4.apply(
+        q, k, v, kw["cu_seqlens_q"], kw["softmax_scale"]))
+    arch = preset("tiny-llama")
+    h, g, d, t = arch.num_attention_heads, arch.num_query_groups, arch.kv_channels, 12
+    qkv = torch.randn(t, g, (h // g + 2) * d, dtype=torch.bfloat16, requires_grad=True)
+    q = qkv[..., :h // g * d].reshape(t, h, d) * 1.0
+    k, v = qkv[..., h // g * d:(h // g + 1) * d] * 1.0, qkv[..., (h // g + 1) * d:]
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    kept: dict[int, int] = {}
+
+    def pack(x):
+        kept[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        att.fa4_attention(q, k, v, cu, 7, 0.125)
+    kept.pop(cu.untyped_storage().data_ptr())
+    assert qkv.untyped_storage().data_ptr() not in kept
+    setup = replace(MemorySetup(arch, (AdapterShape(8),), dtype="bfloat16"), attention="fa4")
+    assert sum(kept.values()) / 2 / t == attention_elems(setup)

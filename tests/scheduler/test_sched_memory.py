@@ -173,8 +173,9 @@ def test_attention_paths_save_what_the_probe_counted():
     assert attention_elems(s) == 4 * q  # the default: torch 2.11's varlen_attn has no enable_gqa
     assert attention_elems(replace(s, attention="varlen-gqa")) == 3 * q + 3 * g
     assert attention_elems(replace(s, attention="per-sample")) - attention_elems(s) == q
-    # FlashAttention-4 is given grouped k, v (v a view of qkv's output) and keeps its fp32 log-sum-exp per head
-    assert attention_elems(replace(s, attention="fa4")) == 3 * q + 3 * g + 32 * 2
+    # FlashAttention-4 is given grouped k, v (v copied: qkv's output is not kept) and keeps its fp32
+    # log-sum-exp per head
+    assert attention_elems(replace(s, attention="fa4")) == 2 * q + 2 * g + 32 * 2
     # default coefficients: act_scale 1
     per_sample = stage_memory(replace(s, attention="per-sample"), 0, 8192)
     assert per_sample.peak - stage_memory(s, 0, 8192).peak == pytest.approx(8192 * 32 * q * 2, rel=1e-9)
