@@ -133,6 +133,12 @@ class RunPlan:
         on, layers = self.recompute[stage]
         return {"recompute": on, "recompute_layers": layers}
 
+    def model_kwargs(self, stage: int) -> dict:
+        """What the model builder takes from the plan for pipeline rank ``stage``."""
+        return {**self.recompute_kwargs(stage), "base_precision": self.base_precision,
+                "sequence_parallel": self.sequence_parallel, "tp_overlap": self.tp_overlap,
+                "stage_layers": self.model_stage_layers}
+
     @property
     def layers_per_rank(self) -> list[int]:
         v, pp = self.virtual_stages, self.pp

@@ -108,6 +108,7 @@ def test_tp_overlap_auto_is_on_where_it_applies_and_on_is_refused_where_it_canno
 
     on = plan()
     assert on.tp_overlap == 2 and "tp_overlap" in on.auto and on.to_dict()["tp_overlap"] == 2
+    assert on.model_kwargs(0)["tp_overlap"] == 2 and on.model_kwargs(0)["sequence_parallel"]
     assert "tp_overlap on, per sequence shard (auto)" in "\n".join(on.lines())
     no_sp = plan(sp=False)
     assert "tp_overlap on, 2 nano-batches (auto)" in "\n".join(no_sp.lines())

@@ -104,11 +104,8 @@ class Trainer:
         stage = parallel_state.get_pipeline_model_parallel_rank()
         self.timers = StageTimers()  # Megatron's schedules time their stages through config.timers
         self.model = build_base(self.arch, ckpt, dtype=cfg.model.dtype, device=self.device, seed=cfg.seed,
-                                **self.plan.recompute_kwargs(stage), base_precision=self.plan.base_precision,
-                                sequence_parallel=self.plan.sequence_parallel, timers=self.timers,
-                                tp_overlap=self.plan.tp_overlap,
-                                stage_layers=self.plan.model_stage_layers,
-                                lora_impl=lora_impl(self.plan.kernels))
+                                timers=self.timers, lora_impl=lora_impl(self.plan.kernels),
+                                **self.plan.model_kwargs(stage))
         for js in self.jobs.values():
             self._attach(js)
         self.adapters = AdapterHandoff(cfg, self.out, self.model, self.arch, self.device, self.jobs,
