@@ -182,10 +182,15 @@ def run_shape(name, cap, shape, dtype, device, args, check: bool) -> dict:
 
 
 def memory_model_counts(shape) -> dict:
+    """The memory model's attention elements per token per path ({} where the scheduler's dependencies are
+    not installed: a run with Megatron alone, scripts/device/fa4_install.sh)."""
     from dataclasses import replace
 
-    from lorafusion.core.arch import preset
-    from lorafusion.scheduler.memory import ATTENTION_PATHS, AdapterShape, MemorySetup, attention_elems
+    try:
+        from lorafusion.core.arch import preset
+        from lorafusion.scheduler.memory import ATTENTION_PATHS, AdapterShape, MemorySetup, attention_elems
+    except ImportError:
+        return {}
 
     arch = preset("llama3.1-8b")
     if (arch.num_attention_heads, arch.num_query_groups, arch.kv_channels) != tuple(shape.values()):

@@ -3,8 +3,10 @@
 # checkout fill one transfer; the next calls, on the same warm machine, carry .whl as usual and find it
 # unpacked): unpack into .carry/fa4-site, import it and run one packed forward+backward of the 8B's attention
 # shape against torch's SDPA (no lorafusion import: Megatron comes with .whl), which also fills FlashAttention-4's
-# on-disk kernel cache for the later calls.
-#   bash scripts/device/fa4_install.sh        (carry: .carry/fa4)
+# on-disk kernel cache for the later calls. With the Megatron wheel carried too (it is all that
+# scripts/bench_attention.py needs besides the image; ~61 MiB in all), the attention benchmark follows in the
+# same call: $OUT/attention-<gpu>.json, as scripts/device/attention_bench.sh writes it (BENCH=0: not).
+#   bash scripts/device/fa4_install.sh        (carry: .carry/fa4 [and .whl/megatron_core-0.16.1-*.whl])
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PY=${PYTHON:-python3}
 . "$(dirname "$0")/fa4_env.sh"
@@ -42,3 +44,13 @@ for name, x, y in zip(("out", "dq", "dk", "dv"), [out, *(l.grad for l in leaves)
     assert err < 2e-2, name
 print("FlashAttention-4 bundle: ok")
 PY
+echo "smoke rc=$?"
+if [ "${BENCH:-1}" = 1 ] && ls .whl/megatron_core-*.whl >/dev/null 2>&1; then
+  OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-mcore \
+    .whl/megatron_core-*.whl || exit 1
+  tag=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9]00" | tr 'H' 'h')
+  PYTHONPATH=$PWD:$PYTHONPATH:/tmp/site-mcore timeout "${TIMEOUT:-300}" "$PY" scripts/bench_attention.py \
+    --out "$OUT/attention-${tag:-gpu}.json" ${ARGS:-} 2>&1 | grep -v '^{' | tee "$OUT/attention.log" | cut -c1-400
+  echo "bench rc=${PIPESTATUS[0]}"
+fi
