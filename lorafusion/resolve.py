@@ -13,8 +13,9 @@
 - ``kernels`` (``auto``: fused with a GPU, reference without), the base precision, and the attention path the
   memory model counts: the runtime's own (``attention``: what ``model.attention`` selected on this GPU,
   lorafusion.models.attention.select_attention), else :func:`attention_guess`;
-- ``parallelism.tp_overlap`` (``auto``: the TP collectives overlapped with compute where tp > 1 on GPUs with a
-  bf16 base; ``on`` refused with an FP8 base, whose GEMM keeps Megatron's collectives);
+- ``parallelism.tp_overlap`` (``auto``: off — the overlap has not been measured to pay yet (1.016x on 2x H200,
+  within noise); ``on`` overlaps the TP collectives with compute where tp > 1, refused with an FP8 base, whose
+  GEMM keeps Megatron's collectives);
 - the scheduler's settings (:class:`lorafusion.scheduler.SchedulerConfig`: the run YAML's ``scheduler``
   section with the layout and the capacity filled in).
 
@@ -306,18 +307,18 @@ def _why(cfg: RunConfig, setup: MemorySetup, memory: MemoryPlan, longest: int, c
     return tuple(out)
 
 
-def _tp_overlap(cfg: RunConfig, gpu: GpuMemory | None) -> tuple[int, str]:
+def _tp_overlap(cfg: RunConfig) -> tuple[int, str]:
     """(nano-batches of each TP linear, 0: off; why off) for ``parallelism.tp_overlap``."""
     p = cfg.parallelism
     if p.tp_overlap == "off" or p.tp == 1:
         return 0, " (tp = 1)" if p.tp == 1 else ""
-    auto, fp8 = p.tp_overlap == "auto", cfg.model.base_precision == "fp8"
-    why = " (FP8 base: its own GEMM)" if fp8 else " (no GPU)" if gpu is None and auto else ""
-    if fp8 and not auto:
+    if p.tp_overlap == "auto":  # off until a measurement shows it pays (docs/DESIGN.md, "TP overlap")
+        return 0, " (not measured to help yet)"
+    if cfg.model.base_precision == "fp8":
         raise ConfigError(f"{cfg.source}: parallelism.tp_overlap: on does not apply with "
                           "model.base_precision: fp8 (its FP8 GEMM keeps Megatron's collectives); "
                           "use auto or off")
-    return (0, why) if why else (p.tp_overlap_chunks, "")
+    return p.tp_overlap_chunks, ""
 
 
 def resolve(cfg: RunConfig, world: World, gpu: GpuMemory | None, *,
@@ -365,7 +366,7 @@ def resolve(cfg: RunConfig, world: World, gpu: GpuMemory | None, *,
                    _model_recompute(cfg, counts, per_rank), tuple(counts), kernels,
                    attention, m.base_precision, len(cfg.jobs),
                    scheduler, memory, gpu, tuple(auto), no_fit, host, setup, why,
-                   max(longest.values(), default=1), *_tp_overlap(cfg, gpu))
+                   max(longest.values(), default=1), *_tp_overlap(cfg))
 
 
 def run_need(cfg: RunConfig, processes: int) -> HostNeed:
