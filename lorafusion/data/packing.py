@@ -27,20 +27,35 @@ class PackedBatch:
     routing: Routing
     adapters: tuple[str, ...]  # routing slot → adapter name
     sample_adapter: tuple[str, ...]  # adapter of each sample, in order
+    # cu_seqlens as host ints once the tensors live on a GPU (``to``): the per-sample attention slices by them
+    # without reading the device (a host read inside a pipeline schedule can deadlock it; see ``to``)
+    host_cu_seqlens: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.shape[1])
 
+    def host_bounds(self) -> tuple[int, ...] | None:
+        """``cu_seqlens`` as host ints without reading a device (None: only the device has them)."""
+        if self.host_cu_seqlens is not None:
+            return self.host_cu_seqlens
+        return tuple(self.cu_seqlens.tolist()) if self.cu_seqlens.device.type == "cpu" else None
+
     def packed_seq_params(self):
+        """Megatron's ``PackedSeqParams`` (thd) of this batch, carrying ``host_cu_seqlens`` as well (the host
+        copy of ``cu_seqlens`` that ``lorafusion.models.attention`` reads instead of the device's)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
-                               max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
+                                 max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
+        params.host_cu_seqlens = self.host_bounds()
+        return params
 
     def to(self, device) -> "PackedBatch":
         """The tensors on ``device``; to a GPU through pinned memory without blocking the host (the host
-        keeps enqueueing work while the copy waits its turn on the stream)."""
+        keeps enqueueing work while the copy waits its turn on the stream), the sample bounds kept on the
+        host too. Inside interleaved 1F1B on NCCL a host read of a device tensor can wait for a pending
+        pipeline receive whose peer sends only after this rank's next p2p call: a deadlock."""
         dev = torch.device(device)
 
         def move(t):
@@ -50,7 +65,7 @@ class PackedBatch:
 
         return PackedBatch(move(self.tokens), move(self.position_ids), move(self.labels),
                            move(self.loss_mask), move(self.cu_seqlens), self.max_seqlen, self.routing,
-                           self.adapters, self.sample_adapter)
+                           self.adapters, self.sample_adapter, self.host_bounds())
 
     def adapter_token_mask(self, name: str) -> torch.Tensor:
         """[1, T] bool: tokens belonging to adapter ``name``."""

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from lorafusion.ops.tables import to_device
+
 __all__ = ["block_b", "fused_projection_index", "merge_rows", "split_rows"]
 
 
@@ -73,8 +75,11 @@ class BlockIndex:
         slot_of = {p: i for i, p in enumerate(chosen)}
         self.rows_total = proj_index.numel()
         self.n_proj = len(chosen)
-        self.rows = torch.nonzero(mask).flatten().to(device)
-        self.slots = torch.tensor([slot_of[int(p)] for p in proj_index[mask]], dtype=torch.long).to(device)
+        # built at a layer's first forward, which may be inside a pipeline schedule: pinned, non-blocking copies
+        # (a blocking one synchronises the stream; see lorafusion.data.packing.PackedBatch.to)
+        self.rows = to_device(torch.nonzero(mask).flatten(), device)
+        self.slots = to_device(torch.tensor([slot_of[int(p)] for p in proj_index[mask]], dtype=torch.long),
+                               device)
         self.whole = bool(mask.all())
 
 

@@ -51,9 +51,12 @@ def causal_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return out.squeeze(0).transpose(0, 1)
 
 
-def varlen_attention_reference(q, k, v, cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Exact packed attention: each [cu[i], cu[i+1]) segment attends causally within itself."""
-    bounds = cu_seqlens.tolist()
+def varlen_attention_reference(q, k, v, cu_seqlens: torch.Tensor, scale: float,
+                               bounds=None) -> torch.Tensor:
+    """Exact packed attention: each [cu[i], cu[i+1]) segment attends causally within itself. ``bounds``: the
+    same as host ints, if the caller has them (then the device's ``cu_seqlens`` is not read: a host read
+    inside a pipeline schedule can deadlock it on NCCL)."""
+    bounds = list(bounds) if bounds is not None else cu_seqlens.tolist()
     outs = [causal_attention_reference(q[a:b], k[a:b], v[a:b], scale)
             for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     tail = q.shape[0] - bounds[-1]
@@ -125,10 +128,13 @@ def _fa2_args(q, k, v, params, scale):
     return k, v, kw
 
 
-def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float) -> torch.Tensor:
+def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float,
+                     bounds=None) -> torch.Tensor:
+    """Packed causal attention by the selected implementation; ``bounds``: ``cu_seqlens`` as host ints, if
+    known (the per-sample path then never reads the device)."""
     global _SELECTED
     if _SELECTED == "per-sample" or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
-        return varlen_attention_reference(q, k, v, cu_seqlens, scale)
+        return varlen_attention_reference(q, k, v, cu_seqlens, scale, bounds)
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     if _SELECTED == "fa4":
         try:
@@ -142,12 +148,12 @@ def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: 
             _SELECTED = "fa2"
     fn, params = _varlen_fn()
     if fn is None:
-        return varlen_attention_reference(q, k, v, cu_seqlens, scale)
+        return varlen_attention_reference(q, k, v, cu_seqlens, scale, bounds)
     k, v, kw = _fa2_args(q, k, v, params, scale)
-    return _varlen_or_fallback(fn, q, k, v, cu, cu_seqlens, max_seqlen, scale, kw)
+    return _varlen_or_fallback(fn, q, k, v, cu, cu_seqlens, max_seqlen, scale, kw, bounds)
 
 
-def _varlen_or_fallback(fn, q, k, v, cu, cu_seqlens, max_seqlen, scale, kw):
+def _varlen_or_fallback(fn, q, k, v, cu, cu_seqlens, max_seqlen, scale, kw, bounds=None):
     """``fn`` (torch's varlen_attn); if it fails for a reason other than memory, the per-sample path from now
     on. Out of memory is raised: the fallback saves one more q-width tensor per token and layer (the
     per-sample outputs beside their concatenation; scheduler.memory.attention_elems), so switching to it for
@@ -155,7 +161,7 @@ def _varlen_or_fallback(fn, q, k, v, cu, cu_seqlens, max_seqlen, scale, kw):
     grids)."""
     global _VARLEN_FAILED
     if _VARLEN_FAILED:
-        return varlen_attention_reference(q, k, v, cu_seqlens, scale)
+        return varlen_attention_reference(q, k, v, cu_seqlens, scale, bounds)
     try:
         return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kw)
     except torch.OutOfMemoryError:
@@ -164,7 +170,7 @@ def _varlen_or_fallback(fn, q, k, v, cu, cu_seqlens, max_seqlen, scale, kw):
         warnings.warn(f"torch varlen_attn failed ({e}); using the per-sample SDPA path from now on",
                       stacklevel=3)
         _VARLEN_FAILED = True
-        return varlen_attention_reference(q, k, v, cu_seqlens, scale)
+        return varlen_attention_reference(q, k, v, cu_seqlens, scale, bounds)
 
 
 def attention_path() -> str:
@@ -332,7 +338,7 @@ class PackedDotProductAttention(MegatronModule):
                 return self.kv_cache.attend(self.layer_number, query, key, value, self.softmax_scale)
             cu = packed_seq_params.cu_seqlens_q
             return varlen_attention(query, key, value, cu, int(packed_seq_params.max_seqlen_q or 0),
-                                    self.softmax_scale)
+                                    self.softmax_scale, getattr(packed_seq_params, "host_cu_seqlens", None))
         # [sq, b, np, hn] → [b, np, sq, hn]
         sq, b, h, d = query.shape
         q = query.permute(1, 2, 0, 3)

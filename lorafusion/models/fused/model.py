@@ -48,7 +48,9 @@ class FusedLossGPTModel(GPTModel):
         self.fused_loss = None if fused_loss is None else check_impl(fused_loss)
         self.lora_context = lora_context
         if rope_inv_freq is not None:
-            self.rotary_pos_emb.inv_freq = rope_inv_freq
+            # on the device Megatron's own are (a GPU): Megatron would copy a host tensor there at the first
+            # forward, a blocking copy inside the pipeline schedule
+            self.rotary_pos_emb.inv_freq = rope_inv_freq.to(self.rotary_pos_emb.inv_freq.device)
         if embedding_requires_grad and self.pre_process:
             self.embedding.register_forward_hook(_output_requires_grad)
 
