@@ -32,6 +32,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from megatron_patches.trace import record
 from lorafusion.core.seeds import mix_seed, name_key
 from lorafusion.dist import multi_process
 from lorafusion.data.packing import pad_to_multiple
@@ -70,12 +71,14 @@ class StepTracker:
                 # gradients (zeros, or this rank's share) join this step's reduction in lockstep with the
                 # ranks that did run the job.
                 self._end({k[0]})
+                record(f"optimizer step begins {k}")
                 self.optimizers[k[0]].begin_step()
                 self._begun.append(k)
 
     def _end(self, jobs: set[str] | None) -> None:
         for k in self._begun:
             if k not in self.results and (jobs is None or k[0] in jobs):
+                record(f"optimizer step ends {k}")
                 self.results[k] = self.optimizers[k[0]].end_step()
 
 
@@ -103,6 +106,7 @@ class InterleavedStepTracker(StepTracker):
         for k in self._ends_at.get(u, ()):
             if k not in self._begun:
                 self._end({k[0]})  # a DP rank that skipped the job: see StepTracker._begin
+                record(f"optimizer step begins {k}")
                 self.optimizers[k[0]].begin_step()
                 self._begun.append(k)
 
@@ -186,11 +190,39 @@ def run_schedule(chunks: list, forward_step, microbatches: list, num_tokens, pad
     count)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_patches.trace import traced_schedule
+
     data = [iter(microbatches) for _ in chunks] if len(chunks) > 1 else iter(microbatches)
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data, model=chunks,
-                                num_microbatches=len(microbatches),
-                                seq_length=max(-(-num_tokens(b) // pad) * pad for b in microbatches),
-                                micro_batch_size=1, forward_only=forward_only)
+    record(f"schedule begin: {len(microbatches)} microbatches, {len(chunks)} model chunk(s), "
+           f"forward_only={forward_only}")
+    with traced_schedule(), sync_debug():
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data, model=chunks,
+                                    num_microbatches=len(microbatches),
+                                    seq_length=max(-(-num_tokens(b) // pad) * pad for b in microbatches),
+                                    micro_batch_size=1, forward_only=forward_only)
+    record("schedule end")
+
+
+SYNC_DEBUG_ENV = "LORAFUSION_SYNC_DEBUG"
+
+
+@contextlib.contextmanager
+def sync_debug():
+    """On a GPU with ``LORAFUSION_SYNC_DEBUG`` = warn or error: torch's sync debug mode while the schedule runs,
+    so every call that makes the host wait for the GPU (``.item()``, ``.tolist()``, a blocking copy...) warns
+    with its place, or raises. Under interleaved 1F1B on NCCL such a wait can deadlock the pipeline: the
+    compute stream may be waiting for a receive whose peer sends only after this rank's next p2p call."""
+    import os
+
+    mode = os.environ.get(SYNC_DEBUG_ENV, "")
+    if mode not in ("warn", "error") or not torch.cuda.is_available():
+        yield
+        return
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def sum_from_last_stage(t: torch.Tensor) -> torch.Tensor:
@@ -231,6 +263,7 @@ def run_chunk(model, chunk: Chunk, optimizers: dict, *, seed: int, device: torch
 
     def forward_step(data_iterator, model_):
         batch, batch_of = next(data_iterator)
+        record(f"forward chunk={which[id(model_)]} tokens={batch.num_tokens} batches={batch_of}")
         if len(chunks) > 1:
             tracker.before_forward(batch_of, which[id(model_)])
         else:
