@@ -99,9 +99,9 @@ def test_a_job_on_a_subset_of_a_fused_linear_is_planned():
 
 
 def test_tp_overlap_auto_is_off_and_on_is_refused_where_it_cannot():
-    """``parallelism.tp_overlap``: auto is off (the overlap has not been measured to pay: the printout says so);
-    on overlaps the TP collectives at tp > 1, with or without a GPU; off is off; on with an FP8 base is one
-    clear error."""
+    """``parallelism.tp_overlap``: auto is off (the overlap has not been measured to pay: the printout says
+    so); on overlaps the TP collectives at tp > 1, with or without a GPU; off is off; on with an FP8 base is
+    one clear error."""
     def plan(*over, gpu=True, sp=True):
         cfg = load_run_config(C8, ["parallelism.tp=2", f"parallelism.sequence_parallel={str(sp).lower()}",
                                    *over], check_files=False)
