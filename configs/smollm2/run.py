@@ -119,6 +119,17 @@ def commit() -> str | None:
         return None
 
 
+def special_token_errors() -> list[str]:
+    """scripts/get_smollm2.py's check of the model directory's special tokens (an eos other than <|im_end|>
+    ends every answer one token late: none equal to its expected text)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from get_smollm2 import special_token_errors as errors
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    return errors(MODEL)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="the run directory (default: outputs/smollm2/<time>, linked "
@@ -154,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     own_model = any(o.startswith("model.path=") for o in args.overrides)
     if not (MODEL / "model.safetensors").is_file() and not own_model:
         print(f"{MODEL}: no model; write it first with: make real-model", file=sys.stderr)
+        return 2
+    if not own_model and (bad := special_token_errors()):
+        print(f"{MODEL}: not the GGUF's special tokens ({bad[0]}); fix it in place with: python "
+              f"scripts/get_smollm2.py", file=sys.stderr)
         return 2
     out = run_dir(args)
     overrides = list(args.overrides)

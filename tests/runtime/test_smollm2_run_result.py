@@ -57,3 +57,17 @@ def test_generate_only_needs_a_trained_run_directory(run_py, tmp_path, capsys):
     (tmp_path / "adapters").mkdir()
     args = run_py.parse_args(["--generate-only", "--out", str(tmp_path), "--decode", "dynamic"])
     assert args.generate_only and args.decode == "dynamic"
+
+
+def test_a_model_directory_with_another_eos_is_refused_before_training(run_py, tmp_path, monkeypatch, capsys):
+    from tests.data.test_smollm2_special_tokens import _as_transformers_5_17_writes_it
+
+    model = _as_transformers_5_17_writes_it(tmp_path / "model")
+    (model / "model.safetensors").write_bytes(b"")
+    monkeypatch.setattr(run_py, "MODEL", model)
+    monkeypatch.setattr(run_py, "lorafusion", lambda *a: pytest.fail("trained with the wrong eos"))
+    assert run_py.main(["--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "not the GGUF's special tokens (tokenizer_config.json eos_token '<|im_start|>'" in err
+    assert "python scripts/get_smollm2.py" in err
+    assert not (tmp_path / "run").exists()
