@@ -14,8 +14,8 @@
   memory model counts: the runtime's own (``attention``: what ``model.attention`` selected on this GPU,
   lorafusion.models.attention.select_attention), else :func:`attention_guess`;
 - ``parallelism.tp_overlap`` (``auto``: off — the overlap has not been measured to pay yet (1.016x on
-  2x H200, within noise); ``on`` overlaps the TP collectives with compute where tp > 1, refused with an FP8 base, whose
-  GEMM keeps Megatron's collectives);
+  2x H200, within noise); ``on`` overlaps the TP collectives with compute where tp > 1, refused with an FP8
+  base, whose GEMM keeps Megatron's collectives);
 - the scheduler's settings (:class:`lorafusion.scheduler.SchedulerConfig`: the run YAML's ``scheduler``
   section with the layout and the capacity filled in).
 
