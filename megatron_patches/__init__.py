@@ -9,7 +9,9 @@ decoding with a KV cache), :func:`apply_stream_local_p2p_sync` (no device-wide s
 pipeline p2p while a gradient-norm all-reduce is pending) and :func:`apply_host_p2p_shapes` (the pipeline's
 shape exchange over a gloo group of the pipeline ranks, made by :func:`create_pipeline_shape_groups`) work on
 CPU and GPU; :func:`after_each_backward`
-(a callback after each pipeline backward step) holds only inside its ``with``. Nothing is patched on import.
+(a callback after each pipeline backward step) and :func:`megatron_patches.trace.traced_schedule` (a record
+of each rank's schedule position, only with ``LORAFUSION_PIPELINE_TRACE`` set) hold only inside their
+``with``. Nothing is patched on import.
 """
 
 from megatron_patches.cpu import apply_cpu_patches, cpu_patches_applied

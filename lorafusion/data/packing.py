@@ -46,8 +46,9 @@ class PackedBatch:
         copy of ``cu_seqlens`` that ``lorafusion.models.attention`` reads instead of the device's)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
-                                 max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens,
+                                 cu_seqlens_kv=self.cu_seqlens, max_seqlen_q=self.max_seqlen,
+                                 max_seqlen_kv=self.max_seqlen)
         params.host_cu_seqlens = self.host_bounds()
         return params
 

@@ -21,6 +21,15 @@ the batch's last microbatch (a hook after each of Megatron's backward steps, bef
 so every rank has begun before the first rank waits in an *end*), and *ends* right before chunk 0's forward of
 the job's next microbatch here; the scheduler's rule (``pipeorder.start_slot``) puts that forward after the
 backward on every rank. :class:`InterleavedStepTracker`.
+
+No host waits for the GPU inside the schedule. On NCCL a pair of pipeline ranks runs its p2p operations in
+issue order on one stream, a send finishes only once the peer has posted its receive, and a rank posts a
+receive only in the p2p call that learns its shape over gloo from the peer's host. A host that waits for its
+GPU (``.tolist()`` of a device tensor, a blocking copy) while the compute stream waits for such a send, a
+receive behind it, or an *end*'s norm all-reduce can stop the very p2p call its peer's host is waiting in:
+a deadlock that gloo, whose sends finish alone, never shows (tests/runtime/test_schedule_device_reads.py).
+``LORAFUSION_SYNC_DEBUG`` reports such waits on a GPU; ``LORAFUSION_PIPELINE_TRACE`` records each rank's
+schedule position (:mod:`megatron_patches.trace`).
 """
 
 from __future__ import annotations
@@ -208,8 +217,8 @@ SYNC_DEBUG_ENV = "LORAFUSION_SYNC_DEBUG"
 
 @contextlib.contextmanager
 def sync_debug():
-    """On a GPU with ``LORAFUSION_SYNC_DEBUG`` = warn or error: torch's sync debug mode while the schedule runs,
-    so every call that makes the host wait for the GPU (``.item()``, ``.tolist()``, a blocking copy...) warns
+    """On a GPU with ``LORAFUSION_SYNC_DEBUG`` = warn or error: torch's sync debug mode while the schedule
+    runs, so every call that makes the host wait for the GPU (``.item()``, ``.tolist()``, a blocking copy...) warns
     with its place, or raises. Under interleaved 1F1B on NCCL such a wait can deadlock the pipeline: the
     compute stream may be waiting for a receive whose peer sends only after this rank's next p2p call."""
     import os

@@ -22,7 +22,8 @@ _state = {"watching": False}
 
 def _caller() -> str:
     frames = [f for f in traceback.extract_stack()[:-2] if "device_reads" not in f.filename]
-    return " <- ".join(f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}" for f in frames[-4:][::-1])
+    return " <- ".join(f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}"
+                       for f in frames[-4:][::-1])
 
 
 def _read(name):
@@ -48,7 +49,7 @@ for _name in ("tolist", "item", "__bool__", "cpu", "numpy", "__int__", "__float_
 
 
 def install():
-    """Patch ``PackedBatch.to`` and ``run_schedule`` (module attributes; returns a function that undoes it)."""
+    """Patch ``PackedBatch.to`` and ``run_schedule`` (module attributes); returns a function undoing it."""
     from lorafusion.data.packing import PackedBatch
     from lorafusion.runtime import pipeline
 
