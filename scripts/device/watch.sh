@@ -19,6 +19,12 @@ for p in $(descendants "$pid"); do
     echo "--- pid $p: $(tr '\0' ' ' < /proc/$p/cmdline | cut -c1-160)" >&2
     kill -USR2 "$p" 2>/dev/null
     sleep 2
+    # the native frames too where a tool for them is installed (a host stuck in a CUDA or NCCL call)
+    if command -v py-spy >/dev/null; then
+      timeout 30 py-spy dump --native --pid "$p" >&2 2>&1
+    elif command -v gdb >/dev/null; then
+      timeout 60 gdb -p "$p" -batch -ex "thread apply all bt 8" 2>/dev/null | grep -E "^Thread|^#" >&2
+    fi
   fi
 done
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv >&2
