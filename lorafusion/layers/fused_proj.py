@@ -75,8 +75,8 @@ class BlockIndex:
         slot_of = {p: i for i, p in enumerate(chosen)}
         self.rows_total = proj_index.numel()
         self.n_proj = len(chosen)
-        # built at a layer's first forward, which may be inside a pipeline schedule: pinned, non-blocking copies
-        # (a blocking one synchronises the stream; see lorafusion.data.packing.PackedBatch.to)
+        # built at a layer's first forward, which may be inside a pipeline schedule: pinned, non-blocking
+        # copies (a blocking one synchronises the stream; see lorafusion.data.packing.PackedBatch.to)
         self.rows = to_device(torch.nonzero(mask).flatten(), device)
         self.slots = to_device(torch.tensor([slot_of[int(p)] for p in proj_index[mask]], dtype=torch.long),
                                device)
