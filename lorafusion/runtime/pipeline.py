@@ -219,8 +219,7 @@ SYNC_DEBUG_ENV = "LORAFUSION_SYNC_DEBUG"
 def sync_debug():
     """On a GPU with ``LORAFUSION_SYNC_DEBUG`` = warn or error: torch's sync debug mode while the schedule
     runs, so every call that makes the host wait for the GPU (``.item()``, ``.tolist()``, a blocking copy...)
-    warns
-    with its place, or raises. Under interleaved 1F1B on NCCL such a wait can deadlock the pipeline: the
+    warns with its place, or raises. Under interleaved 1F1B on NCCL such a wait can deadlock the pipeline: the
     compute stream may be waiting for a receive whose peer sends only after this rank's next p2p call."""
     import os
 
