@@ -46,8 +46,8 @@ def test_dp2_with_whole_global_batches_in_one_microbatch_equals_dp1(tmp_path, me
 # gradient-norm all-reduce is pending fails the run)
 LAYOUTS = {"pp2": dict(pp=2), "dp2": dict(dp=2), "tp2": dict(tp=2),
            "tp2_sp": dict(tp=2, sequence_parallel=True), "pp2_recompute": dict(pp=2, recompute=True),
-           # the TP collectives overlapped with compute (parallelism.tp_overlap: on; auto is off without a
-           # GPU), with SP and recompute, and without SP (all-reduces in nano-batches)
+           # the TP collectives overlapped with compute (parallelism.tp_overlap: on; auto is off), with SP
+           # and recompute, and without SP (all-reduces in nano-batches)
            "tp2_sp_overlap": dict(tp=2, sequence_parallel=True, recompute=True, tp_overlap="on"),
            "tp2_overlap": dict(tp=2, tp_overlap="on"),
            # uneven stages (3 + 1 of tiny-llama's 4 layers) with the first 2 of each stage recomputed
