@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The GPUs' links and NCCL's bandwidth between the GPUs this script may use (CUDA_VISIBLE_DEVICES), in seconds:
+#   bash scripts/device/nccl_probe.sh        -> $OUT/nccl_probe.log: nvidia-smi topo -m, NCCL's transport lines, GB/s
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. "$(dirname "$0")/setup.sh"
+NGPU=${NGPU:-$("$PY" -c 'import torch; print(torch.cuda.device_count())')}
+{
+  nvidia-smi topo -m
+  NCCL_DEBUG=INFO "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NGPU" scripts/nccl_probe.py 2>&1 \
+    | grep -E '^\{|via |Channel 00|NCCL version' | head -40
+} > "$OUT/nccl_probe.log" 2>&1
+cat "$OUT/nccl_probe.log"
