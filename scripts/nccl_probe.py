@@ -1,8 +1,9 @@
 """How fast two (or more) GPUs of this machine exchange data through NCCL: all-gather and reduce-scatter of
-16 MiB per rank (the size of a tensor-parallel collective of the 8B shape at 4,096 tokens), CUDA events, warm-up,
-the median of 20. Prints one JSON line per collective (GB/s of bus bandwidth, as nccl-tests counts it).
+16 MiB per rank (the size of a tensor-parallel collective of the 8B shape at 4,096 tokens), CUDA events,
+warm-up, the median of 20. Prints one JSON line per collective (GB/s of bus bandwidth, as nccl-tests
+counts it).
 
-    torchrun --nproc_per_node 2 scripts/nccl_probe.py          # scripts/device/nccl_probe.sh: with the topology
+    torchrun --nproc_per_node 2 scripts/nccl_probe.py     # scripts/device/nccl_probe.sh: with the topology
 """
 
 from __future__ import annotations
