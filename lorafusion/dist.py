@@ -29,13 +29,15 @@ def init_distributed(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str
         from megatron_patches import apply_cpu_patches
 
         apply_cpu_patches()
-    from megatron_patches import (apply_host_p2p_shapes, apply_stream_local_p2p_sync,
-                                  create_pipeline_shape_groups)
+    from megatron_patches import (apply_host_p2p_shapes, apply_host_synchronous_p2p,
+                                  apply_stream_local_p2p_sync, create_pipeline_shape_groups)
 
-    # no device-wide synchronise in the pipeline p2p, and its shapes exchanged on the host over gloo, never
-    # queued behind NCCL data transfers (see megatron_patches/p2p.py)
+    # no device-wide synchronise in the pipeline p2p, its shapes exchanged on the host over gloo, never
+    # queued behind NCCL data transfers, and interleaved 1F1B's unbatched p2p done before compute goes on
+    # (see megatron_patches/p2p.py)
     apply_stream_local_p2p_sync()
     apply_host_p2p_shapes()
+    apply_host_synchronous_p2p()
     if not dist.is_initialized():
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -132,7 +134,7 @@ def warm_communicators() -> None:
 
 def warm_interleaved_p2p(device) -> tuple[int, int]:
     """One exchange each way round the pipeline ring through Megatron's own unbatched p2p (``_p2p_ops``, what
-    interleaved 1F1B with ``overlap_p2p_comm`` sends with: each tensor on its own, on the groups and in the
+    interleaved 1F1B's unbatched p2p sends with: each tensor on its own, on the groups and in the
     order it uses), so the communicators NCCL makes for it on first use — the host waiting there until the
     peer makes it too, the buffers outside torch's allocator — exist before training, on every rank at once.
     Collective over the pipeline group; returns the global ranks heard from: (previous, next)."""

@@ -7,7 +7,8 @@ those, once, and only when CUDA is absent; on a GPU it does nothing. :func:`appl
 for models built with fused ops), :func:`apply_rope_positions_patch` (RoPE at explicit positions while
 decoding with a KV cache), :func:`apply_stream_local_p2p_sync` (no device-wide synchronise in the
 pipeline p2p while a gradient-norm all-reduce is pending) and :func:`apply_host_p2p_shapes` (the pipeline's
-shape exchange over a gloo group of the pipeline ranks, made by :func:`create_pipeline_shape_groups`) work on
+shape exchange over a gloo group of the pipeline ranks, made by :func:`create_pipeline_shape_groups`) and
+:func:`apply_host_synchronous_p2p` (interleaved 1F1B's p2p done on the GPU before the host goes on) work on
 CPU and GPU; :func:`after_each_backward`
 (a callback after each pipeline backward step) and :func:`megatron_patches.trace.traced_schedule` (a record
 of each rank's schedule position, only with ``LORAFUSION_PIPELINE_TRACE`` set) hold only inside their
@@ -17,10 +18,12 @@ of each rank's schedule position, only with ``LORAFUSION_PIPELINE_TRACE`` set) h
 from megatron_patches.cpu import apply_cpu_patches, cpu_patches_applied
 from megatron_patches.p2p import (
     apply_host_p2p_shapes,
+    apply_host_synchronous_p2p,
     apply_stream_local_p2p_sync,
     create_pipeline_shape_groups,
     forget_pipeline_shape_groups,
     host_p2p_shapes_applied,
+    host_synchronous_p2p_applied,
     pipeline_shape_group,
     stream_local_p2p_sync_applied,
 )
@@ -35,6 +38,7 @@ from megatron_patches.rope import (
 
 __all__ = ["after_each_backward", "apply_cpu_patches", "cpu_patches_applied", "apply_stream_local_p2p_sync",
            "stream_local_p2p_sync_applied", "apply_host_p2p_shapes", "host_p2p_shapes_applied",
+           "apply_host_synchronous_p2p", "host_synchronous_p2p_applied",
            "create_pipeline_shape_groups", "forget_pipeline_shape_groups", "pipeline_shape_group",
            "apply_recompute_state_hook", "apply_packed_rope_patch",
            "packed_rope_patch_applied",

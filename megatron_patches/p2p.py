@@ -175,3 +175,40 @@ def apply_host_p2p_shapes() -> bool:
 
 def host_p2p_shapes_applied() -> bool:
     return _shapes_applied
+
+
+_sync_applied = False
+
+
+def _synchronous(communicate):
+    def _communicate(self, *args, **kwargs):
+        out = communicate(self, *args, **kwargs)
+        if (kwargs.get("wait_on_reqs", True) and not self.config.batch_p2p_comm
+                and torch.cuda.is_available()):
+            torch.cuda.current_stream().synchronize()
+        return out
+
+    _communicate.__wrapped__ = communicate
+    return _communicate
+
+
+def apply_host_synchronous_p2p() -> bool:
+    """Make Megatron's unbatched pipeline p2p (interleaved 1F1B without ``overlap_p2p_comm``) return only
+    once its transfers are done on the GPU: the host then never launches compute while a p2p kernel of this
+    rank spins waiting for a peer. A kernel launched for the first time may need the whole device to be idle
+    (CUDA's lazy loading synchronises the context); with a receive in flight whose peer sends only after this
+    rank's next p2p call, that launch never returns (2x H200, PP=2 x V=2: one rank's host in a first-time GEMM
+    of a one-token microbatch, its GPU spinning in an NCCL receive). Batched p2p (1F1B) keeps its own stream
+    synchronise. Idempotent; nothing on CPU."""
+    global _sync_applied
+    if _sync_applied:
+        return True
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    P2PCommunicator._communicate = _synchronous(P2PCommunicator._communicate)
+    _sync_applied = True
+    return True
+
+
+def host_synchronous_p2p_applied() -> bool:
+    return _sync_applied

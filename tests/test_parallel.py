@@ -216,7 +216,7 @@ def test_virtual_stage_layers_become_megatrons_layout():
     cfg = transformer_config(arch, pp=4, virtual_stages=2, stage_layers=split)
     layout = cfg.pipeline_model_parallel_layout
     assert cfg.virtual_pipeline_model_parallel_size == 2 and (cfg.overlap_p2p_comm,
-                                                              cfg.batch_p2p_comm) == (True, False)
+                                                              cfg.batch_p2p_comm) == (False, False)
     assert [[layout.layout[r][c].count(LayerType.decoder) for r in range(4)]
             for c in range(2)] == [split[:4], split[4:]]
     assert layout.layout[0][0][0] == LayerType.embedding and layout.layout[3][1][-1] == LayerType.loss

@@ -101,9 +101,12 @@ def _split(num_layers: int, pp: int, virtual_stages: int,
     ``pipeline_model_parallel_layout`` (embedding on the first virtual stage, loss on the last)."""
     V = virtual_stages
     n = pp * V
-    # interleaved: each direction's p2p on its own (Megatron's overlap_p2p_comm); batched, a PP=2 ring sends
-    # activations and gradients between the same two ranks in one batch, where they can cross
-    split: dict = {} if V == 1 else {"virtual_pipeline_model_parallel_size": V, "overlap_p2p_comm": True,
+    # interleaved: each direction's p2p on its own (batched, a PP=2 ring sends activations and gradients
+    # between the same two ranks in one batch, where they can cross), finished before compute goes on, not
+    # overlapped: a receive left in flight spins on the GPU while the host launches compute, and a kernel
+    # launched for the first time may wait for the whole device (CUDA's lazy loading) — for that receive,
+    # whose peer sends only after this rank's next p2p call: a deadlock (apply_host_synchronous_p2p)
+    split: dict = {} if V == 1 else {"virtual_pipeline_model_parallel_size": V, "overlap_p2p_comm": False,
                                      "batch_p2p_comm": False}
     if stage_layers is None:
         if num_layers % n:
