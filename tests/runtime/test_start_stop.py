@@ -49,7 +49,7 @@ def _stop_during_build(run: Path, sig: int, *extra: str) -> tuple[int, str, floa
 def test_a_stop_during_the_model_build_exits_within_seconds_leaving_nothing_locked(tmp_path):
     run = write_run(tmp_path, [job_dict("a", write_dataset(tmp_path / "a.jsonl", 1), r=4, steps=4)], out="o")
     rc, err, took = _stop_during_build(run, signal.SIGTERM)
-    assert rc == 0 and took < 5, (rc, took, err[-2000:])
+    assert rc == 0 and took < 20, (rc, took, err[-2000:])  # the build alone: 60 s (loaded: ~11 s)
     assert "stopped by SIGTERM while starting" in err and "Traceback" not in err, err
     assert not (tmp_path / "o").exists()  # a fresh run stopped before training leaves no directory behind
 
@@ -64,7 +64,7 @@ def test_a_sigint_during_the_build_of_a_resumed_run_leaves_it_resumable(tmp_path
     assert done.returncode == 0, done.stderr[-2000:]
     before = (tmp_path / "o" / "status.json").read_text()
     rc, err, took = _stop_during_build(run, signal.SIGINT, "--resume", "jobs.a.max_steps=4")
-    assert rc == 130 and took < 5, (rc, took, err[-2000:])
+    assert rc == 130 and took < 20, (rc, took, err[-2000:])  # (the build alone: 60 s)
     assert not lock_held(tmp_path / "o")
     assert (tmp_path / "o" / "status.json").read_text() == before
     assert read_status(tmp_path / "o")["run"]["state"] == "done"  # not "ended without writing its end"
