@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
@@ -79,6 +82,38 @@ def train_inprocess(run_yaml: Path, overrides=(), **trainer_kw):
 
     cfg = load_run_config(run_yaml, list(overrides))
     return Trainer(cfg, **trainer_kw).run(), Path(cfg.output_dir)
+
+
+def train_torchrun(run_yaml: Path, nproc: int, out: Path) -> Path:
+    """Train a run YAML with ``lorafusion train`` under torchrun on ``nproc`` CPU processes; ``out``."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+         "-m", "lorafusion.cli", "train", str(run_yaml)], cwd=root, env=env, capture_output=True, text=True,
+        timeout=900)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
+    return out
+
+
+def _metrics(out: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return sorted(rows, key=lambda r: (r["job"], r["step"]))
+
+
+def assert_trained_alike(ours: Path, ref: Path, jobs=("rev", "up", "rev2")) -> None:
+    """Two runs' per-step losses (rel 1e-6), gradient norms (1e-5) and final adapters (1e-4) agree."""
+    import pytest
+
+    mine, theirs = _metrics(ours), _metrics(ref)
+    assert [(r["job"], r["step"]) for r in mine] == [(r["job"], r["step"]) for r in theirs]
+    for a, b in zip(mine, theirs):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6), (a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (a, b)
+    for job in jobs:
+        assert_close(load_adapter(ours, job), load_adapter(ref, job), rel=1e-4)
 
 
 def load_adapter(out: Path, job: str) -> dict:
