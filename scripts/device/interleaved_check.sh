@@ -21,14 +21,11 @@
 # each rank's schedule trace (LORAFUSION_PIPELINE_TRACE: every p2p call, forward, backward and optimizer step
 # in order, megatron_patches/trace.py) and the one-GPU run's output.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # NCCL's own warnings, its errors raised in the process that waits (not a silent hang), the stack of every
 # thread of a hung rank, and torch's notice of each host synchronisation inside the schedule
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN} TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 export LORAFUSION_SYNC_DEBUG=${SYNC_DEBUG:-warn}
-. "$(dirname "$0")/setup.sh"  # $OUT, $PY, the carried wheels
-NGPU=${NGPU:-$("$PY" -c 'import torch; print(torch.cuda.device_count())')}
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
+. "$(dirname "$0")/multi_gpu.sh"  # $OUT, $PY, the carried wheels, NCCL settings, $NGPU, $BENCH_COMMIT
 STEPS=${STEPS:-8}; TOL=${TOL:-1e-3}; WORK=${CHECK_TMP:-/tmp}/interleaved_check
 STEP_ARGS="jobs.0.max_steps=$STEPS jobs.1.max_steps=$STEPS jobs.2.max_steps=$STEPS"
 

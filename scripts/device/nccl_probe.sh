@@ -2,9 +2,7 @@
 # The GPUs' links and NCCL's bandwidth between the GPUs this script may use (CUDA_VISIBLE_DEVICES), in seconds:
 #   bash scripts/device/nccl_probe.sh        -> $OUT/nccl_probe.log: nvidia-smi topo -m, NCCL's transport lines, GB/s
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-. "$(dirname "$0")/setup.sh"
-NGPU=${NGPU:-$("$PY" -c 'import torch; print(torch.cuda.device_count())')}
+. "$(dirname "$0")/multi_gpu.sh"  # $OUT, $PY, the carried wheels, NCCL settings, $NGPU, $BENCH_COMMIT
 {
   nvidia-smi topo -m
   NCCL_DEBUG=INFO "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NGPU" scripts/nccl_probe.py \

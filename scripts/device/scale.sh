@@ -27,12 +27,7 @@
 # (GPU_TESTS=0 skips them) into $OUT/gpu_tests.log. Pass BENCH_COMMIT=$(git rev-parse --short HEAD) from the
 # checkout: the copied tree may carry no git history.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-. "$(dirname "$0")/setup.sh"  # $OUT, $PY, the carried wheels
-NGPU=${NGPU:-$("$PY" -c 'import torch; print(torch.cuda.device_count())')}
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
-COMMIT=${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-export BENCH_COMMIT=$COMMIT
+. "$(dirname "$0")/multi_gpu.sh"  # $OUT, $PY, the carried wheels, NCCL settings, $NGPU, $BENCH_COMMIT
 STEPS=${STEPS:-12}; WARMUP=${WARMUP:-4}; ROWS=${ROWS:-256}
 
 if [ "${GPU_TESTS:-1}" = 1 ] && [ "$NGPU" -ge 1 ]; then

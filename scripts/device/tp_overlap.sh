@@ -11,12 +11,7 @@
 # commit, command) and $OUT/tp-overlap.log; the GPU test of the overlapped linears (NCCL, 2 GPUs) first into
 # $OUT/gpu_tests.log (GPU_TESTS=0 skips it). Pass BENCH_COMMIT=$(git rev-parse --short HEAD) from the checkout.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-. "$(dirname "$0")/setup.sh"  # $OUT, $PY, the carried wheels
-NGPU=${NGPU:-$("$PY" -c 'import torch; print(torch.cuda.device_count())')}
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
-COMMIT=${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-export BENCH_COMMIT=$COMMIT
+. "$(dirname "$0")/multi_gpu.sh"  # $OUT, $PY, the carried wheels, NCCL settings, $NGPU, $BENCH_COMMIT
 if [ "${GPU_TESTS:-1}" = 1 ] && [ "$NGPU" -ge 2 ]; then
   "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_tp_overlap.py 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
 fi
