@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -10,6 +11,14 @@ import sys
 from pathlib import Path
 
 import yaml
+
+
+def load_file_module(path: Path, name: str):
+    """The module in the file ``path`` (a script or a worker that is no package's), imported as ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def write_dataset(path: Path, seed: int, rows: int = 24, kind: str = "reverse") -> Path:

@@ -5,7 +5,6 @@ the eos and sets no pad, so lorafusion's tokenizer stopped every chat answer one
 ``<|im_end|>\\n<|im_start|>`` as the end of each sample. A directory shaped as 5.17 writes it (its
 tokenizer_config.json, generation_config.json and config.json entries) is found wrong and fixed."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 
 from lorafusion.data.dataset import build_sample
 from lorafusion.data.tokenizer import HFTokenizer
+from runtime_utils import load_file_module
 
 tokenizers = pytest.importorskip("tokenizers")
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "get_smollm2.py"
@@ -23,10 +23,7 @@ CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n
 
 @pytest.fixture(scope="module")
 def get_smollm2():
-    spec = importlib.util.spec_from_file_location("get_smollm2", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file_module(SCRIPT, "get_smollm2")
 
 
 def _as_transformers_5_17_writes_it(d: Path) -> Path:

@@ -5,7 +5,6 @@ the exchange runs on the host over the gloo pipeline group alone (the data group
 batched p2p fail if used); without the group it is an error that says what to call. Megatron's own exchange
 pairs the crossing shapes wrongly."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,15 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from runtime_utils import load_file_module
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("p2p_shapes_worker.py")
 
 
 def _calls() -> list:
-    spec = importlib.util.spec_from_file_location("p2p_shapes_worker", WORKER)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.CALLS
+    return load_file_module(WORKER, "p2p_shapes_worker").CALLS
 
 
 def _expected(rank: int) -> list:

@@ -2,21 +2,19 @@
 expected ones (the first rows and the first misses), so that a run whose answers all miss can be read from
 its result JSON alone. No model needed: an answers file as ``lorafusion generate`` writes it."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from runtime_utils import load_file_module
 
 RUN = Path(__file__).resolve().parents[2] / "configs" / "smollm2" / "run.py"
 
 
 @pytest.fixture(scope="module")
 def run_py():
-    spec = importlib.util.spec_from_file_location("smollm2_run", RUN)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file_module(RUN, "smollm2_run")
 
 
 def _answers(tmp_path: Path) -> Path:

@@ -2,23 +2,20 @@
 layer's forward + backward in its backward (a rank's count per model chunk, at most the stage's layers); the
 forwards and the stages without recompute are stage_costs' own."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
 from lorafusion.scheduler import stages
 from lorafusion.scheduler.sizing import RECOMPUTE_COST
+from runtime_utils import load_file_module
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "sim_interleave.py"
 
 
 def _script(monkeypatch):
     monkeypatch.syspath_prepend(str(SCRIPT.parent))  # (it imports scripts/_bench.py, as run from there)
-    spec = importlib.util.spec_from_file_location("sim_interleave", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file_module(SCRIPT, "sim_interleave")
 
 
 def test_recomputed_layers_add_to_their_virtual_stages_backward(monkeypatch):
