@@ -80,10 +80,14 @@ ODD = [1, 7, 300, 1023, 129, 2, 64, 513]
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("h,g,d", [(32, 8, 128), (8, 8, 64), (12, 4, 128)])
-def test_gpu_varlen_vs_float64(h, g, d, dtype):
+@pytest.mark.parametrize("path", ["fa2", "fa4"])
+def test_gpu_packed_attention_vs_float64(path, h, g, d, dtype):
+    if path == "fa4":
+        _fa4_or_skip()
+    fn = att.fa4_attention if path == "fa4" else att.varlen_attention
     q, k, v, dout, cu = _inputs(ODD, h, g, d, dtype, "cuda", seed=h + d)
     scale = 1 / math.sqrt(d)
-    got = _run(lambda a, b, c: att.varlen_attention(a, b, c, cu, max(ODD), scale), q, k, v, dout)
+    got = _run(lambda a, b, c: fn(a, b, c, cu, max(ODD), scale), q, k, v, dout)
     want = _run(lambda a, b, c: att.varlen_attention_reference(a, b, c, cu.cpu(), scale),
                 *(x.double() for x in (q, k, v, dout)))
     for i, (x, y) in enumerate(zip(got, want, strict=True)):
@@ -123,22 +127,6 @@ def _fa4_or_skip():
         att._fa4_fn()
     except Exception as e:
         pytest.skip(f"flash-attn-4 does not import here: {e}")
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("h,g,d", [(32, 8, 128), (8, 8, 64), (12, 4, 128)])
-def test_gpu_fa4_vs_float64(h, g, d, dtype):
-    _fa4_or_skip()
-    q, k, v, dout, cu = _inputs(ODD, h, g, d, dtype, "cuda", seed=h + d)
-    scale = 1 / math.sqrt(d)
-    got = _run(lambda a, b, c: att.fa4_attention(a, b, c, cu, max(ODD), scale), q, k, v, dout)
-    want = _run(lambda a, b, c: att.varlen_attention_reference(a, b, c, cu.cpu(), scale),
-                *(x.double() for x in (q, k, v, dout)))
-    for i, (x, y) in enumerate(zip(got, want, strict=True)):
-        assert x.dtype == dtype and x.shape == y.shape and torch.isfinite(x).all(), i
-        assert _rel(x, y) <= 1e-2, (i, _rel(x, y))
 
 
 @gpu
