@@ -1,4 +1,4 @@
-"""Hostile input found by the repeated probe of issue 29 (probe29): each case one error line naming the right
+"""Hostile input found by a repeated probe of the CLI: each case one error line naming the right
 file or field, never a traceback. CPU, no training."""
 
 from __future__ import annotations

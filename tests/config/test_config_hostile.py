@@ -1,4 +1,4 @@
-"""Hostile config input (issue 29): each case is one ConfigError, in well under a second, naming the file and
+"""Hostile config input: each case is one ConfigError, in well under a second, naming the file and
 the field — alias bombs, names that no file system takes, paths that cannot be used, numbers out of range."""
 
 import time
@@ -106,7 +106,7 @@ def test_a_job_file_that_is_a_symlink_loop(tmp_path, monkeypatch):
 
 
 def test_a_key_given_twice_in_overrides_is_refused_naming_it(tmp_path, monkeypatch):
-    """``seed=1 seed=2``: the last won silently (issue 29); the same key by index and by name, or a key inside
+    """``seed=1 seed=2``: the last won silently; the same key by index and by name, or a key inside
     a mapping also set whole, is the same key."""
     monkeypatch.chdir(tmp_path)
     run = make_tree(tmp_path)

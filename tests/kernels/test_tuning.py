@@ -1,4 +1,4 @@
-"""kernels/tuning.py reads its environment variables when asked, not at import (issue 26)."""
+"""kernels/tuning.py reads its environment variables when asked, not at import."""
 
 import json
 

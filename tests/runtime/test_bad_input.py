@@ -1,4 +1,4 @@
-"""Bad input and a hostile environment, through the command line as a user meets them (issue 11): each is one
+"""Bad input and a hostile environment, through the command line as a user meets them: each is one
 line on stderr naming the file and the field (or the path) and what was expected, exit 2, no traceback, and
 nothing already written (checkpoints, exports, the user's files) changes. Cases tested elsewhere: unknown
 keys, wrong types, missing/empty datasets, duplicate names (test_cli.py::test_bad_run_*, test_config.py), plan

@@ -68,7 +68,7 @@ def test_export_returns_the_final_adapter_says_which_and_never_deletes(tmp_path,
     assert (tmp_path / "e2" / "adapter_model.safetensors").read_bytes() == step4
     assert "latest checkpoint, step 4" in capsys.readouterr().err
     # an existing --out is refused and left as it was; --force replaces an earlier export only (its marker),
-    # never a user's own directory, file or symlink (issue 29: no command replaces what it did not write)
+    # never a user's own directory, file or symlink (no command replaces what it did not write)
     (tmp_path / "keep").mkdir()
     (tmp_path / "keep" / "mine.txt").write_text("precious")
     (tmp_path / "file.txt").write_text("precious")

@@ -1,4 +1,4 @@
-"""Files a user hands over that are damaged, unreadable or odd (issue 29): one line naming the right file and
+"""Files a user hands over that are damaged, unreadable or odd: one line naming the right file and
 what is wrong, exit 2 — never a traceback, never a silent wrong; and a stop while starting or after the end
 exits 0 like a stop during the run."""
 

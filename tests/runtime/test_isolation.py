@@ -1,4 +1,4 @@
-"""One job, one request or one typo never costs anyone else's work (issue 29): a request the run cannot apply
+"""One job, one request or one typo never costs anyone else's work: a request the run cannot apply
 is refused at the boundary (the reason in requests/done/ and in ``lorafusion status``) or, if applying it
 fails, set aside before the run ends, so a resume never meets it again; an adapter that could never fit is
 refused before anything is allocated."""

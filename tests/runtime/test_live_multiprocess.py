@@ -1,4 +1,4 @@
-"""Online jobs on a real multi-process run (issue 12): ``lorafusion train --serve`` under torchrun, two
+"""Online jobs on a real multi-process run: ``lorafusion train --serve`` under torchrun, two
 CPU/gloo processes at pp=2; while it trains, a ``lorafusion submit`` process adds a job and a
 ``lorafusion cancel`` process removes another.
 

@@ -1,4 +1,4 @@
-"""Resume continues only the same run (issue 29): the base model by content, every checkpoint file checked
+"""Resume continues only the same run: the base model by content, every checkpoint file checked
 against its manifest, max_steps never below the saved step, packing settings refused unless
 --allow-different-result, a changed max_steps' lr schedule from the first resumed step."""
 
