@@ -599,7 +599,7 @@ def main() -> None:
         pr = result["profile"]
         print(f"profile: window {pr['window_ms']:.0f} ms, GPU busy {pr['gpu_busy_frac']:.3f}, "
               f"gaps>=1ms {pr['idle_gaps_ge_1ms']}")
-        for row in pr["top_kernels"][:12]:
+        for row in pr["top_kernels"]:
             print(f"  {row['ms']:>9.1f} ms {row['calls']:>6} {row['frac']:>6.3f}  {row['name']}")
     print(json.dumps(result, default=str))
 

@@ -25,7 +25,8 @@
 # chunks only) and per rank, steps_per_job, peak_mem_gib per rank with the predicted beside it, reserved and
 # outside-torch memory per rank, device, commit, command, baselines) and $OUT/<run>.log; GPU tests first
 # (GPU_TESTS=0 skips them) into $OUT/gpu_tests.log. Pass BENCH_COMMIT=$(git rev-parse --short HEAD) from the
-# checkout: the copied tree may carry no git history.
+# checkout: the copied tree may carry no git history. BENCH_ARGS: more bench_train.py options (e.g. --profile:
+# the top kernels of the first timed chunk on rank 0).
 set -uo pipefail
 . "$(dirname "$0")/multi_gpu.sh"  # $OUT, $PY, the carried wheels, NCCL settings, $NGPU, $BENCH_COMMIT
 STEPS=${STEPS:-12}; WARMUP=${WARMUP:-4}; ROWS=${ROWS:-256}
@@ -85,7 +86,7 @@ for name in $RUNS; do
   # shellcheck disable=SC2086
   cmd="$PY -m torch.distributed.run --standalone --nproc_per_node $gpus scripts/bench_train.py --config $config \
 --rows $ROWS --steps $steps --warmup $warmup --out ${BENCH_TMP:-/tmp}/bench_$name $extra --scale-json $OUT/$name.json \
-$overrides"
+${BENCH_ARGS:-} $overrides"
   echo "=== $name: $cmd"
   rm -rf "${BENCH_TMP:-/tmp}/bench_$name"
   BENCH_COMMAND="$cmd" bash scripts/device/watch.sh "${RUN_TIMEOUT:-560}" $cmd > "$OUT/$name.log" 2>&1  # a hang: stacks, then 124
