@@ -99,7 +99,9 @@ class ChunkProfiler:
         from torch.profiler import ProfilerActivity, profile
 
         torch.cuda.synchronize()
-        self._prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        # CUDA activity alone unless BENCH_PROFILE_CPU=1: a whole chunk's host events take minutes to parse
+        acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if os.environ.get("BENCH_PROFILE_CPU") else [])
+        self._prof = profile(activities=acts)
         self._prof.__enter__()
 
     def chunk_ran(self, trainer, chunk, result):
@@ -109,6 +111,13 @@ class ChunkProfiler:
         self._prof.__exit__(None, None, None)
         self.summary = summarise_profile(self._prof)
         self._prof = None
+
+
+# kernel families of the profile summary: the first whose key is in the kernel's name (lower case)
+KERNEL_FAMILIES = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "attn")),
+                   ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm80_")),
+                   ("lora (triton)", ("lora", "_fused", "shrink", "expand")),
+                   ("copy", ("copy", "memcpy", "memset", "cat", "fill")))
 
 
 def summarise_profile(p, top: int = 20) -> dict:
@@ -135,10 +144,15 @@ def summarise_profile(p, top: int = 20) -> dict:
     total = sum(v[0] for v in by_name.values())
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     big = [g for g in gaps if g >= 1000]
+    families: dict[str, float] = {}
+    for n, v in by_name.items():
+        fam = next((f for f, keys in KERNEL_FAMILIES if any(k in n.lower() for k in keys)), "other")
+        families[fam] = families.get(fam, 0.0) + v[0] / 1e3
     return {"window_ms": (t1 - t0) / 1e3, "gpu_busy_frac": busy / max(1e-9, t1 - t0),
             "idle_gaps_ge_1ms": {"count": len(big), "total_ms": sum(big) / 1e3,
                                  "max_ms": max(big, default=0) / 1e3},
             "idle_gaps_lt_1ms_total_ms": sum(g for g in gaps if g < 1000) / 1e3,
+            "families_ms": dict(sorted(families.items(), key=lambda kv: -kv[1])),
             "top_kernels": [{"name": n[:90], "ms": v[0] / 1e3, "calls": v[1], "frac": v[0] / total}
                             for n, v in rows]}
 
@@ -599,6 +613,7 @@ def main() -> None:
         pr = result["profile"]
         print(f"profile: window {pr['window_ms']:.0f} ms, GPU busy {pr['gpu_busy_frac']:.3f}, "
               f"gaps>=1ms {pr['idle_gaps_ge_1ms']}")
+        print("  by family (ms): " + ", ".join(f"{k} {v:.0f}" for k, v in pr.get("families_ms", {}).items()))
         for row in pr["top_kernels"]:
             print(f"  {row['ms']:>9.1f} ms {row['calls']:>6} {row['frac']:>6.3f}  {row['name']}")
     print(json.dumps(result, default=str))
