@@ -29,14 +29,14 @@ def init_distributed(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str
         from megatron_patches import apply_cpu_patches
 
         apply_cpu_patches()
-    from megatron_patches import (apply_host_p2p_shapes, apply_host_synchronous_p2p,
-                                  apply_stream_local_p2p_sync, create_pipeline_shape_groups)
+    from megatron_patches import (apply_host_synchronous_p2p, apply_local_p2p_shapes,
+                                  apply_stream_local_p2p_sync, create_pipeline_shape_groups,
+                                  shape_check_enabled)
 
-    # no device-wide synchronise in the pipeline p2p, its shapes exchanged on the host over gloo, never
-    # queued behind NCCL data transfers, and interleaved 1F1B's unbatched p2p done before compute goes on
-    # (see megatron_patches/p2p.py)
+    # no device-wide synchronise in the pipeline p2p, its shapes taken from the plan (never exchanged), and
+    # interleaved 1F1B's unbatched p2p done before compute goes on (see megatron_patches/p2p.py)
     apply_stream_local_p2p_sync()
-    apply_host_p2p_shapes()
+    apply_local_p2p_shapes()
     apply_host_synchronous_p2p()
     if not dist.is_initialized():
         if cuda:
@@ -65,7 +65,8 @@ def init_distributed(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=virtual_stages if virtual_stages > 1 else None)
-    create_pipeline_shape_groups()  # collective: a gloo group per pipeline, for the p2p shape exchange
+    if shape_check_enabled():  # collective: a gloo group per pipeline, for the shapes' debug cross-check
+        create_pipeline_shape_groups()
     model_parallel_cuda_manual_seed(seed)
     return {"rank": dist.get_rank(), "world": world, "tp": tp, "pp": pp, "dp": world // (tp * pp)}
 

@@ -14,36 +14,40 @@ waits for the p2p kernels: synchronising the current stream gives the same guara
 unrelated collectives. :func:`apply_stream_local_p2p_sync` gives the p2p module a ``torch`` whose
 ``cuda.synchronize`` is exactly that (nothing else in the process changes). Idempotent; on CPU a no-op sync.
 
-Shapes on the host. With ``variable_seq_lengths`` every p2p call first exchanges the shapes of what it
-sends (``_communicate_shapes``): a ``batch_isend_irecv`` on the pipeline group, waited for, then a
-synchronise. Under interleaved 1F1B with ``overlap_p2p_comm`` the data receive of the previous call is still
-pending on the same NCCL communicator; NCCL runs a communicator's operations in issue order, so the shape
-exchange queues behind a receive whose matching send the peer issues only after its own shape exchange: a
-cycle (2x H100, PP=2 x V=2: rank 0 in ``_communicate_shapes``, rank 1 in a forward, both GPUs spinning in NCCL
-kernels). On gloo nothing queues like that, which is why CPU runs of the same schedule completed. Also, with
-PP=2 the previous and the next rank are one peer and Megatron's shape batch sends an activation's and a
-gradient's shape to it on one channel, paired only by program order.
-
-:func:`apply_host_p2p_shapes` replaces ``_communicate_shapes`` by an exchange over a gloo group of the same
-pipeline ranks (:func:`create_pipeline_shape_groups`, collective, after Megatron's parallel state is set up):
-CPU tensors, never queued behind NCCL data operations, no device synchronisation; activations' shapes (to the
-next rank) and gradients' shapes (to the previous rank) on tags of their own, so that a PP=2 ring cannot pair
-a forward shape with a backward one. Every send and receive of a call is posted before any is waited for.
-The rest of Megatron's p2p (the data, its groups and streams) is untouched. It serves every pipeline schedule
-(1F1B included: one host-side exchange instead of a device batch and a stream synchronise per call).
+Shapes known locally. With ``variable_seq_lengths`` every p2p call first exchanges the shapes of what it
+sends (``_communicate_shapes``): in Megatron a ``batch_isend_irecv`` on the pipeline group, waited for, then a
+synchronise — a host round trip per call, and under interleaved 1F1B with ``overlap_p2p_comm`` a deadlock
+(the exchange queues behind a pending data receive on the same NCCL communicator whose send the peer issues
+only after its own exchange; 2x H100, PP=2 x V=2). Yet every rank knows every shape already: the plan, the
+same on every rank, gives each microbatch's token count, and the schedule fixes which microbatch each p2p
+tensor belongs to. :func:`apply_local_p2p_shapes` replaces ``_communicate_shapes`` by a read of the shape
+source that :func:`local_p2p_shapes` installs for one schedule: per channel (activations received from the
+previous rank, gradients received from the next one, activations sent to the next one, gradients sent to the
+previous one) the shapes in the order the schedule issues them, each with a label naming its microbatch. No
+communication, no device synchronisation. Each tensor sent is checked against its planned shape (the peer
+receives into a buffer of the planned shape, so a wrong plan fails here, on the host, with the microbatch
+named, instead of an NCCL receive of the wrong size hanging or reading garbage); a channel read past its end
+or left unread when the schedule ends is an error too. With ``LORAFUSION_P2P_SHAPE_CHECK=1`` (a debug
+cross-check) the shapes are also exchanged with the peers over a gloo group of the pipeline's ranks
+(:func:`create_pipeline_shape_groups`, collective, after Megatron's parallel state is set up; an activation's
+shape and a gradient's on tags of their own, so that a PP=2 ring cannot pair them wrongly) and any
+difference from the local source is an error.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import types
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 _applied = False
 _shapes_applied = False
-_megatron_communicate_shapes = None
-# this process's pipeline group over gloo (None: none made, or no pipeline) and its global ranks
+# this process's pipeline group over gloo for the debug cross-check (None: none made, or no pipeline) and its
+# global ranks
 _shape_group = None
 _shape_ranks: tuple[int, ...] = ()
 FORWARD_TAG = 1   # an activation's shape, sent to the next rank, received from the previous one
@@ -95,9 +99,9 @@ def stream_local_p2p_sync_applied() -> bool:
 
 def create_pipeline_shape_groups(pipelines: list | None = None) -> None:
     """Make a gloo group of each pipeline's ranks, on every rank in the same order (collective over the
-    world) and keep this rank's for the shape exchange. ``pipelines``: the global ranks of every pipeline
-    group; None: this rank's pipeline group in Megatron's parallel state, gathered from every rank (nothing
-    without a pipeline)."""
+    world) and keep this rank's for the shapes' debug cross-check (:func:`shape_check_enabled`).
+    ``pipelines``: the global ranks of every pipeline group; None: this rank's pipeline group in Megatron's
+    parallel state, gathered from every rank (nothing without a pipeline)."""
     global _shape_group, _shape_ranks
     _shape_group, _shape_ranks = None, ()
     rank = dist.get_rank()
@@ -127,15 +131,98 @@ def pipeline_shape_group():
     return _shape_group
 
 
+SHAPE_CHECK_ENV = "LORAFUSION_P2P_SHAPE_CHECK"
+
+
+def shape_check_enabled() -> bool:
+    """Whether the local shapes are cross-checked against the peers' over gloo (``LORAFUSION_P2P_SHAPE_CHECK``
+    = 1; a debug aid: a host round trip per p2p call)."""
+    return os.environ.get(SHAPE_CHECK_ENV, "") not in ("", "0")
+
+
+CHANNELS = ("recv_prev", "recv_next", "send_next", "send_prev")
+
+
+class ShapeSource:
+    """One schedule's p2p shapes on this rank: per channel of :data:`CHANNELS` a list of (shape, label) in the
+    order the schedule issues that channel's tensors (``label`` names the tensor in errors)."""
+
+    def __init__(self, channels: dict):
+        unknown = set(channels) - set(CHANNELS)
+        if unknown:
+            raise ValueError(f"unknown p2p channels {sorted(unknown)}; expected {CHANNELS}")
+        self.queues = {ch: [(tuple(int(d) for d in shape), label) for shape, label in channels.get(ch, ())]
+                       for ch in CHANNELS}
+        self.used = dict.fromkeys(CHANNELS, 0)
+
+    def take(self, channel: str) -> tuple[tuple[int, ...], str]:
+        q, i = self.queues[channel], self.used[channel]
+        if i >= len(q):
+            raise RuntimeError(f"pipeline p2p shapes: the schedule issued {channel} tensor {i + 1}, the"
+                               f" shape source holds {len(q)}: the plan's p2p order and Megatron's schedule"
+                               f" disagree")
+        self.used[channel] = i + 1
+        return q[i]
+
+    def check_done(self) -> None:
+        left = {ch: len(q) - self.used[ch] for ch, q in self.queues.items() if len(q) != self.used[ch]}
+        if left:
+            raise RuntimeError(f"pipeline p2p shapes: the schedule ended with shapes never used {left}: the "
+                               f"plan's p2p order and Megatron's schedule disagree")
+
+
+_source: ShapeSource | None = None
+
+
+@contextlib.contextmanager
+def local_p2p_shapes(channels: dict) -> Iterator[ShapeSource]:
+    """Within the block, Megatron's pipeline p2p takes its shapes from ``channels`` ({channel: [(shape,
+    label), ...]}, see :class:`ShapeSource`); on a normal exit every shape must have been used."""
+    global _source
+    if _source is not None:
+        raise RuntimeError("pipeline p2p shapes: a shape source is already installed (nested schedules)")
+    _source = source = ShapeSource(channels)
+    try:
+        yield source
+        source.check_done()
+    finally:
+        _source = None
+
+
+def _checked_send(channel: str, tensor) -> None:
+    want, label = _source.take(channel)
+    if tuple(tensor.size()) != want:
+        raise RuntimeError(f"pipeline p2p shapes: {channel} of {label} is {tuple(tensor.size())}, the plan "
+                           f"gives {want} (the peer receives into a buffer of the planned shape)")
+
+
+def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+    """``P2PCommunicator._communicate_shapes`` from the installed :class:`ShapeSource`: (recv_prev_shape,
+    recv_next_shape), [0, 0, 0] for one not received; the tensors sent checked against the source."""
+    if _source is None:
+        raise RuntimeError("pipeline p2p outside megatron_patches.local_p2p_shapes(): no shape source for "
+                           "this schedule")
+    if tensor_send_next is not None:
+        _checked_send("send_next", tensor_send_next)
+    if tensor_send_prev is not None:
+        _checked_send("send_prev", tensor_send_prev)
+    prev = list(_source.take("recv_prev")[0]) if recv_prev else [0, 0, 0]
+    nxt = list(_source.take("recv_next")[0]) if recv_next else [0, 0, 0]
+    if shape_check_enabled():
+        got = _exchange_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next)
+        if got != (prev, nxt):
+            raise RuntimeError(f"pipeline p2p shapes: the peers sent (recv_prev, recv_next) = {got}, the"
+                               f" local source gives {(prev, nxt)} ({SHAPE_CHECK_ENV})")
+    return prev, nxt
+
+
 def _shape_tensor(t) -> torch.Tensor:
     return torch.tensor(list(t.size()), dtype=torch.int64)
 
 
-def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
-    """``P2PCommunicator._communicate_shapes`` over this rank's gloo pipeline group: (recv_prev_shape,
-    recv_next_shape), [0, 0, 0] for one not received."""
-    if self.config.use_ring_exchange_p2p:
-        return _megatron_communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next)
+def _exchange_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+    """The shapes exchanged with the peers over this rank's gloo pipeline group (the debug cross-check):
+    (recv_prev_shape, recv_next_shape), [0, 0, 0] for one not received."""
     peers = [r for r, used in ((self.next_rank, tensor_send_next is not None or recv_next),
                                (self.prev_rank, tensor_send_prev is not None or recv_prev)) if used]
     if peers and (_shape_group is None or any(r not in _shape_ranks for r in peers)):
@@ -159,21 +246,20 @@ def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, rec
             got_next.tolist() if got_next is not None else [0, 0, 0])
 
 
-def apply_host_p2p_shapes() -> bool:
-    """Make Megatron's pipeline p2p exchange shapes over the gloo pipeline group (see the module text);
+def apply_local_p2p_shapes() -> bool:
+    """Make Megatron's pipeline p2p take its shapes from :func:`local_p2p_shapes` (see the module text);
     True when applied. Idempotent."""
-    global _shapes_applied, _megatron_communicate_shapes
+    global _shapes_applied
     if _shapes_applied:
         return True
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-    _megatron_communicate_shapes = P2PCommunicator._communicate_shapes
     P2PCommunicator._communicate_shapes = _communicate_shapes
     _shapes_applied = True
     return True
 
 
-def host_p2p_shapes_applied() -> bool:
+def local_p2p_shapes_applied() -> bool:
     return _shapes_applied
 
 

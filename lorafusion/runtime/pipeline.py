@@ -23,8 +23,8 @@ the job's next microbatch here; the scheduler's rule (``pipeorder.start_slot``) 
 backward on every rank. :class:`InterleavedStepTracker`.
 
 No host waits for the GPU inside the schedule. On NCCL a pair of pipeline ranks runs its p2p operations in
-issue order on one stream, a send finishes only once the peer has posted its receive, and a rank posts a
-receive only in the p2p call that learns its shape over gloo from the peer's host. A host that waits for its
+issue order on one stream, and a send finishes only once the peer has posted its receive (in its own p2p
+call; the shapes come from the plan, :func:`p2p_shapes`, never from the peer). A host that waits for its
 GPU (``.tolist()`` of a device tensor, a blocking copy) while the compute stream waits for such a send, a
 receive behind it, or an *end*'s norm all-reduce can stop the very p2p call its peer's host is waiting in:
 a deadlock that gloo, whose sends finish alone, never shows (tests/runtime/test_schedule_device_reads.py).
@@ -46,7 +46,7 @@ from lorafusion.core.seeds import mix_seed, name_key
 from lorafusion.dist import multi_process
 from lorafusion.data.packing import pad_to_multiple
 from lorafusion.runtime.feed import Chunk, Key
-from lorafusion.scheduler import Plan, stage_order
+from lorafusion.scheduler import Plan, p2p_order, stage_order
 
 
 class StepTracker:
@@ -199,17 +199,40 @@ def run_schedule(chunks: list, forward_step, microbatches: list, num_tokens, pad
     count)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_patches import local_p2p_shapes
     from megatron_patches.trace import traced_schedule
 
     data = [iter(microbatches) for _ in chunks] if len(chunks) > 1 else iter(microbatches)
     record(f"schedule begin: {len(microbatches)} microbatches, {len(chunks)} model chunk(s), "
            f"forward_only={forward_only}")
-    with traced_schedule(), sync_debug():
+    shapes = p2p_shapes(chunks, microbatches, num_tokens, pad, forward_only=forward_only)
+    with traced_schedule(), sync_debug(), local_p2p_shapes(shapes):
         get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data, model=chunks,
                                     num_microbatches=len(microbatches),
                                     seq_length=max(-(-num_tokens(b) // pad) * pad for b in microbatches),
                                     micro_batch_size=1, forward_only=forward_only)
     record("schedule end")
+
+
+def p2p_shapes(chunks: list, microbatches: list, num_tokens, pad: int, *, forward_only: bool) -> dict:
+    """The shape of every tensor this rank's pipeline p2p sends and receives in the schedule, per channel in
+    the order Megatron issues them (``megatron_patches.local_p2p_shapes``; nothing is exchanged with the
+    peers): a microbatch's hidden states or their gradient, [its tokens padded to ``pad``, over tp under
+    sequence parallelism; 1; hidden]. The plan, and so every microbatch's token count, is the same on the
+    ranks of a pipeline."""
+    from megatron.core import parallel_state as ps
+
+    depth = ps.get_pipeline_model_parallel_world_size()
+    if depth == 1:
+        return {}
+    config = chunks[0].config
+    split = ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
+    rows = [-(-num_tokens(b) // pad) * pad // split for b in microbatches]
+    group = getattr(config, "microbatch_group_size_per_vp_stage", None)
+    order = p2p_order(depth, ps.get_pipeline_model_parallel_rank(), len(microbatches), len(chunks),
+                      forward_only=forward_only, group=group)
+    return {channel: [((rows[u], 1, config.hidden_size), f"microbatch {u} (model chunk {c})") for u, c in ops]
+            for channel, ops in order.items()}
 
 
 SYNC_DEBUG_ENV = "LORAFUSION_SYNC_DEBUG"

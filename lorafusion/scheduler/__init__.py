@@ -73,7 +73,7 @@ from .spec import (
     SampleTooLongError,
     SchedulerConfig,
 )
-from .pipeorder import dependency_distance, stage_order, start_slot
+from .pipeorder import dependency_distance, p2p_order, stage_order, start_slot
 from .verify import PackedMicrobatch, VerifyReport, sequence, verify_plan
 
 __all__ = [
@@ -111,6 +111,7 @@ __all__ = [
     "render_gantt",
     "render_packing",
     "sequence",
+    "p2p_order",
     "stage_order",
     "start_slot",
     "simulate_1f1b",

@@ -108,3 +108,27 @@ def check_slot_count(num_slots: int, pipeline_depth: int, virtual_stages: int) -
         raise PlanError(
             f"interleaved 1F1B (pp={pipeline_depth}, virtual_stages={virtual_stages}) runs a multiple of "
             f"pp microbatches per rank (Megatron's microbatch groups), the plan has {num_slots}")
+
+
+def p2p_order(pipeline_depth: int, stage: int, num_microbatches: int, virtual_stages: int = 1, *,
+              forward_only: bool = False, group: int | None = None) -> dict[str, list[tuple[int, int]]]:
+    """The (microbatch, model chunk) of every tensor rank ``stage`` sends and receives in Megatron's pipeline
+    p2p, per channel in the order the schedule issues them: ``recv_prev`` (the activations of its forwards
+    from the previous rank), ``send_next`` (its forwards' outputs), ``recv_next`` (the gradients of its
+    backwards' outputs from the next rank), ``send_prev`` (its backwards' input gradients). Each channel
+    follows the forward (or backward) order of the schedule table, which every rank shares; only the first
+    virtual stage (rank 0, chunk 0) receives no activation and sends no gradient, and only the last (rank
+    S-1, chunk V-1) sends no activation and receives no gradient. ``group``: Megatron's
+    ``microbatch_group_size_per_vp_stage`` (default S)."""
+    S, V, m = pipeline_depth, virtual_stages, num_microbatches
+    table = schedule_table(m, V, group or S) if V > 1 else [(u, 0) for u in range(m)]
+    first = [(u, c) for u, c in table if not (stage == 0 and c == 0)]
+    last = [(u, c) for u, c in table if not (stage == S - 1 and c == V - 1)]
+    backward = [(u, V - 1 - c) for u, c in table]
+    out = {"recv_prev": first, "send_next": last, "recv_next": [], "send_prev": []}
+    if not forward_only:
+        out["recv_next"] = [(u, c) for u, c in backward if not (stage == S - 1 and c == V - 1)]
+        out["send_prev"] = [(u, c) for u, c in backward if not (stage == 0 and c == 0)]
+    if S == 1:
+        out = {k: [] for k in out}
+    return out

@@ -3,14 +3,18 @@ Megatron's ``P2PCommunicator._communicate_shapes`` between the two ranks of a PP
 peer), this rank's CALLS in turn; writes ``OUT.RANK``: ``{"got": [[recv_prev_shape, recv_next_shape], ...]}``
 and ``"error"`` (text) if a call raised.
 
-MODE "host": megatron_patches' exchange, on the gloo group of create_pipeline_shape_groups; the communicator's
-own group is a dummy that fails on any use, and torch.cuda.synchronize / current_device, batched p2p and any
-p2p outside the shape group fail the run. MODE "nogroup": the same without the group (an error is expected).
+MODE "check": megatron_patches' local shapes (a source holding what the peer sends) cross-checked over the
+gloo group of create_pipeline_shape_groups (LORAFUSION_P2P_SHAPE_CHECK=1); the communicator's own group is a
+dummy that fails on any use, and torch.cuda.synchronize / current_device, batched p2p and any p2p outside the
+shape group fail the run. MODE "nogroup": the same without the group (an error is expected). MODE "wrong":
+as "check", with the first activation shape each rank expects one token short (an error is expected).
 MODE "megatron": Megatron's own exchange with the world (gloo) as the pipeline group.
-MODE "ring" (any world size): lorafusion.dist.init_distributed at PP = world x 2 virtual stages, then
-warm_interleaved_p2p and one shape exchange each way round the ring through a P2PCommunicator of Megatron's
-pipeline group; writes ``{"heard": [prev, next], "got": [recv_prev_shape, recv_next_shape]}``."""
+MODE "ring" (any world size): lorafusion.dist.init_distributed at PP = world x 2 virtual stages with the
+cross-check on, then warm_interleaved_p2p and one cross-checked shape exchange each way round the ring through
+a P2PCommunicator of Megatron's pipeline group; writes ``{"heard": [prev, next], "got": [recv_prev_shape,
+recv_next_shape]}``."""
 
+import contextlib
 import datetime
 import json
 import os
@@ -77,22 +81,42 @@ def ring(out: str) -> None:
 
     from lorafusion.dist import destroy_distributed, init_distributed, warm_interleaved_p2p
 
+    from megatron_patches import local_p2p_shapes
+
     world = int(os.environ["WORLD_SIZE"])
     init_distributed(1, world, virtual_stages=2)
     rank = dist.get_rank()
     heard = warm_interleaved_p2p("cpu")
     config = SimpleNamespace(use_ring_exchange_p2p=False, virtual_pipeline_model_parallel_size=2)
     comm = P2PCommunicator(ps.get_pipeline_model_parallel_group(), config)
-    got = comm._communicate_shapes(torch.empty(rank + 1, 1, 8), torch.empty(rank + 11, 1, 8), True, True)
+    prev, nxt = (rank - 1) % world, (rank + 1) % world
+    source = {"send_next": [((rank + 1, 1, 8), "a")], "send_prev": [((rank + 11, 1, 8), "g")],
+              "recv_prev": [((prev + 1, 1, 8), "a")], "recv_next": [((nxt + 11, 1, 8), "g")]}
+    with local_p2p_shapes(source):
+        got = comm._communicate_shapes(torch.empty(rank + 1, 1, 8), torch.empty(rank + 11, 1, 8), True, True)
     with open(f"{out}.{rank}", "w") as f:
         json.dump({"heard": list(heard), "got": list(got)}, f)
     destroy_distributed()
 
 
+def local_source(rank: int, wrong: bool = False) -> dict:
+    """This rank's shape source for CALLS: what it sends, and what its peer sends it, in order."""
+    own, peer = CALLS[rank], CALLS[1 - rank]
+    recv_prev = [tuple(a) for a, _, _, _ in peer if a is not None][:sum(c[2] for c in own)]
+    recv_next = [tuple(g) for _, g, _, _ in peer if g is not None][:sum(c[3] for c in own)]
+    if wrong:
+        recv_prev[0] = (recv_prev[0][0] - 1,) + recv_prev[0][1:]
+    return {"send_next": [(a, "a") for a, _, _, _ in own if a is not None],
+            "send_prev": [(g, "g") for _, g, _, _ in own if g is not None],
+            "recv_prev": [(a, "a") for a in recv_prev], "recv_next": [(g, "g") for g in recv_next]}
+
+
 def main(mode: str, out: str) -> None:
+    os.environ["LORAFUSION_P2P_SHAPE_CHECK"] = "1"
     if mode == "ring":
         return ring(out)
-    from megatron_patches import apply_cpu_patches, apply_host_p2p_shapes, create_pipeline_shape_groups
+    from megatron_patches import (apply_cpu_patches, apply_local_p2p_shapes, create_pipeline_shape_groups,
+                                  local_p2p_shapes)
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
@@ -106,8 +130,8 @@ def main(mode: str, out: str) -> None:
     if mode == "megatron":
         comm.pp_group = dist.group.WORLD
     else:
-        apply_host_p2p_shapes()
-        if mode == "host":
+        apply_local_p2p_shapes()
+        if mode != "nogroup":
             create_pipeline_shape_groups([[0, 1]])
         from megatron_patches import pipeline_shape_group
 
@@ -115,10 +139,12 @@ def main(mode: str, out: str) -> None:
         _guard(pipeline_shape_group())
     got = []
     try:
-        for act, grad, recv_prev, recv_next in CALLS[rank]:
-            got.append(comm._communicate_shapes(None if act is None else torch.empty(act),
-                                                None if grad is None else torch.empty(grad),
-                                                recv_prev, recv_next))
+        with (local_p2p_shapes(local_source(rank, wrong=mode == "wrong")) if mode != "megatron"
+              else contextlib.nullcontext()):
+            for act, grad, recv_prev, recv_next in CALLS[rank]:
+                got.append(comm._communicate_shapes(None if act is None else torch.empty(act),
+                                                    None if grad is None else torch.empty(grad),
+                                                    recv_prev, recv_next))
         result = {"got": got}
     except Exception as e:  # noqa: BLE001 - the test reads it
         result = {"error": f"{type(e).__name__}: {e}", "got": got}

@@ -1,9 +1,12 @@
-"""The pipeline's shape exchange (megatron_patches/p2p.py) on two gloo processes of a PP=2 ring, where the
+"""The pipeline's p2p shapes (megatron_patches/p2p.py). Local: taken from the schedule's shape source with
+no process group at all, each tensor sent checked against it, a source read past its end or left unread an
+error. The debug cross-check (LORAFUSION_P2P_SHAPE_CHECK) on two gloo processes of a PP=2 ring, where the
 previous and the next rank are one peer: each shape reaches its side (an activation's shape is received as
-recv_prev, a gradient's as recv_next, also when both cross in one call), first in first out per direction;
-the exchange runs on the host over the gloo pipeline group alone (the data group, torch.cuda.synchronize and
-batched p2p fail if used); without the group it is an error that says what to call. Megatron's own exchange
-pairs the crossing shapes wrongly."""
+recv_prev, a gradient's as recv_next, also when both cross in one call), first in first out per direction,
+and equals the local source's; the exchange runs on the host over the gloo pipeline group alone (the data
+group, torch.cuda.synchronize and batched p2p fail if used); without the group it is an error that says what
+to call; a local shape that differs from the peer's is an error. Megatron's own exchange pairs the crossing
+shapes wrongly."""
 
 import json
 import os
@@ -58,7 +61,7 @@ def _run(mode: str, tmp: Path, world: int = 2) -> list[dict]:
 
 @pytest.mark.slow
 def test_shapes_reach_their_side_over_the_gloo_pipeline_group_alone(tmp_path):
-    results = _run("host", tmp_path)
+    results = _run("check", tmp_path)
     for rank, r in enumerate(results):
         assert "error" not in r, (rank, r)
         assert r["got"] == _expected(rank), rank
@@ -68,6 +71,13 @@ def test_shapes_reach_their_side_over_the_gloo_pipeline_group_alone(tmp_path):
 def test_without_the_gloo_group_the_exchange_says_what_to_call(tmp_path):
     for r in _run("nogroup", tmp_path):
         assert r["got"] == [] and "create_pipeline_shape_groups" in r["error"], r
+
+
+@pytest.mark.slow
+def test_the_cross_check_catches_a_local_shape_the_peer_did_not_send(tmp_path):
+    for rank, r in enumerate(_run("wrong", tmp_path)):
+        assert r["got"] == [] and "the local source gives" in r["error"], (rank, r)
+        assert str(_expected(rank)[0][0]) in r["error"], (rank, r)
 
 
 @pytest.mark.slow

@@ -3,12 +3,14 @@
 
 On GPUs such a synchronise waits for an NCCL all-reduce that the other pipeline stages join only after
 this stage's next send: a deadlock (PP=4, 70B, 2026-11-22). On CPU the all-reduce is gloo's and nothing
-hangs, so the two-process PP tests launch through this guard to catch the pattern itself."""
+hangs, so the two-process PP tests launch through this guard to catch the pattern itself. The guard also
+fails any shape exchange in the pipeline p2p (tests/runtime/p2p_guard.py): the shapes come from the plan."""
 
 import sys
 
 import torch
 
+import p2p_guard
 from megatron_patches import apply_cpu_patches
 from lorafusion.runtime import optim
 
@@ -37,6 +39,7 @@ def synchronize(device=None):
 
 optim.AdapterOptimizer.begin_step, optim.AdapterOptimizer.end_step = begin_step, end_step
 torch.cuda.synchronize = synchronize
+p2p_guard.install()
 
 if __name__ == "__main__":
     from lorafusion.cli import main

@@ -1,6 +1,7 @@
 """Interleaved 1F1B on four processes: PP=4 x 2 virtual stages (a 10-layer tiny LLaMA split unevenly over the
-eight virtual stages through Megatron's pipeline layout, with recompute) trains exactly like one process. The
-two-process PP=2 x 2 runs are in test_distributed.py (LAYOUTS pp2_v2*)."""
+eight virtual stages through Megatron's pipeline layout, with recompute) trains exactly like one process, with
+every p2p shape the ranks take from the plan cross-checked against the one the peer sends
+(LORAFUSION_P2P_SHAPE_CHECK). The two-process PP=2 x 2 runs are in test_distributed.py (LAYOUTS pp2_v2*)."""
 
 import json
 
@@ -13,7 +14,8 @@ SPLIT = [2, 1, 1, 1, 1, 1, 2, 1]  # per virtual stage in layer order: rank r hol
 
 
 @pytest.mark.slow
-def test_four_process_pp4_v2_equals_one_process(tmp_path, megatron_single):
+def test_four_process_pp4_v2_equals_one_process(tmp_path, megatron_single, monkeypatch):
+    monkeypatch.setenv("LORAFUSION_P2P_SHAPE_CHECK", "1")
     from lorafusion.core.arch import preset
 
     base = tmp_path / "base"

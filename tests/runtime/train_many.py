@@ -20,6 +20,7 @@ import sys
 import traceback
 from datetime import timedelta
 
+import p2p_guard
 import sync_guard  # the guard is installed on import; each run turns it on or off
 from torch.distributed import TCPStore
 
@@ -43,7 +44,7 @@ if __name__ == "__main__":
         if rank == 0:
             store.set(f"port/{name}", str(_free_port()))
         os.environ["MASTER_PORT"] = store.get(f"port/{name}").decode()
-        sync_guard.enabled = run["guard"]
+        sync_guard.enabled = p2p_guard.enabled = run["guard"]
         try:
             rc = main(["train", run["run"]])
         except BaseException:
