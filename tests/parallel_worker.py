@@ -5,7 +5,8 @@ FUSED is build_model's fused_ops ("off", "torch", ...; results of another than "
 MODE "tp": TP=2 forward+backward of packed microbatches; "tpsp": the same with sequence parallelism
 (microbatches padded to an even token count; per-token losses saved too); "tpo" / "tpspo": the same with the
 TP collectives overlapped (3 nano-batches a linear), "tpspo_rc" also with full activation recompute. MODE
-"pp": PP=2, 1F1B via Megatron's ``get_forward_backward_func``. Every configuration builds its model afresh
+"pp": PP=2, 1F1B via Megatron's ``get_forward_backward_func`` (its p2p shapes from the runtime's
+``p2p_shapes``). Every configuration builds its model afresh
 from WORKDIR; Megatron's parallel state is set up again when the layout changes (tp*: TP=2; pp: PP=2). Writes
 the results of rank 0 (and the last stage) to WORKDIR. Prints ``=== MODE:FUSED`` before and ``=== MODE:FUSED
 done`` after each configuration; one that raises writes ``MODE[_FUSED]_error.txt`` and ends the process (exit
@@ -122,9 +123,15 @@ def run_one(mode: str, fused: str, workdir: Path) -> None:
 
             return output, loss_func
 
+        from megatron_patches import local_p2p_shapes
+
+        from lorafusion.runtime.pipeline import p2p_shapes
+
         fb = get_forward_backward_func()
-        res = fb(forward_step_func=forward_step, data_iterator=it, model=[model], num_microbatches=len(mbs),
-                 seq_length=max(b.num_tokens for b in mbs), micro_batch_size=1, forward_only=False)
+        # the p2p shapes from the microbatches, as the runtime gives them (megatron_patches/p2p.py)
+        with local_p2p_shapes(p2p_shapes([model], mbs, lambda b: b.num_tokens, 1, forward_only=False)):
+            res = fb(forward_step_func=forward_step, data_iterator=it, model=[model], num_microbatches=len(mbs),
+                     seq_length=max(b.num_tokens for b in mbs), micro_batch_size=1, forward_only=False)
         if parallel_state.is_pipeline_last_stage():
             (workdir / f"pp{tag}_losses.json").write_text(json.dumps([r["loss"].item() for r in res]))
     grads = {n: adapter_peft_state(model, n, model.config.arch, grad=True)
