@@ -134,7 +134,8 @@ def main() -> None:
     if RANK != 0:
         return
     per_mb = [1e3 * dt / n for dt, n in clock.rows if n]
-    out = {"ms_per_microbatch": statistics.median(per_mb), "ms_per_microbatch_all": [round(x, 2) for x in per_mb],
+    out = {"ms_per_microbatch": statistics.median(per_mb),
+           "ms_per_microbatch_all": [round(x, 2) for x in per_mb],
            "aten_ops_per_microbatch": clock.ops,
            "us_per_op": 1e3 * statistics.median(per_mb) / clock.ops if clock.ops else None,
            "tokens_per_s": res.get("tokens_per_s"), "world_size": int(os.environ.get("WORLD_SIZE", "1")),
