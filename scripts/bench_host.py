@@ -64,39 +64,36 @@ class OpCounter(TorchDispatchMode):
 
 
 class HostClock:
-    """A trainer callback: wall time and microbatches of each chunk; the chunks from ``first`` on are timed
-    (under cProfile when given), one of them under the op counter."""
+    """A trainer callback: after ``first`` warm-up chunks, one chunk under the op counter, then ``timed``
+    chunks timed (wall time and microbatches of each), then, with a profiler, one chunk under cProfile (its
+    overhead kept out of the timed chunks)."""
 
-    def __init__(self, first: int, prof: cProfile.Profile | None):
-        self.first, self.prof, self.calls = first, prof, 0
+    def __init__(self, first: int, timed: int, prof: cProfile.Profile | None):
+        self.first, self.timed, self.prof, self.calls = first, timed, prof, 0
         self.rows: list[tuple[float, int]] = []
         self.ops = None
         self._t0 = self._counter = None
 
     def chunk_start(self, trainer, chunk):
         self.calls += 1
-        if self.calls <= self.first:
-            return
-        if self.ops is None and self.calls == self.first + 1:
+        i = self.calls - self.first  # 1: op count, 2..timed+1: timed, timed+2: cProfile
+        if i == 1:
             self._counter = OpCounter()
             self._counter.__enter__()
-        elif self.prof is not None:
+        elif i == self.timed + 2 and self.prof is not None:
             self.prof.enable()
-        self._t0 = time.perf_counter()
+        self._t0 = time.perf_counter() if 2 <= i <= self.timed + 1 else None
 
     def chunk_ran(self, trainer, chunk, result):
-        if self._t0 is None:
-            return
-        dt = time.perf_counter() - self._t0
         n = len(chunk.packed)
         if self._counter is not None:
             self._counter.__exit__(None, None, None)
             self.ops, self._counter = self._counter.count / max(n, 1), None
-        else:
-            if self.prof is not None:
-                self.prof.disable()
-            self.rows.append((dt, n))
-        self._t0 = None
+        elif self._t0 is not None:
+            self.rows.append((time.perf_counter() - self._t0, n))
+            self._t0 = None
+        elif self.prof is not None:
+            self.prof.disable()
 
 
 def main() -> None:
@@ -109,7 +106,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096 if torch.cuda.is_available() else 2048,
                     help="token_capacity (samples cut to it)")
     ap.add_argument("--chunks", type=int, default=4, help="timed chunks (one global batch per job each)")
-    ap.add_argument("--cprofile", type=int, default=0, help="print this many functions by own time")
+    ap.add_argument("--cprofile", type=int, default=0,
+                    help="print this many functions by own time (one more chunk, under cProfile)")
     ap.add_argument("--out", help="the run's output directory (default: a new temporary one)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
@@ -129,7 +127,7 @@ def main() -> None:
     over += list(args.overrides)
     prof = cProfile.Profile() if args.cprofile and RANK == 0 else None
     warm = 2  # chunks: compilation, caches and the first allocations
-    clock = HostClock(warm + 1, prof)  # (+1: the op-counted chunk is not timed)
+    clock = HostClock(warm, args.chunks, prof)
     res = run_with(run_lorafusion, args, over, warm, clock)
     if RANK != 0:
         return
@@ -165,7 +163,7 @@ def run_with(run_lorafusion, args, over, warm, clock) -> dict:
         def chunk_ran(self, trainer, chunk, result):
             clock.chunk_ran(trainer, chunk, result)
 
-    steps = warm + 1 + args.chunks
+    steps = warm + 1 + args.chunks + (1 if clock.prof is not None else 0)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")  # (one directory for all ranks of a torchrun launch)
     out = Path(args.out or (Path(tempfile.gettempdir()) / f"bench_host_{run_id}" if run_id
                             else tempfile.mkdtemp(prefix="bench_host_")))

@@ -100,7 +100,8 @@ class ChunkProfiler:
 
         torch.cuda.synchronize()
         # CUDA activity alone unless BENCH_PROFILE_CPU=1: a whole chunk's host events take minutes to parse
-        acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if os.environ.get("BENCH_PROFILE_CPU") else [])
+        cpu = [ProfilerActivity.CPU] if os.environ.get("BENCH_PROFILE_CPU") else []
+        acts = [ProfilerActivity.CUDA] + cpu
         self._prof = profile(activities=acts)
         self._prof.__enter__()
 
@@ -116,7 +117,8 @@ class ChunkProfiler:
 # kernel families of the profile summary: the first whose key is in the kernel's name (lower case)
 KERNEL_FAMILIES = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "attn")),
                    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm80_")),
-                   ("lora (triton)", ("lora", "_fused", "shrink", "expand")),
+                   ("lora (triton)", ("lora", "_fused", "shrink", "expand", "_ds_db", "_da_dx",
+                                      "_da_kernel")),
                    ("copy", ("copy", "memcpy", "memset", "cat", "fill")))
 
 
