@@ -19,7 +19,12 @@ from lorafusion.kernels.fused_lora import (
     _lora_gemm_kernel,
     _shrink_kernel,
 )
+from lorafusion.kernels.launch import Launcher
 from lorafusion.kernels.tuning import get_config
+
+# launched through the fast path (lorafusion.kernels.launch): a known specialization skips JITFunction.run
+_GEMM, _SHRINK, _DS_DB, _DA, _DA_DX = (Launcher(k) for k in (_lora_gemm_kernel, _shrink_kernel, _ds_db_kernel,
+                                                             _da_kernel, _da_dx_kernel))
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -54,7 +59,7 @@ def lora_gemm(x: torch.Tensor | None, w_kn: torch.Tensor | None, bias: torch.Ten
         out = torch.empty(m, n, device=S.device, dtype=out_dtype or S.dtype)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     dummy = S
-    _lora_gemm_kernel[grid](
+    _GEMM.launch(grid,
         x if has_main else dummy, w_kn if has_main else dummy, bias if bias is not None else dummy, S, L_rn,
         out, row_ids if dropout else dummy, segs, mb,
         st.seed, st.thr, coef, st.r, st.roff,
@@ -79,7 +84,7 @@ def lora_shrink(x: torch.Tensor, A_cat: torch.Tensor, st, routing, row_ids: torc
     cfg["BM"] = max(16, min(cfg["BM"], 8192 // st.rb))
     chunks, n_chunks, _ = cache.chunk_table(routing, cfg["BM"], x.device)
     S = torch.empty(m, st.r_max, device=x.device, dtype=x.dtype)
-    _shrink_kernel[(n_chunks,)](
+    _SHRINK.launch((n_chunks,),
         x, A_cat, S, row_ids, chunks, st.seed, st.thr, st.inv_keep, st.r, st.roff,
         kdim, st.r_max, x.stride(0), x.stride(1), A_cat.stride(0), A_cat.stride(1), S.stride(0), S.stride(1),
         k_total, k_offset,
@@ -116,7 +121,7 @@ def lora_ds_db(dy: torch.Tensor, B_cat: torch.Tensor, S: torch.Tensor, st, routi
     nblk = triton.cdiv(n, bn)
     dsp = torch.empty(nblk, m, st.rb, device=dy.device, dtype=torch.float32)
     dbp = torch.empty(n_chunks, n, st.rb, device=dy.device, dtype=torch.float32)
-    _ds_db_kernel[(nblk, n_chunks)](
+    _DS_DB.launch((nblk, n_chunks),
         dy, B_cat, S, dsp, dbp, chunks, st.scale, st.r, st.roff, m, n,
         dy.stride(0), dy.stride(1), B_cat.stride(0), B_cat.stride(1), S.stride(0), S.stride(1),
         BM=cfg["BM"], BN=bn, RB=st.rb, PREC=dot_precision(dy.dtype), num_warps=cfg["num_warps"],
@@ -138,7 +143,7 @@ def lora_da(x: torch.Tensor, dS: torch.Tensor, st, routing, row_ids: torch.Tenso
     bk = max(16, min(cfg["BK"], 16384 // st.rb))  # keep the [RB, BK] fp32 accumulator in registers
     chunks, n_chunks, ranges = cache.chunk_table(routing, cfg["CH"], x.device, by_slot=True)
     dap = torch.empty(n_chunks, st.rb, kdim, device=x.device, dtype=torch.float32)
-    _da_kernel[(triton.cdiv(kdim, bk), n_chunks)](
+    _DA.launch((triton.cdiv(kdim, bk), n_chunks),
         x, dS, dap, row_ids, chunks, st.seed, st.thr, st.inv_keep, st.r, st.roff,
         kdim, x.stride(0), x.stride(1), dS.stride(0), dS.stride(1), k_total, k_offset,
         DROPOUT=st.dropout, ALIGNED=k_offset % 8 == 0, BM=cfg["BM"], BK=bk, RB=st.rb,
@@ -163,7 +168,7 @@ def lora_da_dx(x: torch.Tensor, dS: torch.Tensor, A_cat: torch.Tensor, dx: torch
     if dx is None:
         dx = torch.empty(m, kdim, device=x.device, dtype=x.dtype)
     dap = torch.empty(n_chunks, st.rb, kdim, device=x.device, dtype=torch.float32)
-    _da_dx_kernel[(triton.cdiv(kdim, bk), n_chunks)](
+    _DA_DX.launch((triton.cdiv(kdim, bk), n_chunks),
         x, dS, A_cat, dx, dap, row_ids, chunks, st.seed, st.thr, st.inv_keep, st.r, st.roff,
         kdim, x.stride(0), x.stride(1), dS.stride(0), dS.stride(1), A_cat.stride(0), A_cat.stride(1),
         dx.stride(0), dx.stride(1), k_total, k_offset,
