@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.utils import get_pg_rank, get_pg_size
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     set_tensor_model_parallel_attributes,
 )
 from megatron.core.tensor_parallel.mappings import (
-    _gather_along_first_dim,
     gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 )
@@ -52,8 +52,9 @@ from lorafusion.layers.fp8_base import (
 )
 from lorafusion.layers.fused_proj import BlockIndex, block_b, fused_projection_index
 from lorafusion.layers.sharding import COLUMNS, REPLICATED, ROW_HALVES, ROWS, TPSplit
-from lorafusion.layers.tp_overlap import overlapped_forward, tp_overlap_nano
+from lorafusion.layers.tp_overlap import tp_forward, tp_path
 from lorafusion.ops.saved import rebuild_saved
+from lorafusion.ops.tp_overlap import gather_rows
 from lorafusion.ops.tables import TableCache, seed_tensor
 
 
@@ -175,6 +176,8 @@ class LoRALinear:
         if lora_kind not in MEGATRON_TARGETS:
             raise ValueError(f"lora_kind: expected one of {MEGATRON_TARGETS}, got {lora_kind!r}")
         super().__init__(*args, **kwargs)  # the Megatron parallel linear (next in the MRO)
+        # the TP geometry of the group the linear was built on (Megatron's tp_group; fixed for its life)
+        self._tp_geometry = (get_pg_size(self.tp_group), get_pg_rank(self.tp_group))
         self.lora_kind = lora_kind
         self.layer_number = layer_number
         self.lora_key = f"{layer_number}.{lora_kind}"  # the layer's name in adapter state and seeds
@@ -191,8 +194,9 @@ class LoRALinear:
 
     # -- geometry ---------------------------------------------------------------------------------------
     def _tp(self) -> tuple[int, int]:
-        return (parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_tensor_model_parallel_rank())
+        """(TP world size, TP rank) of the group this linear was built on (cached at construction: its weight
+        shards are that group's)."""
+        return self._tp_geometry
 
     def full_in_out(self) -> tuple[int, int]:
         return self.input_size, self.output_size
@@ -289,17 +293,19 @@ class LoRALinear:
 
     def forward(self, input_, *args, **kwargs):
         """Base + LoRA. Without TP and with the fused kernels, one op does both (the low-rank term enters
-        the base GEMM); with ``tp_overlap``, :mod:`.tp_overlap`; otherwise the base layer (Megatron's forward
-        with its TP collectives, or the FP8 base) plus the LoRA term.
+        the base GEMM); with TP and a frozen bf16 base, :mod:`.tp_overlap` (the base's collectives overlapped
+        with ``tp_overlap``, else in line; the LoRA term shares them: one all-gather of a column linear's
+        input under SP); otherwise the base layer (Megatron's forward with its TP collectives, or the FP8
+        base) plus the LoRA term.
 
         Of the input, only the LoRA term keeps anything for backward (X for dA: the frozen base saves its
-        weight alone — Megatron's ``LinearWithFrozenWeight``, the FP8 base, the overlapped base). When the
+        weight alone — Megatron's ``LinearWithFrozenWeight``, the FP8 base, the TP path's base). When the
         input's producer marked it rebuildable (the SwiGLU output, an RMSNorm output) it is kept as that
         recipe and rebuilt in backward (:func:`lorafusion.ops.saved.rebuild_saved`)."""
         largs = self._lora_args(input_)
-        if nano := tp_overlap_nano(self, args, kwargs):  # TP collectives overlapped (layers.tp_overlap)
+        if (nano := tp_path(self, args, kwargs)) is not None:  # TP: base + LoRA share collectives
             with rebuild_saved(input_):
-                return overlapped_forward(self, input_, largs, nano, _saved_as_shard)
+                return tp_forward(self, input_, largs, nano, _saved_as_shard)
         if largs is None:
             return self._base_forward(input_, *args, **kwargs)
         with rebuild_saved(input_):
@@ -348,19 +354,18 @@ class LoRALinear:
         """
         if self.s_comm_mode == "column":
             full = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=False)
-            with _saved_as_shard(full, input_):
+            with _saved_as_shard(full, input_, self.tp_group, self._tp()[0]):
                 return self._lora_delta(full, largs)
         return scatter_to_sequence_parallel_region(self._lora_delta(input_, largs))
 
 
-def _saved_as_shard(full: torch.Tensor, shard: torch.Tensor):
+def _saved_as_shard(full: torch.Tensor, shard: torch.Tensor, group, tp: int):
     """The saved-tensor hooks of the column-parallel LoRA term under SP: what the LoRA op saves of the
     all-gathered input ``full`` (x, its 2-D view, the CPU reference's segment slices) is kept as this rank's
     ``shard`` — or, when the shard is a norm's output, as the norm's recipe: nothing — and all-gathered again
     in backward, as Megatron's SP linears do with their input (:func:`lorafusion.ops.saved.rebuild_saved`;
     backward runs the same layers in the same order on every TP rank, so the gathers pair up)."""
-    group = parallel_state.get_tensor_model_parallel_group()
-    return rebuild_saved(shard, full, lambda t: _gather_along_first_dim(t, group))
+    return rebuild_saved(shard, full, lambda t: gather_rows(t, group, tp))
 
 
 class LoRAColumnParallelLinear(LoRALinear, ColumnParallelLinear):

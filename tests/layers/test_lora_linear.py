@@ -56,6 +56,27 @@ def test_packed_batch_gives_each_adapter_what_it_gets_alone(megatron_single):
             torch.testing.assert_close(grads[name][k], g_alone[k], rtol=1e-5, atol=1e-7)
 
 
+def test_tp_geometry_is_read_once_at_construction(megatron_single, monkeypatch):
+    """A LoRA linear reads its TP world size and rank from its own group when it is built; forward and
+    backward ask Megatron's parallel state nothing for it (the calls cost host time per linear call)."""
+    import types
+
+    import lorafusion.layers.lora_linear as ll
+
+    model = make_model()
+    mods = [m for _, m in lora_modules(model)]
+    assert mods and all(m._tp() == (1, 0) for m in mods)
+
+    def refuse(*a, **k):
+        raise AssertionError("parallel_state asked in a LoRA linear's forward or backward")
+
+    monkeypatch.setattr(ll, "parallel_state", types.SimpleNamespace(
+        get_tensor_model_parallel_world_size=refuse, get_tensor_model_parallel_rank=refuse))
+    packed = pack_microbatch(SAMPLES, row_ids=list(range(len(SAMPLES))))
+    sum(adapter_losses(model, packed).values()).backward()
+    assert all(m._tp() == (1, 0) for m in mods)
+
+
 def test_other_adapters_tokens_do_not_touch_adapter_grads_bitwise(megatron_single):
     model = make_model()
     ids = list(range(len(SAMPLES)))

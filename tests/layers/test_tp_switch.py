@@ -1,7 +1,8 @@
 """Switching ``config.tp_overlap`` between microbatches (as the TP-overlap benchmark does between chunks) at
 TP=2 with sequence parallelism: both ranks issue the same collectives in the same order, of the same shapes,
 in every microbatch (a rank that took another path than its peer — overlapped on one, Megatron's on the
-other, or a saved input re-gathered on one rank only — would pair different collectives and hang NCCL)."""
+other, or a saved input re-gathered on one rank only — would pair different collectives and hang NCCL); and
+how many collectives of each kind a microbatch issues."""
 
 import json
 import sys
@@ -17,16 +18,26 @@ ARCH = ModelArch(family="llama", vocab_size=128, hidden_size=32, num_layers=2, n
                  num_query_groups=2, ffn_hidden_size=64, max_position_embeddings=128)
 
 
-def test_tp_overlap_switched_between_microbatches_keeps_the_ranks_collectives_paired(tmp_path):
+@pytest.fixture(scope="module")
+def tp_switch_ranks(tmp_path_factory):
+    """The two ranks' records of tp_switch_worker.py (one launch for the tests of this module)."""
     from session_shared import launch_two_ranks
 
-    write_hf_checkpoint(ARCH, tmp_path / "base")
+    d = tmp_path_factory.mktemp("tp_switch")
+    write_hf_checkpoint(ARCH, d / "base")
     worker = Path(__file__).with_name("tp_switch_worker.py")
-    logs = [tmp_path / "rank0.log", tmp_path / "rank1.log"]
+    logs = [d / "rank0.log", d / "rank1.log"]
     # ~15 s; ranks that pair different collectives hang in gloo until the timeout
-    codes = launch_two_ranks([sys.executable, str(worker), str(tmp_path)], logs, timeout=120)
+    codes = launch_two_ranks([sys.executable, str(worker), str(d)], logs, timeout=120)
     assert codes == [0, 0], "\n".join(p.read_text()[-3000:] for p in logs)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    records = [json.loads((d / f"rank{r}.json").read_text()) for r in range(2)]
+    # every LoRA linear's cached TP geometry is its rank's
+    assert [rec["tp_geometry"] for rec in records] == [[[2, 0]], [[2, 1]]]
+    return [rec["microbatches"] for rec in records]
+
+
+def test_tp_overlap_switched_between_microbatches_keeps_the_ranks_collectives_paired(tp_switch_ranks):
+    ranks = tp_switch_ranks
     assert [mb["overlap"] for mb in ranks[0]] == [2, 0, 2, 0]
     for step, (a, b) in enumerate(zip(*ranks, strict=True)):
         assert a["collectives"] == b["collectives"], f"microbatch {step}: the ranks' collectives differ"
@@ -34,6 +45,33 @@ def test_tp_overlap_switched_between_microbatches_keeps_the_ranks_collectives_pa
         # every decoder linear overlapped while on, none while off (the switch reaches every layer)
         assert a["overlapped"] == b["overlapped"] == (4 * ARCH.num_layers if a["overlap"] else 0)
     on, off = ranks[0][0]["collectives"], ranks[0][1]["collectives"]
-    # the overlapped column linears reuse the base's gathered input: fewer all-gathers than Megatron's path
-    count = lambda seq, name: sum(1 for n, _ in seq if n == name)  # noqa: E731
-    assert count(on, "all_gather_into_tensor") < count(off, "all_gather_into_tensor")
+    # overlapped or not, the same collectives in the same order (only when each is waited for differs)
+    assert [n for n, _ in on] == [n for n, _ in off]
+
+
+def _expected_collectives(layers: int) -> dict[str, int]:
+    """The collectives of one microbatch's forward and backward at TP=2 + SP, every linear carrying LoRA
+    (the decoder's: ``L`` layers, each two column linears — qkv, fc1 — and two row linears — proj, fc2)."""
+    L = layers
+    return {
+        # forward: one per column linear (base and LoRA term share the gathered input), the output layer's;
+        # backward: one of dY per row linear (base and LoRA term share it), one per column linear to rebuild
+        # the LoRA term's saved input from this rank's shard (Megatron's path + the LoRA term: 10L + 1)
+        "all_gather_into_tensor": 2 * L + 1 + 2 * L + 2 * L,
+        # the embedding's, one per row linear; backward: the output layer's, one of dX per column linear (base
+        # and LoRA term together) but the first layer's qkv, whose input (the frozen embedding) needs none
+        "reduce_scatter_tensor": 1 + 2 * L + 1 + 2 * L - 1,
+        # S of each row linear, the vocabulary-parallel loss's three; backward: dS of each column linear
+        "all_reduce": 2 * L + 3 + 2 * L,
+    }
+
+
+def test_tp_and_sequence_parallel_collectives_per_microbatch(tp_switch_ranks):
+    """TP=2 + SP, overlapped or not: a column linear all-gathers its input once in forward (for the base and
+    every adapter's LoRA term) and once in backward, reduce-scatters dX once; a row linear all-gathers dY
+    once for base and LoRA term. Counted per microbatch on rank 0 (both ranks issue the same, above)."""
+    from collections import Counter
+
+    for mb in tp_switch_ranks[0]:
+        got = Counter(n for n, _ in mb["collectives"])
+        assert dict(got) == _expected_collectives(ARCH.num_layers), mb["overlap"]

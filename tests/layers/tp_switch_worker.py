@@ -47,8 +47,8 @@ def main(workdir: Path) -> None:
 
     init_distributed(2, 1)
     model = build_model_from_hf(workdir / "base", sequence_parallel=True, tp_overlap=2, fused_ops="torch")
-    for i, r in enumerate((4, 8)):
-        add_adapter(model, f"a{i}", LoRASpec(r=r, lora_alpha=2 * r, lora_dropout=0.1,
+    for i, r in enumerate((4, 8)):  # (a1 without dropout: the LoRA term keeps its input X itself)
+        add_adapter(model, f"a{i}", LoRASpec(r=r, lora_alpha=2 * r, lora_dropout=0.1 if i == 0 else 0.0,
                                              target_modules=("all-linear",)), seed=i)
     model.train()
     g = torch.Generator().manual_seed(0)
@@ -67,7 +67,11 @@ def main(workdir: Path) -> None:
         total.backward()
         out.append({"overlap": model.config.tp_overlap, "collectives": list(CALLS), "loss": total.item(),
                     "overlapped": OVERLAPPED[0] - before})
-    (workdir / f"rank{dist.get_rank()}.json").write_text(json.dumps(out))
+    from lorafusion.layers import lora_modules
+
+    geometry = sorted({tuple(m._tp()) for _, m in lora_modules(model)})  # (tp, rank) cached at construction
+    (workdir / f"rank{dist.get_rank()}.json").write_text(json.dumps({"microbatches": out,
+                                                                     "tp_geometry": geometry}))
     destroy_distributed()
 
 

@@ -36,7 +36,7 @@ def main(out: Path, backend: str) -> None:
         tol = dict(rtol=2e-2, atol=2e-2) if gpu else {}
         torch.testing.assert_close(got.float(), want.float(), **tol)
 
-    for nano in (1, 2, 3):
+    for nano in (0, 1, 2, 3):  # (0: the collectives in line, nothing split)
         for sp in (False, True):
             # column-parallel: W split by output rows
             x = (X[rows] if sp else X).clone().requires_grad_()
@@ -58,6 +58,14 @@ def main(out: Path, backend: str) -> None:
             close(y, (X @ W.t())[rows] if sp else X @ W.t())
             (y * (G[rows] if sp else G)).sum().backward()
             close(x.grad, G @ W[:, ins])
+            if sp:  # a full-sequence term added to this rank's rows; its gradient: the whole dY, everywhere
+                x = X[..., ins].clone().requires_grad_()
+                delta = (0.5 * H[..., :N]).clone().requires_grad_()
+                y = row_linear_overlapped(x, W[:, ins], group, nano, sequence_parallel=True, delta=delta)
+                close(y, (X @ W.t() + 0.5 * H[..., :N])[rows])
+                (y * G[rows]).sum().backward()
+                close(x.grad, G @ W[:, ins])
+                close(delta.grad, G)
     if gpu:
         torch.cuda.synchronize()
     if r == 0:
