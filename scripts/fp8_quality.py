@@ -137,7 +137,7 @@ def fp8_in(model, layers: set[int] | None = None, kinds: set[str] | None = None,
     """The bf16 ``model`` with the decoder linears of ``layers`` (1-based; None: all) and ``kinds`` (None:
     all) in FP8 as training runs them, or with only their weights rounded to FP8 (``weight_only``: the GEMMs
     stay bf16); restored on exit. (A deep copy of a Megatron model fails on its process groups.)"""
-    from lorafusion.layers.fp8_base import init_fp8_storage, write_base_tensor
+    from lorafusion.layers.fp8_base import drop_fp8_storage, init_fp8_storage, write_base_tensor
     from lorafusion.layers.inject import lora_modules
     from lorafusion.ops.fp8_linear import quantize_weight
 
@@ -163,8 +163,7 @@ def fp8_in(model, layers: set[int] | None = None, kinds: set[str] | None = None,
                 with torch.no_grad():
                     weight.copy_(data)
             else:
-                del mod._buffers["weight_fp8"], mod._buffers["weight_scale"]
-                mod.weight = weight
+                drop_fp8_storage(mod, weight)
                 mod.base_precision = precision
 
 

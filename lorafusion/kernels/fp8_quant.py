@@ -144,7 +144,22 @@ def transpose_triton(w: torch.Tensor, block: int = 64) -> torch.Tensor:
     m, n = w.shape
     src = w.view(torch.uint8)
     dst = torch.empty(n, m, device=w.device, dtype=torch.uint8)
+    _transpose(src, dst, m, n, block)
+    return dst.view(w.dtype)
+
+
+def transposed_operand(src: torch.Tensor, dtype: torch.dtype, block: int = 64) -> torch.Tensor:
+    """``src`` (a one-byte [M, N] CUDA tensor with a contiguous last dim, viewed as uint8) copied into
+    column-major layout, as ``dtype``: [M, N] with strides (1, M), the data of ``srcᵀ`` row-major — the
+    K-major operand of a GEMM by ``src`` (the input gradient's ``dY·W_q``). Two host ops and one launch."""
+    m, n = src.shape
+    dst = torch.empty_strided((m, n), (1, m), device=src.device, dtype=torch.uint8)
+    _transpose(src, dst, m, n, block)
+    return dst.view(dtype)
+
+
+def _transpose(src: torch.Tensor, dst: torch.Tensor, m: int, n: int, block: int) -> None:
+    """dst's data ([N, M] row-major, row stride M) = srcᵀ."""
     if m and n:
         grid = (triton.cdiv(m, block), triton.cdiv(n, block))
-        _transpose_kernel[grid](src, dst, m, n, src.stride(0), dst.stride(0), BM=block, BN=block, num_warps=4)
-    return dst.view(w.dtype)
+        _transpose_kernel[grid](src, dst, m, n, src.stride(0), m, BM=block, BN=block, num_warps=4)

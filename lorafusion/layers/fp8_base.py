@@ -12,6 +12,11 @@ bf16 copy of an FP8 layer is ever held. Its weights arrive like any other base t
 bias) around :func:`lorafusion.ops.fp8_linear.fp8_linear` instead of the bf16 GEMM. The LoRA term is unchanged
 and sees the bf16 X. The output layer and embeddings stay in the model dtype. Without TP, with the fused LoRA
 kernels, :func:`fp8_fused_forward` runs base and LoRA term as one op (:mod:`lorafusion.ops.fp8_lora`).
+
+Both forwards take the weight as the linear's :class:`~lorafusion.ops.fp8_linear.Fp8Weight`
+(:func:`weight_form`): the GEMM operand forms made once and kept on the linear (a plain attribute: not a
+buffer, never saved), remade when :func:`write_base_tensor` rewrites the weight, or when the buffers are
+replaced (``module.to``) or written in place by anything else.
 """
 
 from __future__ import annotations
@@ -20,12 +25,17 @@ import torch
 from megatron.core.tensor_parallel import mappings as M
 
 from lorafusion.core.precision import BASE_PRECISIONS, FP8_BF16_LEADING_LAYERS
-from lorafusion.ops.fp8_linear import E4M3, check_fp8_device, fp8_linear, quantize_weight
+from lorafusion.ops.fp8_linear import E4M3, Fp8Weight, check_fp8_device, fp8_linear, quantize_weight
 from lorafusion.ops import fp8_lora
 
 # The first decoder layers of the whole model (global numbering) whose linears stay in the model dtype with an
 # fp8 base (lorafusion.core.precision; the memory model counts the same number)
 BF16_LEADING_LAYERS = FP8_BF16_LEADING_LAYERS
+# Keep each FP8 weight's transpose (the input gradient's operand) instead of making it in every backward: one
+# launch and a pass over W_q less per linear backward, for one more byte per weight (the FP8 base's whole
+# saving over bf16 weights; the memory model does not count it). Off.
+KEEP_TRANSPOSED = False
+_FORM = "_fp8_form"
 
 
 def base_precision_of(config, layer_number: int) -> str:
@@ -53,6 +63,13 @@ def init_fp8_storage(mod) -> None:
     mod.register_parameter("weight", None)
 
 
+def drop_fp8_storage(mod, weight: torch.nn.Parameter) -> None:
+    """Undo :func:`init_fp8_storage`: the FP8 buffers and their weight form go, ``weight`` comes back."""
+    del mod._buffers["weight_fp8"], mod._buffers["weight_scale"]
+    mod.__dict__.pop(_FORM, None)
+    mod.weight = weight
+
+
 def base_tensor_like(mod, attr: str) -> torch.Tensor:
     """The tensor that holds ``mod``'s base tensor ``attr`` (an FP8 linear's weight: its ``weight_fp8``, whose
     shape and device the bf16 weight would have)."""
@@ -67,8 +84,20 @@ def write_base_tensor(mod, attr: str, value: torch.Tensor) -> None:
         q, s = quantize_weight(value.to(device=mod.weight_fp8.device, dtype=mod.base_dtype))
         mod.weight_fp8.copy_(q)
         mod.weight_scale.copy_(s)
+        mod.__dict__.pop(_FORM, None)
         return
     getattr(mod, attr).copy_(value)
+
+
+def weight_form(mod) -> Fp8Weight:
+    """``mod``'s FP8 weight with its GEMM forms (:class:`~lorafusion.ops.fp8_linear.Fp8Weight`), made on the
+    first call and kept while it describes the current buffers."""
+    w_q, w_s = mod.weight_fp8, mod.weight_scale
+    form = mod.__dict__.get(_FORM)
+    if form is None or not form.fresh(w_q, w_s):
+        form = Fp8Weight(w_q, w_s, transposed=KEEP_TRANSPOSED)
+        mod.__dict__[_FORM] = form
+    return form
 
 
 def fp8_base_forward(mod, input_: torch.Tensor):
@@ -78,19 +107,19 @@ def fp8_base_forward(mod, input_: torch.Tensor):
     then reduce-scatter (SP) or all-reduce, bias after the reduction."""
     tp = mod._tp()[0]
     group = getattr(mod, "tp_group", None)
-    w_q, w_s = mod.weight_fp8, mod.weight_scale
+    w = weight_form(mod)
     if mod.s_comm_mode == "column":
         x = input_
         if mod.sequence_parallel:
             x = M.gather_from_sequence_parallel_region(input_, True, group=group)
         elif tp > 1:
             x = M.copy_to_tensor_model_parallel_region(input_, group=group)
-        y = fp8_linear(x, w_q, w_s, None if mod.skip_bias_add else mod.bias)
+        y = fp8_linear(x, w.q, w.scale, None if mod.skip_bias_add else mod.bias, form=w)
         if mod.gather_output:
             y = M.gather_from_tensor_model_parallel_region(y, group=group)
         return y, (mod.bias if mod.skip_bias_add else None)
     x = input_ if mod.input_is_parallel else M.scatter_to_tensor_model_parallel_region(input_, group=group)
-    y = fp8_linear(x, w_q, w_s)
+    y = fp8_linear(x, w.q, w.scale, form=w)
     if mod.sequence_parallel:
         y = M.reduce_scatter_to_sequence_parallel_region(y, group=group)
     elif tp > 1:
@@ -105,6 +134,7 @@ def fp8_fused_forward(mod, input_: torch.Tensor, largs):
     (:func:`lorafusion.ops.fp8_lora.fp8_multi_lora_linear`; ``largs`` = the layer's ``_lora_args``)."""
     routing, a, b, scaling, p, seeds, seed_table = largs
     bias = None if mod.skip_bias_add or mod.bias is None else mod.bias
-    y = fp8_lora.fp8_multi_lora_linear(input_, mod.weight_fp8, mod.weight_scale, bias, a, b, scaling, p,
-                                       seeds, routing, cache=mod.lora_ctx.tables, seed_table=seed_table)
+    w = weight_form(mod)
+    y = fp8_lora.fp8_multi_lora_linear(input_, w.q, w.scale, bias, a, b, scaling, p, seeds, routing,
+                                       cache=mod.lora_ctx.tables, seed_table=seed_table, form=w)
     return y, (mod.bias if mod.skip_bias_add else None)

@@ -11,8 +11,13 @@ Quantization (row-wise, "dequant" scales: ``v ≈ q·scale``):
   quantized per row (``GRAD_DTYPE``: e4m3 by default, e5m2 on request; measured in docs/BENCHMARKS.md) and
   multiplied by W_q with a unit column scale. W_q's transpose (the K-major operand that FP8 GEMMs need for
   this product) is made for the call (one Triton kernel on CUDA) and dropped, so the base keeps one byte per
-  weight. Nothing of X is
-  saved for backward; no dW is computed (W is not a parameter).
+  weight (:class:`Fp8Weight` can keep it instead: one byte more per weight for one launch less per
+  backward). Nothing of X is saved for backward; no dW is computed (W is not a parameter).
+
+What never changes between calls (W is frozen) is made once per weight in an :class:`Fp8Weight`: the
+operand views of both GEMMs, the scale rows, the unit scale, the one-byte view the transpose reads. The
+layers keep one per linear (:func:`lorafusion.layers.fp8_base.weight_form`), remade when the weight is
+rewritten; the op functions make one per call when given none.
 
 ``torch._scaled_mm`` (cuBLASLt on sm_89+, and CPU in torch >= 2.13, which CI uses) wants K and N multiples
 of 16; other shapes take :func:`scaled_gemm`'s fallback, the same quantized math as a float32 matmul of the
@@ -29,7 +34,7 @@ import torch
 
 from lorafusion.core.errors import ConfigError
 
-__all__ = ["E4M3", "E5M2", "GRAD_DTYPE", "Fp8BaseLinear", "fp8_linear", "fp8_linear_reference",
+__all__ = ["E4M3", "E5M2", "GRAD_DTYPE", "Fp8BaseLinear", "Fp8Weight", "fp8_linear", "fp8_linear_reference",
            "quantize_rows", "quantize_rows_torch", "quantize_weight", "dequantize", "scaled_gemm",
            "transpose", "check_fp8_device", "unit_scale"]
 
@@ -73,7 +78,7 @@ def _triton(name: str):
 
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype = E4M3, col_scale: torch.Tensor | None = None):
     """Row-wise quantization (see :func:`quantize_rows_torch`): one Triton kernel on CUDA, torch elsewhere."""
-    if x.is_cuda:
+    if _on_device(x):
         fn = _triton("quantize_rows_triton")
         if fn is not None:
             return fn(x, dtype, col_scale, EPS)
@@ -83,7 +88,7 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype = E4M3, col_scale: torch.T
 def transpose(w_q: torch.Tensor) -> torch.Tensor:
     """``w_q.t().contiguous()``: one Triton kernel on CUDA (torch's copy of FP8 is slow there), torch
     elsewhere."""
-    if w_q.is_cuda and w_q.stride(1) == 1:
+    if _on_device(w_q) and w_q.stride(1) == 1:
         fn = _triton("transpose_triton")
         if fn is not None:
             return fn(w_q)
@@ -118,55 +123,101 @@ def scaled_gemm(a_q: torch.Tensor, s_a: torch.Tensor, b_q: torch.Tensor, s_b: to
     """``diag(s_a)·(a_q·b_qᵀ)·diag(s_b)`` for row-major a_q [m, K], b_q [N, K] (both K-major), s_a [m, 1],
     s_b [1, N] float32. ``torch._scaled_mm`` when K and N are multiples of 16, else the same math in
     float32."""
-    K, N = a_q.shape[1], b_q.shape[0]
+    return _scaled_mm(a_q, s_a, b_q.t(), s_b, out_dtype, use_fast_accum)
+
+
+def _scaled_mm(a_q, s_a, b_kn, s_b, out_dtype, use_fast_accum=False) -> torch.Tensor:
+    """:func:`scaled_gemm` with the second operand given as ``b_qᵀ`` ([K, N], column-major)."""
+    K, N = b_kn.shape
     if K % ALIGN == 0 and N % ALIGN == 0:
-        return torch._scaled_mm(a_q, b_q.t(), scale_a=s_a, scale_b=s_b, out_dtype=out_dtype,
+        return torch._scaled_mm(a_q, b_kn, scale_a=s_a, scale_b=s_b, out_dtype=out_dtype,
                                 use_fast_accum=use_fast_accum)
     a = a_q.float() * s_a
-    b = b_q.float() * s_b.view(-1, 1)
-    return (a @ b.t()).to(out_dtype)
+    b = b_kn.float() * s_b
+    return (a @ b).to(out_dtype)
 
 
-def fp8_matmul(x2d: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+class Fp8Weight:
+    """An FP8 weight (W_q [n, k] row-major, s_w [n]) and the forms of it that both GEMMs take, made once.
+
+    ``fwd_b`` = W_qᵀ as a view ([k, n], column-major: the forward's K-major operand), ``fwd_scale`` = s_w as
+    a [1, n] row, ``unit`` = the [1, k] column scale of the input-gradient GEMM, ``bytes`` = W_q viewed as
+    uint8 (what the CUDA transpose reads). ``transposed``: also keep W_q's transpose (``dx_b``, the input
+    gradient's K-major operand, [n, k] column-major) instead of making it in each backward: one byte more
+    per weight. :meth:`fresh` says whether this still describes ``(w_q, w_scale)`` (same tensors, not
+    written since)."""
+
+    __slots__ = ("q", "scale", "fwd_b", "fwd_scale", "unit", "bytes", "dx_b", "_versions")
+
+    def __init__(self, w_q: torch.Tensor, w_scale: torch.Tensor, transposed: bool = False):
+        self.q, self.scale = w_q, w_scale
+        self.fwd_b = w_q.t()
+        self.fwd_scale = w_scale.view(1, -1)
+        self.unit = unit_scale(w_q.shape[1], w_q.device)
+        self.bytes = w_q.view(torch.uint8) if _on_device(w_q) and w_q.stride(1) == 1 else None
+        self.dx_b = self._transposed_b() if transposed else None
+        self._versions = (w_q._version, w_scale._version)
+
+    def fresh(self, w_q: torch.Tensor, w_scale: torch.Tensor) -> bool:
+        return (self.q is w_q and self.scale is w_scale
+                and self._versions == (w_q._version, w_scale._version))
+
+    def _transposed_b(self) -> torch.Tensor:
+        """W_q in column-major layout ([n, k], strides (1, n)): the data of W_qᵀ, a new tensor."""
+        if self.bytes is not None:
+            fn = _triton("transposed_operand")
+            if fn is not None:
+                return fn(self.bytes, self.q.dtype)
+        return transpose(self.q).t()
+
+    def dx_operand(self) -> torch.Tensor:
+        """The input-gradient GEMM's K-major weight operand: the kept one, or one made for this call."""
+        return self.dx_b if self.dx_b is not None else self._transposed_b()
+
+
+def _on_device(t: torch.Tensor) -> bool:
+    """Whether the helpers take their Triton (CUDA) branch for ``t``."""
+    return t.is_cuda
+
+
+def fp8_matmul(x2d: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     """``X·Wᵀ`` in x's dtype: X quantized per row (e4m3), then the scaled FP8 GEMM with W's channel scales."""
     x_q, s_x = quantize_rows(x2d, E4M3)
-    return scaled_gemm(x_q, s_x, w_q, w_scale.view(1, -1), x2d.dtype, x2d.shape[1] <= FWD_FAST_ACCUM_MAX_K)
+    return _scaled_mm(x_q, s_x, w.fwd_b, w.fwd_scale, x2d.dtype, x2d.shape[1] <= FWD_FAST_ACCUM_MAX_K)
 
 
-def fp8_input_grad(dy: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                   grad_dtype: torch.dtype) -> torch.Tensor:
+def fp8_input_grad(dy: torch.Tensor, w: Fp8Weight, grad_dtype: torch.dtype) -> torch.Tensor:
     """``dX = dY·W`` in dy's dtype: ``dY·diag(s_w)`` quantized per row to ``grad_dtype``, times W_q."""
-    g_q, s_g = quantize_rows(dy, grad_dtype, col_scale=w_scale)  # dY·diag(s_w), per row
-    w_t = transpose(w_q)  # [k, n]: N-major, as the FP8 GEMM needs for dY·W_q; freed after the call
-    return scaled_gemm(g_q, s_g, w_t, unit_scale(w_t.shape[0], dy.device), dy.dtype)
+    g_q, s_g = quantize_rows(dy, grad_dtype, col_scale=w.scale)  # dY·diag(s_w), per row
+    return _scaled_mm(g_q, s_g, w.dx_operand(), w.unit, dy.dtype)
 
 
 class Fp8BaseLinear(torch.autograd.Function):
-    """``Y = X·Wᵀ`` with X quantized per row and W given as (W_q, s_w); gradient for X only."""
+    """``Y = X·Wᵀ`` with X quantized per row and W given as an :class:`Fp8Weight`; gradient for X only. The
+    weight stays on ctx (frozen: nothing for autograd to save or check)."""
 
     @staticmethod
-    def forward(ctx, x2d, w_q, w_scale, grad_dtype):
-        y = fp8_matmul(x2d, w_q, w_scale)
-        ctx.save_for_backward(w_q, w_scale)
-        ctx.grad_dtype = grad_dtype
-        return y
+    def forward(ctx, x2d, w: Fp8Weight, grad_dtype):
+        ctx.w, ctx.grad_dtype = w, grad_dtype
+        return fp8_matmul(x2d, w)
 
     @staticmethod
     def backward(ctx, dy):
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None
-        w_q, w_scale = ctx.saved_tensors
-        return fp8_input_grad(dy, w_q, w_scale, ctx.grad_dtype), None, None, None
+            return None, None, None
+        return fp8_input_grad(dy, ctx.w, ctx.grad_dtype), None, None
 
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-               grad_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``X·Wᵀ (+bias)`` for ``x`` [..., k] with the FP8 weight (W_q [n, k], s_w [n]); output in x's dtype."""
+               grad_dtype: torch.dtype | None = None, *, form: Fp8Weight | None = None) -> torch.Tensor:
+    """``X·Wᵀ (+bias)`` for ``x`` [..., k] with the FP8 weight (W_q [n, k], s_w [n]); output in x's dtype.
+    ``form``: the weight's :class:`Fp8Weight`, if the caller keeps one (else one is made for the call)."""
     if x.is_cuda and x.dtype != torch.bfloat16:
         raise ValueError(f"fp8_linear: CUDA row-wise FP8 GEMMs write bfloat16; got an input of {x.dtype}")
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
-    y = Fp8BaseLinear.apply(x2d, w_q, w_scale, grad_dtype or GRAD_DTYPE)
+    w = form if form is not None else Fp8Weight(w_q, w_scale)
+    y = Fp8BaseLinear.apply(x2d, w, grad_dtype or GRAD_DTYPE)
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, y.shape[-1])

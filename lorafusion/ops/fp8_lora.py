@@ -11,8 +11,10 @@ two passes over Y in forward and two over dX in backward, and one activation-siz
   keep⊙(dS·A)/(1-p) into that dX in place and produces dA with the same mask (the bf16 path's "cublas"
   order), instead of autograd summing a separate low-rank dX. No dW (W is not a parameter).
 
-The LoRA path sees the bf16 X, as in the bf16 base. Saved for backward: X, S, W_q (a reference to the model's
-buffer), s_w. :func:`fp8_multi_lora_linear_reference` is the split form in torch (the ground truth of tests).
+The LoRA path sees the bf16 X, as in the bf16 base. Saved for backward: X, S; the weight
+(:class:`~lorafusion.ops.fp8_linear.Fp8Weight`: the model's buffers and their GEMM forms, made once per weight
+by the layer) stays on ctx. :func:`fp8_multi_lora_linear_reference` is the split form in torch (the ground
+truth of tests).
 """
 
 from __future__ import annotations
@@ -23,14 +25,14 @@ import torch
 
 from lorafusion.core.routing import Routing
 from lorafusion.ops import fp8_linear as F
-from lorafusion.ops.fp8_linear import fp8_input_grad, fp8_linear, fp8_matmul
+from lorafusion.ops.fp8_linear import Fp8Weight, fp8_input_grad, fp8_linear, fp8_matmul
 
 __all__ = ["fp8_multi_lora_linear", "fp8_multi_lora_linear_reference"]
 
 
 class _Fp8MultiLoRALinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, w_q, w_scale, bias, plan, grad_dtype, *params):
+    def forward(ctx, x2d, w: Fp8Weight, bias, plan, grad_dtype, *params):
         from lorafusion.kernels import fused_multi_lora as K
         from lorafusion.ops.fused import _cat_A, _cat_B
 
@@ -38,11 +40,11 @@ class _Fp8MultiLoRALinear(torch.autograd.Function):
         st = plan.st
         A_cat, B_cat = _cat_A(params[:ns], x2d.dtype), _cat_B(params[ns:], x2d.dtype)
         S = K.lora_shrink(x2d, A_cat, st, plan.routing, plan.row_ids, k_total=plan.k_total, cache=plan.cache)
-        y = fp8_matmul(x2d, w_q, w_scale)
+        y = fp8_matmul(x2d, w)
         K.lora_gemm(None, None, bias, S, B_cat.t().contiguous(), st.scale, st, plan.routing, n=plan.n, out=y,
                     accumulate=True, cache=plan.cache)
-        ctx.plan, ctx.grad_dtype, ctx.has_bias = plan, grad_dtype, bias is not None
-        ctx.save_for_backward(x2d, w_q, w_scale, S, A_cat, B_cat, *params)
+        ctx.plan, ctx.grad_dtype, ctx.has_bias, ctx.w = plan, grad_dtype, bias is not None, w
+        ctx.save_for_backward(x2d, S, A_cat, B_cat, *params)
         return y
 
     @staticmethod
@@ -52,17 +54,18 @@ class _Fp8MultiLoRALinear(torch.autograd.Function):
 
         plan = ctx.plan
         st = plan.st
-        x2d, w_q, w_scale, S, A_cat, B_cat, *params = ctx.saved_tensors
+        x2d, S, A_cat, B_cat, *params = ctx.saved_tensors
         ns = plan.n_slots
-        need_x, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
-        need_da, need_db = any(ctx.needs_input_grad[6:6 + ns]), any(ctx.needs_input_grad[6 + ns:])
-        dy = dy.to(x2d.dtype)
+        need_x, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        need_da, need_db = any(ctx.needs_input_grad[5:5 + ns]), any(ctx.needs_input_grad[5 + ns:])
+        if dy.dtype != x2d.dtype:
+            dy = dy.to(x2d.dtype)
         if not dy.is_contiguous():
             dy = dy.contiguous()
         dS, dB = K.lora_ds_db(dy, B_cat, S, st, plan.routing, need_db=need_db, cache=plan.cache)
         dx, dA = None, [None] * ns
         if need_x:
-            dx = fp8_input_grad(dy, w_q, w_scale, ctx.grad_dtype)  # dy is in x's dtype
+            dx = fp8_input_grad(dy, ctx.w, ctx.grad_dtype)  # dy is in x's dtype
             dx, dA = K.lora_da_dx(x2d, dS, A_cat, dx, st, plan.routing, plan.row_ids, k_total=plan.k_total,
                                   need_da=need_da, cache=plan.cache)
         elif need_da:
@@ -70,7 +73,7 @@ class _Fp8MultiLoRALinear(torch.autograd.Function):
         dbias = dy.sum(0) if (need_b and ctx.has_bias) else None
         if not need_db:
             dB = [None] * ns
-        return (dx, None, None, dbias, None, None, *_grads(dA, params[:ns]), *_grads(dB, params[ns:]))
+        return (dx, None, dbias, None, None, *_grads(dA, params[:ns]), *_grads(dB, params[ns:]))
 
 
 def fp8_multi_lora_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
@@ -78,9 +81,12 @@ def fp8_multi_lora_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Ten
                           lora_A: Sequence[torch.Tensor], lora_B: Sequence[torch.Tensor],
                           scaling: Sequence[float], dropout_p: Sequence[float], seeds: Sequence[int],
                           routing: Routing, *, cache=None, seed_table: torch.Tensor | None = None,
-                          grad_dtype: torch.dtype | None = None) -> torch.Tensor:
+                          grad_dtype: torch.dtype | None = None,
+                          form: Fp8Weight | None = None) -> torch.Tensor:
     """FP8 base plus LoRA through the Triton LoRA kernels (CUDA, or Triton's interpreter on CPU).
-    Shapes as :func:`lorafusion.ops.multi_lora_linear`, with the weight given as (W_q [n, k], s_w [n])."""
+    Shapes as :func:`lorafusion.ops.multi_lora_linear`, with the weight given as (W_q [n, k], s_w [n]);
+    ``form``: their :class:`~lorafusion.ops.fp8_linear.Fp8Weight` if the caller keeps one (else one is made
+    for the call)."""
     from lorafusion.ops.fused import _Plan
 
     lead = x.shape[:-1]
@@ -91,7 +97,8 @@ def fp8_multi_lora_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Ten
     if x2d.is_cuda and x2d.dtype != torch.bfloat16:
         raise ValueError(f"fp8_multi_lora_linear: CUDA row-wise FP8 GEMMs write bfloat16; got {x.dtype}")
     plan = _Plan(x2d, lora_A, lora_B, scaling, dropout_p, seeds, routing, cache=cache, seed_table=seed_table)
-    y = _Fp8MultiLoRALinear.apply(x2d, w_q, w_scale, bias, plan, grad_dtype or F.GRAD_DTYPE, *lora_A, *lora_B)
+    w = form if form is not None else Fp8Weight(w_q, w_scale)
+    y = _Fp8MultiLoRALinear.apply(x2d, w, bias, plan, grad_dtype or F.GRAD_DTYPE, *lora_A, *lora_B)
     return y.reshape(*lead, y.shape[-1])
 
 

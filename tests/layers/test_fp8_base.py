@@ -279,3 +279,53 @@ def test_fused_kernels_take_the_one_op_fp8_path_and_equal_the_torch_lora_path(me
                 err = float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
                 assert err < tol, (key, err)
     assert seen == ["2.linear_qkv", "2.linear_fc2"], seen
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["transpose_per_call", "transpose_kept"])
+def test_the_weight_form_follows_the_weight_when_it_is_rewritten(megatron_single, monkeypatch, keep):
+    """A linear's FP8 weight form (operand views, scale rows and, when kept, W_q's transpose) is made once and
+    reused; rewriting the weight (write_base_tensor, an in-place write, a replaced buffer) remakes it: each
+    call then gives what a form made from scratch gives, through the torch and the one-op Triton path."""
+    from lorafusion.layers import fp8_base, get_lora_context
+
+    monkeypatch.setattr(fp8_base, "KEEP_TRANSPOSED", keep)
+    model = build_model(preset("tiny-llama"), params_dtype=torch.float32, seed=11, base_precision="fp8")
+    add_adapter(model, "a", SPEC, seed=3)
+    add_adapter(model, "b", LoRASpec(r=8, lora_alpha=8, target_modules=("down_proj",)), seed=3)
+    randomize_b(model, seed=5)
+    model.train()
+    batch = _batch()
+    T = batch.tokens.numel()
+    mod = dict(lora_modules(model))["2.linear_fc2"]
+    x = torch.randn(T, 1, mod.input_size, generator=torch.Generator().manual_seed(1))
+    dy = torch.randn(T, 1, mod.weight_fp8.shape[0], generator=torch.Generator().manual_seed(2))
+
+    def run():
+        xi = x.clone().requires_grad_(True)
+        out, _ = mod(xi)
+        return out.detach(), *torch.autograd.grad(out, [xi], dy.to(out.dtype))
+
+    def from_scratch():
+        mod.__dict__.pop("_fp8_form", None)
+        return run()
+
+    g = torch.Generator().manual_seed(9)
+    with lora_batch(model, batch.routing, batch.adapters, [7, 9]):
+        for impl in ("torch", "triton"):
+            get_lora_context(model).impl = impl
+            before = run()
+            form = fp8_base.weight_form(mod)
+            assert fp8_base.weight_form(mod) is form and (form.dx_b is not None) == keep
+            fp8_base.write_base_tensor(mod, "weight", torch.randn(mod.weight_fp8.shape, generator=g) * 0.05)
+            got = run()
+            assert fp8_base.weight_form(mod) is not form
+            want = from_scratch()
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), impl
+            assert not torch.equal(got[0], before[0]) and not torch.equal(got[1], before[1])
+            with torch.no_grad():  # written in place by other code
+                mod.weight_fp8.copy_(F.quantize_weight(torch.randn(mod.weight_fp8.shape, generator=g))[0])
+            got = run()
+            assert all(torch.equal(a, b) for a, b in zip(got, from_scratch())), impl
+            mod.weight_scale = mod.weight_scale * 2  # the buffer replaced
+            got = run()
+            assert all(torch.equal(a, b) for a, b in zip(got, from_scratch())), impl

@@ -112,8 +112,8 @@ def test_no_weight_gradient_and_one_gemm_each_way(monkeypatch):
     x, w = _data(16, 32, 16)
     q, s = F.quantize_weight(w)
     calls = []
-    real = F.scaled_gemm
-    monkeypatch.setattr(F, "scaled_gemm", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    real = F._scaled_mm
+    monkeypatch.setattr(F, "_scaled_mm", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
     x.requires_grad_(True)
     F.fp8_linear(x, q, s).sum().backward()
     assert calls == [(16, 32), (16, 16)]  # X·W_qᵀ, then dY·W_q: no dW GEMM
@@ -178,10 +178,12 @@ def test_cuda_forward_and_input_gradient_against_float64(m, k, n):
 # 4096: 4 rows a program by default (the 1001st row alone in its program); 28672: 8k blocks
 @pytest.mark.parametrize("m,n", [(1, 16), (70, 130), (1001, 4096), (4096, 14336), (256, 28672)])
 def test_triton_transpose_and_two_pass_quantization(m, n):
-    from lorafusion.kernels.fp8_quant import quantize_rows_triton
+    from lorafusion.kernels.fp8_quant import quantize_rows_triton, transposed_operand
 
     w = torch.randint(0, 255, (m, n), dtype=torch.uint8, device="cuda").view(F.E4M3)
     assert torch.equal(F.transpose(w).view(torch.uint8), w.view(torch.uint8).t().contiguous())
+    b = transposed_operand(w.view(torch.uint8), F.E4M3)  # column-major W: the input gradient's operand
+    assert b.dtype == F.E4M3 and b.stride() == (1, m) and torch.equal(b.view(torch.uint8), w.view(torch.uint8))
     x = (torch.randn(m, n, device="cuda") * 3).to(torch.bfloat16)
     one, s1 = quantize_rows_triton(x, F.E4M3)
     two, s2 = quantize_rows_triton(x, F.E4M3, max_single=64)  # the two-loop path
@@ -260,3 +262,76 @@ def test_triton_row_kernel_default_launch_of_4096_columns_on_cpu():
     q, s = quantize_rows_triton(x, F.E4M3, None, F.EPS)
     _, s_ref = F.quantize_rows_torch(x, F.E4M3)
     assert q.shape == x.shape and torch.equal(s, s_ref)
+
+
+# ------------------------------------------------------------------------- the weight's forms, made once
+class _WeightOps:
+    """A dispatch mode recording the ops that touch the storage of any of ``tensors``."""
+
+    def __init__(self, *tensors):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ptrs = {t.untyped_storage().data_ptr() for t in tensors}
+        seen: list[str] = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                flat = [*args, *(kwargs or {}).values()]
+                if any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in ptrs for a in flat):
+                    seen.append(str(func).split(".")[1])
+                return func(*args, **(kwargs or {}))
+
+        self.mode, self.seen = Mode(), seen
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_kept_weight_form_leaves_the_gemms_alone_to_touch_the_weight(transposed):
+    """Per call, with the weight's form made once: the forward GEMM reads W_q (its operand view made once, no
+    per-call view), and backward reads W_q only to transpose it — not at all when the form keeps the
+    transpose. (Before the form, each call also made W_q's and s_w's operand views.)"""
+    x, w = _data(16, 32, 48, torch.float32)
+    q, s = F.quantize_weight(w)
+    form = F.Fp8Weight(q, s, transposed=transposed)
+    x.requires_grad_(True)
+    dy = torch.randn(16, 48, generator=torch.Generator().manual_seed(1))
+    watch = _WeightOps(q)
+    with watch.mode:
+        F.fp8_linear(x, q, s, form=form).backward(dy)
+    assert watch.seen == (["_scaled_mm"] if transposed else ["_scaled_mm", "t", "clone"])
+    x2 = x.detach().clone().requires_grad_(True)
+    y2 = F.fp8_linear(x2, q, s)  # a form made for the call: the same numbers
+    y2.backward(dy)
+    assert torch.equal(F.fp8_linear(x, q, s, form=form), y2) and torch.equal(x.grad, x2.grad)
+
+
+def test_the_kept_transpose_is_the_weights_and_a_form_knows_when_it_is_stale():
+    _, w = _data(4, 48, 32)
+    q, s = F.quantize_weight(w)
+    form = F.Fp8Weight(q, s, transposed=True)
+    b = form.dx_operand()
+    assert b.shape == (32, 48) and b.stride() == (1, 32) and b.dtype == F.E4M3
+    assert torch.equal(b.view(torch.uint8), q.view(torch.uint8))  # W_q itself, column-major
+    assert form.dx_operand() is b  # kept, not remade
+    made = F.Fp8Weight(q, s).dx_operand()
+    assert made.stride() == (1, 32) and torch.equal(made.view(torch.uint8), q.view(torch.uint8))
+    assert form.fresh(q, s)
+    assert not form.fresh(q.clone(), s) and not form.fresh(q, s.clone())  # other tensors
+    q2, s2 = F.quantize_weight(w * 2)
+    q.copy_(q2)  # written in place: stale
+    assert not form.fresh(q, s)
+    form = F.Fp8Weight(q, s, transposed=True)
+    s.copy_(s2)
+    assert not form.fresh(q, s)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU: Triton's interpreter (the GPU test checks it)")
+@pytest.mark.parametrize("m,n", [(1, 16), (70, 130), (64, 64)])
+def test_triton_transposed_operand_on_cpu(m, n):
+    """The CUDA transpose that the input gradient's operand comes from, in the interpreter: W_q's bytes in
+    column-major layout, as FP8."""
+    from lorafusion.kernels.fp8_quant import transposed_operand
+
+    w = torch.randint(0, 255, (m, n), dtype=torch.uint8, generator=torch.Generator().manual_seed(m))
+    b = transposed_operand(w, F.E4M3)
+    assert b.dtype == F.E4M3 and b.shape == (m, n) and b.stride() == (1, m)
+    assert torch.equal(b.view(torch.uint8), w)
