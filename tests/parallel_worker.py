@@ -130,8 +130,9 @@ def run_one(mode: str, fused: str, workdir: Path) -> None:
         fb = get_forward_backward_func()
         # the p2p shapes from the microbatches, as the runtime gives them (megatron_patches/p2p.py)
         with local_p2p_shapes(p2p_shapes([model], mbs, lambda b: b.num_tokens, 1, forward_only=False)):
-            res = fb(forward_step_func=forward_step, data_iterator=it, model=[model], num_microbatches=len(mbs),
-                     seq_length=max(b.num_tokens for b in mbs), micro_batch_size=1, forward_only=False)
+            res = fb(forward_step_func=forward_step, data_iterator=it, model=[model],
+                     num_microbatches=len(mbs), seq_length=max(b.num_tokens for b in mbs), micro_batch_size=1,
+                     forward_only=False)
         if parallel_state.is_pipeline_last_stage():
             (workdir / f"pp{tag}_losses.json").write_text(json.dumps([r["loss"].item() for r in res]))
     grads = {n: adapter_peft_state(model, n, model.config.arch, grad=True)

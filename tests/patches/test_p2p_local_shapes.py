@@ -74,9 +74,9 @@ def test_a_p2p_call_outside_a_source_is_an_error(comm):
 @pytest.mark.parametrize("forward_only", [False, True])
 def test_each_ranks_sends_pair_with_its_neighbours_receives(S, V, m, forward_only):
     """Round the ring, rank r's activations sent go in order to rank r+1's activation receives (the ring's
-    last rank to rank 0's next model chunk) and its gradients sent to rank r-1's gradient receives, microbatch
-    by microbatch; every forward of the schedule but the first virtual stage's receives one, every backward but
-    the last virtual stage's."""
+    last rank to rank 0's next model chunk) and its gradients sent to rank r-1's gradient receives,
+    microbatch by microbatch; every forward of the schedule but the first virtual stage's receives one, every
+    backward but the last virtual stage's."""
     orders = [p2p_order(S, r, m, V, forward_only=forward_only) for r in range(S)]
     for r in range(S):
         nxt = orders[(r + 1) % S]

@@ -1,8 +1,9 @@
-"""A check that a training run's pipeline p2p moves data only: every tensor that ``torch.distributed``'s point
-to point calls (``isend``, ``irecv``, ``batch_isend_irecv``) carry is checked, and a shape tensor (int64, what
-Megatron's own shape exchange and the gloo cross-check send) fails the run. The pipeline's shapes come from the
-plan on each rank (megatron_patches.local_p2p_shapes), so no such tensor should ever be sent. Installed by
-tests/runtime/sync_guard.py for the two-process pipeline runs; ``enabled`` turns it off for the others."""
+"""A check that a training run's pipeline p2p moves data only: every tensor that ``torch.distributed``'s
+point to point calls (``isend``, ``irecv``, ``batch_isend_irecv``) carry is checked, and a shape tensor
+(int64, what Megatron's own shape exchange and the gloo cross-check send) fails the run. The pipeline's
+shapes come from the plan on each rank (megatron_patches.local_p2p_shapes), so no such tensor should ever be
+sent. Installed by tests/runtime/sync_guard.py for the two-process pipeline runs; ``enabled`` turns it off
+for the others."""
 
 import torch
 import torch.distributed as dist
@@ -14,7 +15,7 @@ _real = {}
 def check(tensor: torch.Tensor, what: str) -> None:
     if enabled and tensor.dtype == torch.int64:
         raise AssertionError(f"a shape exchange in the pipeline p2p ({what} of an int64 tensor of "
-                             f"{tensor.numel()} elements): the shapes come from the plan, never from the peer")
+                             f"{tensor.numel()} elements): the shapes come from the plan, not from the peer")
 
 
 def install() -> None:
