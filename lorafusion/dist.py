@@ -16,13 +16,19 @@ def _free_port() -> int:
 
 
 def init_distributed(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str | None = None,
-                     virtual_stages: int = 1) -> dict:
+                     virtual_stages: int | str = 1) -> dict:
     """Initialise torch.distributed (env:// from torchrun/Slurm, or a 1-process group) and Megatron's
     parallel state with ``tp``×``pp`` (dp = world / (tp·pp)), ``virtual_stages`` model chunks per pipeline
-    rank (interleaved 1F1B when > 1). On a machine without CUDA the megatron CPU shims are applied and gloo
-    is used."""
+    rank (interleaved 1F1B when > 1; "auto": one until :func:`set_virtual_stages` gives the count the run
+    plan chose — the process groups do not depend on it). On a machine without CUDA the megatron CPU shims
+    are applied and gloo is used."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    global _virtual_pending
+    _virtual_pending = virtual_stages == "auto"
+    if _virtual_pending:
+        virtual_stages = 1
 
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -71,6 +77,22 @@ def init_distributed(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str
     return {"rank": dist.get_rank(), "world": world, "tp": tp, "pp": pp, "dp": world // (tp * pp)}
 
 
+_virtual_pending = False  # virtual_stages: auto, not yet set (warm_communicators warms both p2p kinds)
+
+
+def set_virtual_stages(virtual_stages: int) -> None:
+    """Megatron's virtual pipeline size (model chunks per rank) after the run plan chose it
+    (``virtual_stages: auto``): only the count and this rank's chunk index change, never a process group."""
+    from megatron.core import parallel_state as ps
+
+    global _virtual_pending
+    _virtual_pending = False
+    if virtual_stages > 1 and ps.get_pipeline_model_parallel_world_size() < 2:
+        raise ValueError(f"virtual_stages {virtual_stages} needs a pipeline (pp > 1)")
+    ps.set_virtual_pipeline_model_parallel_world_size(virtual_stages if virtual_stages > 1 else None)
+    ps.set_virtual_pipeline_model_parallel_rank(0 if virtual_stages > 1 else None)
+
+
 def multi_process() -> bool:
     """Whether torch.distributed runs more than one process (what every collective of ours first asks)."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -113,10 +135,11 @@ def warm_communicators() -> None:
     if not ps.model_parallel_is_initialized() or ps.get_pipeline_model_parallel_world_size() == 1:
         torch.cuda.synchronize()
         return
-    if (ps.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
-        warm_interleaved_p2p("cuda")
+    if (ps.get_virtual_pipeline_model_parallel_world_size() or 1) > 1 or _virtual_pending:
+        warm_interleaved_p2p("cuda")  # (virtual_stages still to be chosen: both kinds of p2p)
         torch.cuda.synchronize()
-        return
+        if not _virtual_pending:
+            return
     g = ps.get_pipeline_model_parallel_group()
     first = ps.is_pipeline_first_stage(ignore_virtual=True)
     last = ps.is_pipeline_last_stage(ignore_virtual=True)

@@ -40,13 +40,15 @@ from pathlib import Path
 from lorafusion.config.schema import RunConfig
 from lorafusion.core.arch import ModelArch, arch_from_hf_config, preset
 from lorafusion.core.errors import ConfigError
+from lorafusion.core.pipeline import MAX_AUTO_VIRTUAL_STAGES, virtual_stage_choices
 from lorafusion.core.precision import FP8_BF16_LEADING_LAYERS
 from lorafusion.scheduler import PlanError, SchedulerConfig, stages
 from lorafusion.scheduler.costmodel import CostModel, auto_token_capacity
 from lorafusion.scheduler.host import HostNeed, available_bytes, host_need, no_fit_on_host
 from lorafusion.scheduler.memory import ATTENTION_DEFAULT, GIB, AdapterShape, Coefficients, MemorySetup, \
     load_coefficients
-from lorafusion.scheduler.sizing import MemoryFitError, MemoryPlan, choose, no_fit_message
+from lorafusion.scheduler.sizing import MemoryFitError, MemoryPlan, choose, memory_reasons, no_fit_message
+from lorafusion.scheduler.virtual import VirtualChoice, candidate, choose_virtual, synthetic_jobs
 
 __all__ = ["GpuMemory", "MemoryFitError", "RunPlan", "World", "check_run_on_host", "memory_setup", "resolve",
            "run_arch", "run_need"]
@@ -121,6 +123,7 @@ class RunPlan:
     longest: int = 1  # the longest sample a job may have (its dataset.max_seq_len)
     tp_overlap: int = 0  # nano-batches of each TP linear with its collectives overlapped; 0: off
     tp_overlap_why: str = ""  # why off, when it is
+    virtual: VirtualChoice | None = None  # virtual_stages: auto decided (the alternatives it beat)
 
     # ------------------------------------------------------------------------------------- for the runtime
     @property
@@ -172,6 +175,7 @@ class RunPlan:
                 f"{' (auto)' if 'recompute_layers' in self.auto else ''}")
         out = [head] + (["  " + x for x in [*self.memory.lines(), *self.why]]
                         if self.memory is not None else [])
+        out += ["  " + x for x in (self.virtual.lines() if self.virtual is not None else [])]
         out.append(f"  {self._said('stage_layers', list(self.stage_layers))}, "
                    f"{self._said('virtual_stages', self.virtual_stages)}, "
                    f"{self._said('kernels', self.kernels)}, {self._said('attention', self.attention)}, "
@@ -191,6 +195,7 @@ class RunPlan:
                 "recompute_layers": list(self.recompute_layers), "stage_layers": list(self.stage_layers),
                 "kernels": self.kernels, "attention": self.attention, "base_precision": self.base_precision,
                 "tp_overlap": self.tp_overlap,
+                "virtual_stages": None if self.virtual is None else self.virtual.to_dict(),
                 "auto": list(self.auto), "gpu_memory_gib": None if self.gpu is None else
                 {"free": round(self.gpu.free / GIB, 2), "total": round(self.gpu.total / GIB, 2)},
                 "memory_plan": None if self.memory is None else self.memory.to_dict(), "fits": self.fits}
@@ -287,26 +292,6 @@ def _chunk_tokens(cfg: RunConfig) -> float:
     return sum(j.global_batch_size * look * j.dataset.max_seq_len / 2 for j in cfg.jobs)
 
 
-def _why(cfg: RunConfig, setup: MemorySetup, memory: MemoryPlan, longest: int, coeffs: Coefficients,
-         recompute) -> tuple[str, ...]:
-    """Why the memory plan is what it is: what the plan without recompute would cost (or that nothing fits
-    without it), then the alternatives that fit with their predicted time per token."""
-    out = []
-    if memory.fits and recompute == "auto" and any(memory.recompute_layers):
-        bare = choose(setup, memory.gpu_bytes, longest, capacity=cfg.scheduler.token_capacity, recompute=0,
-                      coeffs=coeffs, chunk_tokens=_chunk_tokens(cfg))
-        out.append("without recompute: " + (
-            f"token_capacity {bare.capacity} fits, predicted {bare.cost / memory.cost:.3f}x the time "
-            "per token"
-            if bare.fits and bare.cost and memory.cost else
-            f"nothing fits (at {bare.capacity} tokens a stage needs "
-            f"{max(m.need for m in bare.stages) / GIB:.1f} GiB)"))
-    if memory.why():
-        out += ["why: alternatives that fit, by the cost model's time per token (larger microbatches "
-                "amortise their fixed cost; recomputed layers cost time)", *("  " + x for x in memory.why())]
-    return tuple(out)
-
-
 def _tp_overlap(cfg: RunConfig) -> tuple[int, str]:
     """(nano-batches of each TP linear, 0: off; why off) for ``parallelism.tp_overlap``."""
     p = cfg.parallelism
@@ -321,11 +306,36 @@ def _tp_overlap(cfg: RunConfig) -> tuple[int, str]:
     return p.tp_overlap_chunks, ""
 
 
+def _auto_virtual(cfg: RunConfig, world: World, gpu: GpuMemory | None, **kw) -> RunPlan:
+    """``virtual_stages: auto``: the run resolved at every V the layers allow
+    (:func:`~lorafusion.core.pipeline.virtual_stage_choices`), each simulated on a chunk planned at its
+    capacity with its recompute (:mod:`lorafusion.scheduler.virtual`); the fastest that fits."""
+    p, arch = cfg.parallelism, run_arch(cfg)
+    choices = virtual_stage_choices(p.pp, arch.num_layers, p.stage_layers)
+    if not choices:
+        raise ConfigError(f"{cfg.source}: parallelism.virtual_stages: auto: no virtual-stage count up to "
+                          f"{MAX_AUTO_VIRTUAL_STAGES} splits {arch.num_layers} decoder layers evenly over pp="
+                          f"{p.pp} x V stages; set parallelism.stage_layers: auto or a virtual_stages count")
+    plans = {v: resolve(cfg.model_copy(update={"parallelism": p.model_copy(update={"virtual_stages": v})}),
+                        world, gpu, **kw) for v in choices}
+    if len(choices) == 1:
+        why = "no pipeline (pp = 1)" if p.pp == 1 else f"the only count the layers allow ({choices[0]})"
+        choice = VirtualChoice(choices[0], reason=why)
+    else:
+        jobs = synthetic_jobs([(j.name, j.global_batch_size, j.dataset.max_seq_len) for j in cfg.jobs],
+                              cfg.scheduler.lookahead_batches)
+        choice = choose_virtual([candidate(q, arch, jobs) for q in plans.values()])
+    best = plans[choice.chosen]
+    return dataclasses.replace(best, auto=(*best.auto, "virtual_stages"), virtual=choice)
+
+
 def resolve(cfg: RunConfig, world: World, gpu: GpuMemory | None, *,
             coeffs: Coefficients | None = None, attention: str | None = None) -> RunPlan:
     """The :class:`RunPlan` of ``cfg`` for ``world`` on ``gpu`` (None: no GPU). Raises ConfigError for a
     layout that does not match the launch or a split that does not exist; never for memory (a plan that does
     not fit says so: ``fits``, ``no_fit``; the runtime refuses it when it chose the settings)."""
+    if cfg.parallelism.virtual_stages == "auto":
+        return _auto_virtual(cfg, world, gpu, coeffs=coeffs, attention=attention)
     dp = cfg.check_world_size(world.processes)
     arch, p, m, sched = run_arch(cfg), cfg.parallelism, cfg.model, cfg.scheduler
     split = _split(cfg, arch)
@@ -348,8 +358,8 @@ def resolve(cfg: RunConfig, world: World, gpu: GpuMemory | None, *,
             split = per_rank = list(memory.stage_layers)
         if not memory.fits:
             no_fit = no_fit_message(setup, memory, longest, cfg.source, coeffs)
-        why = _why(cfg, setup, memory, max(longest.values(), default=1), coeffs,
-                   _recompute_setting(cfg, per_rank))
+        why = memory_reasons(setup, memory, max(longest.values(), default=1), coeffs,
+                             _recompute_setting(cfg, per_rank), sched.token_capacity, _chunk_tokens(cfg))
     else:
         capacity = sched.token_capacity if sched.token_capacity != "auto" else \
             auto_token_capacity(CostModel(), max(longest.values(), default=1))

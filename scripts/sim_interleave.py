@@ -68,20 +68,10 @@ def simulate(the_plan, arch, split, loss, scale, costs=None):
     return tl
 
 
-def recompute_costs(split, loss, pp: int, per_chunk: list[int]):
-    """``stages.stage_costs`` with each virtual stage's recomputed layers (rank k's count per model chunk,
-    ``per_chunk[k]``, at most the stage's layers) added to its backward."""
-    from lorafusion.scheduler.sizing import RECOMPUTE_COST
-
-    total = sum(split) + loss
-    return [(f, b + (1 + BACKWARD_RATIO) * RECOMPUTE_COST * min(per_chunk[i % pp], split[i]) / total)
-            for i, (f, b) in enumerate(stages.stage_costs(split, loss, BACKWARD_RATIO))]
-
-
 def on_gpu(args, overrides: list[str], arch, loss: float, scale: float) -> list[dict]:
     """Per V: the plan ``resolve`` makes for ``--gpu-memory``, simulated with its recompute."""
     from lorafusion.resolve import GpuMemory, World, resolve
-    from lorafusion.scheduler.sizing import RECOMPUTE_COST, parse_bytes
+    from lorafusion.scheduler.sizing import RECOMPUTE_COST, parse_bytes, recompute_stage_costs
 
     gpu, rows = parse_bytes(args.gpu_memory), []
     for V in [int(v) for v in args.virtual.split(",")]:
@@ -91,7 +81,8 @@ def on_gpu(args, overrides: list[str], arch, loss: float, scale: float) -> list[
         split, S = list(p.stage_layers), p.pp
         per_chunk = [0 if not on else max(split) if n is None else n for on, n in p.recompute]
         the_plan = plan_chunks(args.config, ov + [f"scheduler.token_capacity={p.token_capacity}"], 2)[1][1]
-        tl = simulate(the_plan, arch, split, loss, scale, recompute_costs(split, loss, S, per_chunk))
+        costs = recompute_stage_costs(split, loss, S, per_chunk, BACKWARD_RATIO)
+        tl = simulate(the_plan, arch, split, loss, scale, costs)
         rc_rank = [sum(min(per_chunk[k], split[c * S + k]) for c in range(V)) for k in range(S)]
         loads = [round(x + RECOMPUTE_COST * r, 2) for x, r in zip(stages.rank_loads(split, S, loss), rc_rank,
                                                                    strict=True)]

@@ -69,7 +69,7 @@ def write_run(tmp: Path, jobs: list[dict], *, out: str = "out", tp=1, pp=1, dp=1
         "parallelism": {"tp": tp, "pp": pp, "dp": dp,
                         **({"sequence_parallel": True} if sequence_parallel else {}),
                         **({"stage_layers": stage_layers} if stage_layers else {}),
-                        **({"virtual_stages": virtual_stages} if virtual_stages > 1 else {}),
+                        **({"virtual_stages": virtual_stages} if virtual_stages != 1 else {}),
                         **({"tp_overlap": tp_overlap} if tp_overlap else {})},
         "scheduler": {"token_capacity": capacity, "milp_time_limit_s": 0.2, "solver": solver,
                       "policy": policy},

@@ -99,7 +99,7 @@ class TokenizerConfig(_Strict):
         return self
 
 
-def _dp(v: Any) -> Any:
+def _int_or_auto(v: Any) -> Any:
     if isinstance(v, str) and v == "auto":
         return v
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -113,15 +113,16 @@ class ParallelismConfig(_Strict):
     tp: int = Field(1, ge=1, le=MAX_PARALLEL)
     pp: int = Field(1, ge=1, le=MAX_PARALLEL)
     # "auto": every launched process not used by tp*pp is a data-parallel replica (world / (tp*pp))
-    dp: Annotated[int | Literal["auto"], BeforeValidator(_dp)] = 1
+    dp: Annotated[int | Literal["auto"], BeforeValidator(_int_or_auto)] = 1
     # Megatron sequence parallelism: activations between TP regions split along the sequence (needs tp > 1)
     sequence_parallel: bool = False
     # decoder layers per pipeline stage, first to last (None: even); virtual_stages V > 1: one per virtual
     # stage, pp*V in layer order (stage c*pp + r is chunk c of rank r); "auto": by the stage cost model,
     # output layer and loss on the last stage (scheduler/stages.py); uneven: Megatron's first/last or layout
     stage_layers: list[Annotated[int, Field(ge=1, le=MAX_PARALLEL)]] | Literal["auto"] | None = None
-    # model chunks per pipeline rank: Megatron-core's interleaved 1F1B (virtual_pipeline_model_parallel_size)
-    virtual_stages: int = Field(1, ge=1, le=MAX_PARALLEL)
+    # model chunks per pipeline rank: Megatron-core's interleaved 1F1B (virtual_pipeline_model_parallel_size);
+    # "auto": the count the pipeline simulator predicts fastest on the GPU's memory (resolve.py)
+    virtual_stages: Annotated[int | Literal["auto"], BeforeValidator(_int_or_auto)] = 1
     # TP collectives overlapped with compute (ops/tp_overlap.py; auto: resolve.py); chunks: without SP
     tp_overlap: Annotated[Literal["auto", "on", "off"], BeforeValidator(  # (YAML 1.1: on/off are booleans)
         lambda v: ("on" if v else "off") if isinstance(v, bool) else v)] = "auto"
@@ -133,15 +134,13 @@ class ParallelismConfig(_Strict):
             raise ValueError("sequence_parallel: true needs tp > 1 (it splits activations over the TP group)")
         if self.tp_overlap == "on" and self.tp == 1:
             raise ValueError("tp_overlap: on needs tp > 1 (it overlaps the tensor-parallel collectives)")
-        if why := virtual_stages_problem(self.pp, self.virtual_stages):
+        if (v := self.virtual_stages) != "auto" and (why := virtual_stages_problem(self.pp, v)):
             raise ValueError(f"virtual_stages: {why}")
-        if isinstance(self.stage_layers, list):
-            n = self.pp * self.virtual_stages
-            if len(self.stage_layers) != n:
-                per = "pipeline stage" if self.virtual_stages == 1 else \
-                    f"virtual stage (pp x virtual_stages = {n}, in layer order)"
-                raise ValueError(f"stage_layers: expected one count per {per} (pp = {self.pp}), got "
-                                 f"{self.stage_layers}")
+        if isinstance(sl := self.stage_layers, list) and len(sl) != self.pp * (
+                max(1, len(sl) // self.pp) if v == "auto" else v):
+            n = "pp x V for virtual_stages: auto" if v == "auto" else f"pp x virtual_stages = {self.pp * v}"
+            per = "pipeline stage" if v == 1 else f"virtual stage ({n}, in layer order)"
+            raise ValueError(f"stage_layers: expected one count per {per} (pp = {self.pp}), got {sl}")
         return self
 
     def resolve_dp(self, world: int) -> int:

@@ -75,7 +75,7 @@ class Trainer:
         from megatron.core import parallel_state
 
         from lorafusion.checkpoint.policy import JobCheckpoints
-        from lorafusion.dist import init_distributed, share_from_rank0
+        from lorafusion.dist import init_distributed, set_virtual_stages, share_from_rank0
         from lorafusion.models.attention import select_for_run
         from lorafusion.models.base import base_arch, build_base
         from lorafusion.runtime.evaluate import Evaluator
@@ -99,6 +99,7 @@ class Trainer:
                               f"model's vocab_size {self.arch.vocab_size}")
         attention = select_for_run(cfg, self.arch)  # model.attention: what runs here (checked on this GPU)
         self.plan = resolve(cfg, World(info["world"]), gpu_memory(), attention=attention)  # each auto once
+        set_virtual_stages(self.plan.virtual_stages)  # (virtual_stages: auto is chosen by the plan)
         check_fit(self.plan, is_logger=self.is_logger)  # printed; one clear error if nothing fits
         self._lock.acquire(self.is_logger, share=share_from_rank0)  # after the checks that may refuse the run
         stage = parallel_state.get_pipeline_model_parallel_rank()

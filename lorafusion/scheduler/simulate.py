@@ -6,7 +6,10 @@ chunk c of rank r. A microbatch whose whole-model forward takes f seconds (from 
 :class:`~.costmodel.CostModel`) takes ``f·fwd[k]`` forward and ``f·bwd[k]`` backward on virtual stage k
 (``stage_costs``: equal shares ``1/(S·V)`` and ``backward_ratio/(S·V)`` unless given, e.g. by
 :mod:`.stages` with the output layer and loss on the last one); each activation/gradient hand-over between
-ranks adds ``p2p_s``. Every rank runs its ops in Megatron's order (:func:`.pipeorder.stage_order`); an op
+ranks adds ``p2p_s``; each op of a microbatch on a model chunk also takes ``op_s`` of fixed work on its rank
+(the host's per-op cost: a schedule step, its p2p calls, the launches of a chunk's first kernels; 0 unless
+given).
+Every rank runs its ops in Megatron's order (:func:`.pipeorder.stage_order`); an op
 starts when its rank is free and its input has arrived. No-op microbatches take no time and send nothing,
 so they only delay through the op order — which is exactly how they realise the dependency rule. Bubble
 ratio = 1 − Σ busy / (S · makespan); per rank ``1 − busy[r] / makespan``.
@@ -85,6 +88,7 @@ def simulate_1f1b(
     noop: Sequence[bool] | None = None,
     virtual_stages: int = 1,
     stage_costs: StageCosts | None = None,
+    op_s: float = 0.0,
 ) -> Timeline:
     """Simulate one rank; ``forward_s[t]`` is slot t's whole-model forward time (interleaved when V > 1)."""
     m, S, V = len(forward_s), num_stages, virtual_stages
@@ -113,7 +117,7 @@ def simulate_1f1b(
                 ready = 0.0 if dep is None else end[dep] + hop
                 start = max(free[s], ready)
                 share = costs[k][0 if kind == "F" else 1]
-                finish = start + (0.0 if noop[i] else share * forward_s[i])
+                finish = start + (0.0 if noop[i] else share * forward_s[i] + op_s)
                 end[k, i, kind] = free[s] = finish
                 ops.append(Op(s, i, kind, start, finish, c))
                 pos[s] += 1
@@ -144,6 +148,7 @@ def simulate_plan(
     backward_ratio: float = 2.0,
     p2p_s: float = 2.0e-4,
     stage_costs: StageCosts | None = None,
+    op_s: float = 0.0,
 ) -> list[Timeline]:
     """One timeline per DP rank, on the plan's pipeline depth and virtual stages."""
     cm = cost_model or CostModel()
@@ -151,7 +156,7 @@ def simulate_plan(
     for r in range(plan.dp_size):
         times, noop = plan_forward_times(plan, cm, r, ranks)
         out.append(simulate_1f1b(times, plan.pipeline_depth, backward_ratio, p2p_s, noop,
-                                 plan.virtual_stages, stage_costs))
+                                 plan.virtual_stages, stage_costs, op_s))
     return out
 
 

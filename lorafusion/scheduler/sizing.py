@@ -26,8 +26,8 @@ from lorafusion.core.errors import UserError
 from .costmodel import CostModel
 from .memory import GIB, Coefficients, MemorySetup, StageMemory, plan_memory, stage_memory
 
-__all__ = ["MemoryFitError", "MemoryPlan", "RECOMPUTE_COST", "choose", "no_fit_message", "oom_advice",
-           "parse_bytes", "what_fits"]
+__all__ = ["MemoryFitError", "MemoryPlan", "RECOMPUTE_COST", "choose", "memory_reasons", "no_fit_message",
+           "oom_advice", "parse_bytes", "recompute_stage_costs", "what_fits"]
 
 # a step with every decoder layer recomputed over one with none (Qwen2.5-32B PP=2 on 2x H200, recompute of 16
 # of 32 layers per stage was 17.3% faster than of all 32: (1 + α) / (1 + α/2) = 1.173, docs/BENCHMARKS.md)
@@ -266,6 +266,39 @@ def choose(s: MemorySetup, gpu_bytes: float, longest: int, *, capacity: int | st
     layers = [bs.layers(k) for k in range(s.pp)]
     return MemoryPlan(cap, rc, plan_memory(bs, cap, rc, c), gpu_bytes, chosen,
                       stage_layers=layers if split_auto else None, cost=score, alternatives=alternatives)
+
+
+def memory_reasons(s: MemorySetup, memory: MemoryPlan, longest: int, coeffs: Coefficients, recompute,
+                   capacity: int | str, chunk_tokens: float | None) -> tuple[str, ...]:
+    """Why the memory plan is what it is: what the plan without recompute would cost (or that nothing fits
+    without it), then the alternatives that fit with their predicted time per token (``recompute`` and
+    ``capacity``: the run's settings, "auto" or values)."""
+    out = []
+    if memory.fits and recompute == "auto" and any(memory.recompute_layers):
+        bare = choose(s, memory.gpu_bytes, longest, capacity=capacity, recompute=0, coeffs=coeffs,
+                      chunk_tokens=chunk_tokens)
+        out.append("without recompute: " + (
+            f"token_capacity {bare.capacity} fits, predicted {bare.cost / memory.cost:.3f}x the time "
+            "per token"
+            if bare.fits and bare.cost and memory.cost else
+            f"nothing fits (at {bare.capacity} tokens a stage needs "
+            f"{max(m.need for m in bare.stages) / GIB:.1f} GiB)"))
+    if memory.why():
+        out += ["why: alternatives that fit, by the cost model's time per token (larger microbatches "
+                "amortise their fixed cost; recomputed layers cost time)", *("  " + x for x in memory.why())]
+    return tuple(out)
+
+
+def recompute_stage_costs(split: Sequence[int], loss: float, num_stages: int, per_chunk: Sequence[int],
+                          backward_ratio: float = 2.0) -> list[tuple[float, float]]:
+    """:func:`stage_costs` with each virtual stage's recomputed layers (rank r's count per model chunk,
+    ``per_chunk[r]``, at most the stage's layers; Megatron counts recompute per chunk) added to its backward,
+    each at ``sizing.RECOMPUTE_COST`` of a layer's forward + backward."""
+    from .stages import stage_costs
+
+    total = sum(split) + loss
+    return [(f, b + (1 + backward_ratio) * RECOMPUTE_COST * min(per_chunk[i % num_stages], split[i]) / total)
+            for i, (f, b) in enumerate(stage_costs(split, loss, backward_ratio))]
 
 
 def what_fits(s: MemorySetup, gpu_bytes: float, longest: int, capacity: int, recompute: Sequence[int],

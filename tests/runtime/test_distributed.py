@@ -56,7 +56,10 @@ LAYOUTS = {"pp2": dict(pp=2), "dp2": dict(dp=2), "tp2": dict(tp=2),
            # interleaved 1F1B: two model chunks of one layer per rank (a ring of two ranks), with and without
            # recompute; the jobs step inside the pipeline (two global batches per chunk)
            "pp2_v2": dict(pp=2, virtual_stages=2),
-           "pp2_v2_recompute": dict(pp=2, virtual_stages=2, recompute=True)}
+           "pp2_v2_recompute": dict(pp=2, virtual_stages=2, recompute=True),
+           # virtual_stages: auto, chosen by the run plan after the process groups exist (here the one count
+           # the four stage counts allow: two model chunks a rank)
+           "pp2_vauto": dict(pp=2, virtual_stages="auto", stage_layers=[1, 1, 1, 1])}
 
 
 @pytest.mark.slow
@@ -83,5 +86,8 @@ def test_two_process_runs_equal_single_process(three_jobs, two_process, name):
         assert_close(load_adapter(two, job), load_adapter(out, job), rel=1e-4)
     s = json.loads((two / "summary.json").read_text())
     assert s["run_plan"]["tp_overlap"] == (2 if LAYOUTS[name].get("tp_overlap") else 0)
+    if LAYOUTS[name].get("virtual_stages") == "auto":
+        chosen = s["run_plan"]["virtual_stages"]["chosen"]
+        assert s["run_plan"]["parallelism"]["virtual_stages"] == 2 == chosen
     if LAYOUTS[name].get("pp"):
         assert s["bubble_ratio"] is not None and 0 <= s["bubble_ratio"] < 1

@@ -44,6 +44,19 @@ def test_p2p_adds_to_the_critical_path():
     assert base + 2 * 3 * 0.1 - 1e-9 <= slow <= base + 2 * 4 * 4 * 0.1
 
 
+@pytest.mark.parametrize("V", [1, 2])
+def test_each_op_of_a_model_chunk_adds_its_fixed_work(V):
+    """op_s: every forward and backward of a microbatch on a model chunk (no-ops excepted) keeps its rank busy
+    op_s longer, so V model chunks cost V times the per-op work of one."""
+    S, M, op = 2, 4, 0.05
+    base = simulate_1f1b([1.0] * M, S, virtual_stages=V)
+    slow = simulate_1f1b([1.0] * M, S, virtual_stages=V, op_s=op)
+    assert [b - b0 for b, b0 in zip(slow.busy, base.busy, strict=True)] == pytest.approx([2 * V * M * op] * S)
+    assert slow.makespan >= base.makespan + 2 * V * M * op - 1e-9
+    noop = simulate_1f1b([1.0] * M, S, virtual_stages=V, op_s=op, noop=[False, True, False, False])
+    assert noop.busy == pytest.approx([(M - 1) * (3.0 / S + 2 * V * op)] * S)  # a no-op does no work
+
+
 def test_noops_make_a_flush_and_lorafusion_beats_single_adapter():
     rng = random.Random(1)
     jobs = [
