@@ -80,6 +80,13 @@ def init_distributed(tp: int = 1, pp: int = 1, *, seed: int = 1234, backend: str
 _virtual_pending = False  # virtual_stages: auto, not yet set (warm_communicators warms both p2p kinds)
 
 
+def init_distributed_for(parallelism, *, seed: int = 1234) -> dict:
+    """:func:`init_distributed` for a run config's ``parallelism`` section (its ``tp``, ``pp`` and
+    ``virtual_stages``; "auto": one until the run plan's count is set with :func:`set_virtual_stages`)."""
+    p = parallelism
+    return init_distributed(p.tp, p.pp, seed=seed, virtual_stages=p.virtual_stages)
+
+
 def set_virtual_stages(virtual_stages: int) -> None:
     """Megatron's virtual pipeline size (model chunks per rank) after the run plan chose it
     (``virtual_stages: auto``): only the count and this rank's chunk index change, never a process group."""

@@ -75,7 +75,7 @@ class Trainer:
         from megatron.core import parallel_state
 
         from lorafusion.checkpoint.policy import JobCheckpoints
-        from lorafusion.dist import init_distributed, set_virtual_stages, share_from_rank0
+        from lorafusion.dist import init_distributed_for, set_virtual_stages, share_from_rank0
         from lorafusion.models.attention import select_for_run
         from lorafusion.models.base import base_arch, build_base
         from lorafusion.runtime.evaluate import Evaluator
@@ -89,8 +89,7 @@ class Trainer:
                               f"has none — use auto (fused on CUDA, reference elsewhere) or reference")
         check_output_dir(self.out, cfg.source, resume=self.resume)
         self.tokenizer, self.jobs = load_jobs(cfg)
-        info = init_distributed(cfg.parallelism.tp, cfg.parallelism.pp, seed=cfg.seed,
-                                virtual_stages=cfg.parallelism.virtual_stages)
+        info = init_distributed_for(cfg.parallelism, seed=cfg.seed)
         self.is_logger = info["rank"] == 0
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         self.arch, ckpt = base_arch(cfg.model.path, cfg.model.preset)
@@ -99,7 +98,7 @@ class Trainer:
                               f"model's vocab_size {self.arch.vocab_size}")
         attention = select_for_run(cfg, self.arch)  # model.attention: what runs here (checked on this GPU)
         self.plan = resolve(cfg, World(info["world"]), gpu_memory(), attention=attention)  # each auto once
-        set_virtual_stages(self.plan.virtual_stages)  # (virtual_stages: auto is chosen by the plan)
+        set_virtual_stages(self.plan.virtual_stages)  # (virtual_stages: auto is the plan's choice)
         check_fit(self.plan, is_logger=self.is_logger)  # printed; one clear error if nothing fits
         self._lock.acquire(self.is_logger, share=share_from_rank0)  # after the checks that may refuse the run
         stage = parallel_state.get_pipeline_model_parallel_rank()

@@ -120,8 +120,8 @@ class VirtualChoice:
             return [f"virtual_stages {self.chosen} (auto): {self.reason or 'nothing fits'}"]
         out = [f"virtual_stages {self.chosen} (auto): the fastest by the pipeline simulator (a chunk planned "
                f"at each V with its capacity and recompute: fill and drain, unequal microbatches, no-ops, "
-               f"recompute, per-op work): simulated bubble {best.score.bubble:.3f}, {best.score.noops} no-op(s) in "
-               f"{best.score.microbatches} microbatches"]
+               f"recompute, per-op work): simulated bubble {best.score.bubble:.3f}, {best.score.noops} "
+               f"no-op(s) in {best.score.microbatches} microbatches"]
         for c in self.candidates:
             if c is best:
                 continue

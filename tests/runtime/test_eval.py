@@ -237,12 +237,15 @@ def test_an_empty_eval_set_is_one_clear_error(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.two_process(name, jobs=_eval_jobs, **layout))
-    for name, layout in {"eval_pp2": dict(pp=2), "eval_dp2": dict(dp=2)}.items()])
+    pytest.param(name, marks=pytest.mark.two_process(name, jobs=_eval_jobs, guard=bool(layout.get("pp")),
+                                                     **layout))
+    for name, layout in {"eval_pp2": dict(pp=2), "eval_pp2_v2": dict(pp=2, virtual_stages=2),
+                         "eval_dp2": dict(dp=2)}.items()])
 def test_two_process_eval_losses_equal_single_process(trained, two_process, name):
-    """PP=2 (Megatron's forward-only pipeline schedule) and DP=2 (the eval microbatches split over the
-    replicas, one padded with a no-op) give the single-process eval rows. (Both ranks of ``lorafusion train``
-    from the shared two-process launch, tests/runtime/conftest.py.)"""
+    """PP=2 (Megatron's forward-only pipeline schedule; also interleaved over two model chunks a rank, its
+    microbatches padded with no-ops to a multiple of pp, the p2p shapes from the plan) and DP=2 (the eval
+    microbatches split over the replicas, one padded with a no-op) give the single-process eval rows. (Both
+    ranks of ``lorafusion train`` from the shared two-process launch, tests/runtime/conftest.py.)"""
     _, _, out, _ = trained
     ours = [r for r in _rows(two_process(name)) if "eval_loss" in r]
     ref = [r for r in _rows(out) if "eval_loss" in r]
