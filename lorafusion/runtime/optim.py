@@ -40,15 +40,21 @@ def _is_tp_sharded(p: torch.Tensor) -> bool:
     return bool(getattr(p, "tensor_model_parallel", False))
 
 
-def local_grad_sq(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """This rank's share of the squared gradient norm of the full adapter (TP-replicated tensors counted
-    on TP rank 0 only), as one fp32 device scalar (multi-tensor kernels: a few launches for all of an
-    adapter's parameters, no host synchronisation)."""
-    dev = params[0].device if params else torch.device("cpu")
+def norm_params(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """The parameters this rank counts in the full adapter's gradient norm: TP-sharded ones on every rank
+    (each holds a distinct part), TP-replicated ones on TP rank 0 only."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    # replicated over TP: count once (TP rank 0); sharded: every rank holds a distinct part
-    grads = [p.grad.detach().float() for p in params
-             if p.grad is not None and (_is_tp_sharded(p) or tp_rank == 0)]
+    return [p for p in params if _is_tp_sharded(p) or tp_rank == 0]
+
+
+def local_grad_sq(params: list[torch.nn.Parameter], counted: list[torch.nn.Parameter] | None = None
+                  ) -> torch.Tensor:
+    """This rank's share of the squared gradient norm of the full adapter (``counted``: the parameters of
+    :func:`norm_params`, computed here unless given), as one fp32 device scalar (multi-tensor kernels: a few
+    launches for all of an adapter's parameters, no host synchronisation)."""
+    dev = params[0].device if params else torch.device("cpu")
+    counted = norm_params(params) if counted is None else counted
+    grads = [g if g.dtype == torch.float32 else g.float() for p in counted if (g := p.grad) is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=dev)
     norms = torch._foreach_norm(grads)
@@ -62,16 +68,30 @@ def _model_parallel_group():
     return group if dist.get_world_size(group) > 1 else None
 
 
+def _fusable(params: list[torch.nn.Parameter]) -> bool:
+    """Whether torch's fused AdamW kernel takes these parameters (floating, on CPU or CUDA)."""
+    return bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+
+
 class AdapterOptimizer:
+    """AdamW of one job. With fused AdamW (parameters on CPU or CUDA) a step is a handful of multi-tensor
+    kernels: the clipping scale, one fused AdamW over every parameter with the non-finite flag as its
+    ``found_inf`` (a non-finite step changes no weight or moment, decided on the device), the step counts;
+    the lists of state tensors it takes are kept from step to step (rebuilt after a state load)."""
+
     def __init__(self, params: list[torch.nn.Parameter], *, lr: float, weight_decay: float, betas, eps: float,
                  schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float,
                  max_grad_norm: float | None):
         self.params = params
-        self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps)
+        self.fused = _fusable(params)
+        self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps,
+                                     fused=self.fused or None)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lr_lambda(schedule, warmup_steps, total_steps, min_lr_ratio))
         self.max_grad_norm = max_grad_norm
         self._sq = self._work = None
+        self._counted = None  # norm_params(params), once (the TP rank of a job's parameters never changes)
+        self._lists = None  # (exp_avgs, exp_avg_sqs, steps) of the fused step, in params' order
         self.paused = False  # a diverged job: its steps still take part in the collectives but change nothing
 
     @classmethod
@@ -91,18 +111,17 @@ class AdapterOptimizer:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=parallel_state.get_data_parallel_group())
-        off = 0
-        for p in self.params:
-            n = p.numel()
-            p.grad = flat[off:off + n].view_as(p).clone()
-            off += n
+        for p, g in zip(self.params, flat.split([p.numel() for p in self.params]), strict=True):
+            p.grad = g.view_as(p)
 
     def begin_step(self) -> None:
         """First half of a step, called on each stage as soon as its backward of the job's global batch is
         done: reduce gradients over DP, then start (asynchronously) the sum of the squared norm over the
         model-parallel group (TP × PP), so pipeline stages never wait for each other here."""
         self.reduce_dp()
-        self._sq = local_grad_sq(self.params)
+        if self._counted is None:
+            self._counted = norm_params(self.params)
+        self._sq = local_grad_sq(self.params, self._counted)
         group = _model_parallel_group()
         self._work = dist.all_reduce(self._sq, group=group, async_op=True) if group is not None else None
 
@@ -118,20 +137,52 @@ class AdapterOptimizer:
         if self.paused:
             self.opt.zero_grad(set_to_none=True)
             return norm, lr
-        if self.max_grad_norm is not None and self.max_grad_norm > 0:
-            coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
-            grads = [p.grad for p in self.params if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, coef)
+        grads = [p.grad for p in self.params]
+        whole = all(g is not None for g in grads)
+        grads = grads if whole else [g for g in grads if g is not None]
+        if self.max_grad_norm is not None and self.max_grad_norm > 0 and grads:
+            torch._foreach_mul_(grads, (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0))
         # A non-finite norm (NaN/inf gradients; a non-finite loss back-propagates into them) skips the update:
         # the weights and Adam moments keep their values, decided on the device (no host synchronisation).
         ok = torch.isfinite(norm)
-        before = self._flat_state()
-        self.opt.step()
-        self._keep_unless(ok, before)
+        if self.fused and whole:
+            self._fused_step(grads, (~ok).float())
+        else:
+            before = self._flat_state()
+            self.opt.step()
+            self._keep_unless(ok, before)
         self.sched.step()  # the skipped batch is consumed: the schedule (and Adam's step count) moves on
         self.opt.zero_grad(set_to_none=True)
         return norm, lr
+
+    def _state_lists(self):
+        """(exp_avgs, exp_avg_sqs, steps) of every parameter, created as fused AdamW creates them; kept while
+        the optimizer's state holds the same tensors (a load replaces them)."""
+        lists, state = self._lists, self.opt.state
+        if lists is not None and state.get(self.params[0], {}).get("exp_avg") is lists[0][0]:
+            return lists
+        for p in self.params:
+            st = state[p]
+            if "step" not in st:
+                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        self._lists = tuple([state[p][k] for p in self.params] for k in ("exp_avg", "exp_avg_sq", "step"))
+        return self._lists
+
+    def _fused_step(self, grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
+        """torch.optim.AdamW(fused=True)'s step on every parameter (all have gradients), with ``found_inf``
+        (a device float, 1 = skip: the kernel then changes nothing); the step counts move on either way."""
+        exp_avgs, exp_avg_sqs, steps = self._state_lists()
+        group = self.opt.param_groups[0]
+        beta1, beta2 = group["betas"]
+        torch._foreach_add_(steps, 1)
+        with torch.no_grad():
+            torch._fused_adamw_(self.params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=group["lr"],
+                                beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+                                eps=group["eps"], amsgrad=False, maximize=False, grad_scale=None,
+                                found_inf=found_inf)
+        self.opt._opt_called = True  # (what AdamW.step marks for the schedule's order check)
 
     def _state_tensors(self) -> list[list[torch.Tensor]]:
         """[params, exp_avg, exp_avg_sq] of the parameters that will step (moments absent before step 1)."""
@@ -147,7 +198,8 @@ class AdapterOptimizer:
 
     def _keep_unless(self, ok: torch.Tensor, before: list[torch.Tensor | None]) -> None:
         """Where ``ok`` is false (a device bool), put back the state captured in ``before`` (moments that did
-        not exist yet go back to zero). A few kernels per state kind: one cat, one where, one multi-copy."""
+        not exist yet go back to zero). A few kernels per state kind: one cat, one where, one multi-copy. (The
+        path of parameters that fused AdamW does not take, or of a step where some have no gradient.)"""
         for ts, old in zip(self._state_tensors(), before):
             if not ts:
                 continue
@@ -167,6 +219,7 @@ class AdapterOptimizer:
 
     def load_state_dict(self, state: dict) -> None:
         self.opt.load_state_dict(state["optimizer"])
+        self._lists = None
         self.sched.load_state_dict(state["scheduler"])
         # the next step's lr from this schedule (a resume that changed max_steps: the new one from its first
         # step), not the one the checkpoint's schedule had set; for an unchanged schedule the same value
