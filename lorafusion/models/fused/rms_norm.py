@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lorafusion.ops.launch import Launcher
 from lorafusion.models.fused import check_impl
 from lorafusion.ops.saved import mark_rebuildable
 
@@ -69,7 +70,7 @@ def _kernels():
             dx = rstd * m - rstd * rstd * rstd * x * (tl.sum(m * x, axis=0) / n_cols)
             tl.store(dx_ptr + row * dx_st + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
-        _KERNELS = (_fwd, _bwd)
+        _KERNELS = (Launcher(_fwd), Launcher(_bwd))  # (repeat launches without JITFunction.run's work)
     return _KERNELS
 
 
@@ -88,8 +89,8 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
     rstd = torch.empty(n, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(h)
     if n:
-        _kernels()[0][(n,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), h, eps, BLOCK=block,
-                            num_warps=8 if block >= 4096 else 4)
+        _kernels()[0].launch((n,), x2, weight, y, rstd, x2.stride(0), y.stride(0), h, eps, BLOCK=block,
+                             num_warps=8 if block >= 4096 else 4)
     return x2, y, rstd, block
 
 
@@ -108,8 +109,8 @@ class _RMSNormTriton(torch.autograd.Function):
         n, h = x2.shape
         dx = torch.empty((n, h), dtype=x2.dtype, device=x2.device)
         if n:
-            _kernels()[1][(n,)](dy2, x2, weight, rstd, dx, dy2.stride(0), x2.stride(0), dx.stride(0), h,
-                                BLOCK=ctx.block, num_warps=8 if ctx.block >= 4096 else 4)
+            _kernels()[1].launch((n,), dy2, x2, weight, rstd, dx, dy2.stride(0), x2.stride(0), dx.stride(0),
+                                 h, BLOCK=ctx.block, num_warps=8 if ctx.block >= 4096 else 4)
         return dx.view(dy.shape), None, None
 
 

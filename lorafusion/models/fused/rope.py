@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from lorafusion.ops.launch import Launcher
 from lorafusion.models.fused import check_impl
 
 
@@ -95,7 +96,7 @@ def _rope_kernel():
             tl.store(yp, (x1 * c - x2 * s).to(y_ptr.dtype.element_ty), mask=mask)
             tl.store(yp + HALF, (x2 * c + x1 * s).to(y_ptr.dtype.element_ty), mask=mask)
 
-        _KERNEL = _rope_thd_kernel
+        _KERNEL = Launcher(_rope_thd_kernel)  # (repeat launches without JITFunction.run's work)
     return _KERNEL
 
 
@@ -109,9 +110,9 @@ def _rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward
     if t == 0:
         return y
     half = dim // 2
-    _rope_kernel()[(t,)](x, y, cos, sin, x.stride(0), x.stride(1), y.stride(0), y.stride(1), cos.stride(0), h,
-                         HALF=half, BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(half),
-                         BACKWARD=backward)
+    _rope_kernel().launch((t,), x, y, cos, sin, x.stride(0), x.stride(1), y.stride(0), y.stride(1),
+                          cos.stride(0), h, HALF=half, BLOCK_H=triton.next_power_of_2(h),
+                          BLOCK_D=triton.next_power_of_2(half), BACKWARD=backward)
     return y
 
 
