@@ -23,7 +23,7 @@ import cProfile
 import json
 import os
 import pstats
-import sys
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,7 +34,6 @@ if not torch.cuda.is_available():
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 _KERNEL_BODIES = ("kernels/fused_lora.py", "kernels/dropout.py", "kernels/fp8_quant.py")
 
@@ -53,6 +52,10 @@ class Counter(TorchDispatchMode):
         if not self.paused:
             self.ops += 1
             self.names[str(func)] = self.names.get(str(func), 0) + 1
+            if os.environ.get("BENCH_TRACE_OP") == str(func):
+                import traceback
+
+                traceback.print_stack(limit=8)
         return func(*args, **(kwargs or {}))
 
 
@@ -161,30 +164,33 @@ def run_linear(model, mod, names, tokens, dev, calls):
     one(0)  # compile, caches
     c = Counter()
     one(1, counter=c)
-    prof = cProfile.Profile()
-    for i in range(calls):
+    owns, funcs = [], {}
+    for i in range(calls):  # the median call: the interpreter's garbage makes single calls noisy
+        prof = cProfile.Profile()
         one(2 + i, prof=prof)
-    own = 0.0
-    funcs = []
-    for (file, line, fn), (_, _, tt, _, _) in pstats.Stats(prof).stats.items():
-        if "lorafusion/" in file and not any(file.endswith(k) for k in _KERNEL_BODIES):
-            own += tt
-            funcs.append((tt, f"{Path(file).name}:{line}:{fn}"))
-    funcs.sort(reverse=True)
-    return c.ops, c.launches, 1e3 * own / calls, c.names, [(round(1e3 * t / calls, 3), f) for t, f in funcs[:12]]
+        own = 0.0
+        for (file, line, fn), (_, _, tt, _, _) in pstats.Stats(prof).stats.items():
+            if "lorafusion/" in file and not any(file.endswith(k) for k in _KERNEL_BODIES):
+                own += tt
+                name = f"{Path(file).name}:{line}:{fn}"
+                funcs.setdefault(name, []).append(tt)
+        owns.append(own)
+    top = sorted(((statistics.median(v + [0.0] * (calls - len(v))), f) for f, v in funcs.items()),
+                 reverse=True)
+    return (c.ops, c.launches, 1e3 * statistics.median(owns), c.names,
+            [(round(1e3 * t, 3), f) for t, f in top[:12]])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--calls", type=int, default=5, help="profiled calls per linear")
+    ap.add_argument("--calls", type=int, default=7, help="profiled calls per linear")
     ap.add_argument("--ops", action="store_true", help="print each linear's ATen ops by name")
     ap.add_argument("--top", action="store_true", help="print each linear's wrapper functions by own time")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    sys.path.insert(0, str(ROOT))
     _patch_launches()
     from lorafusion.layers import lora_modules
 
@@ -196,7 +202,7 @@ def main() -> None:
                                                           args.calls)
         rows[kind] = {"aten_ops": ops, "launches": launches, "own_ms": round(own_ms, 3)}
         print(f"{kind:12s} ATen ops {ops:4d}  Triton launches {launches:3d}  lorafusion own time "
-              f"{own_ms:7.3f} ms per fwd+bwd")
+              f"{own_ms:7.3f} ms per fwd+bwd (median)")
         if args.ops:
             print("   ", dict(sorted(opnames.items(), key=lambda kv: -kv[1])))
         if args.top:

@@ -9,6 +9,8 @@ imported.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
@@ -33,6 +35,36 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
+_CONFIGS: dict = {}
+
+
+def _config(kind: str, m: int, n: int, k: int, itemsize: int, rb: int) -> dict:
+    """The launch config of ``kind`` at this shape: :func:`get_config` with the launcher's clamps for the rank
+    block ``rb``, memoized (the environment get_config reads is part of the key). Read-only."""
+    key = (kind, m, n, k, itemsize, rb, os.environ.get("TRITON_INTERPRET"),
+           os.environ.get("LORAFUSION_TUNING_FILE"))
+    cfg = _CONFIGS.get(key)
+    if cfg is None:
+        if len(_CONFIGS) >= 4096:
+            _CONFIGS.clear()
+        cfg = get_config(kind, m, n, k, itemsize)
+        if kind == "shrink":
+            cfg["BM"] = max(16, min(cfg["BM"], 8192 // rb))
+            cfg["BK"] = max(16, min(cfg["BK"], 16384 // rb))
+        elif kind == "ds_db":
+            # the [BN, RB] fp32 accumulator in registers, the [BM|BN, RB] operand tiles in shared memory
+            cap = max(16, 32768 // (rb * itemsize))
+            cfg["BN"] = max(16, min(cfg["BN"], 16384 // rb, cap))
+            cfg["BM"] = max(16, min(cfg["BM"], cap))
+        elif kind == "da":
+            cfg["BK"] = max(16, min(cfg["BK"], 16384 // rb))  # the [RB, BK] fp32 accumulator in registers
+        elif kind == "da_dx":
+            cfg["BK"] = max(16, min(cfg["BK"], 8192 // rb))
+        cfg.setdefault("BK", 16)
+        _CONFIGS[key] = cfg
+    return cfg
+
+
 # ---------------------------------------------------------------------------------------------- launchers
 
 
@@ -52,7 +84,7 @@ def lora_gemm(x: torch.Tensor | None, w_kn: torch.Tensor | None, bias: torch.Ten
     m = S.shape[0]
     has_main = x is not None
     kdim = x.shape[1] if has_main else 0
-    cfg = get_config("gemm" if has_main else "lowrank", m, n, kdim, S.element_size())
+    cfg = _config("gemm" if has_main else "lowrank", m, n, kdim, S.element_size(), st.rb)
     bm, bn = cfg["BM"], cfg["BN"]
     segs, mb = cache.gemm_tables(routing, bm, S.device)
     if out is None:
@@ -69,7 +101,7 @@ def lora_gemm(x: torch.Tensor | None, w_kn: torch.Tensor | None, bias: torch.Ten
         S.stride(0), S.stride(1), L_rn.stride(0), L_rn.stride(1), out.stride(0), out.stride(1),
         k_total, k_offset,
         HAS_MAIN=has_main, HAS_BIAS=bias is not None, DROPOUT=bool(dropout), ALIGNED=k_offset % 8 == 0,
-        BM=bm, BN=bn, BK=cfg.get("BK", 16), RK=min(st.rb, 64), GROUP_M=cfg["GROUP_M"],
+        BM=bm, BN=bn, BK=cfg["BK"], RK=min(st.rb, 64), GROUP_M=cfg["GROUP_M"],
         PREC=dot_precision(S.dtype),
         ACCUM=accumulate, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -80,8 +112,7 @@ def lora_shrink(x: torch.Tensor, A_cat: torch.Tensor, st, routing, row_ids: torc
                 k_total: int, k_offset: int = 0, cache) -> torch.Tensor:
     """S [m, r_max] = keep⊙X·A_aᵀ/(1-p_a) per segment (zero beyond r_a and outside every segment)."""
     m, kdim = x.shape
-    cfg = get_config("shrink", m, st.r_max, kdim, x.element_size())
-    cfg["BM"] = max(16, min(cfg["BM"], 8192 // st.rb))
+    cfg = _config("shrink", m, st.r_max, kdim, x.element_size(), st.rb)
     chunks, n_chunks, _ = cache.chunk_table(routing, cfg["BM"], x.device)
     S = torch.empty(m, st.r_max, device=x.device, dtype=x.dtype)
     _SHRINK.launch((n_chunks,),
@@ -89,49 +120,69 @@ def lora_shrink(x: torch.Tensor, A_cat: torch.Tensor, st, routing, row_ids: torc
         kdim, st.r_max, x.stride(0), x.stride(1), A_cat.stride(0), A_cat.stride(1), S.stride(0), S.stride(1),
         k_total, k_offset,
         DROPOUT=st.dropout, ALIGNED=k_offset % 8 == 0, BM=cfg["BM"],
-        BK=max(16, min(cfg["BK"], 16384 // st.rb)), RB=st.rb, PREC=dot_precision(x.dtype),
+        BK=cfg["BK"], RB=st.rb, PREC=dot_precision(x.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return S
 
 
-def _reduce_by_slot(partial: torch.Tensor, ranges: dict, n_slots: int) -> list[torch.Tensor | None]:
-    """Sum each slot's contiguous range of partials (fixed order: deterministic)."""
-    out = []
-    for a in range(n_slots):
-        if a in ranges:
-            lo, hi = ranges[a]
-            out.append(partial[lo:hi].sum(0))
-        else:
-            out.append(None)
+def _reduce_by_slot(partial: torch.Tensor, ranges: dict, ranks, rb: int,
+                    dim: int) -> list[torch.Tensor | None]:
+    """Per slot: the sum of its contiguous range of partials (fixed order: deterministic), cut to the slot's
+    rank along ``dim`` of the sum (no cut where the rank fills the block); None for a slot without rows.
+
+    The chunk tables list the slots' ranges in slot order from the first chunk on, so one split gives every
+    range (the same views as slicing each, so the same sums)."""
+    out = [None] * len(ranks)
+    if not ranges:
+        return out
+    slots = sorted(ranges)
+    sizes, pos = [], 0
+    for a in slots:
+        lo, hi = ranges[a]
+        if lo != pos:  # not back to back (not the chunk tables' layout): a slice per slot
+            pieces = [partial[ranges[b][0]:ranges[b][1]] for b in slots]
+            break
+        sizes.append(hi - lo)
+        pos = hi
+    else:
+        if pos < partial.shape[0]:
+            sizes.append(partial.shape[0] - pos)
+        pieces = partial.split(sizes) if len(sizes) > 1 else (partial,)
+    for a, piece in zip(slots, pieces):
+        part = piece.sum(0)
+        r = ranks[a]
+        out[a] = part if r == rb else part.narrow(dim, 0, r)
     return out
 
 
-def lora_ds_db(dy: torch.Tensor, B_cat: torch.Tensor, S: torch.Tensor, st, routing,
-               need_db: bool = True, *, cache) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+def lora_ds_db(dy: torch.Tensor, B_cat: torch.Tensor | None, S: torch.Tensor, st, routing,
+               need_db: bool = True, *, cache, Bt: torch.Tensor | None = None,
+               ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """One pass over dY [m, n]: dS [m, r_max] (dtype of S) and dB per slot (fp32 [n, r_a], None if no
-    rows)."""
+    rows). B is ``B_cat`` [n, R_tot] or, given instead, ``Bt`` [R_tot, n] (any strides either way)."""
     m, n = dy.shape
-    cfg = get_config("ds_db", m, n, st.r_max, dy.element_size())
-    # keep the [BN, RB] fp32 accumulator in registers and the [BM|BN, RB] operand tiles in shared memory
-    cap = max(16, 32768 // (st.rb * dy.element_size()))
-    bn = max(16, min(cfg["BN"], 16384 // st.rb, cap))
-    cfg["BM"] = max(16, min(cfg["BM"], cap))
+    cfg = _config("ds_db", m, n, st.r_max, dy.element_size(), st.rb)
+    bn = cfg["BN"]
     chunks, n_chunks, ranges = cache.chunk_table(routing, cfg["CH"], dy.device, by_slot=True)
     nblk = triton.cdiv(n, bn)
+    if Bt is not None:
+        b, b_sn, b_sr = Bt, Bt.stride(1), Bt.stride(0)
+    else:
+        b, b_sn, b_sr = B_cat, B_cat.stride(0), B_cat.stride(1)
     dsp = torch.empty(nblk, m, st.rb, device=dy.device, dtype=torch.float32)
     dbp = torch.empty(n_chunks, n, st.rb, device=dy.device, dtype=torch.float32)
     _DS_DB.launch((nblk, n_chunks),
-        dy, B_cat, S, dsp, dbp, chunks, st.scale, st.r, st.roff, m, n,
-        dy.stride(0), dy.stride(1), B_cat.stride(0), B_cat.stride(1), S.stride(0), S.stride(1),
+        dy, b, S, dsp, dbp, chunks, st.scale, st.r, st.roff, m, n,
+        dy.stride(0), dy.stride(1), b_sn, b_sr, S.stride(0), S.stride(1),
         BM=cfg["BM"], BN=bn, RB=st.rb, PREC=dot_precision(dy.dtype), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-    dS = (dsp[0] if nblk == 1 else dsp.sum(0))[:, : st.r_max].to(S.dtype)
-    dB = []
-    if need_db:
-        for a, part in enumerate(_reduce_by_slot(dbp, ranges, len(st.ranks))):
-            dB.append(None if part is None else part[:, : st.ranks[a]])
+    dS = dsp[0] if nblk == 1 else dsp.sum(0)
+    if st.r_max < st.rb:
+        dS = dS[:, : st.r_max]
+    dS = dS.to(S.dtype)
+    dB = _reduce_by_slot(dbp, ranges, st.ranks, st.rb, 1) if need_db else []
     return dS, dB
 
 
@@ -139,8 +190,8 @@ def lora_da(x: torch.Tensor, dS: torch.Tensor, st, routing, row_ids: torch.Tenso
             k_total: int, k_offset: int = 0, cache) -> list[torch.Tensor | None]:
     """dA per slot (fp32 [r_a, k], None if the slot has no rows) = dSᵀ·keep⊙X/(1-p)."""
     m, kdim = x.shape
-    cfg = get_config("da", m, st.r_max, kdim, x.element_size())
-    bk = max(16, min(cfg["BK"], 16384 // st.rb))  # keep the [RB, BK] fp32 accumulator in registers
+    cfg = _config("da", m, st.r_max, kdim, x.element_size(), st.rb)
+    bk = cfg["BK"]
     chunks, n_chunks, ranges = cache.chunk_table(routing, cfg["CH"], x.device, by_slot=True)
     dap = torch.empty(n_chunks, st.rb, kdim, device=x.device, dtype=torch.float32)
     _DA.launch((triton.cdiv(kdim, bk), n_chunks),
@@ -149,8 +200,7 @@ def lora_da(x: torch.Tensor, dS: torch.Tensor, st, routing, row_ids: torch.Tenso
         DROPOUT=st.dropout, ALIGNED=k_offset % 8 == 0, BM=cfg["BM"], BK=bk, RB=st.rb,
         PREC=dot_precision(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return [None if part is None else part[: st.ranks[a]]
-            for a, part in enumerate(_reduce_by_slot(dap, ranges, len(st.ranks)))]
+    return _reduce_by_slot(dap, ranges, st.ranks, st.rb, 0)
 
 
 def lora_da_dx(x: torch.Tensor, dS: torch.Tensor, A_cat: torch.Tensor, dx: torch.Tensor | None, st,
@@ -161,8 +211,8 @@ def lora_da_dx(x: torch.Tensor, dS: torch.Tensor, A_cat: torch.Tensor, dx: torch
     ``dx`` given: accumulated into in place (it holds dY·W); None: a new tensor with the low-rank term alone.
     """
     m, kdim = x.shape
-    cfg = get_config("da_dx", m, st.r_max, kdim, x.element_size())
-    bk = max(16, min(cfg["BK"], 8192 // st.rb))
+    cfg = _config("da_dx", m, st.r_max, kdim, x.element_size(), st.rb)
+    bk = cfg["BK"]
     chunks, n_chunks, ranges = cache.chunk_table(routing, cfg["CH"], x.device, by_slot=True)
     acc = dx is not None
     if dx is None:
@@ -175,8 +225,5 @@ def lora_da_dx(x: torch.Tensor, dS: torch.Tensor, A_cat: torch.Tensor, dx: torch
         ACC=acc, DROPOUT=st.dropout, ALIGNED=k_offset % 8 == 0, BM=cfg["BM"], BK=bk, RB=st.rb,
         PREC=dot_precision(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    dA = [None] * len(st.ranks)
-    if need_da:
-        dA = [None if part is None else part[: st.ranks[a]]
-              for a, part in enumerate(_reduce_by_slot(dap, ranges, len(st.ranks)))]
+    dA = _reduce_by_slot(dap, ranges, st.ranks, st.rb, 0) if need_da else [None] * len(st.ranks)
     return dx, dA

@@ -67,7 +67,8 @@ class Launcher:
         device = self._device()
         entry = self._caches.get(device)
         if entry is None:
-            binder = self.kernel.device_caches[device][4]  # (kernel cache, key cache, target, backend, binder)
+            # device_caches[device] = (kernel cache, key cache, target, backend, binder)
+            binder = self.kernel.device_caches[device][4]
             entry = self._caches[device] = (binder, {})
         binder, cache = entry
         bound, spec, options = binder(*args, **kw)
@@ -79,7 +80,7 @@ class Launcher:
         return ck
 
     def _slow(self, cache, key, grid, args, kw):
-        """``JITFunction.run`` (compiles when needed, launches); remembers the compiled kernel under ``key``."""
+        """``JITFunction.run`` (compiles when needed, launches); the compiled kernel is kept under ``key``."""
         self.slow_launches += 1
         ck = self.kernel.run(*args, grid=grid, warmup=False, **kw)
         if cache is not None and ck is not None and not hasattr(ck, "result"):  # (not an async future)

@@ -125,6 +125,23 @@ class LoRAContext:
                 self._local[key] = (routing, names, [self.seeds[inv[i]] for i in range(len(names))])
         return self._local[key]
 
+    def local_args(self, present: frozenset[str], training: bool):
+        """(local routing, local adapter names, their scalings, their dropout rates — 0 unless ``training``)
+        for the adapters in ``present``, or None; once per microbatch and set of adapters (the lists are
+        shared by the layers: read-only)."""
+        key = ("args", present, training)
+        hit = self._local.get(key)
+        if hit is None:
+            plan = self.local_plan(present)
+            if plan is None:
+                hit = self._local[key] = (None,)
+            else:
+                routing, names, _ = plan
+                specs = [self.specs[n] for n in names]
+                hit = self._local[key] = (routing, tuple(names), tuple(s.scaling for s in specs),
+                                          tuple(s.lora_dropout if training else 0.0 for s in specs))
+        return None if hit[0] is None else hit
+
     def layer_seeds(self, present: frozenset[str], layer_key: str, device) -> tuple[list[int], object]:
         """(this layer's seeds, the same on ``device`` or None off CUDA) for the local plan of ``present``."""
         ck = ("seeds", present, str(device))
@@ -268,14 +285,13 @@ class LoRALinear:
         if ctx.routing is None or len(self.lora_A) == 0:
             return None
         present = frozenset(self.lora_A.keys())
-        plan = ctx.local_plan(present)
-        if plan is None:
+        local = ctx.local_args(present, self.training)
+        if local is None:
             return None
-        routing, names, _ = plan
+        routing, names, scalings, dropouts = local
         seeds, seed_table = ctx.layer_seeds(present, self.lora_key, x.device)
-        specs = [ctx.specs[n] for n in names]
-        return (routing, [self.lora_A[n] for n in names], [self._lora_b(n) for n in names],
-                [s.scaling for s in specs], [s.lora_dropout if self.training else 0.0 for s in specs],
+        A = self.lora_A
+        return (routing, [A[n] for n in names], [self._lora_b(n) for n in names], scalings, dropouts,
                 seeds, seed_table)
 
     def _lora_delta(self, x: torch.Tensor, args) -> torch.Tensor:

@@ -83,8 +83,16 @@ def _cat_B(lora_B, dtype):
     return torch.cat(list(lora_B), dim=1).to(dtype)
 
 
+def _cat_Bt(lora_B, dtype):
+    """The B's concatenated and transposed, [R_tot, n] contiguous in ``dtype`` (coalesced loads of the
+    low-rank operand): one cast that also lays it out, not a cast and then a copy; ``Bt.t()`` is B_cat."""
+    b = lora_B[0] if len(lora_B) == 1 else torch.cat(list(lora_B), dim=1)
+    return b.t().to(dtype, memory_format=torch.contiguous_format)
+
+
 def _grads(parts, params):
-    return tuple(None if g is None else g.to(p.dtype) for g, p in zip(parts, params, strict=True))
+    return tuple(g if g is None or g.dtype == p.dtype else g.to(p.dtype)
+                 for g, p in zip(parts, params, strict=True))
 
 
 class _FusedMultiLoRALinear(torch.autograd.Function):
@@ -93,10 +101,9 @@ class _FusedMultiLoRALinear(torch.autograd.Function):
         ns = plan.n_slots
         lora_A, lora_B = params[:ns], params[ns:]
         st = plan.st
-        A_cat, B_cat = _cat_A(lora_A, x2d.dtype), _cat_B(lora_B, x2d.dtype)
+        A_cat, Bt = _cat_A(lora_A, x2d.dtype), _cat_Bt(lora_B, x2d.dtype)
         S = K.lora_shrink(x2d, A_cat, st, plan.routing, plan.row_ids, k_total=plan.k_total, cache=plan.cache)
-        w = weight.to(x2d.dtype)
-        Bt = B_cat.t().contiguous()  # [R_tot, n]: coalesced loads of the low-rank operand
+        w = weight if weight.dtype == x2d.dtype else weight.to(x2d.dtype)
         if plan.main_gemm != "triton":
             y = K.lora_gemm(None, None, bias, S, Bt, st.scale, st, plan.routing, n=plan.n, cache=plan.cache)
             # in place: out-of-place addmm first copies the low-rank term into a new tensor
@@ -105,23 +112,24 @@ class _FusedMultiLoRALinear(torch.autograd.Function):
             y = K.lora_gemm(x2d, w.t(), bias, S, Bt, st.scale, st, plan.routing, n=plan.n, cache=plan.cache)
         ctx.plan = plan
         ctx.has_bias = bias is not None
-        ctx.save_for_backward(x2d, weight, S, A_cat, B_cat, *params)
+        ctx.save_for_backward(x2d, weight, S, A_cat, Bt, *params)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         plan: _Plan = ctx.plan
         st = plan.st
-        x2d, weight, S, A_cat, B_cat, *params = ctx.saved_tensors
+        x2d, weight, S, A_cat, Bt, *params = ctx.saved_tensors
         ns = plan.n_slots
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_db = any(ctx.needs_input_grad[4 + ns:])
         need_da = any(ctx.needs_input_grad[4:4 + ns])
-        dy = dy.to(x2d.dtype)
-        dS, dB = K.lora_ds_db(dy, B_cat, S, st, plan.routing, need_db=need_db, cache=plan.cache)
+        if dy.dtype != x2d.dtype:
+            dy = dy.to(x2d.dtype)
+        dS, dB = K.lora_ds_db(dy, None, S, st, plan.routing, need_db=need_db, cache=plan.cache, Bt=Bt)
         dx = None
         dA = [None] * ns
-        w = weight.to(x2d.dtype)
+        w = weight if weight.dtype == x2d.dtype else weight.to(x2d.dtype)
         if need_x and plan.main_gemm == "cublas_fold":
             # the low-rank dX term (and dA, same mask) by one Triton pass, then cuBLAS adds dY·W into it
             dx, dA = K.lora_da_dx(x2d, dS, A_cat, None, st, plan.routing, plan.row_ids, k_total=plan.k_total,
@@ -162,7 +170,8 @@ class _Shrink(torch.autograd.Function):
         plan: _Plan = ctx.plan
         st = plan.st
         x2d, A_cat, *lora_A = ctx.saved_tensors
-        dS = dS.to(x2d.dtype)
+        if dS.dtype != x2d.dtype:
+            dS = dS.to(x2d.dtype)
         need_da = any(ctx.needs_input_grad[2:])
         dx, dA = None, [None] * plan.n_slots
         if ctx.needs_input_grad[0]:  # dX and dA in one pass, one mask per tile
@@ -177,20 +186,20 @@ class _Shrink(torch.autograd.Function):
 class _Expand(torch.autograd.Function):
     @staticmethod
     def forward(ctx, S, plan: _Plan, *lora_B):
-        B_cat = _cat_B(lora_B, S.dtype)
-        out = K.lora_gemm(None, None, None, S, B_cat.t().contiguous(), plan.st.scale, plan.st, plan.routing,
-                          n=plan.n, cache=plan.cache)
+        Bt = _cat_Bt(lora_B, S.dtype)
+        out = K.lora_gemm(None, None, None, S, Bt, plan.st.scale, plan.st, plan.routing, n=plan.n,
+                          cache=plan.cache)
         ctx.plan = plan
-        ctx.save_for_backward(S, B_cat, *lora_B)
+        ctx.save_for_backward(S, Bt, *lora_B)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         plan: _Plan = ctx.plan
-        S, B_cat, *lora_B = ctx.saved_tensors
+        S, Bt, *lora_B = ctx.saved_tensors
         need_db = any(ctx.needs_input_grad[2:])
-        dS, dB = K.lora_ds_db(dout.to(S.dtype), B_cat, S, plan.st, plan.routing, need_db=need_db,
-                              cache=plan.cache)
+        dS, dB = K.lora_ds_db(dout if dout.dtype == S.dtype else dout.to(S.dtype), None, S, plan.st,
+                              plan.routing, need_db=need_db, cache=plan.cache, Bt=Bt)
         if not need_db:
             dB = [None] * plan.n_slots
         return (dS, None, *_grads(dB, lora_B))

@@ -116,7 +116,8 @@ class TableCache:
         """Tables of one call. ``seeds``: Python ints (copied now) or an int64 tensor already on
         ``device``."""
         ranks = tuple(int(r) for r in ranks)
-        key = (str(device), ranks, tuple(float(s) for s in scaling), tuple(float(p) for p in dropout_p))
+        key = (str(device), ranks, scaling if type(scaling) is tuple else tuple(float(s) for s in scaling),
+               dropout_p if type(dropout_p) is tuple else tuple(float(p) for p in dropout_p))
         static = self._static.get(key)
         if static is None:
             if len(self._static) >= self._max:
@@ -127,7 +128,7 @@ class TableCache:
         seed = seeds if isinstance(seeds, torch.Tensor) else seed_tensor(list(seeds), device)
         r_max = max(ranks)
         return SlotTables(seed=seed, ranks=ranks, r_max=r_max, rb=rank_block(r_max),
-                          dropout=any(float(p) > 0.0 for p in dropout_p), **static)
+                          dropout=any(p > 0.0 for p in key[3]), **static)
 
     # -- per routing -------------------------------------------------------------------------------------
     def row_ids(self, routing, device) -> torch.Tensor:
