@@ -126,21 +126,15 @@ class LoRAContext:
         return self._local[key]
 
     def local_args(self, present: frozenset[str], training: bool):
-        """(local routing, local adapter names, their scalings, their dropout rates — 0 unless ``training``)
-        for the adapters in ``present``, or None; once per microbatch and set of adapters (the lists are
-        shared by the layers: read-only)."""
+        """(local routing, names, scalings, dropout rates — 0 unless ``training``) for the adapters in
+        ``present``, or None; once per microbatch, shared by the layers (read-only)."""
         key = ("args", present, training)
-        hit = self._local.get(key)
-        if hit is None:
+        if key not in self._local:
             plan = self.local_plan(present)
-            if plan is None:
-                hit = self._local[key] = (None,)
-            else:
-                routing, names, _ = plan
-                specs = [self.specs[n] for n in names]
-                hit = self._local[key] = (routing, tuple(names), tuple(s.scaling for s in specs),
-                                          tuple(s.lora_dropout if training else 0.0 for s in specs))
-        return None if hit[0] is None else hit
+            specs = [self.specs[n] for n in plan[1]] if plan is not None else ()
+            self._local[key] = plan and (plan[0], tuple(plan[1]), tuple(s.scaling for s in specs),
+                                         tuple(s.lora_dropout if training else 0.0 for s in specs))
+        return self._local[key]
 
     def layer_seeds(self, present: frozenset[str], layer_key: str, device) -> tuple[list[int], object]:
         """(this layer's seeds, the same on ``device`` or None off CUDA) for the local plan of ``present``."""
@@ -285,14 +279,12 @@ class LoRALinear:
         if ctx.routing is None or len(self.lora_A) == 0:
             return None
         present = frozenset(self.lora_A.keys())
-        local = ctx.local_args(present, self.training)
-        if local is None:
+        if (local := ctx.local_args(present, self.training)) is None:
             return None
         routing, names, scalings, dropouts = local
         seeds, seed_table = ctx.layer_seeds(present, self.lora_key, x.device)
-        A = self.lora_A
-        return (routing, [A[n] for n in names], [self._lora_b(n) for n in names], scalings, dropouts,
-                seeds, seed_table)
+        return (routing, [self.lora_A[n] for n in names], [self._lora_b(n) for n in names], scalings,
+                dropouts, seeds, seed_table)
 
     def _lora_delta(self, x: torch.Tensor, args) -> torch.Tensor:
         routing, a, b, scaling, p, seeds, seed_table = args
