@@ -21,7 +21,7 @@ import torch
 
 from lorafusion.ops.tables import to_device
 
-__all__ = ["block_b", "fused_projection_index", "merge_rows", "split_rows"]
+__all__ = ["block_b", "block_bs", "fused_projection_index", "merge_rows", "ops_b", "split_rows"]
 
 
 def fused_projection_index(kind: str, rows: int, groups: int = 1, heads_per_group: int = 1,
@@ -92,3 +92,75 @@ def block_b(b: torch.Tensor, index: BlockIndex) -> torch.Tensor:
     full = b.new_zeros((index.rows_total, index.n_proj, r))
     full = full.index_put((index.rows, index.slots), b)
     return full.view(index.rows_total, index.n_proj * r)
+
+
+class JointBlockIndex:
+    """Several adapters' :class:`BlockIndex` of one fused linear side by side, all of rank ``r``: adapter i's
+    block B is columns ``spans[i]`` of one [rows, Σ|T_i|·r] tensor, filled from the compact B's stacked."""
+
+    def __init__(self, indexes: list[BlockIndex], r: int) -> None:
+        self.rows_total, self.r = indexes[0].rows_total, r
+        offs, off = [], 0
+        for ix in indexes:
+            offs.append(off)
+            off += ix.n_proj
+        self.groups = off
+        self.spans = [(o * r, ix.n_proj * r) for o, ix in zip(offs, indexes, strict=True)]
+        self.counts = [ix.rows.numel() for ix in indexes]
+        self.rows = torch.cat([ix.rows for ix in indexes])
+        self.cols = torch.cat([ix.slots + o for o, ix in zip(offs, indexes, strict=True)])
+        self.parts = indexes
+
+
+class _JointBlockB(torch.autograd.Function):
+    """The block B's of several adapters in one pass (see :class:`JointBlockIndex`): a zero tensor, one
+    scatter of the stacked compact B's; each output a column span of it. Backward gathers each compact
+    gradient from its block's gradient (an adapter without rows in the batch gets none, as with
+    :func:`block_b`)."""
+
+    @staticmethod
+    def forward(ctx, joint: JointBlockIndex, *bs):
+        ctx.set_materialize_grads(False)
+        ctx.joint = joint
+        full = bs[0].new_zeros((joint.rows_total, joint.groups * joint.r))
+        vals = torch.cat(bs) if len(bs) > 1 else bs[0]
+        full.view(joint.rows_total, joint.groups, joint.r).index_put_((joint.rows, joint.cols), vals)
+        return tuple(full.narrow(1, off, width) for off, width in joint.spans)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        joint = ctx.joint
+        if all(g is not None for g in grads):
+            g = torch.cat(grads, 1) if len(grads) > 1 else grads[0]
+            flat = g.reshape(joint.rows_total, joint.groups, joint.r)[joint.rows, joint.cols]
+            return (None, *flat.split(joint.counts))
+        out = []
+        for g, ix in zip(grads, joint.parts, strict=True):
+            out.append(None if g is None else g.reshape(ix.rows_total, ix.n_proj, joint.r)[ix.rows, ix.slots])
+        return (None, *out)
+
+
+def block_bs(bs: list[torch.Tensor], joint: JointBlockIndex) -> list[torch.Tensor]:
+    """:func:`block_b` of every adapter of ``joint`` at once (the same values and gradients, fewer ops)."""
+    return list(_JointBlockB.apply(joint, *bs))
+
+
+def ops_b(bs: list[torch.Tensor], chosen: tuple, cache: dict, projection_index) -> list[torch.Tensor]:
+    """A fused linear's adapter B's as the LoRA ops take them: ``chosen[i]`` (adapter i's projections, None
+    for a B taken as it is) gives adapter i's block B; of equal ranks all in one pass (:func:`block_bs`).
+    ``cache``: the linear's index cache; ``projection_index()``: its row → projection index."""
+    if all(c is None for c in chosen):
+        return bs
+    ix = []
+    for c, b in zip(chosen, bs, strict=True):
+        key = (c, str(b.device))
+        if c is not None and key not in cache:
+            cache[key] = BlockIndex(projection_index(), c, b.device)
+        ix.append(None if c is None else cache[key])
+    r = bs[0].shape[1]
+    if len(bs) == 1 or None in chosen or any(b.shape[1] != r for b in bs):
+        return [b if i is None else block_b(b, i) for b, i in zip(bs, ix, strict=True)]
+    key = ("joint", chosen, r, str(bs[0].device))
+    if key not in cache:
+        cache[key] = JointBlockIndex(ix, r)
+    return block_bs(bs, cache[key])

@@ -50,7 +50,7 @@ from lorafusion.layers.fp8_base import (
     init_fp8_storage,
     is_fp8,
 )
-from lorafusion.layers.fused_proj import BlockIndex, block_b, fused_projection_index
+from lorafusion.layers.fused_proj import fused_projection_index, ops_b
 from lorafusion.layers.sharding import COLUMNS, REPLICATED, ROW_HALVES, ROWS, TPSplit
 from lorafusion.layers.tp_overlap import tp_forward, tp_path
 from lorafusion.ops.saved import rebuild_saved
@@ -260,16 +260,10 @@ class LoRALinear:
         del self.lora_B[name]
         self.lora_proj.pop(name, None)
 
-    def _lora_b(self, name: str) -> torch.Tensor:
-        """Adapter ``name``'s B as the LoRA ops take it: the block B of a fused linear's own projections."""
-        b = self.lora_B[name]
-        chosen = self.lora_proj.get(name)
-        if chosen is None:
-            return b
-        key = (chosen, str(b.device))
-        if key not in self._block_index:
-            self._block_index[key] = BlockIndex(self.projection_index(), chosen, b.device)
-        return block_b(b, self._block_index[key])
+    def _lora_b(self, names) -> list[torch.Tensor]:
+        """The adapters' B's as the LoRA ops take them: a fused linear's block B's (:func:`ops_b`)."""
+        return ops_b([self.lora_B[n] for n in names], tuple(self.lora_proj.get(n) for n in names),
+                     self._block_index, self.projection_index)
 
     # -- forward ----------------------------------------------------------------------------------------
     def _lora_args(self, x: torch.Tensor):
@@ -283,7 +277,7 @@ class LoRALinear:
             return None
         routing, names, scalings, dropouts = local
         seeds, seed_table = ctx.layer_seeds(present, self.lora_key, x.device)
-        return (routing, [self.lora_A[n] for n in names], [self._lora_b(n) for n in names], scalings,
+        return (routing, [self.lora_A[n] for n in names], self._lora_b(names), scalings,
                 dropouts, seeds, seed_table)
 
     def _lora_delta(self, x: torch.Tensor, args) -> torch.Tensor:

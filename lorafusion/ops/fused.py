@@ -77,16 +77,35 @@ def _cat_A(lora_A, dtype):
     return torch.cat(list(lora_A), dim=0).to(dtype)
 
 
+def _joined(parts) -> torch.Tensor | None:
+    """The tensor whose consecutive column spans ``parts`` are, covering it (a fused linear's block B's made
+    in one pass, :func:`lorafusion.layers.fused_proj.block_bs`): their concatenation as it is; else None."""
+    base = parts[0]._base
+    if base is None or len(parts) < 2 or base.dim() != 2:
+        return None
+    start = off = base.storage_offset()
+    strides = base.stride()
+    for p in parts:
+        if p._base is not base or p.stride() != strides or p.shape[0] != base.shape[0] or \
+                p.storage_offset() != off:
+            return None
+        off += p.shape[1] * strides[1]
+    return base if off == start + base.shape[1] * strides[1] else None
+
+
 def _cat_B(lora_B, dtype):
     if len(lora_B) == 1:
         return lora_B[0].to(dtype)
-    return torch.cat(list(lora_B), dim=1).to(dtype)
+    joined = _joined(lora_B)
+    return (torch.cat(list(lora_B), dim=1) if joined is None else joined).to(dtype)
 
 
 def _cat_Bt(lora_B, dtype):
     """The B's concatenated and transposed, [R_tot, n] contiguous in ``dtype`` (coalesced loads of the
     low-rank operand): one cast that also lays it out, not a cast and then a copy; ``Bt.t()`` is B_cat."""
-    b = lora_B[0] if len(lora_B) == 1 else torch.cat(list(lora_B), dim=1)
+    b = lora_B[0] if len(lora_B) == 1 else _joined(lora_B)
+    if b is None:
+        b = torch.cat(list(lora_B), dim=1)
     return b.t().to(dtype, memory_format=torch.contiguous_format)
 
 
