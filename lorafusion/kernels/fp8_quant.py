@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lorafusion.kernels.launch import Launcher
+
 
 # MAX_SINGLE: the longest row quantized from registers (one read); measured on an H100
 # (docs/results/fp8-probe-h100.json, "quant")
@@ -48,7 +50,7 @@ def _load_scaled(x_row, cs_ptr, cols, mask, HAS_CS: tl.constexpr):
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, cs_ptr, q_ptr, s_ptr, M, N, stride_x, stride_q,
+def _quant_rows_kernel(x_ptr, cs_ptr, q_ptr, s_ptr, M, N, stride_x,
                        QMAX: tl.constexpr, EPS: tl.constexpr, HAS_CS: tl.constexpr, BLOCK: tl.constexpr,
                        SINGLE: tl.constexpr, ROWS: tl.constexpr):
     if ROWS > 1:  # ROWS whole rows per program, in registers: one read (short rows: fewer, fuller programs)
@@ -61,11 +63,11 @@ def _quant_rows_kernel(x_ptr, cs_ptr, q_ptr, s_ptr, M, N, stride_x, stride_q,
         scale = tl.maximum(tl.max(tl.abs(v), axis=1), EPS) / QMAX
         tl.store(s_ptr + rows, scale, mask=rows < M)
         q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale[:, None]), -QMAX), QMAX)
-        tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_ptr + rows[:, None] * N + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
         return
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
-    q_row = q_ptr + row * stride_q
+    q_row = q_ptr + row * N  # q is contiguous
     if SINGLE:  # the whole row in registers: one read
         cols = tl.arange(0, BLOCK)
         mask = cols < N
@@ -103,12 +105,20 @@ def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, col_scale: torch.T
     s = torch.empty(m, 1, device=x.device, dtype=torch.float32)
     if m == 0:
         return q, s
-    single, block, rows, warps = launch(n, col_scale is not None, max_single, num_warps, block, rows)
-    cs = col_scale if col_scale is not None else s
-    _quant_rows_kernel[(triton.cdiv(m, rows),)](
-        x, cs, q, s, m, n, x.stride(0), q.stride(0), QMAX=_QMAX[dtype], EPS=eps, HAS_CS=col_scale is not None,
-        BLOCK=block, SINGLE=single, ROWS=rows, num_warps=warps)
+    has_cs = col_scale is not None
+    if max_single == MAX_SINGLE and num_warps is None and block is None and rows is None:
+        key = (n, has_cs)
+        choice = _LAUNCH.get(key) or _LAUNCH.setdefault(key, launch(n, has_cs))
+    else:
+        choice = launch(n, has_cs, max_single, num_warps, block, rows)
+    single, block, rows, warps = choice
+    _QUANT.launch((triton.cdiv(m, rows),), x, col_scale if has_cs else s, q, s, m, n, x.stride(0),
+                  QMAX=_QMAX[dtype], EPS=eps, HAS_CS=has_cs, BLOCK=block, SINGLE=single, ROWS=rows,
+                  num_warps=warps)
     return q, s
+
+
+_LAUNCH: dict = {}  # (columns, column scale?) -> the default launch
 
 
 def launch(n: int, has_col_scale: bool, max_single: int = MAX_SINGLE, num_warps: int | None = None,
@@ -162,4 +172,8 @@ def _transpose(src: torch.Tensor, dst: torch.Tensor, m: int, n: int, block: int)
     """dst's data ([N, M] row-major, row stride M) = srcᵀ."""
     if m and n:
         grid = (triton.cdiv(m, block), triton.cdiv(n, block))
-        _transpose_kernel[grid](src, dst, m, n, src.stride(0), m, BM=block, BN=block, num_warps=4)
+        _TRANSPOSE.launch(grid, src, dst, m, n, src.stride(0), m, BM=block, BN=block, num_warps=4)
+
+
+# launched through the fast path (lorafusion.kernels.launch): a known specialization skips JITFunction.run
+_QUANT, _TRANSPOSE = Launcher(_quant_rows_kernel), Launcher(_transpose_kernel)
