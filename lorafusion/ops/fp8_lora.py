@@ -34,17 +34,17 @@ class _Fp8MultiLoRALinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, w: Fp8Weight, bias, plan, grad_dtype, *params):
         from lorafusion.kernels import fused_multi_lora as K
-        from lorafusion.ops.fused import _cat_A, _cat_B
+        from lorafusion.ops.fused import _cat_A, _cat_Bt
 
         ns = plan.n_slots
         st = plan.st
-        A_cat, B_cat = _cat_A(params[:ns], x2d.dtype), _cat_B(params[ns:], x2d.dtype)
+        A_cat, Bt = _cat_A(params[:ns], x2d.dtype), _cat_Bt(params[ns:], x2d.dtype)  # Bt.t() is B_cat
         S = K.lora_shrink(x2d, A_cat, st, plan.routing, plan.row_ids, k_total=plan.k_total, cache=plan.cache)
         y = fp8_matmul(x2d, w)
-        K.lora_gemm(None, None, bias, S, B_cat.t().contiguous(), st.scale, st, plan.routing, n=plan.n, out=y,
-                    accumulate=True, cache=plan.cache)
+        K.lora_gemm(None, None, bias, S, Bt, st.scale, st, plan.routing, n=plan.n, out=y, accumulate=True,
+                    cache=plan.cache)
         ctx.plan, ctx.grad_dtype, ctx.has_bias, ctx.w = plan, grad_dtype, bias is not None, w
-        ctx.save_for_backward(x2d, S, A_cat, B_cat, *params)
+        ctx.save_for_backward(x2d, S, A_cat, Bt, *params)
         return y
 
     @staticmethod
@@ -54,7 +54,7 @@ class _Fp8MultiLoRALinear(torch.autograd.Function):
 
         plan = ctx.plan
         st = plan.st
-        x2d, S, A_cat, B_cat, *params = ctx.saved_tensors
+        x2d, S, A_cat, Bt, *params = ctx.saved_tensors
         ns = plan.n_slots
         need_x, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
         need_da, need_db = any(ctx.needs_input_grad[5:5 + ns]), any(ctx.needs_input_grad[5 + ns:])
@@ -62,7 +62,7 @@ class _Fp8MultiLoRALinear(torch.autograd.Function):
             dy = dy.to(x2d.dtype)
         if not dy.is_contiguous():
             dy = dy.contiguous()
-        dS, dB = K.lora_ds_db(dy, B_cat, S, st, plan.routing, need_db=need_db, cache=plan.cache)
+        dS, dB = K.lora_ds_db(dy, None, S, st, plan.routing, need_db=need_db, cache=plan.cache, Bt=Bt)
         dx, dA = None, [None] * ns
         if need_x:
             dx = fp8_input_grad(dy, ctx.w, ctx.grad_dtype)  # dy is in x's dtype
