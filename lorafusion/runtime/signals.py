@@ -83,10 +83,16 @@ def exit_on_stop_outside_run() -> None:
         return
 
     def stop(signum, frame):
+        if _hold["on"]:  # inside stops_held (delivered via another thread): taken when it ends
+            _hold["pending"] = True
+            return
         raise SystemExit(0)
 
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, stop)
+
+
+_hold = {"on": False}  # inside stops_held: a stop is recorded ("pending") and taken when the block ends
 
 
 @contextlib.contextmanager
@@ -99,11 +105,17 @@ def stops_held():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    # the mask holds the signal back from this thread only: one delivered to another thread still runs the
+    # handler here, between two bytecodes of the import, so the handler itself defers while _hold is on
     signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    _hold["on"] = True
     try:
         yield
     finally:
+        _hold["on"] = False
         signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+    if _hold.pop("pending", False):
+        raise SystemExit(0)
 
 
 def install_stack_dump(sig: int = signal.SIGUSR2) -> None:

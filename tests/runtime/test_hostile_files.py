@@ -199,3 +199,22 @@ def test_a_stop_during_the_heavy_imports_is_taken_after_them():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert (p.returncode, p.stdout) == (0, "imported\n"), p.stderr[-2000:]
+
+
+def test_a_stop_delivered_to_another_thread_during_the_heavy_imports_is_taken_after_them():
+    """The mask of stops_held() holds a signal back from the main thread only; one the kernel hands to another
+    thread still runs the Python handler in the main thread, mid-import. The handler defers it too: the block
+    finishes, then the process exits 0."""
+    code = ("import signal, threading, time\n"
+            "from lorafusion.runtime.signals import exit_on_stop_outside_run, stops_held\n"
+            "exit_on_stop_outside_run()\n"
+            "t = threading.Thread(target=threading.Event().wait, daemon=True)\n"
+            "t.start()\n"
+            "with stops_held():\n"
+            "    signal.pthread_kill(t.ident, signal.SIGTERM)\n"
+            "    time.sleep(0.5)\n"
+            "    print('inside', flush=True)\n"
+            "print('not reached', flush=True)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert (p.returncode, p.stdout) == (0, "inside\n"), p.stderr[-2000:]
