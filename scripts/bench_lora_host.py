@@ -24,6 +24,7 @@ import json
 import os
 import pstats
 import statistics
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -62,13 +63,14 @@ class Counter(TorchDispatchMode):
 _ACTIVE: list[Counter] = []
 
 
-def _patch_launches() -> None:
-    """Count every Triton launch (JIT or interpreted) in the innermost active counter."""
+def _patch_launches(no_kernels: bool = False) -> None:
+    """Count every Triton launch (JIT or interpreted) in the innermost active counter; ``no_kernels``: the
+    interpreter runs no kernel body (outputs stay uninitialised; only the host work is left)."""
     import triton.runtime.interpreter as interp
     import triton.runtime.jit as jit
 
     def wrap(cls):
-        orig = cls.run
+        orig = (lambda *a, **k: None) if no_kernels and cls is interp.InterpretedFunction else cls.run
 
         def run(self, *args, **kwargs):
             c = _ACTIVE[-1] if _ACTIVE else None
@@ -134,7 +136,7 @@ def run_linear(model, mod, names, tokens, dev, calls):
     in_size = mod.input_size_per_partition if hasattr(mod, "input_size_per_partition") else mod.input_size
     x = torch.randn(tokens, 1, in_size, device=dev, dtype=torch.bfloat16, requires_grad=True)
 
-    def one(i, counter=None, prof=None):
+    def one(i, counter=None, prof=None, timed=False):
         """A microbatch: the linear runs once to build the microbatch's tables (as the model's first LoRA
         linear does for all 128), then once measured, as every other linear of the microbatch runs."""
         routing = Routing.from_lengths([0, 1, 2, 3], lens, row_ids=list(range(tokens)))
@@ -148,8 +150,10 @@ def run_linear(model, mod, names, tokens, dev, calls):
                 counter.__enter__()
             if prof is not None:
                 prof.enable()
+            t0 = time.perf_counter()
             out, _ = mod(x)
             out.backward(dy)
+            wall = time.perf_counter() - t0
             if prof is not None:
                 prof.disable()
             if counter is not None:
@@ -157,6 +161,7 @@ def run_linear(model, mod, names, tokens, dev, calls):
                 _ACTIVE.pop()
             model.zero_grad(set_to_none=True)
             x.grad = None
+        return wall
 
     out, _ = mod(x)
     dy = torch.randn_like(out)
@@ -164,10 +169,11 @@ def run_linear(model, mod, names, tokens, dev, calls):
     one(0)  # compile, caches
     c = Counter()
     one(1, counter=c)
-    owns, funcs = [], {}
+    owns, funcs, walls = [], {}, []
     for i in range(calls):  # the median call: the interpreter's garbage makes single calls noisy
         prof = cProfile.Profile()
         one(2 + i, prof=prof)
+        walls.append(one(2 + i, timed=True))
         own = 0.0
         for (file, line, fn), (_, _, tt, _, _) in pstats.Stats(prof).stats.items():
             if "lorafusion/" in file and not any(file.endswith(k) for k in _KERNEL_BODIES):
@@ -178,7 +184,7 @@ def run_linear(model, mod, names, tokens, dev, calls):
     top = sorted(((statistics.median(v + [0.0] * (calls - len(v))), f) for f, v in funcs.items()),
                  reverse=True)
     return (c.ops, c.launches, 1e3 * statistics.median(owns), c.names,
-            [(round(1e3 * t, 3), f) for t, f in top[:12]])
+            [(round(1e3 * t, 3), f) for t, f in top[:12]], 1e3 * statistics.median(walls))
 
 
 def main() -> None:
@@ -188,30 +194,33 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=7, help="profiled calls per linear")
     ap.add_argument("--ops", action="store_true", help="print each linear's ATen ops by name")
     ap.add_argument("--top", action="store_true", help="print each linear's wrapper functions by own time")
+    ap.add_argument("--no-kernels", action="store_true",
+                    help="(CPU) the interpreter runs no kernel body: the wall time is the host work alone")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    _patch_launches()
+    _patch_launches(args.no_kernels)
     from lorafusion.layers import lora_modules
 
     model, names, dev = build(args.tokens, args.hidden)
     mods = dict(lora_modules(model))
     rows = {}
     for kind in KINDS:
-        ops, launches, own_ms, opnames, top = run_linear(model, mods[f"1.{kind}"], names, args.tokens, dev,
-                                                          args.calls)
-        rows[kind] = {"aten_ops": ops, "launches": launches, "own_ms": round(own_ms, 3)}
+        ops, launches, own_ms, opnames, top, wall = run_linear(model, mods[f"1.{kind}"], names, args.tokens,
+                                                                dev, args.calls)
+        rows[kind] = {"aten_ops": ops, "launches": launches, "own_ms": round(own_ms, 3),
+                      "wall_ms": round(wall, 3)}
         print(f"{kind:12s} ATen ops {ops:4d}  Triton launches {launches:3d}  lorafusion own time "
-              f"{own_ms:7.3f} ms per fwd+bwd (median)")
+              f"{own_ms:7.3f} ms (cProfile)  wall {wall:7.3f} ms per fwd+bwd (medians)")
         if args.ops:
             print("   ", dict(sorted(opnames.items(), key=lambda kv: -kv[1])))
         if args.top:
             for t, f in top:
                 print(f"      {t:8.3f} ms  {f}")
-    layer = {k: sum(r[k] for r in rows.values()) for k in ("aten_ops", "launches", "own_ms")}
+    layer = {k: sum(r[k] for r in rows.values()) for k in ("aten_ops", "launches", "own_ms", "wall_ms")}
     print(f"per layer (4 linears): {layer['aten_ops']} ATen ops, {layer['launches']} launches, "
-          f"{layer['own_ms']:.2f} ms own; x32 layers (8B, 128 linears): {32 * layer['aten_ops']} ops, "
-          f"{32 * layer['launches']} launches")
+          f"{layer['own_ms']:.2f} ms own, {layer['wall_ms']:.2f} ms wall; x32 layers (8B, 128 linears): "
+          f"{32 * layer['aten_ops']} ops, {32 * layer['launches']} launches")
     if args.json:
         print(json.dumps({"linears": rows, "layer": layer, "tokens": args.tokens, "hidden": args.hidden}))
 

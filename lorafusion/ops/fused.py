@@ -109,9 +109,10 @@ def _cat_Bt(lora_B, dtype):
     return b.t().to(dtype, memory_format=torch.contiguous_format)
 
 
-def _grads(parts, params):
-    return tuple(g if g is None or g.dtype == p.dtype else g.to(p.dtype)
-                 for g, p in zip(parts, params, strict=True))
+def _grads(parts, dtypes):
+    """The adapters' gradients in their parameters' dtypes (``dtypes``: kept at forward; the parameters
+    themselves are not saved: backward reads none of their values)."""
+    return tuple(g if g is None or g.dtype == d else g.to(d) for g, d in zip(parts, dtypes, strict=True))
 
 
 class _FusedMultiLoRALinear(torch.autograd.Function):
@@ -131,14 +132,16 @@ class _FusedMultiLoRALinear(torch.autograd.Function):
             y = K.lora_gemm(x2d, w.t(), bias, S, Bt, st.scale, st, plan.routing, n=plan.n, cache=plan.cache)
         ctx.plan = plan
         ctx.has_bias = bias is not None
-        ctx.save_for_backward(x2d, weight, S, A_cat, Bt, *params)
+        ctx.dtypes = [p.dtype for p in params]
+        ctx.save_for_backward(x2d, weight, S, A_cat, Bt)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         plan: _Plan = ctx.plan
         st = plan.st
-        x2d, weight, S, A_cat, Bt, *params = ctx.saved_tensors
+        x2d, weight, S, A_cat, Bt = ctx.saved_tensors
+        dtypes = ctx.dtypes
         ns = plan.n_slots
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_db = any(ctx.needs_input_grad[4 + ns:])
@@ -171,7 +174,7 @@ class _FusedMultiLoRALinear(torch.autograd.Function):
         dbias = dy.sum(0) if (need_b and ctx.has_bias) else None
         if not need_db:
             dB = [None] * ns
-        return (dx, dw, dbias, None, *_grads(dA, params[:ns]), *_grads(dB, params[ns:]))
+        return (dx, dw, dbias, None, *_grads(dA, dtypes[:ns]), *_grads(dB, dtypes[ns:]))
 
 
 class _Shrink(torch.autograd.Function):
@@ -181,14 +184,15 @@ class _Shrink(torch.autograd.Function):
         S = K.lora_shrink(x2d, A_cat, plan.st, plan.routing, plan.row_ids, k_total=plan.k_total,
                           k_offset=plan.k_offset, cache=plan.cache)
         ctx.plan = plan
-        ctx.save_for_backward(x2d, A_cat, *lora_A)
+        ctx.dtypes = [a.dtype for a in lora_A]
+        ctx.save_for_backward(x2d, A_cat)
         return S
 
     @staticmethod
     def backward(ctx, dS):
         plan: _Plan = ctx.plan
         st = plan.st
-        x2d, A_cat, *lora_A = ctx.saved_tensors
+        x2d, A_cat = ctx.saved_tensors
         if dS.dtype != x2d.dtype:
             dS = dS.to(x2d.dtype)
         need_da = any(ctx.needs_input_grad[2:])
@@ -199,7 +203,7 @@ class _Shrink(torch.autograd.Function):
         elif need_da:
             dA = K.lora_da(x2d, dS, st, plan.routing, plan.row_ids, k_total=plan.k_total,
                            k_offset=plan.k_offset, cache=plan.cache)
-        return (dx, None, *_grads(dA, lora_A))
+        return (dx, None, *_grads(dA, ctx.dtypes))
 
 
 class _Expand(torch.autograd.Function):
@@ -209,19 +213,20 @@ class _Expand(torch.autograd.Function):
         out = K.lora_gemm(None, None, None, S, Bt, plan.st.scale, plan.st, plan.routing, n=plan.n,
                           cache=plan.cache)
         ctx.plan = plan
-        ctx.save_for_backward(S, Bt, *lora_B)
+        ctx.dtypes = [b.dtype for b in lora_B]
+        ctx.save_for_backward(S, Bt)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         plan: _Plan = ctx.plan
-        S, Bt, *lora_B = ctx.saved_tensors
+        S, Bt = ctx.saved_tensors
         need_db = any(ctx.needs_input_grad[2:])
         dS, dB = K.lora_ds_db(dout if dout.dtype == S.dtype else dout.to(S.dtype), None, S, plan.st,
                               plan.routing, need_db=need_db, cache=plan.cache, Bt=Bt)
         if not need_db:
             dB = [None] * plan.n_slots
-        return (dS, None, *_grads(dB, lora_B))
+        return (dS, None, *_grads(dB, ctx.dtypes))
 
 
 def multi_lora_delta_fused(x: torch.Tensor, lora_A: Sequence[torch.Tensor], lora_B: Sequence[torch.Tensor],
