@@ -109,7 +109,9 @@ class Launcher:
         with the arguments after ``args`` in parameter order (keywords and defaults: fixed by the key)."""
         self.slow_launches += 1
         ck = self.kernel.run(*args, grid=grid, warmup=False, **kw)
-        if cache is not None and ck is not None and not hasattr(ck, "result"):  # (not an async future)
+        # a constexpr given by position would be keyed by its value class, not its value: never cached
+        positional_constexpr = any(p.is_constexpr for p in self.kernel.params[:len(args)])
+        if cache is not None and ck is not None and not hasattr(ck, "result") and not positional_constexpr:
             binder = self.kernel.device_caches[self._device()][4]
             bound = tuple(binder(*args, **kw)[0].values())
             cache[key] = (ck, bound[len(args):])

@@ -48,6 +48,7 @@ class _FakeJIT:
         spec.loader.exec_module(mod)
         jit = JITFunction(mod.kern, do_not_specialize=["M"])
         backend = make_backend(GPUTarget("cuda", 90, 32))
+        self.params = jit.params
         self.binder = create_function_from_signature(jit.signature, jit.params, backend)
         self.device_caches = {0: ({}, {}, None, backend, self.binder)}
         self.pre_run_hooks = []
@@ -189,3 +190,16 @@ def test_gpu_fast_path_equals_normal_launch_and_compiles_once():
     slow = K._SHRINK.slow_launches
     K.lora_shrink(x, A, st, routing, ids, k_total=96, cache=tc)
     assert K._SHRINK.slow_launches == slow  # known specialization: launched directly
+
+
+def test_a_constexpr_given_by_position_is_never_cached(tmp_path):
+    """The key describes a positional argument by its value class (an int's being 1, divisible by 16): a
+    constexpr given by position (BLOCK=16 and BLOCK=64 alike) would share a key, so such launches always go
+    through JITFunction.run."""
+    fake, launcher = _launcher(tmp_path)
+    x = torch.zeros(64)
+    base = (x, x, 5, 7, 3, True, 0.5)
+    first = launcher.launch((1,), *base, 16)
+    assert launcher.launch((1,), *base, 64) is not first
+    launcher.launch((1,), *base, 16)
+    assert launcher.slow_launches == 3
