@@ -11,7 +11,7 @@ two passes over Y in forward and two over dX in backward, and one activation-siz
   keep⊙(dS·A)/(1-p) into that dX in place and produces dA with the same mask (the bf16 path's "cublas"
   order), instead of autograd summing a separate low-rank dX. No dW (W is not a parameter).
 
-The LoRA path sees the bf16 X, as in the bf16 base. Saved for backward: X, S; the weight
+The LoRA path sees the bf16 X, as in the bf16 base. Saved for backward: X, S, A_cat, Bt; the weight
 (:class:`~lorafusion.ops.fp8_linear.Fp8Weight`: the model's buffers and their GEMM forms, made once per weight
 by the layer) stays on ctx. :func:`fp8_multi_lora_linear_reference` is the split form in torch (the ground
 truth of tests).
@@ -44,7 +44,8 @@ class _Fp8MultiLoRALinear(torch.autograd.Function):
         K.lora_gemm(None, None, bias, S, Bt, st.scale, st, plan.routing, n=plan.n, out=y, accumulate=True,
                     cache=plan.cache)
         ctx.plan, ctx.grad_dtype, ctx.has_bias, ctx.w = plan, grad_dtype, bias is not None, w
-        ctx.save_for_backward(x2d, S, A_cat, Bt, *params)
+        ctx.dtypes = [p.dtype for p in params]  # the adapters are not saved: backward reads none of them
+        ctx.save_for_backward(x2d, S, A_cat, Bt)
         return y
 
     @staticmethod
@@ -54,7 +55,8 @@ class _Fp8MultiLoRALinear(torch.autograd.Function):
 
         plan = ctx.plan
         st = plan.st
-        x2d, S, A_cat, Bt, *params = ctx.saved_tensors
+        x2d, S, A_cat, Bt = ctx.saved_tensors
+        dtypes = ctx.dtypes
         ns = plan.n_slots
         need_x, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
         need_da, need_db = any(ctx.needs_input_grad[5:5 + ns]), any(ctx.needs_input_grad[5 + ns:])
@@ -73,7 +75,7 @@ class _Fp8MultiLoRALinear(torch.autograd.Function):
         dbias = dy.sum(0) if (need_b and ctx.has_bias) else None
         if not need_db:
             dB = [None] * ns
-        return (dx, None, dbias, None, None, *_grads(dA, params[:ns]), *_grads(dB, params[ns:]))
+        return (dx, None, dbias, None, None, *_grads(dA, dtypes[:ns]), *_grads(dB, dtypes[ns:]))
 
 
 def fp8_multi_lora_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
