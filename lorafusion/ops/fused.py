@@ -110,9 +110,13 @@ def _cat_Bt(lora_B, dtype):
 
 
 def _grads(parts, dtypes):
-    """The adapters' gradients in their parameters' dtypes (``dtypes``: kept at forward; the parameters
-    themselves are not saved: backward reads none of their values)."""
-    return tuple(g if g is None or g.dtype == d else g.to(d) for g, d in zip(parts, dtypes, strict=True))
+    """The adapters' gradients in their parameters' dtypes (``dtypes``: kept at forward — the parameters
+    themselves are not saved: backward reads none of their values — or the parameters)."""
+    out = []
+    for g, d in zip(parts, dtypes, strict=True):
+        d = getattr(d, "dtype", d)
+        out.append(g if g is None or g.dtype == d else g.to(d))
+    return tuple(out)
 
 
 class _FusedMultiLoRALinear(torch.autograd.Function):
