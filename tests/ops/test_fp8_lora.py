@@ -40,6 +40,12 @@ def _case(m, k, n, dtype, seed):
     return x, w_q, w_s, bias, A, B, sc, ps, seeds, routing, dy
 
 
+def _in_float32(args):
+    x, w_q, w_s, bias, A, B, sc, ps, seeds, routing, dy = args
+    up = [t.float() for t in A], [t.float() for t in B]
+    return x.float(), w_q, w_s, bias.float(), *up, sc, ps, seeds, routing, dy.float()
+
+
 def _run(fn, x, w_q, w_s, bias, A, B, sc, ps, seeds, routing, dy):
     leaves = [x.detach().clone().requires_grad_(True), bias.detach().clone().requires_grad_(True),
               *[a.detach().clone().requires_grad_(True) for a in A],
@@ -53,18 +59,21 @@ def _run(fn, x, w_q, w_s, bias, A, B, sc, ps, seeds, routing, dy):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_fused_fp8_lora_linear_equals_the_split_form(m, k, n, dtype):
+    torch.manual_seed(m * 7 + k)  # (the adapters come from the global generator)
     args = _case(m, k, n, dtype, seed=m * 7 + k)
     y, grads = _run(fp8_multi_lora_linear, *args)
-    y_ref, grads_ref = _run(fp8_multi_lora_linear_reference, *args)
+    # the split form in float32 (the same FP8 base): in half precision its own rounding can exceed the fused
+    # op's by 10x (one-row dS·A products), so it is the reference only at the higher precision
+    y_ref, grads_ref = _run(fp8_multi_lora_linear_reference, *_in_float32(args))
     assert y.dtype == dtype and y.shape == (m, n)
     tol = TOL[dtype]
-    assert rel(y, y_ref) < tol
+    assert rel(y.float(), y_ref) < tol
     names = ["x", "bias"] + [f"A{i}" for i in range(len(args[4]))] + [f"B{i}" for i in range(len(args[4]))]
     for name, got, want in zip(names, grads, grads_ref, strict=True):
         if want is None or want.abs().max() == 0:  # a slot with no rows in this layout
             assert got is None or got.abs().max() == 0, name
         else:
-            assert rel(got, want) < tol, (name, rel(got, want))
+            assert rel(got.float(), want) < tol, (name, rel(got.float(), want))
 
 
 def test_no_input_gradient_still_gives_the_lora_gradients():
