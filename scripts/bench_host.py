@@ -163,7 +163,8 @@ def run_with(run_lorafusion, args, over, warm, clock) -> dict:
         def chunk_ran(self, trainer, chunk, result):
             clock.chunk_ran(trainer, chunk, result)
 
-    steps = warm + 1 + args.chunks + (1 if clock.prof is not None else 0)
+    # (every rank runs the profiled chunk: rank 0 alone profiles it, the others must take part in it)
+    steps = warm + 1 + args.chunks + (1 if args.cprofile else 0)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")  # (one directory for all ranks of a torchrun launch)
     out = Path(args.out or (Path(tempfile.gettempdir()) / f"bench_host_{run_id}" if run_id
                             else tempfile.mkdtemp(prefix="bench_host_")))
