@@ -12,7 +12,8 @@ Megatron's path (:class:`lorafusion.layers.lora_linear.LoRALinear`), with fewer 
   computed on that gathered input: no second all-gather of the same rows (Megatron's path gathers once for the
   base and once more for the LoRA term). Its gradient is split back inside the base's backward, next to the
   one reduce-scatter of the base's dX. Per column linear and microbatch: one all-gather forward; backward one
-  all-gather (the LoRA term's saved input, kept as this rank's shard), one reduce-scatter, the all-reduce of dS.
+  all-gather (the LoRA term's saved input, kept as this rank's shard), one reduce-scatter, the all-reduce of
+  dS.
 - row-parallel: the LoRA term first (its all-reduce of S, m×r, is small and would otherwise queue on the
   communicator behind the base's reduce-scatters), then the base's GEMMs with their reduce-scatter (SP) or
   all-reduce. Under SP the full-sequence LoRA term goes into the base's function, which adds this rank's rows

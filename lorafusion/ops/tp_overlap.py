@@ -93,7 +93,8 @@ def _gather_mm(local: torch.Tensor, group, w: torch.Tensor, keep: bool, overlap:
 def _mm_scatter(full: torch.Tensor, group, w: torch.Tensor, overlap: bool = True) -> torch.Tensor:
     """``reduce_scatter(full @ w)`` (``full`` in the gathered layout; this rank's m rows come back): the other
     ranks' blocks first, into the send buffer whose own block is zero; the reduce-scatter in flight while
-    the own block is multiplied; then the two added. Without ``overlap``: one GEMM, then the reduce-scatter."""
+    the own block is multiplied; then the two added. Without ``overlap``: one GEMM, then the
+    reduce-scatter."""
     tp, r = _world(group), _rank(group)
     m = full.shape[0] // tp
     if not overlap:

@@ -183,7 +183,8 @@ def test_triton_transpose_and_two_pass_quantization(m, n):
     w = torch.randint(0, 255, (m, n), dtype=torch.uint8, device="cuda").view(F.E4M3)
     assert torch.equal(F.transpose(w).view(torch.uint8), w.view(torch.uint8).t().contiguous())
     b = transposed_operand(w.view(torch.uint8), F.E4M3)  # column-major W: the input gradient's operand
-    assert b.dtype == F.E4M3 and b.stride() == (1, m) and torch.equal(b.view(torch.uint8), w.view(torch.uint8))
+    assert b.dtype == F.E4M3 and b.stride() == (1, m)
+    assert torch.equal(b.view(torch.uint8), w.view(torch.uint8))
     x = (torch.randn(m, n, device="cuda") * 3).to(torch.bfloat16)
     one, s1 = quantize_rows_triton(x, F.E4M3)
     two, s2 = quantize_rows_triton(x, F.E4M3, max_single=64)  # the two-loop path
