@@ -28,6 +28,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# GPU kernels by family (profile summaries; :func:`family`): the first family whose key is in the kernel's
+# name, lower case, wins (the LoRA kernels before GEMMs: "_lora_gemm" holds "gemm")
+FAMILIES = (("NCCL", ("nccl",)),
+            ("LoRA (Triton)", ("_lora_gemm", "_shrink", "_ds_db", "_da_dx", "_da_kernel")),
+            ("attention (flash)", ("flash",)),
+            ("gemm (cuBLAS)", ("nvjet", "gemm", "cutlass", "sm90_xmma", "cublas")),
+            ("loss / norm / SwiGLU / RoPE (Triton)", ("liger", "_rms", "swiglu", "silu", "rope",
+                                                       "cross_entropy", "triton", "_fwd", "_bwd")),
+            ("copies", ("memcpy", "memset", "copy", "cat")),
+            ("reductions / elementwise (ATen)", ("reduce", "elementwise", "vectorized", "at::native")))
+
+
+def family(name: str) -> str:
+    """The :data:`FAMILIES` entry of a kernel name, else "other"."""
+    low = name.lower()
+    for fam, keys in FAMILIES:
+        if any(k in low for k in keys):
+            return fam
+    return "other"
+
+
 def _cuda() -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and torch.cuda.is_available()

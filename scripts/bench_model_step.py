@@ -28,22 +28,12 @@ import sys
 import time
 
 import torch
-from _bench import run_info, timed_ms, write_json
+from _bench import family, run_info, timed_ms, write_json
 
 # name: (adapters, rank, one A shared by a fused linear's projections)
 VARIANTS = {"one_r16": (1, 16, False), "four_r16": (4, 16, False), "one_r64": (1, 64, False),
             "four_r16_shared_a": (4, 16, True)}
 DEFAULT_VARIANTS = ("one_r16", "four_r16", "one_r64")
-# first match wins
-FAMILIES = (("LoRA (Triton)", ("_lora_gemm", "_shrink", "_ds_db", "_da_dx", "_da_kernel")),
-            ("attention (flash)", ("flash",)),
-            ("gemm (cuBLAS)", ("nvjet", "gemm", "cutlass", "sm90_xmma", "cublas")),
-            ("loss / norm / SwiGLU / RoPE (Triton)", ("liger", "_rms", "swiglu", "silu", "rope",
-                                                       "cross_entropy", "triton", "_fwd", "_bwd")),
-            ("copies", ("memcpy", "memset", "copy", "cat")),
-            ("reductions / elementwise (ATen)", ("reduce", "elementwise", "vectorized", "at::native")))
-
-
 def sample_lengths(tokens: int, vocab: int, seed: int = 0) -> list[list[int]]:
     """Token ids of samples drawn round robin from the bench datasets' length profiles, up to ``tokens``."""
     from lorafusion.core.lengths import LENGTH_PROFILES
@@ -61,14 +51,6 @@ def sample_lengths(tokens: int, vocab: int, seed: int = 0) -> list[list[int]]:
         out.append(torch.randint(0, vocab, (n,), generator=gen).tolist())
         total += n
     return out
-
-
-def family(name: str) -> str:
-    low = name.lower()
-    for fam, keys in FAMILIES:
-        if any(k in low for k in keys):
-            return fam
-    return "other"
 
 
 def build(args, dev):

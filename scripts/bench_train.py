@@ -39,6 +39,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from _bench import family  # (scripts/ is on sys.path: this file runs as a script)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -114,14 +115,6 @@ class ChunkProfiler:
         self._prof = None
 
 
-# kernel families of the profile summary: the first whose key is in the kernel's name (lower case)
-KERNEL_FAMILIES = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "attn")),
-                   ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm80_")),
-                   ("lora (triton)", ("lora", "_fused", "shrink", "expand", "_ds_db", "_da_dx",
-                                      "_da_kernel")),
-                   ("copy", ("copy", "memcpy", "memset", "cat", "fill")))
-
-
 def summarise_profile(p, top: int = 20) -> dict:
     kern = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA
             and e.time_range.elapsed_us() > 0]
@@ -148,7 +141,7 @@ def summarise_profile(p, top: int = 20) -> dict:
     big = [g for g in gaps if g >= 1000]
     families: dict[str, float] = {}
     for n, v in by_name.items():
-        fam = next((f for f, keys in KERNEL_FAMILIES if any(k in n.lower() for k in keys)), "other")
+        fam = family(n)
         families[fam] = families.get(fam, 0.0) + v[0] / 1e3
     return {"window_ms": (t1 - t0) / 1e3, "gpu_busy_frac": busy / max(1e-9, t1 - t0),
             "idle_gaps_ge_1ms": {"count": len(big), "total_ms": sum(big) / 1e3,
