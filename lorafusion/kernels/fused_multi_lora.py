@@ -39,29 +39,34 @@ _CONFIGS: dict = {}
 
 
 def _config(kind: str, m: int, n: int, k: int, itemsize: int, rb: int) -> dict:
-    """The launch config of ``kind`` at this shape: :func:`get_config` with the launcher's clamps for the rank
-    block ``rb``, memoized (the environment get_config reads is part of the key). Read-only."""
+    """:func:`launch_config`, memoized (the environment get_config reads is part of the key). Read-only."""
     key = (kind, m, n, k, itemsize, rb, os.environ.get("TRITON_INTERPRET"),
            os.environ.get("LORAFUSION_TUNING_FILE"))
     cfg = _CONFIGS.get(key)
     if cfg is None:
         if len(_CONFIGS) >= 4096:
             _CONFIGS.clear()
-        cfg = get_config(kind, m, n, k, itemsize)
-        if kind == "shrink":
-            cfg["BM"] = max(16, min(cfg["BM"], 8192 // rb))
-            cfg["BK"] = max(16, min(cfg["BK"], 16384 // rb))
-        elif kind == "ds_db":
-            # the [BN, RB] fp32 accumulator in registers, the [BM|BN, RB] operand tiles in shared memory
-            cap = max(16, 32768 // (rb * itemsize))
-            cfg["BN"] = max(16, min(cfg["BN"], 16384 // rb, cap))
-            cfg["BM"] = max(16, min(cfg["BM"], cap))
-        elif kind == "da":
-            cfg["BK"] = max(16, min(cfg["BK"], 16384 // rb))  # the [RB, BK] fp32 accumulator in registers
-        elif kind == "da_dx":
-            cfg["BK"] = max(16, min(cfg["BK"], 8192 // rb))
-        cfg.setdefault("BK", 16)
-        _CONFIGS[key] = cfg
+        cfg = _CONFIGS[key] = launch_config(kind, m, n, k, itemsize, rb)
+    return cfg
+
+
+def launch_config(kind: str, m: int, n: int, k: int, itemsize: int, rb: int) -> dict:
+    """The launch config of ``kind`` at this shape: :func:`get_config` with the launchers' clamps for the
+    rank block ``rb``."""
+    cfg = get_config(kind, m, n, k, itemsize)
+    if kind == "shrink":
+        cfg["BM"] = max(16, min(cfg["BM"], 8192 // rb))
+        cfg["BK"] = max(16, min(cfg["BK"], 16384 // rb))
+    elif kind == "ds_db":
+        # the [BN, RB] fp32 accumulator in registers, the [BM|BN, RB] operand tiles in shared memory
+        cap = max(16, 32768 // (rb * itemsize))
+        cfg["BN"] = max(16, min(cfg["BN"], 16384 // rb, cap))
+        cfg["BM"] = max(16, min(cfg["BM"], cap))
+    elif kind == "da":
+        cfg["BK"] = max(16, min(cfg["BK"], 16384 // rb))  # the [RB, BK] fp32 accumulator in registers
+    elif kind == "da_dx":
+        cfg["BK"] = max(16, min(cfg["BK"], 8192 // rb))
+    cfg.setdefault("BK", 16)
     return cfg
 
 

@@ -53,23 +53,6 @@ def test_reduce_by_slot_is_the_per_slot_slice_sum_bitwise(case):
         assert torch.equal(g, w)
 
 
-def _old_config(kind, m, n, k, itemsize, rb):
-    cfg = tuning.get_config(kind, m, n, k, itemsize)
-    if kind == "shrink":
-        cfg["BM"] = max(16, min(cfg["BM"], 8192 // rb))
-        cfg["BK"] = max(16, min(cfg["BK"], 16384 // rb))
-    elif kind == "ds_db":
-        cap = max(16, 32768 // (rb * itemsize))
-        cfg["BN"] = max(16, min(cfg["BN"], 16384 // rb, cap))
-        cfg["BM"] = max(16, min(cfg["BM"], cap))
-    elif kind == "da":
-        cfg["BK"] = max(16, min(cfg["BK"], 16384 // rb))
-    elif kind == "da_dx":
-        cfg["BK"] = max(16, min(cfg["BK"], 8192 // rb))
-    cfg.setdefault("BK", 16)
-    return cfg
-
-
 def test_memoized_launch_configs_equal_the_lookup_and_follow_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("LORAFUSION_TUNING_FILE", raising=False)
@@ -78,7 +61,8 @@ def test_memoized_launch_configs_equal_the_lookup_and_follow_the_environment(mon
         for shape in shapes:
             for itemsize in (2, 4):
                 for rb in (16, 64, 256):
-                    assert K._config(kind, *shape, itemsize, rb) == _old_config(kind, *shape, itemsize, rb)
+                    args = (kind, *shape, itemsize, rb)
+                    assert K._config(*args) == K.launch_config(*args)
     before = K._config("gemm", 8192, 4096, 4096, 2, 16)
     cfg = dict(BM=64, BN=64, BK=32, GROUP_M=4, num_warps=4, num_stages=2)
     path = tmp_path / "tuned.json"
