@@ -93,20 +93,17 @@ def _joined(parts) -> torch.Tensor | None:
     return base if off == start + base.shape[1] * strides[1] else None
 
 
-def _cat_B(lora_B, dtype):
-    if len(lora_B) == 1:
-        return lora_B[0].to(dtype)
-    joined = _joined(lora_B)
-    return (torch.cat(list(lora_B), dim=1) if joined is None else joined).to(dtype)
+def _B_cat(lora_B) -> torch.Tensor:
+    """The B's side by side, [n, R_tot], in their dtype: a single B or the block B's of one pass
+    (:func:`_joined`) as they are, else one concatenation."""
+    b = lora_B[0] if len(lora_B) == 1 else _joined(lora_B)
+    return torch.cat(list(lora_B), dim=1) if b is None else b
 
 
 def _cat_Bt(lora_B, dtype):
     """The B's concatenated and transposed, [R_tot, n] contiguous in ``dtype`` (coalesced loads of the
     low-rank operand): one cast that also lays it out, not a cast and then a copy; ``Bt.t()`` is B_cat."""
-    b = lora_B[0] if len(lora_B) == 1 else _joined(lora_B)
-    if b is None:
-        b = torch.cat(list(lora_B), dim=1)
-    return b.t().to(dtype, memory_format=torch.contiguous_format)
+    return _B_cat(lora_B).t().to(dtype, memory_format=torch.contiguous_format)
 
 
 def _grads(parts, dtypes):
