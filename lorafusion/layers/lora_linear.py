@@ -26,7 +26,6 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.utils import get_pg_rank, get_pg_size
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -286,7 +285,7 @@ class LoRALinear:
         kw = {}
         if tp > 1:
             kw["s_comm"] = self.s_comm_mode
-            kw["tp_group"] = parallel_state.get_tensor_model_parallel_group()
+            kw["tp_group"] = self.tp_group  # (the group its TP geometry was read from)
             if self.s_comm_mode == "row":
                 kw["k_offset"] = rank * x.shape[-1]
                 kw["k_total"] = x.shape[-1] * tp

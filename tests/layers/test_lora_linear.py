@@ -70,8 +70,10 @@ def test_tp_geometry_is_read_once_at_construction(megatron_single, monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("parallel_state asked in a LoRA linear's forward or backward")
 
+    # (raising=False: the module need not import parallel_state at all; if it does, every look-up fails)
     monkeypatch.setattr(ll, "parallel_state", types.SimpleNamespace(
-        get_tensor_model_parallel_world_size=refuse, get_tensor_model_parallel_rank=refuse))
+        get_tensor_model_parallel_world_size=refuse, get_tensor_model_parallel_rank=refuse,
+        get_tensor_model_parallel_group=refuse), raising=False)
     packed = pack_microbatch(SAMPLES, row_ids=list(range(len(SAMPLES))))
     sum(adapter_losses(model, packed).values()).backward()
     assert all(m._tp() == (1, 0) for m in mods)
