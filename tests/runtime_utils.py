@@ -93,10 +93,16 @@ def train_inprocess(run_yaml: Path, overrides=(), **trainer_kw):
     return Trainer(cfg, **trainer_kw).run(), Path(cfg.output_dir)
 
 
+def checkout_env() -> dict:
+    """This process's environment with the checkout first on PYTHONPATH (for a child Python process)."""
+    root = Path(__file__).resolve().parents[1]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+
+
 def train_torchrun(run_yaml: Path, nproc: int, out: Path) -> Path:
     """Train a run YAML with ``lorafusion train`` under torchrun on ``nproc`` CPU processes; ``out``."""
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    env = checkout_env()
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     proc = subprocess.run(

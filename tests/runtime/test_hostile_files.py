@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from lorafusion.cli import main
-from runtime_utils import job_dict, write_dataset, write_run
+from runtime_utils import checkout_env, job_dict, write_dataset, write_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -158,7 +158,7 @@ def test_an_unreadable_dataset_is_a_read_error(tmp_path, capsys, monkeypatch):
 
 def test_sigterm_while_starting_exits_0_and_leaves_nothing(tmp_path):
     run = write_run(tmp_path, [job_dict("a", write_dataset(tmp_path / "a.jsonl", 1), r=4, steps=50)], out="o")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = checkout_env()
     p = subprocess.Popen([sys.executable, "-m", "lorafusion.cli", "train", str(run)], cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     time.sleep(1.0)  # importing torch and Megatron
@@ -185,6 +185,12 @@ def test_a_stop_after_the_end_exits_0():
 
 
 
+def _python(code: str) -> subprocess.CompletedProcess:
+    """``code`` run by a new Python process with the checkout importable (its output captured as text)."""
+    return subprocess.run([sys.executable, "-c", code], env=checkout_env(), capture_output=True, text=True,
+                          timeout=120)
+
+
 def test_a_stop_during_the_heavy_imports_is_taken_after_them():
     """train imports torch inside stops_held(): a SIGTERM that lands then is kept pending and ends the process
     (status 0) once the imports are done — raised inside torch's import it aborted the process (status -6)."""
@@ -196,8 +202,7 @@ def test_a_stop_during_the_heavy_imports_is_taken_after_them():
             "    from lorafusion.runtime.trainer import Trainer\n"
             "    print('imported', flush=True)\n"
             "print('not reached', flush=True)\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    p = _python(code)
     assert (p.returncode, p.stdout) == (0, "imported\n"), p.stderr[-2000:]
 
 
@@ -215,6 +220,5 @@ def test_a_stop_delivered_to_another_thread_during_the_heavy_imports_is_taken_af
             "    time.sleep(0.5)\n"
             "    print('inside', flush=True)\n"
             "print('not reached', flush=True)\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    p = _python(code)
     assert (p.returncode, p.stdout) == (0, "inside\n"), p.stderr[-2000:]
