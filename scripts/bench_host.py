@@ -150,26 +150,14 @@ def main() -> None:
 
 
 def run_with(run_lorafusion, args, over, warm, clock) -> dict:
-    """bench_train's trainer run with the host clock among its callbacks."""
-    import bench_train
-
-    class WithClock(bench_train.ChunkProfiler):  # (bench_train hands its profiler to the trainer)
-        def __init__(self):
-            self.summary = None
-
-        def chunk_start(self, trainer, chunk):
-            clock.chunk_start(trainer, chunk)
-
-        def chunk_ran(self, trainer, chunk, result):
-            clock.chunk_ran(trainer, chunk, result)
-
+    """bench_train's trainer run with the host clock among its callbacks (the run's ``profiler`` slot takes
+    any trainer callback)."""
     # (every rank runs the profiled chunk: rank 0 alone profiles it, the others must take part in it)
     steps = warm + 1 + args.chunks + (1 if args.cprofile else 0)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")  # (one directory for all ranks of a torchrun launch)
     out = Path(args.out or (Path(tempfile.gettempdir()) / f"bench_host_{run_id}" if run_id
                             else tempfile.mkdtemp(prefix="bench_host_")))
-    res, _, _ = run_lorafusion(args.config, over, steps, warm, out, profiler=WithClock(),
-                               background=True)
+    res, _, _ = run_lorafusion(args.config, over, steps, warm, out, profiler=clock, background=True)
     return res
 
 
