@@ -6,7 +6,6 @@
 #   bash scripts/device/attention_bench.sh          ARGS: more bench_attention.py arguments; GPU_TESTS=0
 set -uo pipefail
 . "$(dirname "$0")/setup.sh"  # $OUT, $PY, the carried wheels
-. "$(dirname "$0")/fa4_env.sh"
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 tag=$(echo "$name" | grep -o "H[0-9]00" | tr 'H' 'h'); tag=${tag:-gpu}
 echo "$name"; git rev-parse --short HEAD 2>/dev/null || true

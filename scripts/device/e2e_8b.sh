@@ -10,7 +10,6 @@
 # Writes $OUT/e2e-8b-1x<gpu>.json (h100 or h200) and each run's log under $OUT/e2e/.
 set -uo pipefail
 . "$(dirname "$0")/setup.sh"  # $OUT, $PY, the carried wheels
-. "$(dirname "$0")/fa4_env.sh"
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 tag=$(echo "$name" | grep -o "H[0-9]00" | tr 'H' 'h'); tag=${tag:-gpu}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total,memory.used --format=csv,noheader

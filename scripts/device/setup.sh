@@ -1,5 +1,6 @@
 # Sourced by the device scripts (scale.sh, online.sh, use.sh): $OUT and $PY, and on the GPU machine the carried
-# wheels (.whl/, built for its Python 3.12 image) installed under /tmp/site; elsewhere the checkout's own env.
+# wheels (.whl/, built for its Python 3.12 image) installed under /tmp/site and the FlashAttention-4 bundle when
+# one was unpacked (fa4_env.sh); elsewhere the checkout's own env.
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PY=${PYTHON:-python3}
@@ -12,6 +13,9 @@ if command -v nvidia-smi >/dev/null 2>&1 && ls .whl/*.whl >/dev/null 2>&1; then
     echo "$stamp" > /tmp/site/.wheels
   fi
   export PYTHONPATH=$PWD:/tmp/site
+  # FlashAttention-4 on PYTHONPATH when a call brought its bundle (model.attention: auto then takes it, as a user's
+  # install of the extra would): every device script runs what the CLI picks on that machine
+  . "$(dirname "${BASH_SOURCE[0]}")/fa4_env.sh"
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
