@@ -1,8 +1,9 @@
 """Block configurations per kernel and shape bucket, chosen by ``scripts/tune_kernels.py`` and stored here.
 
-Nothing is autotuned at run time: :func:`get_config` looks the shape's bucket up in ``TUNED`` (filled in
-from measurements on Hopper, see docs/BENCHMARKS.md) and falls back to ``DEFAULTS``. Under the Triton
-interpreter (no GPU) small tiles keep the CPU tests quick.
+Nothing is autotuned at run time: :func:`get_config` looks the shape's bucket up in the table of this GPU's
+architecture (``TUNED_BY_ARCH``: ``TUNED`` for Hopper, SM90 — filled in from measurements on an H200, see
+docs/BENCHMARKS.md; an architecture without a table of its own uses none) and falls back to ``DEFAULTS``.
+Under the Triton interpreter (no GPU) small tiles keep the CPU tests quick.
 """
 
 from __future__ import annotations
@@ -85,6 +86,10 @@ TUNED: dict[tuple[str, tuple[int, int, int]], dict] = {
 # so it is an option, not the default.
 MAIN_GEMMS = ("cublas", "cublas_fold", "triton")
 
+# Tuned tables per GPU architecture ("sm" + compute capability): another architecture keeps DEFAULTS (or a
+# table of its own, added here from scripts/tune_kernels.py run on it). H100 and H200 are both SM90.
+TUNED_BY_ARCH: dict[str, dict] = {"sm90": TUNED}
+
 
 def default_main_gemm() -> str:
     """The main GEMM used when a caller passes none: ``$LORAFUSION_MAIN_GEMM``, else "cublas"."""
@@ -93,6 +98,24 @@ def default_main_gemm() -> str:
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+_ARCH: list = []
+
+
+def arch() -> str:
+    """This process's GPU architecture, "sm90" for Hopper ("" without CUDA); asked once."""
+    if not _ARCH:
+        import torch
+
+        ok = torch.cuda.is_available()
+        _ARCH.append("sm%d%d" % torch.cuda.get_device_capability() if ok else "")
+    return _ARCH[0]
+
+
+def tuned_table() -> dict:
+    """This architecture's table of tuned configs (created empty for one without; the tuner fills it)."""
+    return TUNED_BY_ARCH.setdefault(arch(), {})
 
 
 def _pow2_at_least(x: int) -> int:
@@ -127,7 +150,7 @@ def get_config(kernel: str, m: int, n: int = 0, k: int = 0, itemsize: int = 2) -
     if interpreting():
         return dict(INTERPRET[kernel])
     key = (kernel, bucket(m, n, k))
-    cfg = dict(_extra().get(key) or TUNED.get(key) or DEFAULTS[kernel])
+    cfg = dict(_extra().get(key) or TUNED_BY_ARCH.get(arch(), {}).get(key) or DEFAULTS[kernel])
     if itemsize > 2:
         cfg["num_stages"] = min(cfg["num_stages"], 2)
         for blk in ("BK", "BN"):
