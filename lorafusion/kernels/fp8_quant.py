@@ -3,13 +3,20 @@ the transpose of an FP8 weight.
 
 Row-wise quantization, for each row ``i`` of ``x`` [m, n] (times ``col_scale`` [n] when given):
 
-    v = x[i, :] (· col_scale) ;  scale[i] = max(max|v|, eps) / fp8_max ;  q[i, :] = clamp(v / scale[i]) → fp8
+    v = x[i, :] (· col_scale) ;  a = max(max|v|, eps) ;  scale[i] = a / fp8_max ;
+    q[i, :] = clamp(v · (fp8_max / a)) → fp8
+
+Per element that is one multiply by the row's reciprocal (computed once per row), not an IEEE division: the
+division is about ten instructions per element on the GPU, as many as the rest of the kernel, which averaged
+~2.3 TB/s on an H200 in the 8B step (half the memory's bandwidth: not bound by memory). Both per-row divisions
+are IEEE (``div_rn``; Triton's ``/`` on float32 is approximate), so q and scale equal the torch path's
+(:func:`lorafusion.ops.fp8_linear.quantize_rows_torch`) bit for bit. ``divide=True`` (benchmarks only)
+launches the former per-element division instead.
 
 One program per row (4 rows for 2k-4k-column rows without a column scale: ``SHORT_ROWS``). A row of up to
 ``MAX_SINGLE`` elements is held in registers: one read of x. Longer rows take two loops (max|v|, then q),
-reading the row twice: on an H100 that was faster for 14k- and 28k-column rows than one 16k/32k-wide block
-(0.61 vs 0.93 ms for fc1's dY at 12,288 rows), slower for 4k-column ones. Division is IEEE (``div_rn``) so
-that q equals the torch path's bit for bit.
+reading the row twice (the second time mostly from L2): on an H100 that was faster for 14k- and 28k-column
+rows than one 16k/32k-wide block (0.61 vs 0.93 ms for fc1's dY at 12,288 rows), slower for 4k-column ones.
 
 Transpose: [M, N] → [N, M] of one-byte elements in 64×64 tiles (``W_q`` → ``W_qᵀ``, the K-major operand of the
 input-gradient GEMM); ``Tensor.t().contiguous()`` on FP8 ran at ~0.2 TB/s on an H100.
@@ -50,9 +57,28 @@ def _load_scaled(x_row, cs_ptr, cols, mask, HAS_CS: tl.constexpr):
 
 
 @triton.jit
+def _row_factors(amax, QMAX: tl.constexpr, EPS: tl.constexpr):
+    """(scale, reciprocal) of rows whose max|v| is ``amax``: a / QMAX and QMAX / a, a = max(amax, EPS), both
+    IEEE-rounded."""
+    a = tl.maximum(amax, EPS)
+    qmax = tl.full(a.shape, QMAX, tl.float32)
+    return tl.math.div_rn(a, qmax), tl.math.div_rn(qmax, a)
+
+
+@triton.jit
+def _to_fp8(v, scale, inv, QMAX: tl.constexpr, DIVIDE: tl.constexpr):
+    """clamp(v · inv) (``DIVIDE``: v / scale, the former per-element division) to ±QMAX, in float32."""
+    if DIVIDE:
+        q = tl.math.div_rn(v, scale)
+    else:
+        q = v * inv
+    return tl.minimum(tl.maximum(q, -QMAX), QMAX)
+
+
+@triton.jit
 def _quant_rows_kernel(x_ptr, cs_ptr, q_ptr, s_ptr, M, N, stride_x,
                        QMAX: tl.constexpr, EPS: tl.constexpr, HAS_CS: tl.constexpr, BLOCK: tl.constexpr,
-                       SINGLE: tl.constexpr, ROWS: tl.constexpr):
+                       SINGLE: tl.constexpr, ROWS: tl.constexpr, DIVIDE: tl.constexpr):
     if ROWS > 1:  # ROWS whole rows per program, in registers: one read (short rows: fewer, fuller programs)
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
@@ -60,9 +86,9 @@ def _quant_rows_kernel(x_ptr, cs_ptr, q_ptr, s_ptr, M, N, stride_x,
         v = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_CS:
             v = v * tl.load(cs_ptr + cols, mask=cols < N, other=0.0)[None, :]
-        scale = tl.maximum(tl.max(tl.abs(v), axis=1), EPS) / QMAX
+        scale, inv = _row_factors(tl.max(tl.abs(v), axis=1), QMAX, EPS)
         tl.store(s_ptr + rows, scale, mask=rows < M)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale[:, None]), -QMAX), QMAX)
+        q = _to_fp8(v, scale[:, None], inv[:, None], QMAX, DIVIDE)
         tl.store(q_ptr + rows[:, None] * N + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
         return
     row = tl.program_id(0).to(tl.int64)
@@ -72,32 +98,33 @@ def _quant_rows_kernel(x_ptr, cs_ptr, q_ptr, s_ptr, M, N, stride_x,
         cols = tl.arange(0, BLOCK)
         mask = cols < N
         v = _load_scaled(x_row, cs_ptr, cols, mask, HAS_CS)
-        scale = tl.maximum(tl.max(tl.abs(v), axis=0), EPS) / QMAX
+        scale, inv = _row_factors(tl.max(tl.abs(v), axis=0), QMAX, EPS)
         tl.store(s_ptr + row, scale)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -QMAX), QMAX)
+        q = _to_fp8(v, scale, inv, QMAX, DIVIDE)
         tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     else:  # two loops over the row: max|v|, then q
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, N, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             amax = tl.maximum(amax, tl.abs(_load_scaled(x_row, cs_ptr, cols, cols < N, HAS_CS)))
-        scale = tl.maximum(tl.max(amax, axis=0), EPS) / QMAX
+        scale, inv = _row_factors(tl.max(amax, axis=0), QMAX, EPS)
         tl.store(s_ptr + row, scale)
         for start in range(0, N, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < N
-            q = tl.math.div_rn(_load_scaled(x_row, cs_ptr, cols, mask, HAS_CS), scale)
-            q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
+            q = _to_fp8(_load_scaled(x_row, cs_ptr, cols, mask, HAS_CS), scale, inv, QMAX, DIVIDE)
             tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, col_scale: torch.Tensor | None = None,
                          eps: float = 1e-12, max_single: int = MAX_SINGLE, num_warps: int | None = None,
-                         block: int | None = None,
-                         rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [m, n] ``dtype``, scale [m, 1] float32) for a 2-D CUDA tensor ``x`` whose last dim is contiguous
-    (``num_warps`` / ``block`` / ``rows`` (rows per program, single-read rows only): override the launch,
-    for benchmarks)."""
+                         block: int | None = None, rows: int | None = None, divide: bool = False,
+                         qmax: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [m, n] ``dtype``, scale [m, 1] float32) for a 2-D CUDA tensor ``x`` whose last dim is contiguous.
+    For benchmarks and tests: ``num_warps`` / ``block`` / ``rows`` (rows per program, single-read rows only)
+    override the launch; ``divide``: divide each element by the scale (the former kernel: same scales, q
+    off by a rounding in rare elements); ``qmax``: the largest |q| (default: ``dtype``'s), with a float32
+    ``dtype`` q holds the clamped values before the cast to FP8."""
     m, n = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -113,8 +140,8 @@ def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, col_scale: torch.T
         choice = launch(n, has_cs, max_single, num_warps, block, rows)
     single, block, rows, warps = choice
     _QUANT.launch((triton.cdiv(m, rows),), x, col_scale if has_cs else s, q, s, m, n, x.stride(0),
-                  QMAX=_QMAX[dtype], EPS=eps, HAS_CS=has_cs, BLOCK=block, SINGLE=single, ROWS=rows,
-                  num_warps=warps)
+                  QMAX=qmax or _QMAX[dtype], EPS=eps, HAS_CS=has_cs, BLOCK=block, SINGLE=single, ROWS=rows,
+                  DIVIDE=divide, num_warps=warps)
     return q, s
 
 

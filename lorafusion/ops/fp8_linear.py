@@ -50,14 +50,17 @@ FWD_FAST_ACCUM_MAX_K = 0
 
 
 def quantize_rows_torch(x: torch.Tensor, dtype: torch.dtype = E4M3, col_scale: torch.Tensor | None = None):
-    """(q [m, n] ``dtype``, scale [m, 1] float32) with ``x·diag(col_scale) ≈ diag(scale)·q`` for 2-D ``x``."""
-    qmax = torch.finfo(dtype).max
+    """(q [m, n] ``dtype``, scale [m, 1] float32) with ``x·diag(col_scale) ≈ diag(scale)·q`` for 2-D ``x``:
+    per row ``a = max(max|v|, EPS)``, ``scale = a / qmax``, ``q = clamp(v · (qmax / a))`` (one multiply per
+    element by the row's reciprocal, as the CUDA kernel does; both divisions tensor by tensor, so IEEE-rounded
+    on every device: torch divides by a Python number as a multiply by its reciprocal on CUDA)."""
     v = x.float()
     if col_scale is not None:
         v = v * col_scale.float().view(1, -1)
-    scale = v.abs().amax(dim=1, keepdim=True).clamp(min=EPS) / qmax
-    q = (v / scale).clamp(-qmax, qmax).to(dtype)
-    return q, scale
+    a = v.abs().amax(dim=1, keepdim=True).clamp(min=EPS)
+    qmax = torch.full_like(a, torch.finfo(dtype).max)
+    q = (v * (qmax / a)).clamp(-qmax, qmax).to(dtype)
+    return q, a / qmax
 
 
 _TRITON: dict = {}

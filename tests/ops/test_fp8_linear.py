@@ -150,9 +150,8 @@ def test_triton_row_quantization_equals_torch(m, n, dtype):
     for cs in (None, c):
         q, s = F.quantize_rows(x, dtype, cs)
         q_ref, s_ref = F.quantize_rows_torch(x, dtype, cs)
-        torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
-        diff = (q.float() != q_ref.float()).float().mean().item()
-        assert diff < 1e-4, diff  # bit-equal but for a rare tie rounded the other way
+        assert torch.equal(s, s_ref)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))  # bit for bit
 
 
 @pytest.mark.gpu
@@ -250,6 +249,51 @@ def test_triton_row_kernel_scales_on_cpu(src, col_scale, max_single, rows):
     q, s = quantize_rows_triton(x, F.E4M3, c, F.EPS, max_single=max_single, rows=rows)
     _, s_ref = F.quantize_rows_torch(x, F.E4M3, c)
     assert q.shape == x.shape and q.dtype == F.E4M3 and torch.equal(s, s_ref)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="CPU: Triton's interpreter (the GPU test above checks q)")
+# default launches: 4 rows a program (4096), one row (4096 with a column scale, 6144), two loops (70 of 32)
+@pytest.mark.parametrize("n,max_single", [(4096, 8192), (6144, 8192), (70, 32)])
+@pytest.mark.parametrize("col_scale", [False, True])
+def test_triton_row_kernel_values_before_the_cast_equal_torch_on_cpu(n, max_single, col_scale):
+    """The kernel's q before the FP8 cast (written as float32) equals torch's clamp(v · (qmax / a)) bit for
+    bit on every path (one multiply by the row's IEEE reciprocal; the former per-element division differs in
+    a share of the elements), and the scales equal quantize_rows_torch's."""
+    from lorafusion.kernels.fp8_quant import quantize_rows_triton
+
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(6, n, generator=g) * 3).to(torch.bfloat16)
+    x[2] = 0
+    c = torch.rand(n, generator=g) + 0.5 if col_scale else None
+    v = x.float() * (c.view(1, -1) if col_scale else 1)
+    a = v.abs().amax(1, keepdim=True).clamp(min=F.EPS)
+    qmax = torch.full_like(a, 448.0)
+    q, s = quantize_rows_triton(x, torch.float32, c, F.EPS, max_single=max_single, qmax=448.0)
+    assert torch.equal(q, (v * (qmax / a)).clamp(-qmax, qmax))
+    assert torch.equal(s, F.quantize_rows_torch(x, F.E4M3, c)[1])
+    divided, _ = quantize_rows_triton(x, torch.float32, c, F.EPS, max_single=max_single, qmax=448.0,
+                                      divide=True)
+    assert not torch.equal(divided, q)  # the test tells the two apart
+
+
+def test_reference_rounds_both_divisions_and_multiplies_each_element_by_the_reciprocal():
+    """quantize_rows_torch: scale = a / qmax and q = RNE(v · (qmax / a)), each division IEEE-rounded in
+    float32. Rows of a max a and elements within 3 float32 ulps of FP8 rounding midpoints (times the scale),
+    where a per-element division v / scale rounds some of them the other way."""
+    g = torch.Generator().manual_seed(0)
+    amax = torch.rand(64, 1, generator=g) * 10 + 0.1
+    mids = torch.tensor([1.0625, 1.1875, 3.25, 5.5, 13.0, 100.0, 208.0, 0.53125])  # e4m3 midpoints
+    near = (mids.view(1, -1) * amax / 448.0).view(torch.int32).unsqueeze(-1) + torch.arange(-3, 4)
+    x = torch.cat([amax, near.view(torch.float32).view(64, -1)], dim=1)
+    q, s = F.quantize_rows_torch(x, F.E4M3)
+    a, qmax = amax.double(), 448.0
+    scale = (a / qmax).float()  # float64 quotient of float32 operands, then one rounding: the IEEE quotient
+    inv = (qmax / a).float()
+    assert torch.equal(s, scale)
+    assert torch.equal(q.view(torch.uint8), (x * inv).clamp(-qmax, qmax).to(F.E4M3).view(torch.uint8))
+    divided = (x / scale).clamp(-qmax, qmax).to(F.E4M3)
+    assert not torch.equal(q.view(torch.uint8), divided.view(torch.uint8))  # the test tells the two apart
 
 
 @pytest.mark.skipif(torch.cuda.is_available(),
