@@ -135,6 +135,11 @@ def run_one(mode: str, fused: str, workdir: Path) -> None:
                      forward_only=False)
         if parallel_state.is_pipeline_last_stage():
             (workdir / f"pp{tag}_losses.json").write_text(json.dumps([r["loss"].item() for r in res]))
+    from lorafusion.ops.comm import sum_partial_grads
+
+    # the gradients the TP linears leave partial over TP, summed as the optimizer step does
+    summed = sum_partial_grads(list(model.parameters()), parallel_state.get_tensor_model_parallel_group())
+    assert (summed > 0) == (mode != "pp"), summed
     grads = {n: adapter_peft_state(model, n, model.config.arch, grad=True)
              for n in sorted(os.listdir(workdir / "adapters"))}
     if rank == 0:

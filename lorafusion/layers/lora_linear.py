@@ -3,10 +3,11 @@
 Each wrapped linear keeps Megatron's base weight and sharding untouched and adds, for the rows of
 adapter ``a`` in the current packed microbatch, ``s_a·dropout_a(X)·A_aᵀ·B_aᵀ`` (DESIGN.md §3):
 
-- column-parallel (linear_qkv, linear_fc1): A [r, in] replicated, B [out/tp, r] sharded like W;
-  dS is all-reduced over TP in backward.
-- row-parallel (linear_proj, linear_fc2): A [r, in/tp] sharded like W, B [out, r] replicated;
-  S is all-reduced over TP in forward, before B.
+- column-parallel (linear_qkv, linear_fc1): A [r, in] replicated, B [out/tp, r] sharded like W; dS is
+  all-reduced over TP in backward (on :mod:`.tp_overlap`'s path not: dX rides on the base's, dA is partial).
+- row-parallel (linear_proj, linear_fc2): A [r, in/tp] sharded like W, B [out, r] replicated; S is
+  all-reduced over TP in forward, before B (on :mod:`.tp_overlap`'s path not: Y rides on the base's, dB is
+  partial; partial gradients are summed once per step, :mod:`lorafusion.ops.comm`).
 - with sequence parallelism the LoRA term follows the base layer's layout: computed on the gathered full
   sequence (column) or on the full sequence and scattered to this rank's shard (row); see
   ``LoRALinear._sequence_parallel_delta``.
@@ -51,7 +52,7 @@ from lorafusion.layers.fp8_base import (
 )
 from lorafusion.layers.fused_proj import fused_projection_index, ops_b
 from lorafusion.layers.sharding import COLUMNS, REPLICATED, ROW_HALVES, ROWS, TPSplit
-from lorafusion.layers.tp_overlap import tp_forward, tp_path
+from lorafusion.layers.tp_overlap import refuse_partial, tp_forward, tp_path
 from lorafusion.ops.saved import rebuild_saved
 from lorafusion.ops.tp_overlap import gather_rows
 from lorafusion.ops.tables import TableCache, seed_tensor
@@ -279,12 +280,14 @@ class LoRALinear:
         return (routing, [self.lora_A[n] for n in names], self._lora_b(names), scalings,
                 dropouts, seeds, seed_table)
 
-    def _lora_delta(self, x: torch.Tensor, args) -> torch.Tensor:
+    def _lora_delta(self, x: torch.Tensor, args, partial: bool = False) -> torch.Tensor:
+        """The LoRA term; under TP with its collective on S (dS), or, ``partial``, none: this rank's partial
+        term (row) / input gradient (column) and replicated factor's gradient (:mod:`lorafusion.ops.comm`)."""
         routing, a, b, scaling, p, seeds, seed_table = args
         tp, rank = self._tp()
         kw = {}
         if tp > 1:
-            kw["s_comm"] = self.s_comm_mode
+            kw["s_comm"] = None if partial else self.s_comm_mode
             kw["tp_group"] = self.tp_group  # (the group its TP geometry was read from)
             if self.s_comm_mode == "row":
                 kw["k_offset"] = rank * x.shape[-1]
@@ -309,6 +312,7 @@ class LoRALinear:
                 return tp_forward(self, input_, largs, nano, _saved_as_shard)
         if largs is None:
             return self._base_forward(input_, *args, **kwargs)
+        refuse_partial(self)
         with rebuild_saved(input_):
             return self._lora_forward(input_, largs, *args, **kwargs)
 

@@ -6,19 +6,19 @@ sharing those collectives.
 The frozen base runs through :mod:`lorafusion.ops.tp_overlap` (overlapped: each collective in flight while the
 GEMM of rows that do not wait for it runs); the LoRA term of every adapter is computed in the same layer call
 around it, on the same tensors as Megatron's path, so every adapter's output and gradients are the ones of
-Megatron's path (:class:`lorafusion.layers.lora_linear.LoRALinear`), with fewer collectives under SP:
+Megatron's path (:class:`lorafusion.layers.lora_linear.LoRALinear`), with fewer collectives, and none of the
+LoRA term's own (no all-reduce of S or dS: :mod:`lorafusion.ops.comm`):
 
-- column-parallel: the base returns the all-gathered input along with its output (SP), and the LoRA term is
-  computed on that gathered input: no second all-gather of the same rows (Megatron's path gathers once for the
-  base and once more for the LoRA term). Its gradient is split back inside the base's backward, next to the
-  one reduce-scatter of the base's dX. Per column linear and microbatch: one all-gather forward; backward one
-  all-gather (the LoRA term's saved input, kept as this rank's shard), one reduce-scatter, the all-reduce of
-  dS.
-- row-parallel: the LoRA term first (its all-reduce of S, m×r, is small and would otherwise queue on the
-  communicator behind the base's reduce-scatters), then the base's GEMMs with their reduce-scatter (SP) or
-  all-reduce. Under SP the full-sequence LoRA term goes into the base's function, which adds this rank's rows
-  and hands it the all-gathered dY in backward: one all-gather of dY for base and LoRA (Megatron's path plus
-  ``scatter_to_sequence_parallel_region`` gathers dY twice).
+- column-parallel: the base returns its input along with its output — under SP the all-gathered one — and the
+  LoRA term is computed on it: no second all-gather of the same rows (Megatron's path gathers once for the
+  base and once more for the LoRA term). dS is left partial (this rank's output columns), so are the LoRA
+  term's dX, which is added to the base's partial dX before its one reduce-scatter (SP) / all-reduce, and dA
+  (summed over TP once per step). Per column linear and microbatch: one all-gather forward; backward one
+  all-gather (the LoRA term's saved input, kept as this rank's shard), one reduce-scatter.
+- row-parallel: the LoRA term first, from this rank's input columns: a partial S and s·S·Bᵀ, added to the
+  base's partial output before its one reduce-scatter (SP) / all-reduce; in backward it gets the whole dY
+  (under SP the all-gathered dY the base gathers anyway: one all-gather of dY for base and LoRA), so dS and
+  dA are exact and dB (from this rank's S) is partial, summed over TP once per step.
 
 Where it does not apply the linear keeps Megatron's path: tp = 1, an FP8 base (its own GEMM), a trainable
 base weight (dW), a column linear that gathers its output, a row linear whose input is not split, a call with
@@ -30,9 +30,10 @@ from __future__ import annotations
 import contextlib
 
 from lorafusion.layers.fp8_base import is_fp8
+from lorafusion.ops.comm import is_partial_grad, mark_partial_grad
 from lorafusion.ops.tp_overlap import column_linear_overlapped, row_linear_overlapped
 
-__all__ = ["tp_forward", "tp_path"]
+__all__ = ["partial_factors", "refuse_partial", "tp_forward", "tp_path"]
 
 
 def tp_path(linear, args=(), kwargs=None) -> int | None:
@@ -48,31 +49,45 @@ def tp_path(linear, args=(), kwargs=None) -> int | None:
     return max(0, int(getattr(linear.config, "tp_overlap", 0) or 0))
 
 
+def partial_factors(linear):
+    """The LoRA parameters of ``linear`` that are replicated over TP and whose gradient the TP path leaves
+    partial: a column linear's A's, a row linear's B's (:mod:`lorafusion.ops.comm`)."""
+    return (linear.lora_A if linear.s_comm_mode == "column" else linear.lora_B).values()
+
+
+def refuse_partial(linear) -> None:
+    """Before the LoRA term of ``linear`` runs on Megatron's path (its own collectives on S / dS, full
+    gradients): a linear whose adapters took the TP path before (partial gradients, summed once per step)
+    must not mix the two."""
+    if linear._tp()[0] > 1 and any(is_partial_grad(p) for p in partial_factors(linear)):
+        raise RuntimeError(f"internal: LoRA linear {linear.lora_key} ran its TP path before (gradients "
+                           f"partial over TP) and now Megatron's path")
+
+
 def tp_forward(linear, input_, largs, nano: int, shard_hooks=None):
     """(output, bias) of ``linear`` as Megatron's forward gives them, the base's collectives overlapped
     (``nano`` >= 1) or in line (0); ``largs``: its LoRA arguments (``LoRALinear._lora_args``) or None;
     ``shard_hooks(full, shard, group, tp)``: the saved-tensor hooks that keep the LoRA term's saved gathered
-    input as this rank's sequence shard (SP)."""
+    input as this rank's sequence shard (SP). The LoRA term has no collective of its own: see the module
+    docstring; the replicated factors' gradients are partial (marked here, summed once per step)."""
     group = linear.tp_group
     sp, bias = linear.sequence_parallel, linear.bias
     add_bias = bias is not None and not linear.skip_bias_add
+    if largs is not None:
+        mark_partial_grad(partial_factors(linear))
     if linear.s_comm_mode == "column":
-        y, full = column_linear_overlapped(input_, linear.weight, group, nano, sequence_parallel=sp,
-                                           keep_input=largs is not None)
+        y, x = column_linear_overlapped(input_, linear.weight, group, nano, sequence_parallel=sp,
+                                        keep_input=largs is not None)
         if add_bias:
             y = y + bias
         if largs is not None:
-            x = full if sp else input_
-            hooks = (shard_hooks(full, input_, group, linear._tp()[0]) if sp and shard_hooks
+            hooks = (shard_hooks(x, input_, group, linear._tp()[0]) if sp and shard_hooks
                      else contextlib.nullcontext())
             with hooks:
-                y = y + linear._lora_delta(x, largs)
+                y = y + linear._lora_delta(x, largs, partial=True)
     else:
-        delta = None if largs is None else linear._lora_delta(input_, largs)
-        y = row_linear_overlapped(input_, linear.weight, group, nano, sequence_parallel=sp,
-                                  delta=delta if sp else None)
-        if delta is not None and not sp:
-            y = y + delta
+        delta = None if largs is None else linear._lora_delta(input_, largs, partial=True)
+        y = row_linear_overlapped(input_, linear.weight, group, nano, sequence_parallel=sp, delta=delta)
         if add_bias:
             y = y + bias
     return y, (bias if linear.skip_bias_add else None)

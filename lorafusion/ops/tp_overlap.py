@@ -12,7 +12,7 @@ in LoRA):
     and the two are added.
   One collective each, of Megatron's size; every GEMM writes its rows of the output in place (no copies).
   The column forward also hands back the gathered input (``keep_input``), so the LoRA term reuses it instead
-  of gathering the same rows again; its gradient (whole on every rank) is split back.
+  of gathering the same rows again.
 - Without SP (all-reduce: column backward's dX, row forward's Y): the rows in ``nano`` contiguous
   nano-batches (:func:`nano_bounds`), the all-reduce of one in flight while the next one's GEMM runs.
 
@@ -22,9 +22,13 @@ linear up to the GEMMs' summation order (and, for a reduce-scatter, the order of
 
 ``nano = 0``: the same linears with their collectives in line (one collective, one GEMM, nothing split) — the
 LoRA layers' TP path without overlap, which keeps the one gathered input and the one collective per direction.
-A row linear under SP also takes the LoRA term's full-sequence ``delta`` (identical on every rank): its shard
-is added to the reduce-scattered output, and its gradient is the all-gathered dY the base's backward gathers
-anyway (one all-gather for both, where ``scatter_to_sequence_parallel_region`` would gather dY again).
+
+Another term that is partial over the ranks in the same way as the base's rides on the base's collectives
+(the LoRA term: :mod:`lorafusion.ops.comm`): a row linear takes a full-sequence ``delta`` (this rank's partial
+s·S·Bᵀ) that is added to its partial output before the one reduce-scatter / all-reduce, and whose gradient is
+the whole dY (under SP the all-gathered dY the base's backward gathers anyway); a column linear's kept input
+(``keep_input``; under SP the gathered one, else the input itself) takes a partial gradient (this rank's
+keep⊙(dS·A)) that is added to dY·W before the one reduce-scatter / all-reduce of dX.
 """
 
 from __future__ import annotations
@@ -90,44 +94,65 @@ def _gather_mm(local: torch.Tensor, group, w: torch.Tensor, keep: bool, overlap:
     return out, (full if keep else None)
 
 
-def _mm_scatter(full: torch.Tensor, group, w: torch.Tensor, overlap: bool = True) -> torch.Tensor:
-    """``reduce_scatter(full @ w)`` (``full`` in the gathered layout; this rank's m rows come back): the other
-    ranks' blocks first, into the send buffer whose own block is zero; the reduce-scatter in flight while
-    the own block is multiplied; then the two added. Without ``overlap``: one GEMM, then the
-    reduce-scatter."""
+def _mm(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None, out: torch.Tensor | None = None):
+    """``x @ w (+ add)`` (into ``out`` when given)."""
+    if add is None:
+        return torch.matmul(x, w, out=out)
+    return torch.addmm(add, x, w, out=out)
+
+
+def _mm_scatter(full: torch.Tensor, group, w: torch.Tensor, overlap: bool = True,
+                add: torch.Tensor | None = None) -> torch.Tensor:
+    """``reduce_scatter(full @ w + add)`` (``full`` in the gathered layout; this rank's m rows come back;
+    ``add``: a partial term of the same shape as the product, in its dtype, or None): the other ranks' blocks
+    first, into the send buffer whose own block is zero; the reduce-scatter in flight while the own block is
+    multiplied; then the two added. Without ``overlap``: one GEMM, then the reduce-scatter."""
     tp, r = _world(group), _rank(group)
     m = full.shape[0] // tp
     if not overlap:
-        buf = torch.matmul(full, w)
+        buf = _mm(full, w, add)
         recv = buf.new_empty(m, w.shape[-1])
         dist.reduce_scatter_tensor(recv, buf, group=group)
         return recv
     buf = full.new_empty(tp * m, w.shape[-1])
     for a, b in _others(tp, r, m):
-        torch.matmul(full[a:b], w, out=buf[a:b])
+        _mm(full[a:b], w, None if add is None else add[a:b], out=buf[a:b])
     buf[r * m:(r + 1) * m].zero_()
     recv = buf.new_empty(m, w.shape[-1])
     work = dist.reduce_scatter_tensor(recv, buf, group=group, async_op=True)
-    own = torch.matmul(full[r * m:(r + 1) * m], w)
+    own = _mm(full[r * m:(r + 1) * m], w, None if add is None else add[r * m:(r + 1) * m])
     work.wait()
     return own.add_(recv)
 
 
-def _mm_allreduce(x: torch.Tensor, group, w: torch.Tensor, nano: int) -> torch.Tensor:
-    """``all_reduce(x @ w)`` in nano-batches of rows: the all-reduce of one in flight while the next one's
-    GEMM runs, each GEMM writing its rows of the output in place. ``nano = 0``: one GEMM, one all-reduce."""
+def _mm_allreduce(x: torch.Tensor, group, w: torch.Tensor, nano: int,
+                  add: torch.Tensor | None = None) -> torch.Tensor:
+    """``all_reduce(x @ w + add)`` (``add`` as for :func:`_mm_scatter`) in nano-batches of rows: the
+    all-reduce of one in flight while the next one's GEMM runs, each GEMM writing its rows of the output in
+    place. ``nano = 0``: one GEMM, one all-reduce."""
     if nano < 1:
-        out = torch.matmul(x, w)
+        out = _mm(x, w, add)
         dist.all_reduce(out, group=group)
         return out
     out = x.new_empty(x.shape[0], w.shape[-1])
     works = []
     for a, b in nano_bounds(x.shape[0], nano):
-        torch.matmul(x[a:b], w, out=out[a:b])
+        _mm(x[a:b], w, None if add is None else add[a:b], out=out[a:b])
         works.append(dist.all_reduce(out[a:b], group=group, async_op=True))
     for work in works:
         work.wait()
     return out
+
+
+def _reduce(part: torch.Tensor, group, sp: bool) -> torch.Tensor:
+    """Σ_ranks ``part``: reduce-scattered to this rank's rows (``sp``), else all-reduced."""
+    if not sp:
+        out = part.clone()
+        dist.all_reduce(out, group=group)
+        return out
+    recv = part.new_empty(part.shape[0] // _world(group), *part.shape[1:])
+    dist.reduce_scatter_tensor(recv, part.contiguous(), group=group)
+    return recv
 
 
 def _rows2d(x: torch.Tensor) -> torch.Tensor:
@@ -141,9 +166,9 @@ class _ColumnOverlap(torch.autograd.Function):
         x2 = _rows2d(x)
         ctx.save_for_backward(weight)
         ctx.group, ctx.sp, ctx.nano, ctx.lead = group, sequence_parallel, nano, x.shape[1:-1]
-        ctx.set_materialize_grads(False)  # an unused gathered input has no gradient to split back
+        ctx.set_materialize_grads(False)  # an unused input copy has no gradient to add
         if not sequence_parallel:
-            return torch.matmul(x, weight.t()), None
+            return torch.matmul(x, weight.t()), (x.view_as(x) if keep_input else None)
         y, full = _gather_mm(x2, group, weight.t(), keep_input, nano >= 1)
         lead = (x.shape[0] * _world(group), *ctx.lead)
         return y.view(*lead, y.shape[-1]), (None if full is None else full.view(*lead, full.shape[-1]))
@@ -151,18 +176,18 @@ class _ColumnOverlap(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dfull):
         (weight,) = ctx.saved_tensors
-        tp, r = _world(ctx.group), _rank(ctx.group)
-        dx = None
-        if dy is not None:  # (grads are not materialised: an output no loss depends on brings None)
-            dy2 = _rows2d(dy).to(weight.dtype)
-            dx = (_mm_scatter(dy2, ctx.group, weight, ctx.nano >= 1) if ctx.sp
-                  else _mm_allreduce(dy2, ctx.group, weight, ctx.nano))
-        if dfull is not None:  # the LoRA branch's gradient of the gathered input: whole on every rank
-            d2 = _rows2d(dfull)
-            m = d2.shape[0] // tp
-            dx = d2[r * m:(r + 1) * m].clone() if dx is None else dx.add_(d2[r * m:(r + 1) * m])
-        if dx is None:
+        tp = _world(ctx.group)
+        if dy is None and dfull is None:  # (grads are not materialised: no loss depends on either output)
             return None, None, None, None, None, None
+        # the kept input's gradient (the LoRA branch's, partial over the ranks) joins dY·W before its one
+        # reduction: the reduce-scatter (SP) or all-reduce sums both
+        add = None if dfull is None else _rows2d(dfull).to(weight.dtype)
+        if dy is None:
+            dx = _reduce(add, ctx.group, ctx.sp)
+        else:
+            dy2 = _rows2d(dy).to(weight.dtype)
+            dx = (_mm_scatter(dy2, ctx.group, weight, ctx.nano >= 1, add) if ctx.sp
+                  else _mm_allreduce(dy2, ctx.group, weight, ctx.nano, add))
         rows = (dy if dy is not None else dfull).shape[0] // (tp if ctx.sp else 1)
         return dx.view(rows, *ctx.lead, dx.shape[-1]), None, None, None, None, None
 
@@ -176,20 +201,16 @@ class _RowOverlap(torch.autograd.Function):
         ctx.group, ctx.sp, ctx.nano, ctx.lead = group, sequence_parallel, nano, x.shape[1:-1]
         ctx.set_materialize_grads(False)
         ctx.delta = delta is not None
+        # the partial term joins the base's partial output before its one reduction
+        add = None if delta is None else _rows2d(delta).to(x2.dtype)
         if not sequence_parallel:
-            y = _mm_allreduce(x2, group, weight.t(), nano)
+            y = _mm_allreduce(x2, group, weight.t(), nano, add)
             return y.view(*x.shape[:-1], y.shape[-1])
         if x.shape[0] % tp:
             raise ValueError(f"row-parallel linear under sequence parallelism: {x.shape[0]} positions are "
                              f"not {tp} equal sequence shards")
-        y = _mm_scatter(x2, group, weight.t(), nano >= 1)
-        m = x.shape[0] // tp
-        y = y.view(m, *ctx.lead, y.shape[-1])
-        if delta is not None:  # this rank's rows of the full-sequence LoRA term
-            r = _rank(group)
-            own = delta[r * m:(r + 1) * m]
-            y = y.add_(own) if own.dtype == y.dtype else y + own
-        return y
+        y = _mm_scatter(x2, group, weight.t(), nano >= 1, add)
+        return y.view(x.shape[0] // tp, *ctx.lead, y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
@@ -201,7 +222,8 @@ class _RowOverlap(torch.autograd.Function):
         rows = dy.shape[0] * (_world(ctx.group) if ctx.sp else 1)
         if not ctx.sp:
             dx = torch.matmul(dy2.to(weight.dtype), weight)
-        elif ctx.delta and dy2.dtype != weight.dtype:  # the LoRA term's gradient in dY's own dtype
+            full = dy2 if ctx.delta else None
+        elif ctx.delta and dy2.dtype != weight.dtype:  # the partial term's gradient in dY's own dtype
             full = gather_rows(dy2, ctx.group, _world(ctx.group))
             dx = torch.matmul(full.to(weight.dtype), weight)
         else:
@@ -212,19 +234,19 @@ class _RowOverlap(torch.autograd.Function):
 
 def column_linear_overlapped(x: torch.Tensor, weight: torch.Tensor, group, nano: int, *,
                              sequence_parallel: bool, keep_input: bool = False):
-    """(X·Wᵀ of a column-parallel frozen ``weight`` [out/tp, in] on ``x`` [s(/tp), ..., in], the gathered
-    input or None): see the module docstring (``nano = 0``: the collectives in line). ``keep_input`` (SP
-    only) returns the all-gathered input, whose gradient is split back to this rank's rows (Megatron's
-    ``gather_from_sequence_parallel_region`` with ``tensor_parallel_output_grad=False``)."""
-    return _ColumnOverlap.apply(x, weight, group, nano, sequence_parallel, keep_input and sequence_parallel)
+    """(X·Wᵀ of a column-parallel frozen ``weight`` [out/tp, in] on ``x`` [s(/tp), ..., in], its input or
+    None): see the module docstring (``nano = 0``: the collectives in line). ``keep_input`` returns the
+    input the GEMM saw — all-gathered under SP (Megatron's ``gather_from_sequence_parallel_region``), else
+    ``x`` as it is — whose gradient is *partial* over the ranks (another term's on this rank's output
+    columns, as dY·W): it is added to dY·W before the one reduce-scatter (SP) or all-reduce of dX."""
+    return _ColumnOverlap.apply(x, weight, group, nano, sequence_parallel, keep_input)
 
 
 def row_linear_overlapped(x: torch.Tensor, weight: torch.Tensor, group, nano: int, *,
                           sequence_parallel: bool, delta: torch.Tensor | None = None) -> torch.Tensor:
-    """Σ_ranks X·Wᵀ of a row-parallel frozen ``weight`` [out, in/tp] on ``x`` [s, ..., in/tp]: this rank's
-    sequence shard under SP (reduce-scattered), else all-reduced (``nano = 0``: the collectives in line).
-    ``delta`` (SP only): a full-sequence term [s, ..., out], identical on every rank, whose rows of this
-    rank's shard are added to the output; its gradient is the all-gathered dY the base's backward gathers."""
-    if delta is not None and not sequence_parallel:
-        raise ValueError("row_linear_overlapped: delta is for sequence parallelism (without it add it after)")
+    """Σ_ranks (X·Wᵀ + delta) of a row-parallel frozen ``weight`` [out, in/tp] on ``x`` [s, ..., in/tp]: this
+    rank's sequence shard under SP (reduce-scattered), else all-reduced (``nano = 0``: the collectives in
+    line). ``delta`` [s, ..., out]: a term *partial* over the ranks (another term's on this rank's input
+    columns, as X·Wᵀ), added before the one reduction; its gradient is the whole dY (under SP the all-gathered
+    dY the base's backward gathers anyway)."""
     return _RowOverlap.apply(x, weight, group, nano, sequence_parallel, delta)

@@ -2,8 +2,9 @@
 schedule (warmup + cosine / linear / constant), weight decay and gradient-norm clipping.
 
 Gradients are reduced over data-parallel ranks (sum: each microbatch's loss is already divided by the
-job's token count over the whole global batch) and the clipping norm is taken over the full adapter
-(TP shards and PP stages together), so a step equals the step of the job trained alone.
+job's token count over the whole global batch), the ones the TP linears leave partial over the TP ranks
+summed over TP first (:func:`lorafusion.ops.comm.sum_partial_grads`), and the clipping norm is taken over the
+full adapter (TP shards and PP stages together), so a step equals the step of the job trained alone.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import math
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+
+from lorafusion.ops.comm import sum_partial_grads
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0):
@@ -114,10 +117,17 @@ class AdapterOptimizer:
         for p, g in zip(self.params, flat.split([p.numel() for p in self.params]), strict=True):
             p.grad = g.view_as(p)
 
+    def reduce_tp(self) -> None:
+        """Sum over the TP ranks the gradients left partial there (one flat buffer; none without them)."""
+        if dist.is_initialized() and parallel_state.get_tensor_model_parallel_world_size() > 1:
+            sum_partial_grads(self.params, parallel_state.get_tensor_model_parallel_group())
+
     def begin_step(self) -> None:
         """First half of a step, called on each stage as soon as its backward of the job's global batch is
-        done: reduce gradients over DP, then start (asynchronously) the sum of the squared norm over the
-        model-parallel group (TP × PP), so pipeline stages never wait for each other here."""
+        done: sum the partial gradients over TP, reduce gradients over DP, then start (asynchronously) the
+        sum of the squared norm over the model-parallel group (TP × PP), so pipeline stages never wait for
+        each other here."""
+        self.reduce_tp()
         self.reduce_dp()
         if self._counted is None:
             self._counted = norm_params(self.params)

@@ -33,7 +33,11 @@ def tp_switch_ranks(tmp_path_factory):
     records = [json.loads((d / f"rank{r}.json").read_text()) for r in range(2)]
     # every LoRA linear's cached TP geometry is its rank's
     assert [rec["tp_geometry"] for rec in records] == [[[2, 0]], [[2, 1]]]
+    STEP.extend(rec["step"] for rec in records)
     return [rec["microbatches"] for rec in records]
+
+
+STEP: list = []  # the two ranks' sum of partial gradients after the microbatches (see the fixture)
 
 
 def test_tp_overlap_switched_between_microbatches_keeps_the_ranks_collectives_paired(tp_switch_ranks):
@@ -58,12 +62,25 @@ def _expected_collectives(layers: int) -> dict[str, int]:
         # backward: one of dY per row linear (base and LoRA term share it), one per column linear to rebuild
         # the LoRA term's saved input from this rank's shard (Megatron's path + the LoRA term: 10L + 1)
         "all_gather_into_tensor": 2 * L + 1 + 2 * L + 2 * L,
-        # the embedding's, one per row linear; backward: the output layer's, one of dX per column linear (base
-        # and LoRA term together) but the first layer's qkv, whose input (the frozen embedding) needs none
+        # the embedding's, one per row linear (its base and partial LoRA term summed together); backward: the
+        # output layer's, one of dX per column linear (base and partial LoRA dX together) but the first
+        # layer's qkv, whose input (the frozen embedding) needs none
         "reduce_scatter_tensor": 1 + 2 * L + 1 + 2 * L - 1,
-        # S of each row linear, the vocabulary-parallel loss's three; backward: dS of each column linear
-        "all_reduce": 2 * L + 3 + 2 * L,
+        # the vocabulary-parallel loss's three; no linear's (Megatron's path + the LoRA term: S of each row
+        # linear, dS of each column linear, 4L more)
+        "all_reduce": 3,
     }
+
+
+def test_lora_grads_left_partial_are_summed_once_a_step_in_one_all_reduce(tp_switch_ranks):
+    """The column linears' A gradients and the row linears' B gradients (replicated factors, partial over TP
+    on the TP path) are summed by one all-reduce of one flat buffer of all of them after the microbatches,
+    the same on both ranks."""
+    a, b = STEP
+    assert a == b
+    # 2 adapters x all-linear: per layer qkv's and fc1's A, proj's and fc2's B
+    assert a["summed"] == 2 * 4 * ARCH.num_layers
+    assert [n for n, _ in a["collectives"]] == ["all_reduce"]
 
 
 def test_tp_and_sequence_parallel_collectives_per_microbatch(tp_switch_ranks):

@@ -67,11 +67,17 @@ def main(workdir: Path) -> None:
         total.backward()
         out.append({"overlap": model.config.tp_overlap, "collectives": list(CALLS), "loss": total.item(),
                     "overlapped": OVERLAPPED[0] - before})
+    from megatron.core import parallel_state
+
     from lorafusion.layers import lora_modules
+    from lorafusion.ops.comm import sum_partial_grads
 
     geometry = sorted({tuple(m._tp()) for _, m in lora_modules(model)})  # (tp, rank) cached at construction
-    (workdir / f"rank{dist.get_rank()}.json").write_text(json.dumps({"microbatches": out,
-                                                                     "tp_geometry": geometry}))
+    CALLS.clear()  # the step's sum of the gradients left partial over TP (the optimizer's, once per step)
+    summed = sum_partial_grads(list(model.parameters()), parallel_state.get_tensor_model_parallel_group())
+    step = {"summed": summed, "collectives": list(CALLS)}
+    (workdir / f"rank{dist.get_rank()}.json").write_text(json.dumps({
+        "microbatches": out, "tp_geometry": geometry, "step": step}))
     destroy_distributed()
 
 

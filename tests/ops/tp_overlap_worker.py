@@ -36,36 +36,39 @@ def main(out: Path, backend: str) -> None:
         tol = dict(rtol=2e-2, atol=2e-2) if gpu else {}
         torch.testing.assert_close(got.float(), want.float(), **tol)
 
+    # a term partial over the ranks riding on the base's collectives: rank q's share (q+1)·T, sum (tp+1)tp/2·T
+    share, total = r + 1, tp * (tp + 1) / 2
     for nano in (0, 1, 2, 3):  # (0: the collectives in line, nothing split)
         for sp in (False, True):
-            # column-parallel: W split by output rows
+            # column-parallel: W split by output rows; the kept input's gradient is partial
             x = (X[rows] if sp else X).clone().requires_grad_()
             y, full = column_linear_overlapped(x, W[outs], group, nano, sequence_parallel=sp, keep_input=True)
             close(y, X @ W[outs].t())
-            loss = (y * G[..., outs]).sum() + ((full * H).sum() if sp else 0.0)
+            close(full, X)
+            loss = (y * G[..., outs]).sum() + (full * H).sum() * share
             loss.backward()
-            want = (G @ W) + (H if sp else 0.0)
+            want = (G @ W) + total * H
             close(x.grad, want[rows] if sp else want)
-            if sp:  # only the gathered input reaches the loss: its gradient alone, split back
-                x = X[rows].clone().requires_grad_()
-                _, full = column_linear_overlapped(x, W[outs], group, nano, sequence_parallel=True,
-                                                   keep_input=True)
-                (full * H).sum().backward()
-                close(x.grad, H[rows])
+            # only the kept input reaches the loss: its partial gradients alone, summed
+            x = (X[rows] if sp else X).clone().requires_grad_()
+            _, full = column_linear_overlapped(x, W[outs], group, nano, sequence_parallel=sp, keep_input=True)
+            ((full * H).sum() * share).backward()
+            close(x.grad, total * (H[rows] if sp else H))
             # row-parallel: W split by input columns
             x = X[..., ins].clone().requires_grad_()
             y = row_linear_overlapped(x, W[:, ins], group, nano, sequence_parallel=sp)
             close(y, (X @ W.t())[rows] if sp else X @ W.t())
             (y * (G[rows] if sp else G)).sum().backward()
             close(x.grad, G @ W[:, ins])
-            if sp:  # a full-sequence term added to this rank's rows; its gradient: the whole dY, everywhere
-                x = X[..., ins].clone().requires_grad_()
-                delta = (0.5 * H[..., :N]).clone().requires_grad_()
-                y = row_linear_overlapped(x, W[:, ins], group, nano, sequence_parallel=True, delta=delta)
-                close(y, (X @ W.t() + 0.5 * H[..., :N])[rows])
-                (y * G[rows]).sum().backward()
-                close(x.grad, G @ W[:, ins])
-                close(delta.grad, G)
+            # a full-sequence partial term added before the reduction; its gradient: the whole dY, everywhere
+            x = X[..., ins].clone().requires_grad_()
+            delta = (0.5 * share * H[..., :N]).clone().requires_grad_()
+            y = row_linear_overlapped(x, W[:, ins], group, nano, sequence_parallel=sp, delta=delta)
+            want = X @ W.t() + 0.5 * total * H[..., :N]
+            close(y, want[rows] if sp else want)
+            (y * (G[rows] if sp else G)).sum().backward()
+            close(x.grad, G @ W[:, ins])
+            close(delta.grad, G)
     if gpu:
         torch.cuda.synchronize()
     if r == 0:
