@@ -217,8 +217,9 @@ def run_arch(cfg: RunConfig) -> ModelArch:
 def _split(cfg: RunConfig, arch: ModelArch) -> list[int]:
     p = cfg.parallelism
     try:
+        lead = FP8_BF16_LEADING_LAYERS if cfg.model.base_precision == "fp8" else None
         return stages.resolve_split(p.stage_layers, arch.num_layers, p.pp, p.virtual_stages,
-                                    stages.loss_layers(arch))
+                                    *stages.split_weights(arch, lead))
     except PlanError as e:
         what = "parallelism.stage_layers: auto: " if p.stage_layers == "auto" else ""
         raise ConfigError(f"{cfg.source}: {what}{e}") from None

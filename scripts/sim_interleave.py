@@ -18,7 +18,7 @@ simulated - measured. The sweep uses ``stages.loss_layers``.
 ``--gpu-memory SIZE`` (e.g. 75.99GiB, what a 4x H100 run reads as free): also, per V, the run as it would
 resolve on that GPU (``lorafusion.resolve``: its token capacity, its stage split, its recompute per model
 chunk, which Megatron counts per chunk: the plan's count per rank rounded up) with each recomputed layer's
-cost in its virtual stage's backward (``sizing.RECOMPUTE_COST`` of the layer's forward + backward), the
+cost in its virtual stage's backward (``sizing.RECOMPUTE_COST``, the fitted stage cost model's), the
 chunks planned at that capacity: the simulated bubble and tokens/s (on the calibration's GPU) per V.
 """
 
@@ -71,7 +71,8 @@ def simulate(the_plan, arch, split, loss, scale, costs=None):
 def on_gpu(args, overrides: list[str], arch, loss: float, scale: float) -> list[dict]:
     """Per V: the plan ``resolve`` makes for ``--gpu-memory``, simulated with its recompute."""
     from lorafusion.resolve import GpuMemory, World, resolve
-    from lorafusion.scheduler.sizing import RECOMPUTE_COST, parse_bytes, recompute_stage_costs
+    from lorafusion.scheduler.sizing import RECOMPUTE_COST, parse_bytes
+    from lorafusion.scheduler.stages import recompute_stage_costs
 
     gpu, rows = parse_bytes(args.gpu_memory), []
     for V in [int(v) for v in args.virtual.split(",")]:

@@ -4,10 +4,11 @@
 :func:`choose` walks capacities (multiples of ``multiple`` from the longest sample up to ``max_capacity``)
 and, for each, the fewest recomputed layers per stage that make every stage fit (:mod:`.memory`), and keeps
 the plan with the most tokens/s by the cost model: time per token ``(a + b·C·B) / C`` with ``B`` the
-bottleneck factor — the busiest pipeline rank's work over a perfectly balanced rank's, a rank's work being its
-decoder layers plus ``α`` (``RECOMPUTE_COST``) per recomputed layer plus, on the last rank, the output layer
-and loss — and, with pipeline stages, the 1F1B fill and drain ``(pp - 1) / M`` of ``M`` = chunk tokens / C
-microbatches.
+bottleneck factor — the busiest pipeline rank's work over a perfectly balanced rank's, a rank's work by the
+stage cost model fitted to measured per-rank busy time (:mod:`.stagecost`: its decoder layers, an FP8 base's
+cheaper; a fraction of a layer per recomputed one; the output layer and loss on the last rank; the first
+rank's offset) — and, with pipeline stages, the 1F1B fill and drain ``(pp - 1) / M`` of ``M`` = chunk
+tokens / C microbatches.
 
 With ``stage_layers: auto`` and ``recompute_layers: auto`` on a pipeline, the split is chosen with the
 recompute: 1F1B holds ``pp - k`` microbatches in flight on stage ``k``, so an early stage runs out of memory
@@ -25,13 +26,14 @@ from lorafusion.core.errors import UserError
 
 from .costmodel import CostModel
 from .memory import GIB, Coefficients, MemorySetup, StageMemory, plan_memory, stage_memory
+from .stagecost import load_stage_costs, stage_work
 
 __all__ = ["MemoryFitError", "MemoryPlan", "RECOMPUTE_COST", "choose", "memory_reasons", "no_fit_message",
-           "oom_advice", "parse_bytes", "recompute_stage_costs", "what_fits"]
+           "oom_advice", "parse_bytes", "rank_loads", "what_fits", "work_line"]
 
-# a step with every decoder layer recomputed over one with none (Qwen2.5-32B PP=2 on 2x H200, recompute of 16
-# of 32 layers per stage was 17.3% faster than of all 32: (1 + α) / (1 + α/2) = 1.173, docs/BENCHMARKS.md)
-RECOMPUTE_COST = 0.42
+# a recomputed layer's cost over its layer's forward + backward: the stage cost model's fit to measured
+# per-rank busy time (stage_costs.json, scripts/fit_stage_costs.py)
+RECOMPUTE_COST = load_stage_costs().recompute
 
 
 class MemoryFitError(UserError):
@@ -148,17 +150,30 @@ def _loss(s: MemorySetup) -> float:
     return loss_layers(s.arch)
 
 
-def _loads(s: MemorySetup, rc: Sequence[int]) -> list[float]:
-    """Each pipeline rank's work in decoder-layer units: its layers, ``RECOMPUTE_COST`` per recomputed one
-    and, on the last rank, the output layer and loss."""
-    return [s.layers(k) + RECOMPUTE_COST * rc[k] + (_loss(s) if k == s.pp - 1 else 0.0) for k in range(s.pp)]
+def _bf16_layers(s: MemorySetup, stage: int, layers: int) -> int:
+    """Of ``layers`` decoder layers on ``stage`` (one model chunk per rank), those in bf16: all with a bf16
+    base; with an FP8 base the model's leading ones kept in bf16 (stage 0)."""
+    if s.base_bytes_per_param is None:
+        return layers
+    return min(layers, s.bf16_base_layers) if stage == 0 else 0
+
+
+def _stage_work(s: MemorySetup, stage: int, layers: int, rc: int) -> float:
+    return stage_work(layers, rc, _bf16_layers(s, stage, layers), load_stage_costs(), stage == 0,
+                      stage == s.pp - 1, _loss(s))
+
+
+def rank_loads(s: MemorySetup, rc: Sequence[int]) -> list[float]:
+    """Each pipeline rank's work in bf16 decoder-layer units (:mod:`.stagecost`): its layers (an FP8 base's
+    cheaper), the recomputed ones' extra, the output layer and loss on the last, the first rank's offset."""
+    return [_stage_work(s, k, s.layers(k), rc[k]) for k in range(s.pp)]
 
 
 def _score(s: MemorySetup, capacity: int, rc: Sequence[int], cost: CostModel,
            chunk_tokens: float | None) -> float:
     """Predicted seconds per token (lower is better): the busiest rank sets the pace of 1F1B."""
-    loads = _loads(s, rc)
-    balanced = (sum(s.layers(k) for k in range(s.pp)) + _loss(s)) / s.pp
+    loads = rank_loads(s, rc)
+    balanced = sum(rank_loads(s, [0] * s.pp)) / s.pp
     t = (cost.a + cost.b * capacity * max(loads) / balanced) / capacity
     if s.pp > 1 and chunk_tokens:
         t *= 1 + (s.pp - 1) / max(1.0, chunk_tokens / capacity)
@@ -171,7 +186,6 @@ def _balanced_split(s: MemorySetup, capacity: int, gpu: float, c: Coefficients) 
     counts per rank add up to the model's layers, then layers taken off the busiest ranks down to that
     total."""
     n_layers, P = s.arch.num_layers, s.pp
-    loss = _loss(s)
     # per rank: layer count -> work at its fewest recompute (only counts that fit)
     work: list[dict[int, float]] = []
     for k in range(P):
@@ -181,7 +195,7 @@ def _balanced_split(s: MemorySetup, capacity: int, gpu: float, c: Coefficients) 
             n = _fewest(sk, k, capacity, gpu, c)
             if n is None:
                 break
-            w[L] = L + RECOMPUTE_COST * n + (loss if k == P - 1 else 0.0)
+            w[L] = _stage_work(s, k, L, n)
         if not w:
             return None
         work.append(w)
@@ -268,6 +282,15 @@ def choose(s: MemorySetup, gpu_bytes: float, longest: int, *, capacity: int | st
                       stage_layers=layers if split_auto else None, cost=score, alternatives=alternatives)
 
 
+def work_line(s: MemorySetup, memory: MemoryPlan) -> str:
+    """The plan's predicted work per pipeline rank (:func:`rank_loads`) and the busiest over the mean."""
+    split = replace(s, stage_layers=tuple(memory.stage_layers)) if memory.stage_layers else s
+    loads = rank_loads(split, memory.recompute_layers)
+    return (f"rank work per microbatch (bf16 decoder layers, fitted stage costs: recompute, loss, FP8): "
+            f"[{', '.join(f'{x:.2f}' for x in loads)}], busiest/mean "
+            f"{max(loads) * len(loads) / sum(loads):.3f}")
+
+
 def memory_reasons(s: MemorySetup, memory: MemoryPlan, longest: int, coeffs: Coefficients, recompute,
                    capacity: int | str, chunk_tokens: float | None) -> tuple[str, ...]:
     """Why the memory plan is what it is: what the plan without recompute would cost (or that nothing fits
@@ -283,22 +306,12 @@ def memory_reasons(s: MemorySetup, memory: MemoryPlan, longest: int, coeffs: Coe
             if bare.fits and bare.cost and memory.cost else
             f"nothing fits (at {bare.capacity} tokens a stage needs "
             f"{max(m.need for m in bare.stages) / GIB:.1f} GiB)"))
+    if s.pp > 1 and s.virtual_stages == 1:
+        out.append(work_line(s, memory))
     if memory.why():
         out += ["why: alternatives that fit, by the cost model's time per token (larger microbatches "
                 "amortise their fixed cost; recomputed layers cost time)", *("  " + x for x in memory.why())]
     return tuple(out)
-
-
-def recompute_stage_costs(split: Sequence[int], loss: float, num_stages: int, per_chunk: Sequence[int],
-                          backward_ratio: float = 2.0) -> list[tuple[float, float]]:
-    """:func:`stage_costs` with each virtual stage's recomputed layers (rank r's count per model chunk,
-    ``per_chunk[r]``, at most the stage's layers; Megatron counts recompute per chunk) added to its backward,
-    each at ``sizing.RECOMPUTE_COST`` of a layer's forward + backward."""
-    from .stages import stage_costs
-
-    total = sum(split) + loss
-    return [(f, b + (1 + backward_ratio) * RECOMPUTE_COST * min(per_chunk[i % num_stages], split[i]) / total)
-            for i, (f, b) in enumerate(stage_costs(split, loss, backward_ratio))]
 
 
 def what_fits(s: MemorySetup, gpu_bytes: float, longest: int, capacity: int, recompute: Sequence[int],

@@ -4,14 +4,12 @@ A pipeline of S ranks with V model chunks each has ``S·V`` virtual stages in la
 ``k = c·S + r`` is chunk c of rank r). Virtual stage k holds ``split[k]`` decoder layers; the last one also
 computes the output layer (``vocab × hidden``, frozen: forward and the input gradient) and the loss, which
 this module counts as ``loss_layers`` decoder-layer equivalents of work. The first one's embedding lookup is
-``embedding_layers`` (about 0).
+``embedding`` layers (the stage cost model's ``first_rank``: measured slightly below 0).
 
 ``loss_layers`` a priori is the FLOP ratio of the output layer to a decoder layer (:func:`flop_loss_layers`,
-1.23 for LLaMA-3.1-70B). On 4x H200 (docs/results/70b-pp4-4gpu.json, even 20/20/20/20 split) the simulated
-per-stage bubbles fit the measured ones best with about 2.5 layer equivalents (scripts/sim_interleave.py,
-least squares): the 128k-vocabulary softmax and cross entropy are memory-bound work the FLOP count misses.
-:data:`LOSS_FLOP_FACTOR` is that fit over the FLOP ratio, so :func:`loss_layers` is calibrated on the one
-measurement we have (docs/results/pipeline-interleaved-sim.json gives the calibration error).
+1.23 for LLaMA-3.1-70B); the 128k-vocabulary softmax and cross entropy are memory-bound work the FLOP count
+misses, so :func:`loss_layers` is that ratio times the factor fitted to the per-rank busy time of the
+pipeline runs on GPUs (:mod:`.stagecost`, scripts/fit_stage_costs.py: 2.47 layers for the 70B).
 
 :func:`auto_split` places layers one at a time on the least-loaded rank (its least-loaded virtual stage; on
 a tie the later rank, which holds fewer microbatches' activations), which for unit-size layers minimises the
@@ -27,10 +25,7 @@ from lorafusion.core.arch import ModelArch
 
 from .costmodel import CostModel
 from .spec import PlanError
-
-# least-squares loss of the 70B PP=4 run's per-stage bubbles (2.5 layer equivalents) over its FLOP estimate
-# 1.228: docs/results/70b-pp4-4gpu.json, scripts/sim_interleave.py
-LOSS_FLOP_FACTOR = 2.0
+from .stagecost import layer_precisions, load_stage_costs
 # forward FLOPs per second per GPU at which the simulator (backward = 2x forward) reproduces the busy time of
 # that run (4x H200, bf16): 8.3e14; a frozen base's backward is nearer 1x, i.e. about 5.6e14 FLOP/s of GEMMs
 SIM_FLOPS_PER_S = 8.3e14
@@ -51,8 +46,22 @@ def flop_loss_layers(arch: ModelArch) -> float:
 
 
 def loss_layers(arch: ModelArch) -> float:
-    """Output layer + loss in decoder-layer equivalents: the FLOP ratio times the measured factor."""
-    return LOSS_FLOP_FACTOR * flop_loss_layers(arch)
+    """Output layer + loss in decoder-layer equivalents: the FLOP ratio times the fitted factor."""
+    return load_stage_costs().loss_factor(arch) * flop_loss_layers(arch)
+
+
+def embedding_layers() -> float:
+    """The first rank's work beyond its decoder layers (the embedding lookup), in bf16 layers: fitted."""
+    return load_stage_costs().first_rank
+
+
+def split_weights(arch: ModelArch, bf16_leading: int | None = None) -> tuple[float, float]:
+    """(output layer + loss, the first rank's extra work) in units of one of the base's decoder layers, for
+    :func:`auto_split`: with an FP8 base (``bf16_leading``: its leading layers kept in bf16) the bf16 loss
+    weighs more FP8 layers, and the leading bf16 layers' extra cost counts on the first rank."""
+    costs = load_stage_costs()
+    f = 1.0 if bf16_leading is None else costs.fp8_layer
+    return loss_layers(arch) / f, (costs.first_rank + (bf16_leading or 0) * (1.0 - f)) / f
 
 
 def even_split(num_layers: int, num_stages: int, virtual_stages: int = 1) -> list[int]:
@@ -104,6 +113,26 @@ def stage_costs(split: Sequence[int], loss: float = 0.0, backward_ratio: float =
     return [(w / total, backward_ratio * w / total) for w in work]
 
 
+def recompute_stage_costs(split: Sequence[int], loss: float, num_stages: int, per_chunk: Sequence[int],
+                          backward_ratio: float = 2.0, bf16_leading: int | None = None,
+                          embedding: float = 0.0) -> list[tuple[float, float]]:
+    """:func:`stage_costs` with each virtual stage's recomputed layers (rank r's count per model chunk,
+    ``per_chunk[r]``, at most the stage's layers; Megatron counts recompute per chunk) added to its backward,
+    each at the stage cost model's ``recompute`` of its layer's forward + backward; an FP8 base's layers
+    (``bf16_leading``: its leading bf16 layers) at its ``fp8_layer``; ``embedding`` on the first stage."""
+    costs = load_stage_costs()
+    prec = layer_precisions(split, bf16_leading)
+    work = [bf + costs.fp8_layer * fp for bf, fp in prec]
+    total = sum(work) + loss + embedding
+    out = []
+    for i, (f, b) in enumerate(stage_costs(work, loss, backward_ratio, embedding)):
+        rc = min(per_chunk[i % num_stages], split[i])
+        rc_bf = min(rc, prec[i][0])
+        extra = costs.recompute * (rc_bf + costs.fp8_layer * (rc - rc_bf))
+        out.append((f, b + (1 + backward_ratio) * extra / total))
+    return out
+
+
 def rank_loads(split: Sequence[int], num_stages: int, loss: float = 0.0) -> list[float]:
     """Each rank's work in layer equivalents (its virtual stages summed)."""
     work = [float(x) for x in split]
@@ -123,11 +152,11 @@ def flop_cost_model(arch: ModelArch, loss: float | None = None, tp: int = 1,
 
 
 def resolve_split(stage_layers, num_layers: int, num_stages: int, virtual_stages: int = 1,
-                  loss: float = 0.0) -> list[int]:
+                  loss: float = 0.0, embedding: float = 0.0) -> list[int]:
     """``parallelism.stage_layers`` as counts per virtual stage: None → even (Megatron's default),
     "auto" → :func:`auto_split`, a list → checked."""
     if stage_layers is None:
         return even_split(num_layers, num_stages, virtual_stages)
     if stage_layers == "auto":
-        return auto_split(num_layers, num_stages, virtual_stages, loss)
+        return auto_split(num_layers, num_stages, virtual_stages, loss, embedding)
     return check_split(stage_layers, num_layers, num_stages, virtual_stages)

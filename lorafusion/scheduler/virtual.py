@@ -9,7 +9,7 @@ MILP time) and :func:`.simulate.simulate_plan` runs it: each microbatch's whole-
 (:func:`.stages.flop_cost_model`: the linears per token, causal attention per sample², so microbatches of
 unequal work take unequal time), each virtual stage's share of it (its decoder layers; the output layer and
 loss on the last), each recomputed layer's cost in its virtual stage's backward
-(:func:`.sizing.recompute_stage_costs`, the recompute the memory plan forces at V), ``P2P_S`` per hand-over
+(:func:`.stages.recompute_stage_costs`, the recompute the memory plan forces at V), ``P2P_S`` per hand-over
 between ranks and ``OP_S`` of fixed work per op (a microbatch's forward or backward on one model chunk: the
 host's schedule step, p2p calls and launches, which V multiplies). The predicted time per token is the
 slowest DP rank's makespan over the chunk's tokens: fill and drain, unequal microbatches, no-ops, recompute
@@ -29,8 +29,7 @@ from lorafusion.core.arch import ModelArch
 from .planner import plan
 from .simulate import simulate_plan
 from .spec import JobSpec, SchedulerConfig
-from .sizing import recompute_stage_costs
-from .stages import flop_cost_model, loss_layers
+from .stages import embedding_layers, flop_cost_model, loss_layers, recompute_stage_costs
 
 __all__ = ["BACKWARD_RATIO", "P2P_S", "Candidate", "VirtualChoice", "VirtualScore", "candidate",
            "choose_virtual", "score_virtual", "synthetic_jobs"]
@@ -72,13 +71,16 @@ def synthetic_jobs(jobs: Sequence[tuple[str, int, int]], lookahead: int) -> list
 
 
 def score_virtual(jobs: Sequence[JobSpec], config: SchedulerConfig, arch: ModelArch, split: Sequence[int],
-                  recompute_per_chunk: Sequence[int], tp: int = 1, op_s: float | None = None) -> VirtualScore:
+                  recompute_per_chunk: Sequence[int], tp: int = 1, op_s: float | None = None,
+                  bf16_leading: int | None = None) -> VirtualScore:
     """The simulated chunk of ``jobs`` planned with ``config`` (its ``virtual_stages`` V and capacity) on
     ``split`` (decoder layers per virtual stage, layer order) with ``recompute_per_chunk`` (per pipeline rank:
-    recomputed layers of each of its model chunks)."""
+    recomputed layers of each of its model chunks); ``bf16_leading``: an FP8 base's leading bf16 layers
+    (None: a bf16 base). The stages' shares come from the fitted stage cost model (:mod:`.stagecost`)."""
     the_plan = plan(jobs, replace(config, solver="greedy", milp_time_limit_s=0.0))
     loss = loss_layers(arch)
-    costs = recompute_stage_costs(split, loss, config.pipeline_depth, recompute_per_chunk, BACKWARD_RATIO)
+    costs = recompute_stage_costs(split, loss, config.pipeline_depth, recompute_per_chunk, BACKWARD_RATIO,
+                                  bf16_leading, embedding_layers())
     timelines = simulate_plan(the_plan, flop_cost_model(arch, loss, tp=tp), backward_ratio=BACKWARD_RATIO,
                               p2p_s=P2P_S, stage_costs=costs, op_s=OP_S if op_s is None else op_s)
     span = max(t.makespan for t in timelines)
@@ -148,7 +150,9 @@ def candidate(run_plan, arch: ModelArch, jobs: Sequence[JobSpec]) -> Candidate:
     ``jobs`` simulated where it fits."""
     q, split = run_plan, list(run_plan.stage_layers)
     per_chunk = [0 if not on else max(split) if n is None else n for on, n in q.recompute]
-    score = score_virtual(jobs, q.scheduler, arch, split, per_chunk, q.tp) if q.fits else None
+    lead = q.setup.bf16_base_layers if q.setup.base_bytes_per_param is not None else None
+    score = (score_virtual(jobs, q.scheduler, arch, split, per_chunk, q.tp, bf16_leading=lead)
+             if q.fits else None)
     return Candidate(q.virtual_stages, q.fits, q.token_capacity, tuple(q.recompute_layers), score)
 
 

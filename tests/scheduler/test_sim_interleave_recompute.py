@@ -1,4 +1,4 @@
-"""sizing.recompute_stage_costs (what scripts/sim_interleave.py --gpu-memory and virtual_stages: auto
+"""stages.recompute_stage_costs (what scripts/sim_interleave.py --gpu-memory and virtual_stages: auto
 simulate): each virtual stage's recomputed layers cost RECOMPUTE_COST of a layer's forward + backward in its
 backward (a rank's count per model chunk, at most the stage's layers); the forwards and the stages without
 recompute are stage_costs' own."""
@@ -6,7 +6,8 @@ recompute are stage_costs' own."""
 import pytest
 
 from lorafusion.scheduler import stages
-from lorafusion.scheduler.sizing import RECOMPUTE_COST, recompute_stage_costs
+from lorafusion.scheduler.sizing import RECOMPUTE_COST
+from lorafusion.scheduler.stages import recompute_stage_costs
 
 BACKWARD_RATIO = 2.0
 
