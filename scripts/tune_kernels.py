@@ -47,7 +47,10 @@ CANDIDATES = {
                for bm, bk, w, s in [(64, 128, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (64, 128, 8, 4)]],
     "ds_db": [dict(BM=bm, BN=bn, CH=ch, num_warps=w, num_stages=s)
               for bm, bn, ch, w, s in [(64, 256, 1024, 8, 3), (128, 256, 1024, 8, 3), (32, 512, 1024, 8, 3),
-                                       (64, 256, 2048, 8, 4)]],
+                                       (64, 256, 2048, 8, 4)]]
+             # dS by the shrink pass, dB alone (lora_ds_db)
+             + [dict(BM=bm, BN=bn, CH=ch, num_warps=w, num_stages=s, SPLIT=1)
+                for bm, bn, ch, w, s in [(64, 256, 2048, 8, 3), (128, 128, 2048, 8, 4)]],
     "da_dx": [dict(BM=bm, BK=bk, CH=ch, num_warps=w, num_stages=s)
               for bm, bk, ch, w, s in [(64, 128, 1024, 4, 3), (64, 128, 1024, 8, 4), (128, 128, 1024, 8, 3),
                                        (64, 64, 512, 4, 4), (128, 64, 2048, 8, 4)]],
@@ -142,29 +145,25 @@ def _routing(m, ranks, shapes_given):
     return Routing.from_lengths([0, 1, 2, 3], ls + [m - sum(ls)])
 
 
-def _summary(results) -> list[dict]:
-    """Per case (m and ranks) and kernel: the time summed over the case's linears, before and after."""
-    out: dict = {}
-    for r in results:
-        key = (r["shape"][0], r["case"], r["kernel"])
-        row = out.setdefault(key, {"m": key[0], "case": key[1], "kernel": key[2], "linears": 0,
-                                   "before_ms": 0.0, "after_ms": 0.0})
-        row["linears"] += 1
-        row["before_ms"] += r["default_ms"] or 0.0
-        row["after_ms"] += r["ms"]
-    for row in out.values():
-        row["speedup"] = round(row["before_ms"] / row["after_ms"], 3) if row["after_ms"] else None
-    return list(out.values())
+class _Caches(list):
+    """[the table cache the jobs use]: the kernels as they run now, or (``before()``) as they ran before
+    launches per rank block (every slot at the largest block, dS and dB in one pass)."""
+
+    def __init__(self):
+        super().__init__([TableCache()])
+        self.now, self.old = self[0], TableCache(one_block=True)
+
+    def use(self, old: bool):
+        self[0] = self.old if old else self.now
 
 
-def _jobs(m, k, n, ranks, dev, dt, p, lowrank_dx):
+def _jobs(m, k, n, ranks, dev, dt, p, lowrank_dx, caches):
     """kernel -> [((m, n, k) of its bucket, run(check=False))] on random operands of this case."""
     torch.manual_seed(0)
     routing = _routing(m, ranks, not lowrank_dx)
     # one table cache per case, as the layers keep one per microbatch: the routing tables of a block size
     # are built on a config's first call and reused, so the timing is the kernel's, not host-side table
     # building (a fresh cache per call made configs with more row chunks look slower)
-    tc = TableCache()
     st = TableCache().slot_tables(ranks, [2.0] * len(ranks), [p] * len(ranks), list(range(len(ranks))), dev)
     ids = TableCache().row_ids(routing, dev)
     rt = sum(ranks)
@@ -173,46 +172,107 @@ def _jobs(m, k, n, ranks, dev, dt, p, lowrank_dx):
     A = (torch.randn(rt, k, device=dev) / k**0.5).to(dt)
     B = (torch.randn(n, rt, device=dev) * 0.1).to(dt)
     dy = torch.randn(m, n, device=dev, dtype=dt)
-    S = K.lora_shrink(x, A, st, routing, ids, k_total=k, cache=tc)
-    dS, _ = K.lora_ds_db(dy, B, S, st, routing, cache=tc)
+    S = K.lora_shrink(x, A, st, routing, ids, k_total=k, cache=caches[0])
+    dS, _ = K.lora_ds_db(dy, B, S, st, routing, cache=caches[0])
     # dY·W, what the da_dx pass adds into (in place: timed runs use dxb, checks a copy of dx0)
     dx0 = dy @ W
     dxb = dx0.clone()
     drop = p > 0
+    classes = caches.now.classes(routing, ranks)  # one launch per rank block: a bucket each
+    rm = [rmax for _, rmax, _ in classes]
+    split = len(classes) > 1 or classes[0][0] >= 128  # dS by the shrink kernel (lora_ds_db)
+
+    def shrink(check=False):
+        return K.lora_shrink(x, A, st, routing, ids, k_total=k, cache=caches[0])
+
+    def ds_db(check=False):
+        return K.lora_ds_db(dy, B, S, st, routing, cache=caches[0])
+
+    def da(check=False):
+        return K.lora_da(x, dS, st, routing, ids, k_total=k, cache=caches[0])
+
+    def da_dx(check=False):
+        return K.lora_da_dx(x, dS, A, dx0.clone() if check else dxb, st, routing, ids, k_total=k,
+                            cache=caches[0])
+
     return {
         "gemm": [((m, n, k), lambda check=False: K.lora_gemm(x, W.t(), None, S, B.t(), st.scale, st, routing,
-                                                             n=n, cache=tc)),
+                                                             n=n, cache=caches[0])),
                  ((m, k, n), lambda check=False: K.lora_gemm(dy, W, None, dS, A, st.inv_keep, st, routing,
                                                              n=k, dropout=drop, row_ids=ids, k_total=k,
-                                                             cache=tc))],
+                                                             cache=caches[0]))],
         "lowrank": [((m, n, 0), lambda check=False: K.lora_gemm(None, None, None, S, B.t(), st.scale, st,
-                                                                routing, n=n, cache=tc)),
+                                                                routing, n=n, cache=caches[0])),
                     ((m, k, 0), lambda check=False: K.lora_gemm(None, None, None, dS, A, st.inv_keep, st,
                                                                 routing, n=k, dropout=drop, row_ids=ids,
-                                                                k_total=k, cache=tc))]
+                                                                k_total=k, cache=caches[0]))]
                    [: 2 if lowrank_dx else 1],  # the dX variant (main_gemm "triton" only) would share a
                                                 # bucket with the forward of an n == k linear
-        "shrink": [((m, st.r_max, k), lambda check=False: K.lora_shrink(x, A, st, routing, ids, k_total=k,
-                                                                        cache=tc))],
-        "ds_db": [((m, n, st.r_max), lambda check=False: K.lora_ds_db(dy, B, S, st, routing, cache=tc))],
-        "da": [((m, st.r_max, k),
-                lambda check=False: K.lora_da(x, dS, st, routing, ids, k_total=k, cache=tc))],
-        "da_dx": [((m, st.r_max, k),
-                   lambda check=False: K.lora_da_dx(x, dS, A, dx0.clone() if check else dxb, st, routing, ids,
-                                                    k_total=k, cache=tc))],
+        "shrink": [((m, r, k), shrink) for r in rm] + [((m, r, n), ds_db) for r in rm if split],
+        "ds_db": [((m, n, r), ds_db) for r in rm],
+        "da": [((m, r, k), da) for r in rm],
+        "da_dx": [((m, r, k), da_dx) for r in rm],
     }
 
 
 def _mask_cost(m, k, n, ranks, dev, dt, kernels) -> dict:
     """The masked kernels (shrink, da_dx) at their chosen configs without dropout: what the mask costs."""
-    jobs = _jobs(m, k, n, ranks, dev, dt, 0.0, False)
+    jobs = _jobs(m, k, n, ranks, dev, dt, 0.0, False, _Caches())
     return {kern: timeit(jobs[kern][0][1]) for kern in ("shrink", "da_dx") if kern in kernels}
+
+
+def _before_after(run, caches, shipped: dict) -> tuple[float, float]:
+    """The launcher's time with the shipped configs and kernels-as-before (``caches.use(True)``), and now."""
+    table, now = tuning.tuned_table(), dict(tuning.tuned_table())
+    table.clear()
+    table.update(shipped)
+    K._CONFIGS.clear()
+    caches.use(True)
+    try:
+        before = timeit(run)
+    finally:
+        caches.use(False)
+        table.clear()
+        table.update(now)
+        K._CONFIGS.clear()
+    return before, timeit(run)
+
+
+def _tune_case(args, case, kernels, done, results, shipped) -> list[dict]:
+    """Tune every bucket of one case (m, k, n, ranks) not tuned yet; per kernel its before/after time."""
+    m, k, n, ranks = case
+    caches = _Caches()
+    jobs = _jobs(m, k, n, ranks, args.device, args.dtype, 0.1, not args.shapes, caches)
+    label = f"{'mixed' if len(set(ranks)) > 1 else 'uniform'} x{len(ranks)}"
+    for kernel in kernels:
+        for shape, run in jobs[kernel]:
+            bucket = tuning.bucket(*shape)
+            if (kernel, bucket) in done:
+                continue
+            done.add((kernel, bucket))
+            best, before_ms, rows = tune_one(kernel, bucket, run)
+            if best is None:
+                continue
+            results.append({"kernel": kernel, "bucket": list(bucket), "config": best[0], "ms": best[1],
+                            "default_ms": before_ms, "shape": [m, k, n], "ranks": ranks, "case": label})
+            print(f"{kernel:8s} {str(bucket):22s} best {best[1]:.4f} ms (before {before_ms}) {best[0]}",
+                  flush=True)
+            for cfg, ms, err in rows:
+                print(f"      {ms if ms is None else round(ms, 4)!s:>8} {err} {cfg}")
+    out = []
+    for kernel in kernels:
+        run = jobs[kernel][0][1]  # every bucket of a kernel runs the same launcher
+        before, after = _before_after(run, caches, shipped)
+        out.append({"case": label, "shape": [m, k, n], "ranks": ranks, "kernel": kernel,
+                    "before_ms": before, "after_ms": after, "speedup": round(before / after, 3)})
+        print(f"{label} {m},{k},{n} {kernel}: before {before:.4f} ms, after {after:.4f} ms", flush=True)
+    return out
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="tuned.json")
-    ap.add_argument("--summary", help="also write the before/after sums per case and kernel here")
+    ap.add_argument("--summary", help="also write each case's kernels' times before and after here")
     ap.add_argument("--kernels", default="gemm,lowrank,shrink,ds_db,da,da_dx")
     ap.add_argument("--shapes", nargs="+", metavar="M,K,N[@R,...]", help="linears to tune at (default: the "
                     "five benchmark shapes and the r 8/16/32/64 multi-adapter case)")
@@ -226,45 +286,37 @@ def main():
     global timeit, REP_MS, WARMUP_MS
     REP_MS, WARMUP_MS = args.rep_ms, max(2, args.rep_ms // 4)
     kernels = args.kernels.split(",")
-    dev, dt = args.device, (torch.bfloat16 if args.device != "cpu" else torch.float32)
-    if dev == "cpu":
+    args.dtype = torch.bfloat16 if args.device != "cpu" else torch.float32
+    if args.device == "cpu":
         timeit = _wall_ms
     os.environ.pop("LORAFUSION_TUNING_FILE", None)
-    results, done, masks = [], set(), []
-    for m, k, n, ranks in _cases(args):
-        jobs = _jobs(m, k, n, ranks, dev, dt, 0.1, not args.shapes)
-        label = f"{'mixed' if len(set(ranks)) > 1 else 'uniform'} x{len(ranks)}"
-        for kernel in kernels:
-            for shape, run in jobs[kernel]:
-                bucket = tuning.bucket(*shape)
-                if (kernel, bucket) in done:
-                    continue
-                done.add((kernel, bucket))
-                best, before_ms, rows = tune_one(kernel, bucket, run)
-                if best is None:
-                    continue
-                results.append({"kernel": kernel, "bucket": list(bucket), "config": best[0], "ms": best[1],
-                                "default_ms": before_ms, "shape": [m, k, n], "ranks": ranks, "case": label})
-                print(f"{kernel:8s} {str(bucket):22s} best {best[1]:.4f} ms (before {before_ms}) {best[0]}",
-                      flush=True)
-                for cfg, ms, err in rows:
-                    print(f"      {ms if ms is None else round(ms, 4)!s:>8} {err} {cfg}")
-                _write(args, results, masks)  # after every bucket: a run cut short keeps what it chose
+    shipped = dict(tuning.tuned_table())
+    results, done, masks, cases = [], set(), [], []
+    for case in _cases(args):
+        cases += _tune_case(args, case, kernels, done, results, shipped)
+        m, k, n, ranks = case
         if args.mask_cost and len(set(ranks)) == 1:
-            masks.append({"shape": [m, k, n], "ranks": ranks, "no_dropout_ms": _mask_cost(m, k, n, ranks, dev,
-                                                                                           dt, kernels)})
+            masks.append({"shape": [m, k, n], "ranks": ranks, "no_dropout_ms": _mask_cost(
+                m, k, n, ranks, args.device, args.dtype, kernels)})
             print(f"no dropout {m},{k},{n}: {masks[-1]['no_dropout_ms']}", flush=True)
-    _write(args, results, masks)
+        _write(args, results, cases, masks)  # after every case: a run cut short keeps what it chose
     print(f"wrote {len(results)} configs to {args.out}")
 
 
-def _write(args, results, masks):
+def _write(args, results, cases, masks):
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     if args.summary:
+        totals: dict = {}
+        for c in cases:
+            t = totals.setdefault(f"{c['shape'][0]} {c['case']} {c['kernel']}",
+                                  {"before_ms": 0.0, "after_ms": 0.0})
+            t["before_ms"] += c["before_ms"]
+            t["after_ms"] += c["after_ms"]
         with open(args.summary, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                       "by_case": _summary(results), "mask_cost": masks, "tuned": results}, f, indent=1)
+                       "totals_over_linears": totals, "by_linear": cases, "mask_cost": masks,
+                       "tuned": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,14 @@ Kernels
   so per-row seed/threshold/coef vectors let one mask and one scaling pass serve every segment.
   ``HAS_MAIN=False`` gives the low-rank term alone (the tensor-parallel path, the cuBLAS variant).
 - ``_shrink_kernel``: ``S = (keep ⊙ X)·Aᵀ/(1-p)`` per chunk (a chunk is ≤ BM rows of one segment).
+
+The row-chunk kernels (shrink, ds_db, da, da_dx) are launched once per rank block among the call's adapters
+(``lorafusion.ops.tables.rank_classes``): in a batch of mixed ranks an r=16 adapter's chunks run at block 16,
+not at the r=64 adapter's 64.
 - ``_ds_db_kernel``: one pass over dY: ``dS = s·dY·B`` (partial per n-block) and ``dB = s·dYᵀ·S``
-  (partial per chunk); partials are summed in a fixed order (deterministic, no atomics).
+  (partial per chunk); partials are summed in a fixed order (deterministic, no atomics). For large rank
+  blocks the fp32 dS partials outweigh dY itself: dB alone here, dS by the shrink kernel (``dY·B`` is
+  ``X·Aᵀ`` with A = Bᵀ, no mask, scale s), which reads dY once more and writes dS once.
 - ``_da_kernel``: ``dA = dSᵀ·(keep ⊙ X)/(1-p)`` (partial per chunk), the mask regenerated.
 - ``_da_dx_kernel``: dA and ``dX (+)= keep⊙(dS·A)/(1-p)`` in one pass over (X, dX) with one mask per tile
   (after a cuBLAS dY·W, and for the tensor-parallel delta path).
@@ -174,6 +180,12 @@ def _shrink_kernel(
     acc = acc * tl.load(inv_ptr + sc)
     tl.store(s_ptr + offs_m[:, None] * stride_sm + offs_r[None, :] * stride_sr,
              acc.to(s_ptr.dtype.element_ty), mask=rowm[:, None] & (offs_r < R_OUT)[None, :])
+    # columns past this launch's rank block (a batch of mixed ranks launches per block): zeros
+    zero = tl.zeros((BM, RB), dtype=s_ptr.dtype.element_ty)
+    for r0 in range(RB, R_OUT, RB):
+        rr = r0 + offs_r
+        tl.store(s_ptr + offs_m[:, None] * stride_sm + rr[None, :] * stride_sr, zero,
+                 mask=rowm[:, None] & (rr < R_OUT)[None, :])
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -182,9 +194,10 @@ def _ds_db_kernel(
     coef_ptr, r_ptr, roff_ptr,
     M, N,
     stride_dym, stride_dyn, stride_bn, stride_br, stride_sm, stride_sr,
-    BM: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr, NEED_DS: tl.constexpr = True,
 ):
-    """Grid (n-blocks, chunks). dsp: fp32 [n_blocks, M, RB]; dbp: fp32 [chunks, N, RB]."""
+    """Grid (n-blocks, chunks). dsp: fp32 [n_blocks, M, RB]; dbp: fp32 [chunks, N, RB]. ``NEED_DS`` False:
+    dB alone (dS comes from another pass)."""
     nb = tl.program_id(0)
     c = tl.program_id(1)
     slot = tl.load(chunk_ptr + 3 * c)
@@ -207,8 +220,9 @@ def _ds_db_kernel(
                      mask=rowm[:, None] & nmask[None, :], other=0.0)
         s = tl.load(s_ptr + rows[:, None] * stride_sm + offs_r[None, :] * stride_sr,
                     mask=rowm[:, None] & rmask[None, :], other=0.0)
-        ds = tl.dot(dy, b, input_precision=PREC) * coef
-        tl.store(dsp_ptr + nb * M * RB + rows[:, None] * RB + offs_r[None, :], ds, mask=rowm[:, None])
+        if NEED_DS:
+            ds = tl.dot(dy, b, input_precision=PREC) * coef
+            tl.store(dsp_ptr + nb * M * RB + rows[:, None] * RB + offs_r[None, :], ds, mask=rowm[:, None])
         db = tl.dot(tl.trans(dy), s, db, input_precision=PREC)
     tl.store(dbp_ptr + c * N * RB + offs_n[:, None] * RB + offs_r[None, :], db * coef, mask=nmask[:, None])
 

@@ -62,6 +62,9 @@ def launch_config(kind: str, m: int, n: int, k: int, itemsize: int, rb: int) -> 
         cap = max(16, 32768 // (rb * itemsize))
         cfg["BN"] = max(16, min(cfg["BN"], 16384 // rb, cap))
         cfg["BM"] = max(16, min(cfg["BM"], cap))
+        # dS by its own pass from rank block 128 on: the fp32 dS partials per n-block (4·rb bytes a row per
+        # BN columns) would outweigh the second read of dY (2·BN bytes)
+        cfg.setdefault("SPLIT", int(rb >= 128))
     elif kind == "da":
         cfg["BK"] = max(16, min(cfg["BK"], 16384 // rb))  # the [RB, BK] fp32 accumulator in registers
     elif kind == "da_dx":
@@ -113,21 +116,27 @@ def lora_gemm(x: torch.Tensor | None, w_kn: torch.Tensor | None, bias: torch.Ten
     return out
 
 
-def lora_shrink(x: torch.Tensor, A_cat: torch.Tensor, st, routing, row_ids: torch.Tensor, *,
-                k_total: int, k_offset: int = 0, cache) -> torch.Tensor:
-    """S [m, r_max] = keep⊙X·A_aᵀ/(1-p_a) per segment (zero beyond r_a and outside every segment)."""
+def lora_shrink(x: torch.Tensor, A_cat: torch.Tensor, st, routing, row_ids: torch.Tensor | None, *,
+                k_total: int, k_offset: int = 0, cache, coef: torch.Tensor | None = None,
+                dropout: bool | None = None) -> torch.Tensor:
+    """S [m, r_max] = keep⊙X·A_aᵀ/(1-p_a) per segment (zero beyond r_a and outside every segment), one launch
+    per rank block. ``coef`` (per slot; default 1/(1-p)) and ``dropout`` (default: the slots') let the same
+    pass compute dS = s·dY·B (X = dY, A = Bᵀ, coef = s, no mask)."""
     m, kdim = x.shape
-    cfg = _config("shrink", m, st.r_max, kdim, x.element_size(), st.rb)
-    chunks, n_chunks, _ = cache.chunk_table(routing, cfg["BM"], x.device)
+    dropout = st.dropout if dropout is None else dropout
+    coef = st.inv_keep if coef is None else coef
     S = torch.empty(m, st.r_max, device=x.device, dtype=x.dtype)
-    _SHRINK.launch((n_chunks,),
-        x, A_cat, S, row_ids, chunks, st.seed, st.thr, st.inv_keep, st.r, st.roff,
-        kdim, st.r_max, x.stride(0), x.stride(1), A_cat.stride(0), A_cat.stride(1), S.stride(0), S.stride(1),
-        k_total, k_offset,
-        DROPOUT=st.dropout, ALIGNED=k_offset % 8 == 0, BM=cfg["BM"],
-        BK=cfg["BK"], RB=st.rb, PREC=dot_precision(x.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+    for i, (rb, rmax, _) in enumerate(cache.classes(routing, st.ranks)):
+        cfg = _config("shrink", m, rmax, kdim, x.element_size(), rb)
+        _, _, chunks, n_chunks, _ = cache.class_chunks(routing, cfg["BM"], x.device, st.ranks)[i]
+        _SHRINK.launch((n_chunks,),
+            x, A_cat, S, row_ids if row_ids is not None else x, chunks, st.seed, st.thr, coef, st.r, st.roff,
+            kdim, st.r_max, x.stride(0), x.stride(1), A_cat.stride(0), A_cat.stride(1), S.stride(0),
+            S.stride(1), k_total, k_offset,
+            DROPOUT=dropout, ALIGNED=k_offset % 8 == 0, BM=cfg["BM"],
+            BK=cfg["BK"], RB=rb, PREC=dot_precision(x.dtype),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
     return S
 
 
@@ -161,25 +170,59 @@ def _reduce_by_slot(partial: torch.Tensor, ranges: dict, ranks, rb: int,
     return out
 
 
+def _merge(parts: list[list]) -> list:
+    """Per slot, the one non-None entry of the classes' lists (a slot is in one class)."""
+    out = parts[0]
+    for more in parts[1:]:
+        out = [a if a is not None else b for a, b in zip(out, more)]
+    return out
+
+
 def lora_ds_db(dy: torch.Tensor, B_cat: torch.Tensor | None, S: torch.Tensor, st, routing,
                need_db: bool = True, *, cache, Bt: torch.Tensor | None = None,
                ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """One pass over dY [m, n]: dS [m, r_max] (dtype of S) and dB per slot (fp32 [n, r_a], None if no
-    rows). B is ``B_cat`` [n, R_tot] or, given instead, ``Bt`` [R_tot, n] (any strides either way)."""
+    """dS [m, r_max] (dtype of S) and dB per slot (fp32 [n, r_a], None if no rows). B is ``B_cat``
+    [n, R_tot] or, given instead, ``Bt`` [R_tot, n] (any strides either way).
+
+    One rank block with a config without ``SPLIT``: one pass over dY for both (dS summed from fp32 partials
+    per n-block). Otherwise (several rank blocks, or a large one): dS = s·dY·B by the shrink pass, dB alone
+    per rank block."""
     m, n = dy.shape
-    cfg = _config("ds_db", m, n, st.r_max, dy.element_size(), st.rb)
+    b = Bt if Bt is not None else B_cat.t()  # [R_tot, n] view
+    classes = cache.classes(routing, st.ranks)
+    cfgs = [_config("ds_db", m, n, rmax, dy.element_size(), rb) for rb, rmax, _ in classes]
+    if len(classes) == 1 and not (cfgs[0].get("SPLIT") and not cache.one_block):
+        return _ds_db_one_pass(dy, b, S, st, routing, need_db, cfgs[0], cache)
+    dS = lora_shrink(dy, b, st, routing, None, k_total=n, cache=cache, coef=st.scale, dropout=False)
+    dS = dS.to(S.dtype)
+    if not need_db:
+        return dS, []
+    parts = []
+    for i, ((rb, _, _), cfg) in enumerate(zip(classes, cfgs)):
+        bn = cfg["BN"]
+        _, _, chunks, n_chunks, ranges = cache.class_chunks(routing, cfg["CH"], dy.device, st.ranks,
+                                                            by_slot=True)[i]
+        dbp = torch.empty(n_chunks, n, rb, device=dy.device, dtype=torch.float32)
+        _DS_DB.launch((triton.cdiv(n, bn), n_chunks),
+            dy, b, S, dbp, dbp, chunks, st.scale, st.r, st.roff, m, n,
+            dy.stride(0), dy.stride(1), b.stride(1), b.stride(0), S.stride(0), S.stride(1),
+            BM=cfg["BM"], BN=bn, RB=rb, PREC=dot_precision(dy.dtype), NEED_DS=False,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+        parts.append(_reduce_by_slot(dbp, ranges, st.ranks, rb, 1))
+    return dS, _merge(parts)
+
+
+def _ds_db_one_pass(dy, b, S, st, routing, need_db, cfg, cache):
+    m, n = dy.shape
     bn = cfg["BN"]
     chunks, n_chunks, ranges = cache.chunk_table(routing, cfg["CH"], dy.device, by_slot=True)
     nblk = triton.cdiv(n, bn)
-    if Bt is not None:
-        b, b_sn, b_sr = Bt, Bt.stride(1), Bt.stride(0)
-    else:
-        b, b_sn, b_sr = B_cat, B_cat.stride(0), B_cat.stride(1)
     dsp = torch.empty(nblk, m, st.rb, device=dy.device, dtype=torch.float32)
     dbp = torch.empty(n_chunks, n, st.rb, device=dy.device, dtype=torch.float32)
     _DS_DB.launch((nblk, n_chunks),
         dy, b, S, dsp, dbp, chunks, st.scale, st.r, st.roff, m, n,
-        dy.stride(0), dy.stride(1), b_sn, b_sr, S.stride(0), S.stride(1),
+        dy.stride(0), dy.stride(1), b.stride(1), b.stride(0), S.stride(0), S.stride(1),
         BM=cfg["BM"], BN=bn, RB=st.rb, PREC=dot_precision(dy.dtype), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -193,42 +236,49 @@ def lora_ds_db(dy: torch.Tensor, B_cat: torch.Tensor | None, S: torch.Tensor, st
 
 def lora_da(x: torch.Tensor, dS: torch.Tensor, st, routing, row_ids: torch.Tensor, *,
             k_total: int, k_offset: int = 0, cache) -> list[torch.Tensor | None]:
-    """dA per slot (fp32 [r_a, k], None if the slot has no rows) = dSᵀ·keep⊙X/(1-p)."""
+    """dA per slot (fp32 [r_a, k], None if the slot has no rows) = dSᵀ·keep⊙X/(1-p), per rank block."""
     m, kdim = x.shape
-    cfg = _config("da", m, st.r_max, kdim, x.element_size(), st.rb)
-    bk = cfg["BK"]
-    chunks, n_chunks, ranges = cache.chunk_table(routing, cfg["CH"], x.device, by_slot=True)
-    dap = torch.empty(n_chunks, st.rb, kdim, device=x.device, dtype=torch.float32)
-    _DA.launch((triton.cdiv(kdim, bk), n_chunks),
-        x, dS, dap, row_ids, chunks, st.seed, st.thr, st.inv_keep, st.r, st.roff,
-        kdim, x.stride(0), x.stride(1), dS.stride(0), dS.stride(1), k_total, k_offset,
-        DROPOUT=st.dropout, ALIGNED=k_offset % 8 == 0, BM=cfg["BM"], BK=bk, RB=st.rb,
-        PREC=dot_precision(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    return _reduce_by_slot(dap, ranges, st.ranks, st.rb, 0)
+    parts = []
+    for i, (rb, rmax, _) in enumerate(cache.classes(routing, st.ranks)):
+        cfg = _config("da", m, rmax, kdim, x.element_size(), rb)
+        bk = cfg["BK"]
+        _, _, chunks, n_chunks, ranges = cache.class_chunks(routing, cfg["CH"], x.device, st.ranks,
+                                                            by_slot=True)[i]
+        dap = torch.empty(n_chunks, rb, kdim, device=x.device, dtype=torch.float32)
+        _DA.launch((triton.cdiv(kdim, bk), n_chunks),
+            x, dS, dap, row_ids, chunks, st.seed, st.thr, st.inv_keep, st.r, st.roff,
+            kdim, x.stride(0), x.stride(1), dS.stride(0), dS.stride(1), k_total, k_offset,
+            DROPOUT=st.dropout, ALIGNED=k_offset % 8 == 0, BM=cfg["BM"], BK=bk, RB=rb,
+            PREC=dot_precision(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+        parts.append(_reduce_by_slot(dap, ranges, st.ranks, rb, 0))
+    return _merge(parts)
 
 
 def lora_da_dx(x: torch.Tensor, dS: torch.Tensor, A_cat: torch.Tensor, dx: torch.Tensor | None, st,
                routing, row_ids: torch.Tensor, *, k_total: int, k_offset: int = 0,
                need_da: bool = True, cache) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """dA per slot and ``dx (+)= keep⊙(dS·A)/(1-p)`` in one pass with one mask per tile.
+    """dA per slot and ``dx (+)= keep⊙(dS·A)/(1-p)`` in one pass with one mask per tile, per rank block.
 
     ``dx`` given: accumulated into in place (it holds dY·W); None: a new tensor with the low-rank term alone.
     """
     m, kdim = x.shape
-    cfg = _config("da_dx", m, st.r_max, kdim, x.element_size(), st.rb)
-    bk = cfg["BK"]
-    chunks, n_chunks, ranges = cache.chunk_table(routing, cfg["CH"], x.device, by_slot=True)
     acc = dx is not None
     if dx is None:
         dx = torch.empty(m, kdim, device=x.device, dtype=x.dtype)
-    dap = torch.empty(n_chunks, st.rb, kdim, device=x.device, dtype=torch.float32)
-    _DA_DX.launch((triton.cdiv(kdim, bk), n_chunks),
-        x, dS, A_cat, dx, dap, row_ids, chunks, st.seed, st.thr, st.inv_keep, st.r, st.roff,
-        kdim, x.stride(0), x.stride(1), dS.stride(0), dS.stride(1), A_cat.stride(0), A_cat.stride(1),
-        dx.stride(0), dx.stride(1), k_total, k_offset,
-        ACC=acc, DROPOUT=st.dropout, ALIGNED=k_offset % 8 == 0, BM=cfg["BM"], BK=bk, RB=st.rb,
-        PREC=dot_precision(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    dA = _reduce_by_slot(dap, ranges, st.ranks, st.rb, 0) if need_da else [None] * len(st.ranks)
-    return dx, dA
+    parts = []
+    for i, (rb, rmax, _) in enumerate(cache.classes(routing, st.ranks)):
+        cfg = _config("da_dx", m, rmax, kdim, x.element_size(), rb)
+        bk = cfg["BK"]
+        _, _, chunks, n_chunks, ranges = cache.class_chunks(routing, cfg["CH"], x.device, st.ranks,
+                                                            by_slot=True)[i]
+        dap = torch.empty(n_chunks, rb, kdim, device=x.device, dtype=torch.float32)
+        _DA_DX.launch((triton.cdiv(kdim, bk), n_chunks),
+            x, dS, A_cat, dx, dap, row_ids, chunks, st.seed, st.thr, st.inv_keep, st.r, st.roff,
+            kdim, x.stride(0), x.stride(1), dS.stride(0), dS.stride(1), A_cat.stride(0), A_cat.stride(1),
+            dx.stride(0), dx.stride(1), k_total, k_offset,
+            ACC=acc, DROPOUT=st.dropout, ALIGNED=k_offset % 8 == 0, BM=cfg["BM"], BK=bk, RB=rb,
+            PREC=dot_precision(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+        parts.append(_reduce_by_slot(dap, ranges, st.ranks, rb, 0) if need_da else [None] * len(st.ranks))
+    return dx, _merge(parts)

@@ -35,6 +35,19 @@ def rank_block(r_max: int) -> int:
     return max(16, 1 << max(0, (int(r_max) - 1).bit_length()))
 
 
+def rank_classes(ranks: Sequence[int], slots) -> list[tuple[int, int, tuple[int, ...]]]:
+    """The launches of a call's row-chunk kernels: one per rank block among ``slots`` (those with rows), as
+    (rank block, the largest rank in it, its slots), smallest block first. Chunks of a slot of rank r run
+    at ``rank_block(r)``, not at the call's largest block: work follows each adapter's own rank in a batch
+    of mixed ranks. No slot: one launch at the block of the largest rank (it writes the zeros)."""
+    by_rb: dict[int, list[int]] = {}
+    for a in sorted(slots):
+        by_rb.setdefault(rank_block(ranks[a]), []).append(a)
+    if not by_rb:
+        return [(rank_block(max(ranks)), max(ranks), ())]
+    return [(rb, max(ranks[a] for a in by_rb[rb]), tuple(by_rb[rb])) for rb in sorted(by_rb)]
+
+
 def to_device(host: torch.Tensor, device) -> torch.Tensor:
     """Host → device without stalling the host on the stream: pinned staging + non-blocking copy on CUDA
     (``device`` None: ``host`` as it is)."""
@@ -97,7 +110,10 @@ def _cdiv(a: int, b: int) -> int:
 class TableCache:
     """Kernel tables for one model: per routing (weak keys) and per adapter set (bounded LRU)."""
 
-    def __init__(self, max_adapter_sets: int = 256):
+    def __init__(self, max_adapter_sets: int = 256, one_block: bool = False):
+        """``one_block``: every slot at the call's largest rank block, in one launch per kernel (how the
+        kernels ran before launches per rank block; benchmarks compare against it)."""
+        self.one_block = one_block
         self._routing: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._static: OrderedDict = OrderedDict()
         self._max = max_adapter_sets
@@ -185,3 +201,38 @@ class TableCache:
             return to_device(torch.tensor(flat, dtype=torch.int32), device), max(1, len(pieces)), ranges
 
         return self._memo(routing, ("chunks", size, by_slot, str(device)), build)
+
+    def classes(self, routing, ranks: Sequence[int]) -> list[tuple[int, int, tuple[int, ...]]]:
+        """:func:`rank_classes` of the slots with rows in ``routing``."""
+        ranks = tuple(int(r) for r in ranks)
+        if self.one_block:
+            return [(rank_block(max(ranks)), max(ranks), tuple(range(len(ranks))))]
+        return self._memo(routing, ("rank classes", ranks), lambda: rank_classes(
+            ranks, {slot for slot, _, length in routing.segments if length > 0}))
+
+    def class_chunks(self, routing, size: int, device, ranks: Sequence[int], by_slot: bool = False):
+        """:meth:`chunk_table` split by :func:`rank_classes`: [(rank block, largest rank, chunks, n_chunks,
+        slot ranges)], one per launch. Rows outside every segment (slot -1) go with the first (smallest)
+        class, so a kernel that writes every row still does. One class: :meth:`chunk_table` as it is."""
+        ranks = tuple(int(r) for r in ranks)
+
+        def build():
+            classes = self.classes(routing, ranks)
+            if len(classes) == 1:
+                (rb, rmax, _), = classes
+                return [(rb, rmax, *self.chunk_table(routing, size, device, by_slot))]
+            whole = self.chunk_table(routing, size, None if device is None else "cpu", by_slot)[0]
+            rows = whole.view(-1, 3).tolist()
+            out = []
+            for i, (rb, rmax, slots) in enumerate(classes):
+                mine = [c for c in rows if c[0] in slots or (i == 0 and c[0] < 0)]
+                ranges = {}
+                for j, (slot, _, _) in enumerate(mine):
+                    if by_slot and slot >= 0:
+                        ranges[slot] = (ranges.get(slot, (j, j))[0], j + 1)
+                flat = [v for c in mine for v in c]
+                out.append((rb, rmax, to_device(torch.tensor(flat, dtype=torch.int32), device), len(mine),
+                            ranges))
+            return out
+
+        return self._memo(routing, ("classes", size, by_slot, ranks, str(device)), build)

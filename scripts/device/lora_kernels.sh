@@ -3,8 +3,10 @@
 # linears (qkv 4096->6144, proj 4096->4096, fc1 4096->28672, fc2 14336->4096) with four adapter segments of
 # their per-call ranks under PEFT's layout (an r=16 adapter is rank 48 on the fused q/k/v linear, 32 on the
 # fused gate/up one): four r=16 at 32,768 tokens, three r=16 and one r=64 at 32,768, four r=16 at 16,384.
-# Each kernel's config of today ("before") is timed first at every bucket, so the summary's before/after is
-# measured in the same run; shrink and da_dx are also timed without dropout (the mask's share).
+# Each kernel's config of today is timed first at every bucket; per linear and kernel the summary has the
+# launcher's time "before" (the shipped configs, every adapter at the largest rank block in one launch, dS and
+# dB in one pass) and "after" (the tuned configs, one launch per rank block), measured in the same run;
+# shrink and da_dx are also timed without dropout (the mask's share).
 #   bash scripts/device/lora_kernels.sh
 #   GPU_TESTS=0, TUNE_TIMEOUT (170 s), REP_MS (25: do_bench's window per candidate)
 # Writes $OUT/tuned-<gpu>.json (paste into lorafusion/kernels/tuning.py), $OUT/lora-kernels.json (before/after
