@@ -18,8 +18,9 @@ One program per row (4 rows for 2k-4k-column rows without a column scale: ``SHOR
 reading the row twice (the second time mostly from L2): on an H100 that was faster for 14k- and 28k-column
 rows than one 16k/32k-wide block (0.61 vs 0.93 ms for fc1's dY at 12,288 rows), slower for 4k-column ones.
 
-Transpose: [M, N] → [N, M] of one-byte elements in 64×64 tiles (``W_q`` → ``W_qᵀ``, the K-major operand of the
-input-gradient GEMM); ``Tensor.t().contiguous()`` on FP8 ran at ~0.2 TB/s on an H100.
+Transpose: [M, N] → [N, M] of one-byte elements (FP8, moved as they are) in 64×64 tiles (``W_q`` → ``W_qᵀ``,
+the K-major operand of the input-gradient GEMM); ``Tensor.t().contiguous()`` on FP8 ran at ~0.2 TB/s on an
+H100.
 """
 
 from __future__ import annotations
@@ -179,20 +180,20 @@ def _transpose_kernel(src_ptr, dst_ptr, M, N, stride_s, stride_d, BM: tl.constex
 def transpose_triton(w: torch.Tensor, block: int = 64) -> torch.Tensor:
     """``w.t().contiguous()`` for a 2-D CUDA tensor of one-byte elements (FP8) with a contiguous last dim."""
     m, n = w.shape
-    src = w.view(torch.uint8)
-    dst = torch.empty(n, m, device=w.device, dtype=torch.uint8)
-    _transpose(src, dst, m, n, block)
-    return dst.view(w.dtype)
+    dst = torch.empty(n, m, device=w.device, dtype=w.dtype)
+    _transpose(w, dst, m, n, block)
+    return dst
 
 
-def transposed_operand(src: torch.Tensor, dtype: torch.dtype, block: int = 64) -> torch.Tensor:
-    """``src`` (a one-byte [M, N] CUDA tensor with a contiguous last dim, viewed as uint8) copied into
-    column-major layout, as ``dtype``: [M, N] with strides (1, M), the data of ``srcᵀ`` row-major — the
-    K-major operand of a GEMM by ``src`` (the input gradient's ``dY·W_q``). Two host ops and one launch."""
+def transposed_operand(src: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """``src`` (a one-byte [M, N] CUDA tensor, FP8, with a contiguous last dim) copied into column-major
+    layout: [M, N] with strides (1, M), the data of ``srcᵀ`` row-major — the K-major operand of a GEMM by
+    ``src`` (the input gradient's ``dY·W_q``). One allocation and one launch: the kernel moves FP8 elements
+    as they are (loaded and stored as the same type, no conversion)."""
     m, n = src.shape
-    dst = torch.empty_strided((m, n), (1, m), device=src.device, dtype=torch.uint8)
+    dst = torch.empty_strided((m, n), (1, m), device=src.device, dtype=src.dtype)
     _transpose(src, dst, m, n, block)
-    return dst.view(dtype)
+    return dst
 
 
 def _transpose(src: torch.Tensor, dst: torch.Tensor, m: int, n: int, block: int) -> None:

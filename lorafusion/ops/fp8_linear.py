@@ -15,9 +15,9 @@ Quantization (row-wise, "dequant" scales: ``v ≈ q·scale``):
   backward). Nothing of X is saved for backward; no dW is computed (W is not a parameter).
 
 What never changes between calls (W is frozen) is made once per weight in an :class:`Fp8Weight`: the
-operand views of both GEMMs, the scale rows, the unit scale, the one-byte view the transpose reads. The
-layers keep one per linear (:func:`lorafusion.layers.fp8_base.weight_form`), remade when the weight is
-rewritten; the op functions make one per call when given none.
+operand views of both GEMMs, the scale rows, the unit scale. The layers keep one per linear
+(:func:`lorafusion.layers.fp8_base.weight_form`), remade when the weight is rewritten; the op functions make
+one per call when given none.
 
 ``torch._scaled_mm`` (cuBLASLt on sm_89+, and CPU in torch >= 2.13, which CI uses) wants K and N multiples
 of 16; other shapes take :func:`scaled_gemm`'s fallback, the same quantized math as a float32 matmul of the
@@ -144,20 +144,20 @@ class Fp8Weight:
     """An FP8 weight (W_q [n, k] row-major, s_w [n]) and the forms of it that both GEMMs take, made once.
 
     ``fwd_b`` = W_qᵀ as a view ([k, n], column-major: the forward's K-major operand), ``fwd_scale`` = s_w as
-    a [1, n] row, ``unit`` = the [1, k] column scale of the input-gradient GEMM, ``bytes`` = W_q viewed as
-    uint8 (what the CUDA transpose reads). ``transposed``: also keep W_q's transpose (``dx_b``, the input
-    gradient's K-major operand, [n, k] column-major) instead of making it in each backward: one byte more
-    per weight. :meth:`fresh` says whether this still describes ``(w_q, w_scale)`` (same tensors, not
-    written since)."""
+    a [1, n] row, ``unit`` = the [1, k] column scale of the input-gradient GEMM, ``triton``: whether the
+    transpose of W_q runs as the Triton kernel (CUDA, contiguous rows). ``transposed``: also keep W_q's
+    transpose (``dx_b``, the input gradient's K-major operand, [n, k] column-major) instead of making it in
+    each backward: one byte more per weight. :meth:`fresh` says whether this still describes
+    ``(w_q, w_scale)`` (same tensors, not written since)."""
 
-    __slots__ = ("q", "scale", "fwd_b", "fwd_scale", "unit", "bytes", "dx_b", "_versions")
+    __slots__ = ("q", "scale", "fwd_b", "fwd_scale", "unit", "triton", "dx_b", "_versions")
 
     def __init__(self, w_q: torch.Tensor, w_scale: torch.Tensor, transposed: bool = False):
         self.q, self.scale = w_q, w_scale
         self.fwd_b = w_q.t()
         self.fwd_scale = w_scale.view(1, -1)
         self.unit = unit_scale(w_q.shape[1], w_q.device)
-        self.bytes = w_q.view(torch.uint8) if _on_device(w_q) and w_q.stride(1) == 1 else None
+        self.triton = _on_device(w_q) and w_q.stride(1) == 1
         self.dx_b = self._transposed_b() if transposed else None
         self._versions = (w_q._version, w_scale._version)
 
@@ -167,10 +167,10 @@ class Fp8Weight:
 
     def _transposed_b(self) -> torch.Tensor:
         """W_q in column-major layout ([n, k], strides (1, n)): the data of W_qᵀ, a new tensor."""
-        if self.bytes is not None:
+        if self.triton:
             fn = _triton("transposed_operand")
             if fn is not None:
-                return fn(self.bytes, self.q.dtype)
+                return fn(self.q)
         return transpose(self.q).t()
 
     def dx_operand(self) -> torch.Tensor:

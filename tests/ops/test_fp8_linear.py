@@ -181,7 +181,7 @@ def test_triton_transpose_and_two_pass_quantization(m, n):
 
     w = torch.randint(0, 255, (m, n), dtype=torch.uint8, device="cuda").view(F.E4M3)
     assert torch.equal(F.transpose(w).view(torch.uint8), w.view(torch.uint8).t().contiguous())
-    b = transposed_operand(w.view(torch.uint8), F.E4M3)  # column-major W: the input gradient's operand
+    b = transposed_operand(w)  # column-major W: the input gradient's operand
     assert b.dtype == F.E4M3 and b.stride() == (1, m)
     assert torch.equal(b.view(torch.uint8), w.view(torch.uint8))
     x = (torch.randn(m, n, device="cuda") * 3).to(torch.bfloat16)
@@ -376,7 +376,7 @@ def test_triton_transposed_operand_on_cpu(m, n):
     column-major layout, as FP8."""
     from lorafusion.kernels.fp8_quant import transposed_operand
 
-    w = torch.randint(0, 255, (m, n), dtype=torch.uint8, generator=torch.Generator().manual_seed(m))
-    b = transposed_operand(w, F.E4M3)
+    w = torch.randint(0, 256, (m, n), dtype=torch.uint8, generator=torch.Generator().manual_seed(m))
+    b = transposed_operand(w.view(F.E4M3))  # every byte, NaN patterns included, moved as it is
     assert b.dtype == F.E4M3 and b.shape == (m, n) and b.stride() == (1, m)
     assert torch.equal(b.view(torch.uint8), w)
