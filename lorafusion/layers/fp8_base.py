@@ -100,11 +100,14 @@ def weight_form(mod) -> Fp8Weight:
     return form
 
 
-def fp8_base_forward(mod, input_: torch.Tensor):
+def fp8_base_forward(mod, input_: torch.Tensor, lora=None):
     """(output, output bias) of a Megatron Column/RowParallelLinear whose weight is FP8, with Megatron's TP
     and SP communication: column — all-gather the sequence (SP) or copy to the TP region (backward:
     reduce-scatter / all-reduce of dX), FP8 GEMM, optional output gather; row — FP8 GEMM on the in-dim shard,
-    then reduce-scatter (SP) or all-reduce, bias after the reduction."""
+    then reduce-scatter (SP) or all-reduce, bias after the reduction. ``lora(x)``: a term of the input the
+    GEMM sees, partial over TP as the GEMM's (the LoRA term, :mod:`lorafusion.ops.comm`), added to the GEMM's
+    output before any collective: it shares the base's (one all-gather of X; dX summed by the base's
+    reduction; a row linear's term summed by its reduce-scatter / all-reduce)."""
     tp = mod._tp()[0]
     group = getattr(mod, "tp_group", None)
     w = weight_form(mod)
@@ -115,11 +118,15 @@ def fp8_base_forward(mod, input_: torch.Tensor):
         elif tp > 1:
             x = M.copy_to_tensor_model_parallel_region(input_, group=group)
         y = fp8_linear(x, w.q, w.scale, None if mod.skip_bias_add else mod.bias, form=w)
+        if lora is not None:
+            y = y + lora(x)
         if mod.gather_output:
             y = M.gather_from_tensor_model_parallel_region(y, group=group)
         return y, (mod.bias if mod.skip_bias_add else None)
     x = input_ if mod.input_is_parallel else M.scatter_to_tensor_model_parallel_region(input_, group=group)
     y = fp8_linear(x, w.q, w.scale, form=w)
+    if lora is not None:
+        y = y + lora(x)
     if mod.sequence_parallel:
         y = M.reduce_scatter_to_sequence_parallel_region(y, group=group)
     elif tp > 1:

@@ -52,7 +52,7 @@ from lorafusion.layers.fp8_base import (
 )
 from lorafusion.layers.fused_proj import fused_projection_index, ops_b
 from lorafusion.layers.sharding import COLUMNS, REPLICATED, ROW_HALVES, ROWS, TPSplit
-from lorafusion.layers.tp_overlap import refuse_partial, tp_forward, tp_path
+from lorafusion.layers.tp_overlap import refuse_partial, tp_forward, tp_lora, tp_path
 from lorafusion.ops.saved import rebuild_saved
 from lorafusion.ops.tp_overlap import gather_rows
 from lorafusion.ops.tables import TableCache, seed_tensor
@@ -312,7 +312,6 @@ class LoRALinear:
                 return tp_forward(self, input_, largs, nano, _saved_as_shard)
         if largs is None:
             return self._base_forward(input_, *args, **kwargs)
-        refuse_partial(self)
         with rebuild_saved(input_):
             return self._lora_forward(input_, largs, *args, **kwargs)
 
@@ -321,6 +320,9 @@ class LoRALinear:
                   and ops.resolve_impl(input_, self.lora_ctx.impl) == "triton")
         if one_op and is_fp8(self):  # the FP8 base GEMM with the LoRA term added into its output in place
             return fp8_fused_forward(self, input_, largs)
+        if is_fp8(self) and self._tp()[0] > 1 and not args and not kwargs:  # LoRA on the base's collectives
+            return fp8_base_forward(self, input_, tp_lora(self, input_, largs, _saved_as_shard))
+        refuse_partial(self)
         if self.weight is not None and one_op:
             routing, a, b, scaling, p, seeds, seed_table = largs
             bias = None if self.skip_bias_add or self.bias is None else self.bias

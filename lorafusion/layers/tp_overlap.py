@@ -20,9 +20,9 @@ LoRA term's own (no all-reduce of S or dS: :mod:`lorafusion.ops.comm`):
   (under SP the all-gathered dY the base gathers anyway: one all-gather of dY for base and LoRA), so dS and
   dA are exact and dB (from this rank's S) is partial, summed over TP once per step.
 
-Where it does not apply the linear keeps Megatron's path: tp = 1, an FP8 base (its own GEMM), a trainable
-base weight (dW), a column linear that gathers its output, a row linear whose input is not split, a call with
-Megatron's extra arguments.
+Where it does not apply the linear keeps Megatron's path: tp = 1, an FP8 base (its own GEMM; its LoRA term
+rides on its collectives the same way, :func:`tp_lora`), a trainable base weight (dW), a column linear that
+gathers its output, a row linear whose input is not split, a call with Megatron's extra arguments.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from lorafusion.layers.fp8_base import is_fp8
 from lorafusion.ops.comm import is_partial_grad, mark_partial_grad
 from lorafusion.ops.tp_overlap import column_linear_overlapped, row_linear_overlapped
 
-__all__ = ["partial_factors", "refuse_partial", "tp_forward", "tp_path"]
+__all__ = ["partial_factors", "refuse_partial", "tp_forward", "tp_lora", "tp_path"]
 
 
 def tp_path(linear, args=(), kwargs=None) -> int | None:
@@ -62,6 +62,23 @@ def refuse_partial(linear) -> None:
     if linear._tp()[0] > 1 and any(is_partial_grad(p) for p in partial_factors(linear)):
         raise RuntimeError(f"internal: LoRA linear {linear.lora_key} ran its TP path before (gradients "
                            f"partial over TP) and now Megatron's path")
+
+
+def tp_lora(linear, shard, largs, shard_hooks):
+    """The LoRA term of ``linear`` as a function of the input its base GEMM sees, partial over TP (no
+    collective of its own; its replicated factors marked), for a base that runs its own collectives and adds
+    it before them (the FP8 base, :func:`lorafusion.layers.fp8_base.fp8_base_forward`). A column linear under
+    SP gets the gathered input, whose saved copy is kept as this rank's ``shard`` (``shard_hooks`` as for
+    :func:`tp_forward`)."""
+    mark_partial_grad(partial_factors(linear))
+
+    def lora(x):
+        if linear.s_comm_mode != "column" or not linear.sequence_parallel:
+            return linear._lora_delta(x, largs, partial=True)
+        with shard_hooks(x, shard, linear.tp_group, linear._tp()[0]):
+            return linear._lora_delta(x, largs, partial=True)
+
+    return lora
 
 
 def tp_forward(linear, input_, largs, nano: int, shard_hooks=None):

@@ -34,10 +34,12 @@ def tp_switch_ranks(tmp_path_factory):
     # every LoRA linear's cached TP geometry is its rank's
     assert [rec["tp_geometry"] for rec in records] == [[[2, 0]], [[2, 1]]]
     STEP.extend(rec["step"] for rec in records)
+    FP8.extend(rec["fp8"] for rec in records)
     return [rec["microbatches"] for rec in records]
 
 
 STEP: list = []  # the two ranks' sum of partial gradients after the microbatches (see the fixture)
+FP8: list = []  # the two ranks' collectives of one microbatch with an FP8 base
 
 
 def test_tp_overlap_switched_between_microbatches_keeps_the_ranks_collectives_paired(tp_switch_ranks):
@@ -92,3 +94,16 @@ def test_tp_and_sequence_parallel_collectives_per_microbatch(tp_switch_ranks):
     for mb in tp_switch_ranks[0]:
         got = Counter(n for n, _ in mb["collectives"])
         assert dict(got) == _expected_collectives(ARCH.num_layers), mb["overlap"]
+
+
+def test_fp8_base_lora_shares_the_base_collectives(tp_switch_ranks):
+    """An FP8 base (Megatron's collectives around its own GEMM) at TP=2 + SP: the LoRA term rides on them as
+    on the TP path — one all-gather of a column linear's input for base and LoRA term, no all-reduce of S or
+    dS, one all-gather of a row linear's dY — so a microbatch issues the same collectives as the bf16 base's.
+    (Megatron's path plus the LoRA term on its own: a second all-gather per column linear and per row
+    linear's dY, and 4 all-reduces per layer.)"""
+    from collections import Counter
+
+    a, b = FP8
+    assert a == b
+    assert dict(Counter(n for n, _ in a)) == _expected_collectives(ARCH.num_layers)

@@ -76,8 +76,18 @@ def main(workdir: Path) -> None:
     CALLS.clear()  # the step's sum of the gradients left partial over TP (the optimizer's, once per step)
     summed = sum_partial_grads(list(model.parameters()), parallel_state.get_tensor_model_parallel_group())
     step = {"summed": summed, "collectives": list(CALLS)}
+    # the same microbatch through an FP8 base (every decoder linear; its own GEMM and Megatron's collectives)
+    fp8 = build_model_from_hf(workdir / "base", sequence_parallel=True, fused_ops="torch",
+                              base_precision="fp8", params_dtype=torch.bfloat16, fp8_bf16_layers=0)
+    for i, r in enumerate((4, 8)):
+        add_adapter(fp8, f"a{i}", LoRASpec(r=r, lora_alpha=2 * r, target_modules=("all-linear",)), seed=i)
+    fp8.train()
+    CALLS.clear()
+    with lora_batch(fp8, b.routing, b.adapters, [11, 12]):
+        fp8(b.tokens, b.position_ids, attention_mask=None, labels=b.labels,
+            packed_seq_params=b.packed_seq_params()).float().sum().backward()
     (workdir / f"rank{dist.get_rank()}.json").write_text(json.dumps({
-        "microbatches": out, "tp_geometry": geometry, "step": step}))
+        "microbatches": out, "tp_geometry": geometry, "step": step, "fp8": list(CALLS)}))
     destroy_distributed()
 
 
