@@ -24,7 +24,7 @@ import argparse
 import json
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +55,7 @@ class Run:
     recompute: tuple[int, ...]  # per pipeline rank
     busy: tuple[float, ...]  # seconds per pipeline rank
     group: str  # runs of one group share one time scale
+    record: dict = field(default_factory=dict, compare=False, repr=False)  # the record as read
 
     @property
     def shares(self) -> np.ndarray:
@@ -112,7 +113,7 @@ def _run(name: str, rec: dict) -> Run | None:
     per = tp * dp  # Megatron's rank order: the pipeline stage is the slowest-varying index
     busy = [rec["timed_s"] * (1 - float(np.mean(b[s * per:(s + 1) * per]))) for s in range(pp)]
     group = f"{rec.get('device')}|{rec.get('commit')}|{plan.get('token_capacity')}|tp{tp} pp{pp} v{v} dp{dp}"
-    return Run(name, model, precision, pp, tuple(split), tuple(int(x) for x in rc), tuple(busy), group)
+    return Run(name, model, precision, pp, tuple(split), tuple(int(x) for x in rc), tuple(busy), group, rec)
 
 
 def load_runs(results: Path = RESULTS) -> list[Run]:

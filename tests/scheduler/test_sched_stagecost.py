@@ -123,3 +123,37 @@ def test_the_70b_split_on_80gb_is_stable_and_balanced(precision, gpu, split, rc,
             rco = [_fewest(so, i, cap, gpu * GIB, c) for i in range(4)]
             if None not in rco:
                 assert max(rank_loads(so, rco)) >= max(best) - 1e-9, other
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_the_simulator_agrees_with_the_chosen_70b_split(precision):
+    """Scoring the split candidates with the pipeline simulator (unequal microbatches: a synthetic chunk of
+    the config's jobs, each microbatch's attention per sample²) picks the split the chooser picked by the
+    busiest rank's work, among every one-layer move between neighbouring stages: the chooser needs no
+    simulator (scripts/sim_check_runs.py --split-check does the same on the benchmark data)."""
+    from lorafusion.scheduler import simulate_plan, stages
+    from lorafusion.scheduler.planner import plan
+    from lorafusion.scheduler.sizing import _fewest
+    from lorafusion.scheduler.virtual import synthetic_jobs
+
+    cfg = load_run_config(C70, ["parallelism.dp=1", f"model.base_precision={precision}"], check_files=False)
+    run = resolve(cfg, World(4), GpuMemory(80 * GIB, 80 * GIB))
+    m, s, arch = run.memory, run.setup, preset("llama3.1-70b")
+    jobs = synthetic_jobs([(j.name, j.global_batch_size, j.dataset.max_seq_len) for j in cfg.jobs], 8)
+    chunk = plan(jobs, replace(run.scheduler, solver="greedy", milp_time_limit_s=0.0))
+    loss, lead = stages.loss_layers(arch), (1 if precision == "fp8" else None)
+    cm = stages.flop_cost_model(arch, loss)
+
+    def span(split, rc):
+        costs = stages.recompute_stage_costs(split, loss, 4, rc, 2.0, lead, stages.embedding_layers())
+        return simulate_plan(chunk, cm, backward_ratio=2.0, stage_costs=costs)[0].makespan
+
+    best = span(list(m.stage_layers), list(m.recompute_layers))
+    for k in range(3):
+        for d in (-1, 1):
+            other = list(m.stage_layers)
+            other[k], other[k + 1] = other[k] + d, other[k + 1] - d
+            so = replace(s, stage_layers=tuple(other))
+            rc = [_fewest(so, i, m.capacity, m.gpu_bytes, load_coefficients()) for i in range(4)]
+            if None not in rc:
+                assert span(other, rc) > best, other
