@@ -1,8 +1,9 @@
 """FP8 base quality on the quickstart, the way the field checks a precision change: the same config trained
 with a bf16 and an FP8 base (``model.dtype=bfloat16``, ``model.base_precision`` bf16 / fp8) over several
 seeds, then greedy answers to the held-out prompts. FP8 passes when each job's final loss lies inside bf16's
-own seed-to-seed spread (min..max of its final losses over the seeds, widened by ``--slack``) and each seed's
-held-out score is within one answer of bf16's; the loss curves of every run are overlaid in one PNG.
+own seed-to-seed spread (min..max of its final losses over the seeds, widened by ``--slack``; below it counts
+as inside) and no seed's held-out score is more than one answer below bf16's; the loss curves of every run are
+overlaid in one PNG.
 
     python scripts/fp8_quickstart.py run --seeds 1234 1 2 --work /tmp/qs    # trains and answers, all at once
     python scripts/fp8_quickstart.py report --work /tmp/qs --json qs.json --png qs.png
@@ -95,9 +96,11 @@ def _heldout(run: Path) -> dict[str, list[int]]:
 
 def verdict(runs: dict, seeds: list[int], slack: float) -> dict:
     """Each job's bf16 final losses over the seeds (min..max, widened by ``slack`` of that range), whether
-    every FP8 final loss lies inside, and per seed and job the held-out answers of FP8 minus bf16's."""
+    every FP8 final loss lies inside (and whether none lies above), and per seed and job the held-out answers
+    of FP8 minus bf16's. FP8 passes when no final loss is above bf16's spread and no held-out score is more
+    than one answer below bf16's."""
     jobs = sorted(runs[f"bf16-{seeds[0]}"]["final_loss"])
-    spread, inside, answers = {}, {}, {}
+    spread, inside, not_above, answers = {}, {}, {}, {}
     for job in jobs:
         ref = [runs[f"bf16-{s}"]["final_loss"][job] for s in seeds]
         lo, hi = min(ref), max(ref)
@@ -111,11 +114,14 @@ def verdict(runs: dict, seeds: list[int], slack: float) -> dict:
                        "mean_last10_fp8_over_bf16": statistics.fmean(last["fp8"])
                        / statistics.fmean(last["bf16"])}
         inside[job] = all(lo - pad <= x <= hi + pad for x in fp8)
+        not_above[job] = all(x <= hi + pad for x in fp8)
         answers[job] = [runs[f"fp8-{s}"]["heldout"][job][0] - runs[f"bf16-{s}"]["heldout"][job][0]
                         for s in seeds]
-    ok = all(inside.values()) and all(abs(d) <= 1 for v in answers.values() for d in v)
+    ok = all(not_above.values()) and all(d >= -1 for v in answers.values() for d in v)
     return {"final_loss_spread": spread, "fp8_inside_bf16_spread": inside,
-            "heldout_fp8_minus_bf16": answers, "pass": ok}
+            "fp8_not_above_bf16_max": not_above, "heldout_fp8_minus_bf16": answers, "pass": ok,
+            "pass_means": "every FP8 final loss at most bf16's largest over the seeds (below bf16's smallest "
+                          "counts as inside), no seed's held-out score more than one answer below bf16's"}
 
 
 def plot(runs: dict, seeds: list[int], png: Path) -> None:
@@ -160,7 +166,8 @@ def report(args) -> int:
     text = json.dumps(out, indent=1)
     if args.json:
         args.json.write_text(text + "\n")
-    print(json.dumps({k: out[k] for k in ("fp8_inside_bf16_spread", "heldout_fp8_minus_bf16", "pass")}))
+    print(json.dumps({k: out[k] for k in ("fp8_inside_bf16_spread", "fp8_not_above_bf16_max",
+                                          "heldout_fp8_minus_bf16", "pass")}))
     return 0
 
 

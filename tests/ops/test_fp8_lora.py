@@ -41,9 +41,12 @@ def _case(m, k, n, dtype, seed):
 
 
 def _in_float32(args):
+    """The case in float32 on the CPU (CUDA's row-wise FP8 GEMMs write only bfloat16; the CPU's take
+    float32), the FP8 weight unchanged."""
     x, w_q, w_s, bias, A, B, sc, ps, seeds, routing, dy = args
-    up = [t.float() for t in A], [t.float() for t in B]
-    return x.float(), w_q, w_s, bias.float(), *up, sc, ps, seeds, routing, dy.float()
+    up = [t.float().cpu() for t in A], [t.float().cpu() for t in B]
+    return (x.float().cpu(), w_q.cpu(), w_s.cpu(), bias.float().cpu(), *up, sc, ps, seeds, routing,
+            dy.float().cpu())
 
 
 def _run(fn, x, w_q, w_s, bias, A, B, sc, ps, seeds, routing, dy):
@@ -67,13 +70,13 @@ def test_fused_fp8_lora_linear_equals_the_split_form(m, k, n, dtype):
     y_ref, grads_ref = _run(fp8_multi_lora_linear_reference, *_in_float32(args))
     assert y.dtype == dtype and y.shape == (m, n)
     tol = TOL[dtype]
-    assert rel(y.float(), y_ref) < tol
+    assert rel(y.float().cpu(), y_ref) < tol
     names = ["x", "bias"] + [f"A{i}" for i in range(len(args[4]))] + [f"B{i}" for i in range(len(args[4]))]
     for name, got, want in zip(names, grads, grads_ref, strict=True):
         if want is None or want.abs().max() == 0:  # a slot with no rows in this layout
             assert got is None or got.abs().max() == 0, name
         else:
-            assert rel(got.float(), want) < tol, (name, rel(got.float(), want))
+            assert rel(got.float().cpu(), want) < tol, (name, rel(got.float().cpu(), want))
 
 
 def test_no_input_gradient_still_gives_the_lora_gradients():
