@@ -278,10 +278,14 @@ def _da_dx_kernel(
     stride_xm, stride_xk, stride_dsm, stride_dsr, stride_ar, stride_ak, stride_dxm, stride_dxk,
     k_total, k_offset,
     ACC: tl.constexpr, DROPOUT: tl.constexpr, ALIGNED: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr = True,
 ):
     """One pass over (X, dX) tiles with one mask per tile: dA partial = dSᵀ·keep⊙X/(1-p) (fp32 [chunks, RB,
-    K]) and dX (+)= keep⊙(dS·A)/(1-p). ``ACC``: add into dX (it holds dY·W from cuBLAS); else write dX."""
+    K]) and dX (+)= keep⊙(dS·A)/(1-p). ``ACC``: add into dX (it holds dY·W from cuBLAS); else write dX.
+
+    ``PREFETCH``: the dX and dS tiles of the next row block are loaded one iteration ahead (Triton's
+    pipeliner stages only the loads that feed a dot, X here: a dX tile loaded where it is added waited out
+    the full memory latency every iteration)."""
     kb = tl.program_id(0)
     c = tl.program_id(1)
     slot = tl.load(chunk_ptr + 3 * c)
@@ -304,13 +308,32 @@ def _da_dx_kernel(
         n_i = tl.where(r > 0, tl.cdiv(length, BM), 0)
     else:
         n_i = tl.cdiv(length, BM)
+    ds_ptrs = ds_ptr + (start + lm)[:, None] * stride_dsm + offs_r[None, :] * stride_dsr
+    dx_ptrs = dx_ptr + (start + lm)[:, None] * stride_dxm + offs_k[None, :] * stride_dxk
+    if PREFETCH:  # the first row block's dS (and dX to add to)
+        m0 = lm < length
+        ds_next = tl.load(ds_ptrs, mask=m0[:, None] & rmask[None, :] & (n_i > 0), other=0.0)
+        if ACC:
+            dx_next = tl.load(dx_ptrs, mask=m0[:, None] & kmask[None, :] & (n_i > 0), other=0.0)
     for i in range(0, n_i):
         rows = start + i * BM + lm
         rowm = i * BM + lm < length
         m2 = rowm[:, None] & kmask[None, :]
+        if PREFETCH:
+            ds = ds_next
+            if ACC:
+                dx_old = dx_next
+            rown = (i + 1) * BM + lm < length  # the next row block's (all False after the last)
+            ds_next = tl.load(ds_ptrs + (i + 1) * BM * stride_dsm, mask=rown[:, None] & rmask[None, :],
+                              other=0.0)
+            if ACC:
+                dx_next = tl.load(dx_ptrs + (i + 1) * BM * stride_dxm, mask=rown[:, None] & kmask[None, :],
+                                  other=0.0)
+        else:
+            ds = tl.load(ds_ptrs + i * BM * stride_dsm, mask=rowm[:, None] & rmask[None, :], other=0.0)
+            if ACC:
+                dx_old = tl.load(dx_ptrs + i * BM * stride_dxm, mask=m2, other=0.0)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=m2, other=0.0)
-        ds = tl.load(ds_ptr + rows[:, None] * stride_dsm + offs_r[None, :] * stride_dsr,
-                     mask=rowm[:, None] & rmask[None, :], other=0.0)
         t = tl.dot(ds, a, input_precision=PREC) * inv
         if DROPOUT:
             rid = tl.load(rowid_ptr + rows, mask=rowm, other=0)
@@ -318,9 +341,8 @@ def _da_dx_kernel(
             x = tl.where(keep, x, 0.0)
             t = tl.where(keep, t, 0.0)
         acc = tl.dot(tl.trans(ds), x, acc, input_precision=PREC)
-        dx_ptrs = dx_ptr + rows[:, None] * stride_dxm + offs_k[None, :] * stride_dxk
         if ACC:
-            t += tl.load(dx_ptrs, mask=m2, other=0.0).to(tl.float32)
-        tl.store(dx_ptrs, t.to(dx_ptr.dtype.element_ty), mask=m2)
+            t += dx_old.to(tl.float32)
+        tl.store(dx_ptrs + i * BM * stride_dxm, t.to(dx_ptr.dtype.element_ty), mask=m2)
     acc = acc * inv
     tl.store(dap_ptr + c * RB * K + offs_r[:, None] * K + offs_k[None, :], acc, mask=kmask[None, :])

@@ -69,6 +69,7 @@ def launch_config(kind: str, m: int, n: int, k: int, itemsize: int, rb: int) -> 
         cfg["BK"] = max(16, min(cfg["BK"], 16384 // rb))  # the [RB, BK] fp32 accumulator in registers
     elif kind == "da_dx":
         cfg["BK"] = max(16, min(cfg["BK"], 8192 // rb))
+        cfg.setdefault("PREFETCH", 1)  # the next row block's dX and dS loaded one iteration ahead
     cfg.setdefault("BK", 16)
     return cfg
 
@@ -278,7 +279,8 @@ def lora_da_dx(x: torch.Tensor, dS: torch.Tensor, A_cat: torch.Tensor, dx: torch
             kdim, x.stride(0), x.stride(1), dS.stride(0), dS.stride(1), A_cat.stride(0), A_cat.stride(1),
             dx.stride(0), dx.stride(1), k_total, k_offset,
             ACC=acc, DROPOUT=st.dropout, ALIGNED=k_offset % 8 == 0, BM=cfg["BM"], BK=bk, RB=rb,
-            PREC=dot_precision(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            PREC=dot_precision(x.dtype), PREFETCH=bool(cfg["PREFETCH"]), num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
         )
         parts.append(_reduce_by_slot(dap, ranges, st.ranks, rb, 0) if need_da else [None] * len(st.ranks))
     return dx, _merge(parts)

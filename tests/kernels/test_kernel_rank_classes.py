@@ -7,7 +7,6 @@ import torch
 from lorafusion.core.routing import Routing
 from lorafusion.core.seeds import mix_seed
 from lorafusion.kernels import fused_multi_lora as K
-from lorafusion.kernels import tuning
 from lorafusion.ops.fused import multi_lora_linear_fused
 from lorafusion.ops.tables import TableCache, rank_block, rank_classes
 
@@ -33,6 +32,22 @@ def _record(monkeypatch):
 
         monkeypatch.setattr(launcher, "launch", launch)
     return seen
+
+
+@pytest.fixture(autouse=True)
+def _fresh_configs():
+    """The launchers memoize configs: none set by a test here outlives it."""
+    yield
+    K._CONFIGS.clear()
+
+
+def _with(monkeypatch, kernel, **keys):
+    """``kernel``'s launch configs with ``keys`` set (on the GPU and under the interpreter alike)."""
+    real = K.__dict__.get("_real_launch_config", K.launch_config)
+    monkeypatch.setattr(K, "_real_launch_config", real, raising=False)
+    monkeypatch.setattr(K, "launch_config", lambda kind, *a: dict(real(kind, *a), **(keys if kind == kernel
+                                                                                        else {})))
+    K._CONFIGS.clear()
 
 
 def test_rank_classes_group_slots_by_their_own_block():
@@ -114,10 +129,30 @@ def test_split_ds_db_equals_the_one_pass(monkeypatch):
     S[42:] = 0
     S[23:42, 9:] = 0
     one = K.lora_ds_db(dy, B, S, st, routing, cache=TableCache())
-    monkeypatch.setitem(tuning.INTERPRET, "ds_db", dict(tuning.INTERPRET["ds_db"], SPLIT=1))
-    K._CONFIGS.clear()
+    _with(monkeypatch, "ds_db", SPLIT=1)
     split = K.lora_ds_db(dy, B, S, st, routing, cache=TableCache())
-    K._CONFIGS.clear()
     assert rel(split[0], one[0]) < 1e-6 and split[0][:3].abs().max() == 0 == split[0][23:42, 9:].abs().max()
     for got, want in zip(split[1], one[1], strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("acc", [True, False])
+def test_da_dx_prefetching_the_next_row_block_changes_no_bit(monkeypatch, acc):
+    """dX and dS loaded one row block ahead (the default) = loaded where they are used."""
+    torch.manual_seed(4)
+    m, k, ranks = 77, 48, [16, 5]
+    routing = Routing(segments=((1, 2, 30), (0, 32, 41)), num_rows=m, row_ids=torch.randperm(500)[:m])
+    st = TableCache().slot_tables(ranks, [2.0, 0.5], [0.1, 0.3], [7, 8], DEV)
+    ids = TableCache().row_ids(routing, DEV)
+    x, dS = torch.randn(m, k, device=DEV), torch.randn(m, 16, device=DEV)
+    A = torch.randn(sum(ranks), k, device=DEV)
+    dx0 = torch.randn(m, k, device=DEV)
+    outs = []
+    for prefetch in (1, 0):
+        _with(monkeypatch, "da_dx", PREFETCH=prefetch)
+        outs.append(K.lora_da_dx(x, dS, A, dx0.clone() if acc else None, st, routing, ids, k_total=k,
+                                 cache=TableCache()))
+    (dx1, da1), (dx0_, da0) = outs
+    assert torch.equal(dx1, dx0_)
+    for a, b in zip(da1, da0, strict=True):
+        assert torch.equal(a, b)
