@@ -372,7 +372,8 @@ def _saved_as_shard(full: torch.Tensor, shard: torch.Tensor, group, tp: int):
     ``shard`` — or, when the shard is a norm's output, as the norm's recipe: nothing — and all-gathered again
     in backward, as Megatron's SP linears do with their input (:func:`lorafusion.ops.saved.rebuild_saved`;
     backward runs the same layers in the same order on every TP rank, so the gathers pair up)."""
-    return rebuild_saved(shard, full, lambda t: gather_rows(t, group, tp))
+    return rebuild_saved(shard, full, lambda t: gather_rows(t, group, tp),
+                         lambda t: gather_rows(t, group, tp, async_op=True))
 
 
 class LoRAColumnParallelLinear(LoRALinear, ColumnParallelLinear):

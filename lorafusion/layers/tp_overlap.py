@@ -20,6 +20,11 @@ LoRA term's own (no all-reduce of S or dS: :mod:`lorafusion.ops.comm`):
   (under SP the all-gathered dY the base gathers anyway: one all-gather of dY for base and LoRA), so dS and
   dA are exact and dB (from this rank's S) is partial, summed over TP once per step.
 
+Under SP the all-gather that rebuilds a column linear's saved input in backward is issued early: by the
+backward of the row linear after it in forward (proj after qkv, fc2 after fc1), right after that one's
+all-gather of dY, so it runs under the row linear's dX GEMM and what follows (attention's backward, SwiGLU's)
+instead of in line when the LoRA term's backward needs it (``rebuild_saved``'s prefetch).
+
 Where it does not apply the linear keeps Megatron's path: tp = 1, an FP8 base (its own GEMM; its LoRA term
 rides on its collectives the same way, :func:`tp_lora`), a trainable base weight (dW), a column linear that
 gathers its output, a row linear whose input is not split, a call with Megatron's extra arguments.
@@ -34,6 +39,10 @@ from lorafusion.ops.comm import is_partial_grad, mark_partial_grad
 from lorafusion.ops.tp_overlap import column_linear_overlapped, row_linear_overlapped
 
 __all__ = ["partial_factors", "refuse_partial", "tp_forward", "tp_lora", "tp_path"]
+
+# the prefetch of the LoRA term's saved input of the last column linear under SP (its all-gather in backward),
+# handed to the next row linear, whose backward — before the column linear's — starts it under its own GEMMs
+_PREFETCH: list = [None]
 
 
 def tp_path(linear, args=(), kwargs=None) -> int | None:
@@ -97,14 +106,18 @@ def tp_forward(linear, input_, largs, nano: int, shard_hooks=None):
                                         keep_input=largs is not None)
         if add_bias:
             y = y + bias
+        _PREFETCH[0] = None
         if largs is not None:
             hooks = (shard_hooks(x, input_, group, linear._tp()[0]) if sp and shard_hooks
                      else contextlib.nullcontext())
             with hooks:
                 y = y + linear._lora_delta(x, largs, partial=True)
+            _PREFETCH[0] = getattr(hooks, "prefetch", None)
     else:
         delta = None if largs is None else linear._lora_delta(input_, largs, partial=True)
-        y = row_linear_overlapped(input_, linear.weight, group, nano, sequence_parallel=sp, delta=delta)
+        then, _PREFETCH[0] = _PREFETCH[0], None
+        y = row_linear_overlapped(input_, linear.weight, group, nano, sequence_parallel=sp, delta=delta,
+                                  then=then)
         if add_bias:
             y = y + bias
     return y, (bias if linear.skip_bias_add else None)

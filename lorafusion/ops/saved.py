@@ -79,21 +79,37 @@ def recipe_of(t: torch.Tensor):
 
 
 class _Cell:
-    """One rebuilt tensor of one consumer call: built at the first unpack, shared by every saved view."""
+    """One rebuilt tensor of one consumer call: built at the first unpack, shared by every saved view; or
+    started earlier (:meth:`prefetch`, a cell with ``start``: the all-gather issued asynchronously) and
+    waited for at the first unpack."""
 
-    __slots__ = ("build", "kept", "unpack", "versions", "value")
+    __slots__ = ("build", "kept", "unpack", "versions", "value", "start", "pending")
 
-    def __init__(self, build, inputs, outer, versions):
+    def __init__(self, build, inputs, outer, versions, start=None):
         self.build, self.versions, self.value = build, versions, None
+        self.start, self.pending = start, None
         self.unpack = outer[1] if outer is not None else None
         self.kept = tuple(outer[0](t) for t in inputs) if outer is not None else tuple(inputs)
 
+    def _args(self) -> list:
+        args = [self.unpack(k) for k in self.kept] if self.unpack is not None else list(self.kept)
+        if self.versions is not None and any(a._version != v for a, v in zip(args, self.versions)):
+            raise RuntimeError("a tensor a saved activation is rebuilt from was modified in place after "
+                               "the forward")
+        return args
+
+    def prefetch(self) -> None:
+        if self.start is not None and self.value is None and self.pending is None:
+            with torch.no_grad():
+                self.pending = self.start(*self._args())
+
     def get(self) -> torch.Tensor:
+        if self.value is None and self.pending is not None:
+            value, work = self.pending
+            work.wait()
+            self.value, self.pending = value, None
         if self.value is None:
-            args = [self.unpack(k) for k in self.kept] if self.unpack is not None else list(self.kept)
-            if self.versions is not None and any(a._version != v for a, v in zip(args, self.versions)):
-                raise RuntimeError("a tensor a saved activation is rebuilt from was modified in place after "
-                                   "the forward")
+            args = self._args()
             with torch.no_grad():
                 self.value = self.build(*args)
         return self.value
@@ -110,31 +126,45 @@ class _View:
         return v.as_strided(self.size, self.stride, v.storage_offset() + self.offset)
 
 
-def _source(like: torch.Tensor, build, inputs, versions):
+def _source(like: torch.Tensor, build, inputs, versions, start=None):
     """(storage, first element, dtype, a factory of this call's cell) of a tensor to rebuild."""
     if not like.is_contiguous():
         return None
-    return (like.untyped_storage().data_ptr(), like.storage_offset(), like.dtype, (build, inputs, versions))
+    return (like.untyped_storage().data_ptr(), like.storage_offset(), like.dtype,
+            (build, inputs, versions, start))
 
 
-def rebuild_saved(x: torch.Tensor, full: torch.Tensor | None = None, gather=None):
+class _Prefetch(contextlib.nullcontext):
+    """A null context whose :meth:`prefetch` does nothing (nothing to rebuild)."""
+
+    def prefetch(self) -> None:
+        pass
+
+
+def rebuild_saved(x: torch.Tensor, full: torch.Tensor | None = None, gather=None, gather_async=None):
     """A context for a consumer's forward on ``x``: saved views of ``x`` (when marked) are kept as its recipe;
     with ``full`` = ``gather(x)`` (the sequence-parallel all-gather), saved views of ``full`` are kept as x
-    (or x's recipe) and gathered again in backward. A null context when there is nothing to rebuild."""
+    (or x's recipe) and gathered again in backward. A null context when there is nothing to rebuild.
+
+    ``gather_async(t)``: ``(gather(t), work)`` with the all-gather issued, not waited for. The context's
+    ``prefetch()`` then starts the backward's gather of ``full`` early — called once the forward is done, at a
+    point of backward before this consumer's (the next layer's backward that does not wait for it) — and
+    the first unpack waits for it; without a call, backward gathers at the first unpack as before."""
     recipe = recipe_of(x)
     sources = []
     if recipe is not None:
         sources.append(("recomputed", _source(x, recipe.fn, recipe.inputs, recipe.versions)))
     if full is not None:
+        fn = recipe.fn if recipe is not None else (lambda t: t)
+        start = None if gather_async is None else (lambda *a: gather_async(fn(*a)))
         if recipe is not None:
-            fn = recipe.fn
             sources.append(("gathered", _source(full, lambda *a: gather(fn(*a)), recipe.inputs,
-                                                recipe.versions)))
+                                                recipe.versions, start)))
         else:
-            sources.append(("gathered", _source(full, gather, (x,), None)))
+            sources.append(("gathered", _source(full, gather, (x,), None, start)))
     sources = [(kind, s) for kind, s in sources if s is not None]
     if not sources:
-        return contextlib.nullcontext()
+        return _Prefetch()
     outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
     cells: dict = {}  # source index -> this call's cell (made at the first saved view)
 
@@ -143,9 +173,9 @@ def rebuild_saved(x: torch.Tensor, full: torch.Tensor | None = None, gather=None
         for i, (kind, (storage, base, dtype, spec)) in enumerate(sources):
             if ptr == storage and t.dtype == dtype:
                 if i not in cells:
-                    build, inputs, versions = spec
+                    build, inputs, versions, start = spec
                     # an outer hook may hand back other tensor objects: their version counters are theirs
-                    cells[i] = _Cell(build, inputs, outer, versions if outer is None else None)
+                    cells[i] = _Cell(build, inputs, outer, versions if outer is None else None, start)
                 REBUILT[kind] += 1
                 return _View(cells[i], t, base)
         return t if outer is None else outer[0](t)
@@ -155,4 +185,6 @@ def rebuild_saved(x: torch.Tensor, full: torch.Tensor | None = None, gather=None
             return obj.get()
         return obj if outer is None else outer[1](obj)
 
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    hooks.prefetch = lambda: [cell.prefetch() for cell in list(cells.values())]
+    return hooks

@@ -66,26 +66,33 @@ def _others(tp: int, r: int, m: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in ((0, r * m), ((r + 1) * m, tp * m)) if b > a]
 
 
-def gather_rows(local: torch.Tensor, group, tp: int) -> torch.Tensor:
+def gather_rows(local: torch.Tensor, group, tp: int, async_op: bool = False):
     """The ranks' ``local`` tensors stacked along dim 0 in rank order (Megatron's sequence-parallel layout):
-    one all-gather, no Megatron group look-up."""
+    one all-gather, no Megatron group look-up. ``async_op``: (that tensor, the collective's work), issued and
+    not waited for."""
     full = local.new_empty((tp * local.shape[0], *local.shape[1:]))
-    dist.all_gather_into_tensor(full, local.contiguous(), group=group)
-    return full
+    work = dist.all_gather_into_tensor(full, local.contiguous(), group=group, async_op=async_op)
+    return (full, work) if async_op else full
 
 
-def _gather_mm(local: torch.Tensor, group, w: torch.Tensor, keep: bool, overlap: bool = True):
+def _gather_mm(local: torch.Tensor, group, w: torch.Tensor, keep: bool, overlap: bool = True, then=None):
     """(``all_gather(local) @ w`` in Megatron's gathered layout — rank q's rows at [q·m, (q+1)·m) — and the
     gathered input, or None unless ``keep``): one all-gather in flight while this rank's own block, which
     needs nothing gathered, is multiplied; then the other ranks' blocks. Every GEMM writes its rows of the
-    output in place (no copies). Without ``overlap``: the all-gather, then one GEMM."""
+    output in place (no copies). Without ``overlap``: the all-gather, then one GEMM. ``then()``: called once
+    the all-gather is issued, before the GEMMs (a collective issued there runs under them, after this
+    one)."""
     tp, r, (m, k) = _world(group), _rank(group), local.shape
     if not overlap:
         full = gather_rows(local, group, tp)
+        if then is not None:
+            then()
         return torch.matmul(full, w), (full if keep else None)
     local = local.contiguous()
     full = local.new_empty(tp * m, k)
     work = dist.all_gather_into_tensor(full, local, group=group, async_op=True)
+    if then is not None:
+        then()
     out = local.new_empty(tp * m, w.shape[-1])
     torch.matmul(local, w, out=out[r * m:(r + 1) * m])
     work.wait()
@@ -194,11 +201,12 @@ class _ColumnOverlap(torch.autograd.Function):
 
 class _RowOverlap(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, group, nano: int, sequence_parallel: bool, delta):
+    def forward(ctx, x, weight, group, nano: int, sequence_parallel: bool, delta, then):
         OVERLAPPED[0] += nano >= 1
         x2, tp = _rows2d(x), _world(group)
         ctx.save_for_backward(weight)
         ctx.group, ctx.sp, ctx.nano, ctx.lead = group, sequence_parallel, nano, x.shape[1:-1]
+        ctx.then = then
         ctx.set_materialize_grads(False)
         ctx.delta = delta is not None
         # the partial term joins the base's partial output before its one reduction
@@ -215,21 +223,26 @@ class _RowOverlap(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (weight,) = ctx.saved_tensors
+        then, ctx.then = ctx.then, None
         if dy is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         dy2 = _rows2d(dy)
         full = None
         rows = dy.shape[0] * (_world(ctx.group) if ctx.sp else 1)
         if not ctx.sp:
+            if then is not None:
+                then()
             dx = torch.matmul(dy2.to(weight.dtype), weight)
             full = dy2 if ctx.delta else None
         elif ctx.delta and dy2.dtype != weight.dtype:  # the partial term's gradient in dY's own dtype
             full = gather_rows(dy2, ctx.group, _world(ctx.group))
+            if then is not None:
+                then()
             dx = torch.matmul(full.to(weight.dtype), weight)
         else:
-            dx, full = _gather_mm(dy2.to(weight.dtype), ctx.group, weight, ctx.delta, ctx.nano >= 1)
+            dx, full = _gather_mm(dy2.to(weight.dtype), ctx.group, weight, ctx.delta, ctx.nano >= 1, then)
         ddelta = None if full is None else full.view(rows, *ctx.lead, full.shape[-1])
-        return dx.view(rows, *ctx.lead, dx.shape[-1]), None, None, None, None, ddelta
+        return dx.view(rows, *ctx.lead, dx.shape[-1]), None, None, None, None, ddelta, None
 
 
 def column_linear_overlapped(x: torch.Tensor, weight: torch.Tensor, group, nano: int, *,
@@ -243,10 +256,14 @@ def column_linear_overlapped(x: torch.Tensor, weight: torch.Tensor, group, nano:
 
 
 def row_linear_overlapped(x: torch.Tensor, weight: torch.Tensor, group, nano: int, *,
-                          sequence_parallel: bool, delta: torch.Tensor | None = None) -> torch.Tensor:
+                          sequence_parallel: bool, delta: torch.Tensor | None = None,
+                          then=None) -> torch.Tensor:
     """Σ_ranks (X·Wᵀ + delta) of a row-parallel frozen ``weight`` [out, in/tp] on ``x`` [s, ..., in/tp]: this
     rank's sequence shard under SP (reduce-scattered), else all-reduced (``nano = 0``: the collectives in
     line). ``delta`` [s, ..., out]: a term *partial* over the ranks (another term's on this rank's input
     columns, as X·Wᵀ), added before the one reduction; its gradient is the whole dY (under SP the all-gathered
-    dY the base's backward gathers anyway)."""
-    return _RowOverlap.apply(x, weight, group, nano, sequence_parallel, delta)
+    dY the base's backward gathers anyway). ``then()``: called in backward once dY's all-gather (SP) is
+    issued, before the GEMMs: a collective issued there (the prefetch of the saved input that the column
+    linear before this one in forward gathers in its backward, :func:`lorafusion.ops.saved.rebuild_saved`)
+    runs under them."""
+    return _RowOverlap.apply(x, weight, group, nano, sequence_parallel, delta, then)

@@ -52,7 +52,7 @@ def test_tp_overlap_switched_between_microbatches_keeps_the_ranks_collectives_pa
         assert a["overlapped"] == b["overlapped"] == (4 * ARCH.num_layers if a["overlap"] else 0)
     on, off = ranks[0][0]["collectives"], ranks[0][1]["collectives"]
     # overlapped or not, the same collectives in the same order (only when each is waited for differs)
-    assert [n for n, _ in on] == [n for n, _ in off]
+    assert [n for n, *_ in on] == [n for n, *_ in off]
 
 
 def _expected_collectives(layers: int) -> dict[str, int]:
@@ -82,7 +82,7 @@ def test_lora_grads_left_partial_are_summed_once_a_step_in_one_all_reduce(tp_swi
     assert a == b
     # 2 adapters x all-linear: per layer qkv's and fc1's A, proj's and fc2's B
     assert a["summed"] == 2 * 4 * ARCH.num_layers
-    assert [n for n, _ in a["collectives"]] == ["all_reduce"]
+    assert [n for n, *_ in a["collectives"]] == ["all_reduce"]
 
 
 def test_tp_and_sequence_parallel_collectives_per_microbatch(tp_switch_ranks):
@@ -92,7 +92,7 @@ def test_tp_and_sequence_parallel_collectives_per_microbatch(tp_switch_ranks):
     from collections import Counter
 
     for mb in tp_switch_ranks[0]:
-        got = Counter(n for n, _ in mb["collectives"])
+        got = Counter(n for n, *_ in mb["collectives"])
         assert dict(got) == _expected_collectives(ARCH.num_layers), mb["overlap"]
 
 
@@ -106,4 +106,21 @@ def test_fp8_base_lora_shares_the_base_collectives(tp_switch_ranks):
 
     a, b = FP8
     assert a == b
-    assert dict(Counter(n for n, _ in a)) == _expected_collectives(ARCH.num_layers)
+    assert dict(Counter(n for n, *_ in a)) == _expected_collectives(ARCH.num_layers)
+
+
+def test_saved_input_gathers_are_prefetched_under_the_row_linears_backward(tp_switch_ranks):
+    """Without overlap (every base collective in line), the all-gather that rebuilds a column linear's saved
+    LoRA input in backward is issued without waiting, right after the all-gather of dY of the row linear after
+    it in forward (fc2 for fc1, proj for qkv): one per column linear, running under that row linear's dX GEMM
+    and the backward between the two, not in line when the LoRA term's backward needs it."""
+    for mb in tp_switch_ranks[0]:
+        if mb["overlap"]:
+            continue
+        calls = mb["collectives"]
+        early = [i for i, (n, _, async_op) in enumerate(calls) if async_op]
+        assert len(early) == 2 * ARCH.num_layers
+        for i in early:
+            assert calls[i][0] == calls[i - 1][0] == "all_gather_into_tensor" and not calls[i - 1][2]
+            # then the column linear's dX (none for the first layer's qkv: its input, the frozen embedding's)
+            assert i + 1 == len(calls) or calls[i + 1][0] == "reduce_scatter_tensor"

@@ -1,9 +1,9 @@
 """Two ranks (RANK/WORLD_SIZE env, gloo): a small model at TP=2 with sequence parallelism whose
 ``config.tp_overlap`` is switched between microbatches (on, off, on, off, ... as scripts/bench_tp_overlap.py
-switches it between chunks). Every collective either rank issues is recorded (its function and the shape
-of its first tensor). ``python tp_switch_worker.py WORKDIR``: WORKDIR/base holds the HF checkpoint; each
-rank writes WORKDIR/rank{R}.json: the collectives of each microbatch, its loss, and how many linears ran
-overlapped in it."""
+switches it between chunks). Every collective either rank issues is recorded (its function, the shape
+of its first tensor, whether it was issued without waiting). ``python tp_switch_worker.py WORKDIR``:
+WORKDIR/base holds the HF checkpoint; each rank writes WORKDIR/rank{R}.json: the collectives of each
+microbatch, its loss, and how many linears ran overlapped in it."""
 
 import json
 import os
@@ -28,7 +28,8 @@ def record_collectives() -> None:
 
         def wrapped(*args, _fn=fn, _name=name, **kwargs):
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-            CALLS.append([_name, list(first.shape) if first is not None else None])
+            CALLS.append([_name, list(first.shape) if first is not None else None,
+                          bool(kwargs.get("async_op", False))])
             return _fn(*args, **kwargs)
 
         setattr(c10d, name, wrapped)
