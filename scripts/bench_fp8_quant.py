@@ -5,7 +5,8 @@ for bit against the torch path (lorafusion.ops.fp8_linear.quantize_rows_torch).
 Per layer of the 8B (no TP), forward and backward, the FP8 linears quantize 8 activations of ``--tokens``
 rows: X of qkv, proj and fc1 (4096 columns), X of fc2 (14336), dY of proj and fc2 (4096, times W's channel
 scales), dY of qkv (6144) and of fc1 (28672). ``layer_ms`` sums them per variant family: "divide" (the former
-kernel), "shipped", and the fastest launch of each shape ("best", with which launch).
+kernel), "shipped", and the fastest launch of each shape ("best", with which launch). ``transpose``: W_q's
+transpose that each linear's backward makes (lorafusion.kernels.fp8_quant.transposed_operand), per 8B weight.
 
     python scripts/bench_fp8_quant.py [--tokens 32768] [--variants few|all] [--out fp8_quant.json]
 
@@ -104,6 +105,26 @@ def shape_rows(name: str, n: int, has_cs: bool, args, gpu: bool) -> dict:
     return out
 
 
+# the 8B's FP8 weights [out, in]: qkv, proj, fc1, fc2
+WEIGHTS = (("qkv", 6144, 4096), ("proj", 4096, 4096), ("fc1", 28672, 4096), ("fc2", 4096, 14336))
+
+
+def transpose_rows(args, gpu: bool) -> dict:
+    """{weight: {ms, tb_s, equal}} of the input gradient's W_q operand (column-major W_q, made per
+    backward); on a CPU the shapes over 64."""
+    out = {}
+    div = 1 if gpu else 64
+    for name, n, k in WEIGHTS:
+        w = torch.randint(0, 256, (n // div, k // div), dtype=torch.uint8, device=args.device).view(F.E4M3)
+        got = Q.transposed_operand(w)
+        row = {"equal": bool(torch.equal(got.view(torch.uint8), w.view(torch.uint8)))}
+        if gpu:
+            row["ms"] = median_ms(lambda w=w: Q.transposed_operand(w), warmup=args.warmup, iters=args.iters)
+            row["tb_s"] = 2 * w.numel() / row["ms"] / 1e9
+        out[name] = row
+    return out
+
+
 def layer_ms(res: dict) -> dict:
     """Per-layer sums (calls per shape in SHAPES) of the divide, shipped and fastest launches."""
     tot = {"divide": 0.0, "shipped": 0.0, "best": 0.0}
@@ -137,6 +158,7 @@ def main() -> None:
             res[name] = shape_rows(name, n, has_cs, args, gpu)
             if gpu:
                 print(name, {k: round(v["ms"], 4) for k, v in res[name].items()}, flush=True)
+    res["transpose"] = transpose_rows(args, gpu)
     if gpu and all(s[0] in res for s in SHAPES):
         res["layer"] = layer_ms(res)
         res["all_equal"] = all(v.get("equal", True) for s in SHAPES for k, v in res[s[0]].items()

@@ -43,3 +43,5 @@ def test_the_device_script_runs_the_cpu_dry_run(tmp_path):
     for name, n, has_cs, _ in B.SHAPES:
         assert set(res[name]) == set(B.variants(name, "all"))
         assert res[name]["shipped"]["launch"] == list(B.Q.launch(n, has_cs))
+    assert set(res["transpose"]) == {"qkv", "proj", "fc1", "fc2"}
+    assert all(row["equal"] for row in res["transpose"].values())
