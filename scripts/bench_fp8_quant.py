@@ -51,8 +51,8 @@ FEW = {"x_4096": {"rows1_w8": dict(rows=1, num_warps=8), "rows2_w8": dict(rows=2
                    "one_read_w16": dict(max_single=1 << 16, num_warps=16)},
        "dy_4096": {"rows1_w4": dict(rows=1, num_warps=4), "rows2_w8": dict(rows=2, num_warps=8),
                    "rows4_w16": dict(rows=4, num_warps=16)},
-       "dy_6144": {"w16": dict(num_warps=16), "loops2k_w4": loops(2048, 4),
-                   "loops2k_w8": loops(2048, 8)},
+       "dy_6144": {"w16": dict(num_warps=16), "rows2_w16": dict(rows=2, num_warps=16),
+                   "loops2k_w4": loops(2048, 4), "loops2k_w8": loops(2048, 8)},
        "dy_28672": {"loops4k_w8": loops(4096, 8),
                     "loops4k_w16": loops(4096, 16),
                     "one_read_w32": dict(max_single=1 << 16, num_warps=32)}}
