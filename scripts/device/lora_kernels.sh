@@ -9,7 +9,7 @@
 # dB in one pass) and "after" (the tuned configs, one launch per rank block), measured in the same run;
 # shrink and da_dx are also timed without dropout (the mask's share).
 #   bash scripts/device/lora_kernels.sh
-#   GPU_TESTS=0, TUNE_TIMEOUT (180 s), REP_MS (20: do_bench's window per candidate)
+#   GPU_TESTS=0, TUNE_TIMEOUT (175 s), REP_MS (20: do_bench's window per candidate)
 # Writes $OUT/tuned-<gpu>.json (paste into lorafusion/kernels/tuning.py), $OUT/lora-kernels.json (before/after
 # per case and kernel, the no-dropout times, every tuned row), $OUT/tune.log, $OUT/gpu_tests.log.
 set -uo pipefail
@@ -17,7 +17,7 @@ set -uo pipefail
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\{3\}' | tr 'H' 'h')
 if [ "${GPU_TESTS:-1}" = 1 ]; then
-  timeout 45 "$PY" -m pytest -q -p no:cacheprovider -x tests/kernels/test_kernel_gpu.py \
+  timeout 35 "$PY" -m pytest -q -p no:cacheprovider -x tests/kernels/test_kernel_gpu.py \
     tests/kernels/test_kernel_rank_classes.py 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
 fi
 shapes=()
@@ -26,7 +26,7 @@ for spec in "32768 48,48,48,48 16,16,16,16 32,32,32,32" "16384 48,48,48,48 16,16
   read -r m qkv small fc1 <<< "$spec"
   shapes+=("$m,4096,6144@$qkv" "$m,4096,4096@$small" "$m,4096,28672@$fc1" "$m,14336,4096@$small")
 done
-timeout "${TUNE_TIMEOUT:-180}" "$PY" scripts/tune_kernels.py --kernels lowrank,shrink,ds_db,da_dx \
+timeout "${TUNE_TIMEOUT:-175}" "$PY" scripts/tune_kernels.py --kernels lowrank,shrink,ds_db,da_dx \
   --shapes "${shapes[@]}" --mask-cost --rep-ms "${REP_MS:-20}" \
   --out "$OUT/tuned-${gpu:-gpu}.json" --summary "$OUT/lora-kernels.json" > "$OUT/tune.log" 2>&1
 echo "tune rc=$?"
