@@ -35,16 +35,20 @@ from lorafusion.kernels.launch import Launcher
 # MAX_SINGLE: the longest row quantized from registers (one read); measured on an H100
 # (docs/results/fp8-probe-h100.json, "quant")
 MAX_SINGLE = 8192
-# two-loop rows of LONG_ROWS_FROM columns or more (fc1's dY, 28,672): 8k blocks and 16 warps, 0.51 ms against
-# 0.60 with 4k blocks and 8 warps at 12,288 rows on an H100; rows of 8k-16k columns (fc2's X) keep 4k / 8
-# (0.21 vs 0.23 ms)
-LONG_ROWS_FROM, LONG_ROWS = 16384, (8192, 16)
+# two-loop rows of LONG_ROWS_FROM columns or more (fc1's dY, 28,672): 4k blocks and 16 warps, 0.872 ms against
+# 1.292 with 8k blocks / 16 warps and 1.272 with 4k / 8 at 32,768 rows on an H200 (scripts/bench_fp8_quant.py,
+# docs/results/fp8-quant-h200.json; on an H100 8k / 16 had beaten 4k / 8 at 12,288 rows); rows of 8k-16k
+# columns (fc2's X) keep 4k / 8 (0.389 ms; the best other launch 0.381)
+LONG_ROWS_FROM, LONG_ROWS = 16384, (4096, 16)
+# rows of 4k-8k columns with a column scale (qkv's dY, 6,144): two loops of 2k blocks, 8 warps, 0.206 ms
+# against 0.232 from registers at 32,768 rows on an H200
+MID_CS_FROM, MID_CS_LOOPS = 4097, (2048, 8)
 ROWS_PER_PROGRAM = 1  # rows a program quantizes when they fit MAX_SINGLE (quant_variants_ms in check_fp8.py)
 # rows of 2k-4k columns without a column scale (X of qkv, proj and fc1 on the 8B: 4096): 4 rows a program and
 # 16 warps, 0.070 ms against 0.088 (one row, 8 warps) at 12,288 rows on an H100, same bits (quant_variants_ms,
-# 2026-11-25); dY, with its column scale, keeps one row a program (4 rows were slower at 6,144 columns:
-# 0.28 / 0.19 vs 0.14 ms)
-SHORT_ROWS_FROM, SHORT_ROWS_UP_TO, SHORT_ROWS = 2049, 4096, (4, 16)
+# 2026-11-25); with a column scale (dY of proj and fc2: 4096) 2 rows and 8 warps, 0.136 ms against 0.168 (one
+# row, 8 warps) and 0.140 (4 rows, 16 warps) at 32,768 rows on an H200
+SHORT_ROWS_FROM, SHORT_ROWS_UP_TO, SHORT_ROWS, SHORT_CS_ROWS = 2049, 4096, (4, 16), (2, 8)
 _QMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
@@ -154,11 +158,15 @@ def launch(n: int, has_col_scale: bool, max_single: int = MAX_SINGLE, num_warps:
     """(one read?, BLOCK, rows a program, warps) of the row kernel for rows of ``n`` columns; a given
     ``num_warps`` / ``block`` / ``rows`` overrides the choice."""
     single = n <= max_single
+    if (single and has_col_scale and n >= MID_CS_FROM and max_single == MAX_SINGLE
+            and num_warps is None and block is None and rows is None):
+        return False, MID_CS_LOOPS[0], 1, MID_CS_LOOPS[1]
     if not single:
         long_block, long_warps = LONG_ROWS if n >= LONG_ROWS_FROM else (4096, 8)
         return False, block or long_block, 1, num_warps or long_warps
-    if rows is None and not has_col_scale and SHORT_ROWS_FROM <= n <= SHORT_ROWS_UP_TO:
-        rows, num_warps = SHORT_ROWS[0], num_warps or SHORT_ROWS[1]
+    if rows is None and SHORT_ROWS_FROM <= n <= SHORT_ROWS_UP_TO:
+        rows, short_warps = SHORT_CS_ROWS if has_col_scale else SHORT_ROWS
+        num_warps = num_warps or short_warps
     block = block or triton.next_power_of_2(n)
     rows = rows or ROWS_PER_PROGRAM
     return True, block, rows, num_warps or _warps(block * rows)

@@ -218,17 +218,18 @@ def test_forward_and_input_gradient_against_the_original_weight_with_channels_ov
 
 def test_row_kernel_launch_choice():
     """The measured launch per row length (kernels/fp8_quant.py): 4 rows a program for 4096-column rows
-    without a column scale, one row with it; two loops of 8k blocks from 16k columns; explicit arguments
-    override."""
+    without a column scale, 2 with it; two loops of 2k blocks for 4k-8k columns with a column scale, of 4k
+    blocks from 16k columns; explicit arguments override."""
     from lorafusion.kernels.fp8_quant import launch
 
     assert launch(4096, False) == (True, 4096, 4, 16)
-    assert launch(4096, True) == (True, 4096, 1, 8)
+    assert launch(4096, True) == (True, 4096, 2, 8)
+    assert launch(6144, True) == (False, 2048, 1, 8)
     assert launch(6144, False) == (True, 8192, 1, 8)
     assert launch(64, False) == (True, 64, 1, 4)
     assert launch(4096, False, rows=1) == (True, 4096, 1, 8)  # check_fp8.py's reference launch
     assert launch(14336, False) == (False, 4096, 1, 8)
-    assert launch(28672, True) == (False, 8192, 1, 16)
+    assert launch(28672, True) == (False, 4096, 1, 16)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(),
