@@ -26,7 +26,7 @@ from lorafusion.core.errors import UserError
 
 from .costmodel import CostModel
 from .memory import GIB, Coefficients, MemorySetup, StageMemory, plan_memory, stage_memory
-from .stagecost import load_stage_costs, stage_work
+from .stagecost import bf16_leading, load_stage_costs, stage_work
 
 __all__ = ["MemoryFitError", "MemoryPlan", "RECOMPUTE_COST", "choose", "memory_reasons", "no_fit_message",
            "oom_advice", "parse_bytes", "rank_loads", "what_fits", "work_line"]
@@ -153,9 +153,10 @@ def _loss(s: MemorySetup) -> float:
 def _bf16_layers(s: MemorySetup, stage: int, layers: int) -> int:
     """Of ``layers`` decoder layers on ``stage`` (one model chunk per rank), those in bf16: all with a bf16
     base; with an FP8 base the model's leading ones kept in bf16 (stage 0)."""
-    if s.base_bytes_per_param is None:
+    lead = bf16_leading(s)
+    if lead is None:
         return layers
-    return min(layers, s.bf16_base_layers) if stage == 0 else 0
+    return min(layers, lead) if stage == 0 else 0
 
 
 def _stage_work(s: MemorySetup, stage: int, layers: int, rc: int) -> float:

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from lorafusion.core.arch import PRESETS, ModelArch
 
-__all__ = ["STAGE_COSTS_FILE", "StageCosts", "layer_precisions", "load_stage_costs", "rank_work",
-           "stage_work"]
+__all__ = ["STAGE_COSTS_FILE", "StageCosts", "bf16_leading", "layer_precisions", "load_stage_costs",
+           "rank_work", "stage_work"]
 
 STAGE_COSTS_FILE = Path(__file__).with_name("stage_costs.json")
 _SHAPE = ("family", "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
@@ -64,6 +64,13 @@ def _load(path: str) -> StageCosts:
     data = json.loads(Path(path).read_text())["coefficients"]
     names = {f.name for f in fields(StageCosts)}
     return StageCosts(**{k: v for k, v in data.items() if k in names})
+
+
+def bf16_leading(setup) -> int | None:
+    """Of a :class:`~.memory.MemorySetup`: None for a base in the model dtype; for a narrower (FP8) base, the
+    number of its leading layers kept in the dtype."""
+    narrow = setup.base_bytes_per_param is not None and setup.base_bytes_per_param < setup.dtype_bytes
+    return setup.bf16_base_layers if narrow else None
 
 
 def layer_precisions(split: Sequence[int], bf16_leading: int | None) -> list[tuple[int, int]]:

@@ -29,6 +29,7 @@ from lorafusion.core.arch import ModelArch
 from .planner import plan
 from .simulate import simulate_plan
 from .spec import JobSpec, SchedulerConfig
+from .stagecost import bf16_leading
 from .stages import embedding_layers, flop_cost_model, loss_layers, recompute_stage_costs
 
 __all__ = ["BACKWARD_RATIO", "P2P_S", "Candidate", "VirtualChoice", "VirtualScore", "candidate",
@@ -150,7 +151,7 @@ def candidate(run_plan, arch: ModelArch, jobs: Sequence[JobSpec]) -> Candidate:
     ``jobs`` simulated where it fits."""
     q, split = run_plan, list(run_plan.stage_layers)
     per_chunk = [0 if not on else max(split) if n is None else n for on, n in q.recompute]
-    lead = q.setup.bf16_base_layers if q.setup.base_bytes_per_param is not None else None
+    lead = bf16_leading(q.setup)
     score = (score_virtual(jobs, q.scheduler, arch, split, per_chunk, q.tp, bf16_leading=lead)
              if q.fits else None)
     return Candidate(q.virtual_stages, q.fits, q.token_capacity, tuple(q.recompute_layers), score)

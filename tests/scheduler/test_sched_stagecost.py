@@ -157,3 +157,13 @@ def test_the_simulator_agrees_with_the_chosen_70b_split(precision):
             rc = [_fewest(so, i, m.capacity, m.gpu_bytes, load_coefficients()) for i in range(4)]
             if None not in rc:
                 assert span(other, rc) > best, other
+
+
+def test_only_a_narrower_base_counts_as_fp8():
+    from lorafusion.scheduler.stagecost import bf16_leading
+
+    cfg = load_run_config(C70, ["parallelism.dp=1"], check_files=False)
+    s = memory_setup(cfg, preset("llama3.1-70b"))
+    assert bf16_leading(s) is None
+    assert bf16_leading(replace(s, base_bytes_per_param=2.0, bf16_base_layers=1)) is None  # bf16 bytes: bf16
+    assert bf16_leading(replace(s, base_bytes_per_param=1.0, bf16_base_layers=1)) == 1
