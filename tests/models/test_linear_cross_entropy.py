@@ -11,6 +11,8 @@ from lorafusion.models.fused.linear_cross_entropy import (
     linear_cross_entropy_reference,
 )
 
+from dispatch_utils import OpWatch
+
 from ._util import CPU_DTYPES, IMPLS, TOL, device, needs_cuda, rel, saved_bytes
 
 SHAPES = [(7, 16, 33, None), (64, 32, 250, 16), (45, 24, 97, 8)]  # tokens, hidden, vocab, chunk_tokens
@@ -91,6 +93,27 @@ def test_only_the_hidden_gradient_is_kept():
     nbytes, _ = saved_bytes(lambda x: linear_cross_entropy(x, weight, labels, impl="torch", chunk_tokens=8),
                             hidden.requires_grad_(True), exclude=(weight,))
     assert nbytes == 40 * 16 * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_backward_scales_in_one_op(dtype):
+    """d/dhidden = G · grad_loss by one op that rounds the fp32 product to G's dtype on store: no fp32
+    [tokens, hidden] temporary and no cast kernel after it; bit-identical to ``(G.float() * s).to(dtype)``."""
+    hidden, weight, labels, grad_out = _case(33, 16, 50, dtype, "cpu", seed=2)
+    x = hidden.clone().requires_grad_(True)
+    loss = linear_cross_entropy(x, weight, labels, impl="torch", chunk_tokens=8)
+    loss.backward(torch.ones_like(loss), retain_graph=True)
+    g = x.grad.clone()  # G itself (scaled by 1)
+    x.grad = None
+    with OpWatch(flagged=_ELEMENTWISE) as watch:
+        loss.backward(grad_out)
+    assert watch.seen == ["aten.mul.out"], watch.seen
+    assert x.grad.dtype == dtype
+    assert torch.equal(x.grad, (g.float() * grad_out[:, None]).to(dtype))
+
+
+_ELEMENTWISE = frozenset({"aten.mul.Tensor", "aten.mul.out", "aten._to_copy.default", "aten.copy_.default",
+                          "aten.clone.default"})
 
 
 def test_default_chunk_is_bounded():

@@ -108,7 +108,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         (g,) = ctx.saved_tensors
         scale = grad_loss.to(torch.float32 if g.dtype != torch.float64 else torch.float64)[:, None]
-        return (g * scale).to(g.dtype), None, None, None, None, None
+        # one kernel: the product in scale's dtype, rounded to g's on store (what ``(g * scale).to(g.dtype)``
+        # computes, without its fp32 [tokens, hidden] temporary and the second kernel that casts it)
+        return torch.mul(g, scale, out=torch.empty_like(g)), None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
