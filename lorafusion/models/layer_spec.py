@@ -34,6 +34,7 @@ from megatron.core.transformer.transformer_layer import (
 from lorafusion.layers.lora_linear import LoRAColumnParallelLinear, LoRAContext, LoRARowParallelLinear
 from lorafusion.models.attention import PackedDotProductAttention
 from lorafusion.models.fused import check_impl, resolve_fused_ops
+from lorafusion.models.fused.layer import FusedResidualLayer
 from lorafusion.models.fused.rms_norm import RMSNorm
 from lorafusion.models.fused.swiglu import SwiGLU
 
@@ -55,7 +56,8 @@ def lora_layer_spec(transformer_impl: str = "local", fused_ops: str = "off", *,
                     sequence_parallel: bool = False, layer_number: int,
                     lora_context: LoRAContext) -> ModuleSpec:
     """LLaMA/Qwen2 decoder layer ``layer_number`` (global, 1-based) with LoRA linears on ``lora_context``.
-    ``fused_ops`` "torch" / "triton": the fused RMSNorm and SwiGLU of that implementation; "off": Megatron's,
+    ``fused_ops`` "torch" / "triton": the fused RMSNorm and SwiGLU of that implementation ("triton" also fuses
+    the attention residual add into pre_mlp_layernorm: :class:`FusedResidualLayer`); "off": Megatron's,
     except that the norms are our RMSNorm ("torch") under ``sequence_parallel`` (Megatron's
     ``WrappedTorchNorm`` refuses SP)."""
     if transformer_impl != "local":
@@ -67,7 +69,7 @@ def lora_layer_spec(transformer_impl: str = "local", fused_ops: str = "off", *,
         return lora_linear_spec(kind, layer_number, lora_context)
 
     return ModuleSpec(
-        module=TransformerLayer,
+        module=TransformerLayer if impl != "triton" else FusedResidualLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
             self_attention=ModuleSpec(

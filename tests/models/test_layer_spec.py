@@ -12,6 +12,7 @@ from lorafusion.core.arch import preset
 from lorafusion.layers import LoRAContext, lora_modules
 from lorafusion.layers.lora_linear import LoRAColumnParallelLinear, LoRARowParallelLinear
 from lorafusion.models.attention import PackedDotProductAttention
+from lorafusion.models.fused.layer import FusedResidualLayer
 from lorafusion.models.fused.rms_norm import RMSNorm
 from lorafusion.models.fused.swiglu import SwiGLU
 from lorafusion.models.layer_spec import lora_block_spec, lora_layer_spec
@@ -38,6 +39,8 @@ def _megatron_local_with_swaps(fused_ops: str, sequence_parallel: bool, number: 
         spec.submodules.pre_mlp_layernorm = ModuleSpec(module=RMSNorm, params={"impl": norm_impl})
     if fused_ops != "off":
         mlp.activation_func = ModuleSpec(module=SwiGLU, params={"impl": fused_ops})
+    if fused_ops == "triton":  # the attention residual add fused into pre_mlp_layernorm
+        spec.module = FusedResidualLayer
     return spec
 
 

@@ -148,6 +148,9 @@ class RMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        done = x.__dict__.pop("_lorafusion_normed", None)  # computed with the residual add that made x
+        if done is not None and done[0] is self:
+            return done[1]
         return rms_norm(x, self.weight, self.eps, impl=self.impl)
 
     def extra_repr(self) -> str:
