@@ -51,10 +51,11 @@ CANDIDATES = {
               for bm, bn, ch, w, s in [(64, 256, 1024, 8, 3), (128, 256, 1024, 8, 3)]]
              # dS by the shrink pass, dB alone (lora_ds_db)
              + [dict(BM=64, BN=256, CH=2048, num_warps=8, num_stages=3, SPLIT=1)],
-    # ptxas on sm_90a: the shipped 32x256 tile at 4 warps needs 255 registers and spills; these need <= 226
-    "da_dx": [dict(BM=bm, BK=bk, CH=ch, num_warps=w, num_stages=s)
-              for bm, bk, ch, w, s in [(32, 128, 1024, 8, 3), (32, 64, 1024, 4, 4), (64, 64, 1024, 8, 3),
-                                       (64, 128, 1024, 8, 4)]],
+    # on one H200 4 warps beat 8 at every rank block (two CTAs an SM at 255 registers); PREFETCH: the next row
+    # block's dX and dS loaded one iteration ahead
+    "da_dx": [dict(BM=bm, BK=bk, CH=ch, num_warps=4, num_stages=3, PREFETCH=p)
+              for bm, bk, ch, p in [(64, 128, 1024, 0), (32, 128, 1024, 1), (64, 128, 1024, 1),
+                                    (32, 256, 512, 1)]],
     "da": [dict(BM=bm, BK=bk, CH=ch, num_warps=w, num_stages=s)
            for bm, bk, ch, w, s in [(64, 128, 1024, 4, 3), (64, 256, 1024, 8, 3), (128, 128, 1024, 8, 3),
                                     (64, 128, 512, 4, 4), (64, 128, 2048, 4, 3), (32, 256, 512, 4, 5)]],
@@ -182,6 +183,7 @@ def _jobs(m, k, n, ranks, dev, dt, p, lowrank_dx, caches):
     drop = p > 0
     classes = caches.now.classes(routing, ranks)  # one launch per rank block: a bucket each
     rm = [rmax for _, rmax, _ in classes]
+    rk = min(classes[-1][0], 64)  # the low-rank term's rank chunk (its bucket's third entry)
 
     def shrink(check=False):
         return K.lora_shrink(x, A, st, routing, ids, k_total=k, cache=caches[0])
@@ -202,9 +204,9 @@ def _jobs(m, k, n, ranks, dev, dt, p, lowrank_dx, caches):
                  ((m, k, n), lambda check=False: K.lora_gemm(dy, W, None, dS, A, st.inv_keep, st, routing,
                                                              n=k, dropout=drop, row_ids=ids, k_total=k,
                                                              cache=caches[0]))],
-        "lowrank": [((m, n, 0), lambda check=False: K.lora_gemm(None, None, None, S, B.t(), st.scale, st,
+        "lowrank": [((m, n, rk), lambda check=False: K.lora_gemm(None, None, None, S, B.t(), st.scale, st,
                                                                 routing, n=n, cache=caches[0])),
-                    ((m, k, 0), lambda check=False: K.lora_gemm(None, None, None, dS, A, st.inv_keep, st,
+                    ((m, k, rk), lambda check=False: K.lora_gemm(None, None, None, dS, A, st.inv_keep, st,
                                                                 routing, n=k, dropout=drop, row_ids=ids,
                                                                 k_total=k, cache=caches[0]))]
                    [: 2 if lowrank_dx else 1],  # the dX variant (main_gemm "triton" only) would share a

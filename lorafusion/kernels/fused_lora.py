@@ -278,14 +278,15 @@ def _da_dx_kernel(
     stride_xm, stride_xk, stride_dsm, stride_dsr, stride_ar, stride_ak, stride_dxm, stride_dxk,
     k_total, k_offset,
     ACC: tl.constexpr, DROPOUT: tl.constexpr, ALIGNED: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr = True,
+    BM: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):
     """One pass over (X, dX) tiles with one mask per tile: dA partial = dSᵀ·keep⊙X/(1-p) (fp32 [chunks, RB,
     K]) and dX (+)= keep⊙(dS·A)/(1-p). ``ACC``: add into dX (it holds dY·W from cuBLAS); else write dX.
 
     ``PREFETCH``: the dX and dS tiles of the next row block are loaded one iteration ahead (Triton's
-    pipeliner stages only the loads that feed a dot, X here: a dX tile loaded where it is added waited out
-    the full memory latency every iteration)."""
+    pipeliner stages only the loads that feed a dot, X here: the dX tile loaded where it is added waits out
+    the memory latency every iteration). It costs registers (ptxas, sm_90a: 32x256 at 4 warps spills 488
+    bytes instead of 8) and is not measured yet: a config option, off by default."""
     kb = tl.program_id(0)
     c = tl.program_id(1)
     slot = tl.load(chunk_ptr + 3 * c)
@@ -308,18 +309,17 @@ def _da_dx_kernel(
         n_i = tl.where(r > 0, tl.cdiv(length, BM), 0)
     else:
         n_i = tl.cdiv(length, BM)
-    ds_ptrs = ds_ptr + (start + lm)[:, None] * stride_dsm + offs_r[None, :] * stride_dsr
-    dx_ptrs = dx_ptr + (start + lm)[:, None] * stride_dxm + offs_k[None, :] * stride_dxk
-    if PREFETCH:  # the first row block's dS (and dX to add to)
-        m0 = lm < length
+    if PREFETCH:
+        ds_ptrs = ds_ptr + (start + lm)[:, None] * stride_dsm + offs_r[None, :] * stride_dsr
+        dx_ptrs = dx_ptr + (start + lm)[:, None] * stride_dxm + offs_k[None, :] * stride_dxk
+        m0 = lm < length  # the first row block's dS (and dX to add to)
         ds_next = tl.load(ds_ptrs, mask=m0[:, None] & rmask[None, :] & (n_i > 0), other=0.0)
         if ACC:
             dx_next = tl.load(dx_ptrs, mask=m0[:, None] & kmask[None, :] & (n_i > 0), other=0.0)
-    for i in range(0, n_i):
-        rows = start + i * BM + lm
-        rowm = i * BM + lm < length
-        m2 = rowm[:, None] & kmask[None, :]
-        if PREFETCH:
+        for i in range(0, n_i):
+            rows = start + i * BM + lm
+            rowm = i * BM + lm < length
+            m2 = rowm[:, None] & kmask[None, :]
             ds = ds_next
             if ACC:
                 dx_old = dx_next
@@ -329,20 +329,35 @@ def _da_dx_kernel(
             if ACC:
                 dx_next = tl.load(dx_ptrs + (i + 1) * BM * stride_dxm, mask=rown[:, None] & kmask[None, :],
                                   other=0.0)
-        else:
-            ds = tl.load(ds_ptrs + i * BM * stride_dsm, mask=rowm[:, None] & rmask[None, :], other=0.0)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=m2, other=0.0)
+            t = tl.dot(ds, a, input_precision=PREC) * inv
+            if DROPOUT:
+                rid = tl.load(rowid_ptr + rows, mask=rowm, other=0)
+                keep = keep_tile(seed, thr, row_counter_base(rid, k_total), k_offset + kb * BK, BK, ALIGNED)
+                x = tl.where(keep, x, 0.0)
+                t = tl.where(keep, t, 0.0)
+            acc = tl.dot(tl.trans(ds), x, acc, input_precision=PREC)
             if ACC:
-                dx_old = tl.load(dx_ptrs + i * BM * stride_dxm, mask=m2, other=0.0)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=m2, other=0.0)
-        t = tl.dot(ds, a, input_precision=PREC) * inv
-        if DROPOUT:
-            rid = tl.load(rowid_ptr + rows, mask=rowm, other=0)
-            keep = keep_tile(seed, thr, row_counter_base(rid, k_total), k_offset + kb * BK, BK, ALIGNED)
-            x = tl.where(keep, x, 0.0)
-            t = tl.where(keep, t, 0.0)
-        acc = tl.dot(tl.trans(ds), x, acc, input_precision=PREC)
-        if ACC:
-            t += dx_old.to(tl.float32)
-        tl.store(dx_ptrs + i * BM * stride_dxm, t.to(dx_ptr.dtype.element_ty), mask=m2)
+                t += dx_old.to(tl.float32)
+            tl.store(dx_ptrs + i * BM * stride_dxm, t.to(dx_ptr.dtype.element_ty), mask=m2)
+    else:
+        for i in range(0, n_i):
+            rows = start + i * BM + lm
+            rowm = i * BM + lm < length
+            m2 = rowm[:, None] & kmask[None, :]
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=m2, other=0.0)
+            ds = tl.load(ds_ptr + rows[:, None] * stride_dsm + offs_r[None, :] * stride_dsr,
+                         mask=rowm[:, None] & rmask[None, :], other=0.0)
+            t = tl.dot(ds, a, input_precision=PREC) * inv
+            if DROPOUT:
+                rid = tl.load(rowid_ptr + rows, mask=rowm, other=0)
+                keep = keep_tile(seed, thr, row_counter_base(rid, k_total), k_offset + kb * BK, BK, ALIGNED)
+                x = tl.where(keep, x, 0.0)
+                t = tl.where(keep, t, 0.0)
+            acc = tl.dot(tl.trans(ds), x, acc, input_precision=PREC)
+            dx_ptrs = dx_ptr + rows[:, None] * stride_dxm + offs_k[None, :] * stride_dxk
+            if ACC:
+                t += tl.load(dx_ptrs, mask=m2, other=0.0).to(tl.float32)
+            tl.store(dx_ptrs, t.to(dx_ptr.dtype.element_ty), mask=m2)
     acc = acc * inv
     tl.store(dap_ptr + c * RB * K + offs_r[:, None] * K + offs_k[None, :], acc, mask=kmask[None, :])

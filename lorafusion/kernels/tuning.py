@@ -31,7 +31,8 @@ INTERPRET: dict[str, dict] = {
     "da_dx": dict(BM=16, BK=32, CH=32, num_warps=4, num_stages=1),
 }
 
-# (kernel, bucket) -> config; bucket = (m rounded up to a power of two, n, k) as the kernel sees them.
+# (kernel, bucket) -> config; bucket = (m rounded up to a power of two, n, k) as the kernel sees them (for
+# "lowrank", k is the rank chunk of its dots, min(rank block, 64): a config tuned at one does not carry over).
 # Written from scripts/tune_kernels.py output on one H200 (2026-11-22; docs/BENCHMARKS.md, "LoRA kernels");
 # the comment is the tuned kernel's median time there. That tuner built the routing tables afresh for every
 # timed call, so these times include host-side table building, which favours larger row blocks
@@ -40,7 +41,7 @@ INTERPRET: dict[str, dict] = {
 TUNED: dict[tuple[str, tuple[int, int, int]], dict] = {
     ("gemm", (8192, 4096, 4096)): dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8,
                                        num_stages=3),  # 426.1 us
-    ("lowrank", (8192, 4096, 0)): dict(BM=64, BN=128, GROUP_M=8, num_warps=4, num_stages=1),  # 32.2 us
+    ("lowrank", (8192, 4096, 16)): dict(BM=64, BN=128, GROUP_M=8, num_warps=4, num_stages=1),  # 32.2 us
     ("shrink", (8192, 16, 4096)): dict(BM=32, BK=128, num_warps=4, num_stages=3),  # 42.6 us
     ("ds_db", (8192, 4096, 16)): dict(BM=64, BN=256, CH=1024, num_warps=8, num_stages=3),  # 52.1 us
     ("da", (8192, 16, 4096)): dict(BM=32, BK=256, CH=512, num_warps=4, num_stages=3),  # 53.1 us
@@ -48,19 +49,19 @@ TUNED: dict[tuple[str, tuple[int, int, int]], dict] = {
                                         num_stages=3),  # 1545.6 us
     ("gemm", (8192, 4096, 14336)): dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8,
                                         num_stages=4),  # 1295.0 us
-    ("lowrank", (8192, 14336, 0)): dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=1),  # 101.4 us
+    ("lowrank", (8192, 14336, 16)): dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=1),  # 101.4 us
     ("ds_db", (8192, 14336, 16)): dict(BM=64, BN=256, CH=1024, num_warps=8, num_stages=3),  # 113.1 us
     ("shrink", (8192, 16, 14336)): dict(BM=32, BK=128, num_warps=4, num_stages=3),  # 126.2 us
     ("da", (8192, 16, 14336)): dict(BM=32, BK=256, CH=512, num_warps=4, num_stages=3),  # 138.1 us
     ("gemm", (16384, 4096, 4096)): dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8,
                                         num_stages=3),  # 892.7 us
-    ("lowrank", (16384, 4096, 0)): dict(BM=64, BN=256, GROUP_M=8, num_warps=4, num_stages=1),  # 59.3 us
+    ("lowrank", (16384, 4096, 16)): dict(BM=64, BN=256, GROUP_M=8, num_warps=4, num_stages=1),  # 59.3 us
     ("shrink", (16384, 16, 4096)): dict(BM=32, BK=128, num_warps=4, num_stages=3),  # 72.0 us
     ("ds_db", (16384, 4096, 16)): dict(BM=64, BN=256, CH=1024, num_warps=8, num_stages=3),  # 98.4 us
     ("da", (16384, 16, 4096)): dict(BM=32, BK=256, CH=512, num_warps=4, num_stages=3),  # 87.5 us
     ("gemm", (4096, 8192, 8192)): dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8,
                                        num_stages=3),  # 877.5 us
-    ("lowrank", (4096, 8192, 0)): dict(BM=64, BN=256, GROUP_M=8, num_warps=4, num_stages=1),  # 32.9 us
+    ("lowrank", (4096, 8192, 16)): dict(BM=64, BN=256, GROUP_M=8, num_warps=4, num_stages=1),  # 32.9 us
     ("shrink", (4096, 16, 8192)): dict(BM=16, BK=128, num_warps=4, num_stages=4),  # 52.3 us
     ("ds_db", (4096, 8192, 16)): dict(BM=64, BN=128, CH=1024, num_warps=4, num_stages=3),  # 52.7 us
     ("da", (4096, 16, 8192)): dict(BM=64, BK=128, CH=512, num_warps=4, num_stages=3),  # 52.7 us
@@ -73,6 +74,98 @@ TUNED: dict[tuple[str, tuple[int, int, int]], dict] = {
     ("da_dx", (4096, 16, 8192)): dict(BM=32, BK=256, CH=512, num_warps=4, num_stages=3),  # 106.5 us
     ("da_dx", (8192, 64, 4096)): dict(BM=32, BK=256, CH=512, num_warps=4, num_stages=3),  # 174.0 us
 }
+# The 8B's linears at 32,768 and 16,384 tokens, per-call ranks as under PEFT's layout (four r=16: q/k/v 48,
+# gate/up 32, proj and fc2 16; three r=16 and one r=64: the r=64 block's rows), one H200, 2026-11-28
+# (scripts/device/lora_kernels.sh; docs/BENCHMARKS.md, "LoRA kernels"): the median time of the launcher with
+# this config, and with the config it had before. The low-rank term's bucket is (m, n, rank chunk).
+TUNED.update({
+    ("lowrank", (32768, 6144, 64)):
+        dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=1),  # 334.7 us, shipped 367.7 us
+    ("shrink", (32768, 48, 4096)):
+        dict(BM=128, BK=64, num_warps=8, num_stages=3),  # 140.5 us, shipped 192.9 us
+    ("ds_db", (32768, 6144, 48)):
+        dict(BM=64, BN=256, CH=2048, num_warps=8, num_stages=4),  # 346.2 us, shipped 430.6 us
+    ("da_dx", (32768, 48, 4096)):
+        dict(BM=64, BK=128, CH=1024, num_warps=4, num_stages=3),  # 532.0 us, shipped 545.1 us
+    ("lowrank", (32768, 4096, 16)):
+        dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=1),  # 109.9 us, shipped 112.3 us
+    ("shrink", (32768, 16, 4096)):
+        dict(BM=64, BK=64, num_warps=4, num_stages=4),  # 128.1 us, shipped 128.8 us
+    ("ds_db", (32768, 4096, 16)):
+        dict(BM=64, BN=256, CH=1024, num_warps=8, num_stages=3),  # 128.4 us, shipped 153.7 us
+    ("da_dx", (32768, 16, 4096)):
+        dict(BM=32, BK=256, CH=512, num_warps=4, num_stages=3),  # 404.5 us, shipped 404.5 us
+    ("lowrank", (32768, 28672, 32)):
+        dict(BM=128, BN=256, GROUP_M=8, num_warps=8, num_stages=1),  # 995.9 us, shipped 1138.0 us
+    ("shrink", (32768, 32, 4096)):
+        dict(BM=128, BK=64, num_warps=8, num_stages=3),  # 136.5 us, shipped 153.1 us
+    ("ds_db", (32768, 28672, 32)):
+        dict(BM=32, BN=512, CH=1024, num_warps=8, num_stages=3),  # 1039.1 us, shipped 1085.5 us
+    ("da_dx", (32768, 32, 4096)):
+        dict(BM=32, BK=256, CH=512, num_warps=4, num_stages=3),  # 506.4 us, shipped 506.4 us
+    ("shrink", (32768, 16, 14336)):
+        dict(BM=64, BK=64, num_warps=4, num_stages=4),  # 422.2 us, shipped 428.4 us
+    ("da_dx", (32768, 16, 14336)):
+        dict(BM=32, BK=256, CH=512, num_warps=4, num_stages=3),  # 1306.0 us, shipped 1306.0 us
+    ("shrink", (32768, 192, 4096)):
+        dict(BM=64, BK=64, num_warps=4, num_stages=4),  # 259.6 us, shipped 261.1 us
+    ("shrink", (32768, 48, 6144)):
+        dict(BM=128, BK=64, num_warps=8, num_stages=3),  # 1039.2 us, shipped 1337.2 us
+    ("shrink", (32768, 192, 6144)):
+        dict(BM=128, BK=64, num_warps=8, num_stages=3),  # 944.1 us, shipped 1041.0 us
+    ("ds_db", (32768, 6144, 192)):
+        dict(BM=32, BN=512, CH=1024, num_warps=8, num_stages=3),  # 849.3 us, shipped 944.3 us
+    ("da_dx", (32768, 192, 4096)):
+        dict(BM=64, BK=128, CH=1024, num_warps=4, num_stages=3),  # 760.5 us, shipped 829.1 us
+    ("shrink", (32768, 64, 4096)):
+        dict(BM=32, BK=128, num_warps=4, num_stages=3),  # 158.4 us, shipped 158.4 us
+    ("ds_db", (32768, 4096, 64)):
+        dict(BM=64, BN=256, CH=2048, num_warps=8, num_stages=4),  # 341.9 us as a split pass
+    ("da_dx", (32768, 64, 4096)):
+        dict(BM=64, BK=128, CH=1024, num_warps=4, num_stages=3),  # 449.5 us, shipped 451.2 us
+    ("shrink", (32768, 128, 4096)):
+        dict(BM=128, BK=64, num_warps=8, num_stages=3),  # 195.7 us, shipped 215.9 us
+    ("shrink", (32768, 32, 28672)):
+        dict(BM=64, BK=128, num_warps=4, num_stages=3),  # 2002.1 us, shipped 2516.2 us
+    ("shrink", (32768, 128, 28672)):
+        dict(BM=64, BK=64, num_warps=4, num_stages=4),  # 1850.7 us, shipped 2000.1 us
+    ("ds_db", (32768, 28672, 128)):
+        dict(BM=64, BN=128, CH=1024, num_warps=4, num_stages=3),  # 1852.1 us, shipped 1852.1 us
+    ("da_dx", (32768, 128, 4096)):
+        dict(BM=64, BK=128, CH=1024, num_warps=4, num_stages=3),  # 559.6 us, shipped 597.6 us
+    ("shrink", (32768, 64, 14336)):
+        dict(BM=64, BK=64, num_warps=4, num_stages=4),  # 516.4 us, shipped 519.7 us
+    ("da_dx", (32768, 64, 14336)):
+        dict(BM=32, BK=256, CH=512, num_warps=4, num_stages=3),  # 1471.6 us, shipped 1471.6 us
+    ("lowrank", (16384, 6144, 64)):
+        dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=1),  # 169.8 us, shipped 187.8 us
+    ("shrink", (16384, 48, 4096)):
+        dict(BM=64, BK=64, num_warps=4, num_stages=4),  # 83.3 us, shipped 102.0 us
+    ("ds_db", (16384, 6144, 48)):
+        dict(BM=64, BN=256, CH=1024, num_warps=8, num_stages=3),  # 205.3 us, shipped 237.6 us
+    ("da_dx", (16384, 48, 4096)):
+        dict(BM=64, BK=128, CH=1024, num_warps=4, num_stages=3),  # 279.2 us, shipped 283.2 us
+    ("lowrank", (16384, 4096, 16)):
+        dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=1),  # 58.7 us, shipped 58.9 us
+    ("shrink", (16384, 16, 4096)):
+        dict(BM=32, BK=128, num_warps=4, num_stages=3),  # 71.5 us, shipped 71.5 us
+    ("ds_db", (16384, 4096, 16)):
+        dict(BM=64, BN=256, CH=1024, num_warps=8, num_stages=3),  # 128.3 us (split: 114.2, not kept)
+    ("da_dx", (16384, 16, 4096)):
+        dict(BM=32, BK=256, CH=512, num_warps=4, num_stages=3),  # 213.8 us, shipped 213.8 us
+    ("lowrank", (16384, 28672, 32)):
+        dict(BM=128, BN=256, GROUP_M=8, num_warps=8, num_stages=1),  # 498.8 us, shipped 571.7 us
+    ("shrink", (16384, 32, 4096)):
+        dict(BM=64, BK=128, num_warps=8, num_stages=4),  # 78.1 us, shipped 82.2 us
+    ("ds_db", (16384, 28672, 32)):
+        dict(BM=32, BN=512, CH=1024, num_warps=8, num_stages=3),  # 539.3 us, shipped 577.4 us
+    ("da_dx", (16384, 32, 4096)):
+        dict(BM=32, BK=256, CH=512, num_warps=4, num_stages=3),  # 263.1 us, shipped 263.1 us
+    ("shrink", (16384, 16, 14336)):
+        dict(BM=32, BK=128, num_warps=4, num_stages=3),  # 228.6 us, shipped 228.6 us
+    ("da_dx", (16384, 16, 14336)):
+        dict(BM=32, BK=256, CH=512, num_warps=4, num_stages=3),  # 671.6 us, shipped 671.6 us
+})
 
 # Main GEMM of multi_lora_linear: "triton" (one Triton GEMM with the low-rank term in its accumulator) or
 # "cublas" (low-rank term by a Triton kernel, then torch.addmm adds X·Wᵀ through cuBLAS). Callers pass

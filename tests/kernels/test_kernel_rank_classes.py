@@ -56,10 +56,12 @@ def test_rank_classes_group_slots_by_their_own_block():
     assert rank_classes([16, 64], set()) == [(64, 64, ())]
 
 
-@pytest.mark.parametrize("ranks", [[16, 16, 16, 64], [12, 48, 5]])
+@pytest.mark.parametrize("ranks", [[16, 16, 16, 64], [12, 48, 5], [48, 48, 48, 192], [16, 130]])
 def test_work_follows_each_adapters_rank(monkeypatch, ranks):
     """Σ over launched chunks of rows × rank block = Σ over rows of the block of that row's adapter (one
-    block for all, the largest, was 4x the work of an r=16 adapter beside an r=64 one), each kernel once."""
+    block for all, the largest, was 4x the work of an r=16 adapter beside an r=64 one). dS and dB: one pass
+    at the largest block while it is under 128 (measured faster there), else dS by the shrink kernel (the
+    same chunks once more) and dB per block."""
     seen = _record(monkeypatch)
     torch.manual_seed(0)
     m, k, n = 70, 24, 40
@@ -72,19 +74,20 @@ def test_work_follows_each_adapters_rank(monkeypatch, ranks):
     args = (x, W, None, A, B, [1.5] * len(ranks), [0.1] * len(ranks),
             [mix_seed(5, a) for a in range(len(ranks))], routing, torch.randn(m, n, device=DEV))
     run_linear(multi_lora_linear_fused, *args)
-    want = sum(length * rank_block(ranks[a]) for a, length in zip(range(len(ranks)), lengths))
-    kernels = {name for name, _, _ in seen}
-    assert kernels == {"_SHRINK", "_DS_DB", "_DA_DX"}
-    for name in kernels:
+    own = sum(length * rank_block(ranks[a]) for a, length in enumerate(lengths))
+    top = rank_block(max(ranks))
+    split = top >= 128
+    want = {"_DA_DX": own, "_SHRINK": own * (2 if split else 1),
+            "_DS_DB": own if split else sum(lengths) * top}
+    assert {name for name, _, _ in seen} == set(want)
+    for name, work_wanted in want.items():
         launches = [(rb, chunks) for kern, rb, chunks in seen if kern == name]
         work = sum(rb * length for rb, chunks in launches for slot, length in chunks if slot >= 0)
-        if name == "_SHRINK":
-            work //= 2  # several blocks: dS = s·dY·B runs through the shrink kernel too (the same chunks)
-        assert work == want, (name, work, want)
-        blocks = sorted(rb for kern, rb, _ in seen if kern == name)
-        assert set(blocks) == {rank_block(r) for r in ranks}
+        assert work == work_wanted, (name, work, work_wanted)
+        blocks = {rb for rb, _ in launches}
+        assert blocks == ({top} if name == "_DS_DB" and not split else {rank_block(r) for r in ranks})
         # rows of no adapter are written (zeros) by one launch, the smallest block's
-        idle = [rb for kern, rb, chunks in seen if kern == name for slot, _ in chunks if slot < 0]
+        idle = [rb for rb, chunks in launches for slot, _ in chunks if slot < 0]
         assert set(idle) <= {min(blocks)}
 
 
@@ -156,3 +159,19 @@ def test_da_dx_prefetching_the_next_row_block_changes_no_bit(monkeypatch, acc):
     assert torch.equal(dx1, dx0_)
     for a, b in zip(da1, da0, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("ranks, rk", [([16, 16], 16), ([16, 100], 64), ([48], 64), ([32, 5], 32)])
+def test_low_rank_term_config_is_looked_up_by_its_rank_chunk(monkeypatch, ranks, rk):
+    """A low-rank config tuned with rank-16 dots is not used for rank-64 dots (its registers differ: the
+    tuned r=16 gate/up config made the r=64 batch 33% slower on an H200)."""
+    asked = []
+    real = K._config
+    monkeypatch.setattr(K, "_config", lambda *a: (asked.append(a), real(*a))[1])
+    m, n = 40, 24
+    routing = Routing.from_lengths(list(range(len(ranks))), [m // len(ranks)] * len(ranks))
+    st = TableCache().slot_tables(ranks, [1.0] * len(ranks), [0.0] * len(ranks), list(range(len(ranks))), DEV)
+    S = torch.randn(m, max(ranks), device=DEV)
+    Bt = torch.randn(sum(ranks), n, device=DEV)
+    K.lora_gemm(None, None, None, S, Bt, st.scale, st, routing, n=n, cache=TableCache())
+    assert [a[:4] for a in asked if a[0] == "lowrank"] == [("lowrank", m, n, rk)]
