@@ -34,6 +34,12 @@ def _record(monkeypatch):
     return seen
 
 
+def _same(a, b) -> bool:
+    """Bit for bit under the interpreter; on a GPU the two variants are separate compilations (fp32 IEEE
+    dots: equal to rounding)."""
+    return torch.equal(a, b) if DEV == "cpu" else rel(a, b) < 1e-6
+
+
 @pytest.fixture(autouse=True)
 def _fresh_configs():
     """The launchers memoize configs: none set by a test here outlives it."""
@@ -136,7 +142,7 @@ def test_split_ds_db_equals_the_one_pass(monkeypatch):
     split = K.lora_ds_db(dy, B, S, st, routing, cache=TableCache())
     assert rel(split[0], one[0]) < 1e-6 and split[0][:3].abs().max() == 0 == split[0][23:42, 9:].abs().max()
     for got, want in zip(split[1], one[1], strict=True):
-        assert torch.equal(got, want)
+        assert _same(got, want)
 
 
 @pytest.mark.parametrize("acc", [True, False])
@@ -156,9 +162,9 @@ def test_da_dx_prefetching_the_next_row_block_changes_no_bit(monkeypatch, acc):
         outs.append(K.lora_da_dx(x, dS, A, dx0.clone() if acc else None, st, routing, ids, k_total=k,
                                  cache=TableCache()))
     (dx1, da1), (dx0_, da0) = outs
-    assert torch.equal(dx1, dx0_)
+    assert _same(dx1, dx0_)
     for a, b in zip(da1, da0, strict=True):
-        assert torch.equal(a, b)
+        assert _same(a, b)
 
 
 @pytest.mark.parametrize("ranks, rk", [([16, 16], 16), ([16, 100], 64), ([48], 64), ([32, 5], 32)])
