@@ -239,17 +239,25 @@ def _ds_db_one_pass(dy, b, S, st, routing, need_db, cfg, cache):
     return dS, dB
 
 
+def _da_classes(kernel: str, x: torch.Tensor, routing, st, cache):
+    """Per rank block of the call's adapters, for ``kernel`` ("da" or "da_dx"): (rank block, its config, the
+    block's chunk table, chunk count, slot ranges, the fp32 dA partials [chunks, rank block, k] to fill)."""
+    m, kdim = x.shape
+    for i, (rb, rmax, _) in enumerate(cache.classes(routing, st.ranks)):
+        cfg = _config(kernel, m, rmax, kdim, x.element_size(), rb)
+        _, _, chunks, n_chunks, ranges = cache.class_chunks(routing, cfg["CH"], x.device, st.ranks,
+                                                            by_slot=True)[i]
+        yield rb, cfg, chunks, n_chunks, ranges, torch.empty(n_chunks, rb, kdim, device=x.device,
+                                                             dtype=torch.float32)
+
+
 def lora_da(x: torch.Tensor, dS: torch.Tensor, st, routing, row_ids: torch.Tensor, *,
             k_total: int, k_offset: int = 0, cache) -> list[torch.Tensor | None]:
     """dA per slot (fp32 [r_a, k], None if the slot has no rows) = dSᵀ·keep⊙X/(1-p), per rank block."""
-    m, kdim = x.shape
+    kdim = x.shape[1]
     parts = []
-    for i, (rb, rmax, _) in enumerate(cache.classes(routing, st.ranks)):
-        cfg = _config("da", m, rmax, kdim, x.element_size(), rb)
+    for rb, cfg, chunks, n_chunks, ranges, dap in _da_classes("da", x, routing, st, cache):
         bk = cfg["BK"]
-        _, _, chunks, n_chunks, ranges = cache.class_chunks(routing, cfg["CH"], x.device, st.ranks,
-                                                            by_slot=True)[i]
-        dap = torch.empty(n_chunks, rb, kdim, device=x.device, dtype=torch.float32)
         _DA.launch((triton.cdiv(kdim, bk), n_chunks),
             x, dS, dap, row_ids, chunks, st.seed, st.thr, st.inv_keep, st.r, st.roff,
             kdim, x.stride(0), x.stride(1), dS.stride(0), dS.stride(1), k_total, k_offset,
@@ -272,12 +280,8 @@ def lora_da_dx(x: torch.Tensor, dS: torch.Tensor, A_cat: torch.Tensor, dx: torch
     if dx is None:
         dx = torch.empty(m, kdim, device=x.device, dtype=x.dtype)
     parts = []
-    for i, (rb, rmax, _) in enumerate(cache.classes(routing, st.ranks)):
-        cfg = _config("da_dx", m, rmax, kdim, x.element_size(), rb)
+    for rb, cfg, chunks, n_chunks, ranges, dap in _da_classes("da_dx", x, routing, st, cache):
         bk = cfg["BK"]
-        _, _, chunks, n_chunks, ranges = cache.class_chunks(routing, cfg["CH"], x.device, st.ranks,
-                                                            by_slot=True)[i]
-        dap = torch.empty(n_chunks, rb, kdim, device=x.device, dtype=torch.float32)
         _DA_DX.launch((triton.cdiv(kdim, bk), n_chunks),
             x, dS, A_cat, dx, dap, row_ids, chunks, st.seed, st.thr, st.inv_keep, st.r, st.roff,
             kdim, x.stride(0), x.stride(1), dS.stride(0), dS.stride(1), A_cat.stride(0), A_cat.stride(1),
