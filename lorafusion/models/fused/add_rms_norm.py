@@ -23,7 +23,7 @@ import torch
 
 from lorafusion.ops.launch import Launcher
 from lorafusion.ops.saved import mark_rebuildable
-from lorafusion.models.fused.rms_norm import _forward, _rows
+from lorafusion.models.fused.rms_norm import _forward, _rows, _warps
 
 _KERNELS = None
 NORMED_ATTR = "_lorafusion_normed"  # on s: (the norm module, its output y), taken once by that norm
@@ -71,10 +71,6 @@ def _kernels():
 
         _KERNELS = (Launcher(_fwd), Launcher(_bwd))
     return _KERNELS
-
-
-def _warps(block: int) -> int:
-    return 8 if block >= 4096 else 4
 
 
 class _AddRMSNorm(torch.autograd.Function):

@@ -74,6 +74,11 @@ def _kernels():
     return _KERNELS
 
 
+def _warps(block: int) -> int:
+    """Warps of a row kernel over ``block`` columns (the norm's and the fused add-and-norm's)."""
+    return 8 if block >= 4096 else 4
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     t = t.reshape(-1, t.shape[-1])
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -90,7 +95,7 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
     block = triton.next_power_of_2(h)
     if n:
         _kernels()[0].launch((n,), x2, weight, y, rstd, x2.stride(0), y.stride(0), h, eps, BLOCK=block,
-                             num_warps=8 if block >= 4096 else 4)
+                             num_warps=_warps(block))
     return x2, y, rstd, block
 
 
@@ -110,7 +115,7 @@ class _RMSNormTriton(torch.autograd.Function):
         dx = torch.empty((n, h), dtype=x2.dtype, device=x2.device)
         if n:
             _kernels()[1].launch((n,), dy2, x2, weight, rstd, dx, dy2.stride(0), x2.stride(0), dx.stride(0),
-                                 h, BLOCK=ctx.block, num_warps=8 if ctx.block >= 4096 else 4)
+                                 h, BLOCK=ctx.block, num_warps=_warps(ctx.block))
         return dx.view(dy.shape), None, None
 
 
