@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The FP8 base's row quantization on one GPU (carry .whl), in one device call (about 2-3 minutes):
+# The FP8 base's row quantization on one GPU (carry .whl), in one go (about 2-3 minutes):
 #   1. the FP8 GPU tests (pytest -m gpu on tests/ops/test_fp8_linear.py and tests/layers/test_fp8_base.py: q
 #      and scale bit for bit against the torch path, the forward and input gradient against float64; then
 #      tests/ops/test_fp8_lora.py, the FP8 base + LoRA op on CUDA);
